@@ -1,0 +1,129 @@
+"""One exception hierarchy for everything pytest-boxlite raises.
+
+Every error derives from :class:`BoxliteError`.  Errors about files in a box
+also derive from the matching built-in ``OSError`` subclass, so ``except
+FileNotFoundError`` works on a sandbox exactly as it does locally.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pytest_boxlite.sandbox import ExecResult
+
+__all__ = [
+    "BoxliteError",
+    "ConfigError",
+    "RuntimeUnavailableError",
+    "BoxStartError",
+    "BoxDeadError",
+    "BoxTimeoutError",
+    "CommandError",
+    "GuestToolError",
+    "InvalidPathError",
+    "LeaseTimeoutError",
+    "SandboxFileError",
+    "BoxFileNotFoundError",
+    "BoxFileExistsError",
+    "BoxIsADirectoryError",
+    "BoxNotADirectoryError",
+    "BoxPermissionError",
+    "file_error",
+]
+
+
+class BoxliteError(Exception):
+    """Base class of every error raised by pytest-boxlite."""
+
+
+class ConfigError(BoxliteError, ValueError):
+    """A setting or argument has a bad value; the message says where it came from."""
+
+
+class RuntimeUnavailableError(BoxliteError):
+    """The requested runtime cannot work on this host; the message says why."""
+
+
+class BoxStartError(BoxliteError):
+    """A box could not be created or started."""
+
+
+class BoxDeadError(BoxliteError):
+    """The box stopped answering (crashed, killed, or timed out at the runtime level)."""
+
+
+class BoxTimeoutError(BoxliteError, TimeoutError):
+    """A runtime call or guest operation did not finish within its bound."""
+
+
+class LeaseTimeoutError(BoxTimeoutError):
+    """No box could be leased from the pool within the lease timeout."""
+
+
+class GuestToolError(BoxliteError):
+    """A guest-side helper failed in a way that is not a file error."""
+
+
+class InvalidPathError(BoxliteError, ValueError):
+    """A guest path is unusable (empty, contains NUL, ...)."""
+
+
+class CommandError(BoxliteError):
+    """A command run with ``check=True`` exited non-zero or timed out."""
+
+    def __init__(self, result: ExecResult) -> None:
+        self.result = result
+        what = "timed out" if result.timed_out else f"exited with status {result.exit_code}"
+        out = _tail(result.stdout)
+        err = _tail(result.stderr)
+        super().__init__(
+            f"command {result.command!r} {what}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
+        )
+
+
+def _tail(text: str, limit: int = 2000) -> str:
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+class SandboxFileError(BoxliteError, OSError):
+    """A file operation inside a box failed."""
+
+
+class BoxFileNotFoundError(SandboxFileError, FileNotFoundError):
+    """The guest path does not exist."""
+
+
+class BoxFileExistsError(SandboxFileError, FileExistsError):
+    """The guest path already exists."""
+
+
+class BoxIsADirectoryError(SandboxFileError, IsADirectoryError):
+    """A file was expected but the guest path is a directory."""
+
+
+class BoxNotADirectoryError(SandboxFileError, NotADirectoryError):
+    """A directory was expected but the guest path is not one."""
+
+
+class BoxPermissionError(SandboxFileError, PermissionError):
+    """The guest refused access to the path."""
+
+
+_BY_ERRNO: dict[int, type[SandboxFileError]] = {
+    _errno.ENOENT: BoxFileNotFoundError,
+    _errno.EEXIST: BoxFileExistsError,
+    _errno.EISDIR: BoxIsADirectoryError,
+    _errno.ENOTDIR: BoxNotADirectoryError,
+    _errno.EACCES: BoxPermissionError,
+    _errno.EPERM: BoxPermissionError,
+}
+
+
+def file_error(err_no: int, message: str, path: str | None = None) -> SandboxFileError:
+    """Build the right :class:`SandboxFileError` subclass for an errno from the guest."""
+    cls = _BY_ERRNO.get(err_no, SandboxFileError)
+    if path is None:
+        return cls(err_no, message)
+    return cls(err_no, message, path)

@@ -1,0 +1,1 @@
+"""Runtimes: the micro-VM (``vm``) and the namespace sandbox (``namespace``)."""

@@ -1,0 +1,147 @@
+"""In-box agent of the namespace runtime.  Standard library only.
+
+Runs as the first process inside a bubblewrap sandbox and listens on a Unix
+socket that the host can reach.  One connection is one request:
+
+* ``{"op": "ping"}`` -> ``{"pong": pid}``
+* ``{"op": "exec", "argv": [...], "env": {...}, "cwd": ...}`` sent together
+  with three file descriptors (stdin, stdout, stderr) -> ``{"pid": n}`` or
+  ``{"error": msg, "errno": n}``, later ``{"exit": code}`` (negative: signal).
+  A ``{"signal": n}`` line from the client signals the process group; the
+  client hanging up kills it, so no guest process outlives its caller.
+
+The descriptors are passed with SCM_RIGHTS, so the output never travels
+through this process: it is binary-clean and costs no copy here.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+
+def _send(conn, obj):
+    conn.sendall((json.dumps(obj) + "\n").encode())
+
+
+def _read_request(conn):
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 8)
+    fds = list(fds)
+    while not data.endswith(b"\n"):
+        more = conn.recv(1 << 16)
+        if not more:
+            break
+        data += more
+    return json.loads(data.decode()), fds
+
+
+def _killpg(pid, sig):
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _watch_client(conn, proc):
+    """Relay signals from the client; kill the process group when it hangs up."""
+    buf = b""
+    while True:
+        try:
+            chunk = conn.recv(4096)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            if proc.poll() is None:
+                _killpg(proc.pid, signal.SIGKILL)
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            try:
+                sig = int(json.loads(line.decode())["signal"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            _killpg(proc.pid, sig)
+
+
+def _serve(conn, base_env):
+    fds = []
+    try:
+        req, fds = _read_request(conn)
+        op = req.get("op")
+        if op == "ping":
+            _send(conn, {"pong": os.getpid()})
+            return
+        if op != "exec":
+            _send(conn, {"error": "unknown op %r" % (op,), "errno": 22})
+            return
+        if len(fds) != 3:
+            _send(conn, {"error": "exec needs 3 descriptors, got %d" % len(fds), "errno": 22})
+            return
+        env = dict(base_env)
+        env.update(req.get("env") or {})
+        try:
+            proc = subprocess.Popen(
+                req["argv"],
+                stdin=fds[0],
+                stdout=fds[1],
+                stderr=fds[2],
+                env=env,
+                cwd=req.get("cwd") or None,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            _send(conn, {"error": exc.strerror or str(exc), "errno": exc.errno or 0, "filename": exc.filename})
+            return
+        for fd in fds:
+            os.close(fd)
+        fds = []
+        _send(conn, {"pid": proc.pid})
+        watcher = threading.Thread(target=_watch_client, args=(conn, proc), daemon=True)
+        watcher.start()
+        code = proc.wait()
+        try:
+            _send(conn, {"exit": code})
+        except OSError:
+            pass
+    except Exception as exc:  # the agent must survive any single bad request
+        try:
+            _send(conn, {"error": "agent: %s: %s" % (type(exc).__name__, exc), "errno": 0})
+        except OSError:
+            pass
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+
+def main():
+    path = sys.argv[1]
+    base_env = json.loads(sys.argv[2])
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    srv.bind(path)
+    srv.listen(64)
+    # Tell the host we are ready: it waits for this line on our stdout.
+    sys.stdout.write("ready %d\n" % os.getpid())
+    sys.stdout.flush()
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=_serve, args=(conn, base_env), daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The frozen description of a box: what a pool is keyed by."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from collections.abc import Iterable, Mapping
+
+from pytest_boxlite.errors import ConfigError
+
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def default_image() -> str:
+    """``python:<host major.minor>-slim``: the guest runs the host's Python version."""
+    return f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
+
+
+def check_env(env: Mapping[str, str] | Iterable[tuple[str, str]], where: str) -> tuple[tuple[str, str], ...]:
+    """Validate environment variables and return them as sorted ``(key, value)`` pairs."""
+    items = list(env.items()) if isinstance(env, Mapping) else list(env)
+    out: dict[str, str] = {}
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise ConfigError(f"{where}: environment entries must be (key, value) pairs, got {item!r}")
+        key, value = item
+        if not isinstance(key, str) or not _ENV_KEY.match(key):
+            raise ConfigError(
+                f"{where}: invalid environment variable name {key!r}; "
+                "use letters, digits and '_', not starting with a digit"
+            )
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: value of environment variable {key} must be a str, got {type(value).__name__}")
+        if "\0" in value:
+            raise ConfigError(f"{where}: value of environment variable {key} contains a NUL byte")
+        out[key] = value
+    return tuple(sorted(out.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxSpec:
+    """What a box is made of.  Two equal specs can share a warm pool.
+
+    ``memory_mib`` and ``cpus`` of ``None`` mean the runtime's default.
+    """
+
+    image: str = dataclasses.field(default_factory=default_image)
+    cpus: int | None = None
+    memory_mib: int | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    network: bool = False
+    pids_limit: int | None = 4096
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.image, str) or not self.image.strip():
+            raise ConfigError(f"image must be a non-empty string, got {self.image!r}")
+        if self.cpus is not None and (not isinstance(self.cpus, int) or isinstance(self.cpus, bool) or self.cpus < 1):
+            raise ConfigError(f"cpus must be a positive integer, got {self.cpus!r}")
+        if self.memory_mib is not None and (
+            not isinstance(self.memory_mib, int) or isinstance(self.memory_mib, bool) or self.memory_mib < 64
+        ):
+            raise ConfigError(f"memory must be an integer of at least 64 (MiB), got {self.memory_mib!r}")
+        if self.pids_limit is not None and (not isinstance(self.pids_limit, int) or self.pids_limit < 8):
+            raise ConfigError(f"pids_limit must be an integer of at least 8, got {self.pids_limit!r}")
+        object.__setattr__(self, "env", check_env(self.env, "box env"))
+
+    def describe(self) -> str:
+        """A short human-readable label, e.g. for the report header."""
+        parts = [self.image]
+        if self.cpus:
+            parts.append(f"cpus={self.cpus}")
+        if self.memory_mib:
+            parts.append(f"memory={self.memory_mib}MiB")
+        parts.append(f"network={'on' if self.network else 'off'}")
+        if self.env:
+            parts.append("env=" + ",".join(k for k, _ in self.env))
+        return " ".join(parts)
