@@ -1,0 +1,287 @@
+"""Guest-side file helper.  Standard library only; runs as ``python3 -I -S -c``.
+
+The host writes one JSON header line to stdin, then the payload bytes (if
+any).  The helper answers with one JSON header line on stdout, then the
+payload: raw bytes, or base64 when ``"b64"`` is set because the runtime's
+stdout is lossy text.  File errors are answers (``"ok": false`` with errno),
+not crashes.  Keep this file compatible with Python 3.8: it runs under the
+guest image's interpreter.
+"""
+
+import base64
+import fnmatch
+import io
+import json
+import os
+import re
+import stat
+import sys
+import tarfile
+
+
+def _regex_for_glob(pattern):
+    """Translate a glob with ``**`` (any depth) into a regex over relative POSIX paths."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        else:
+            c = pattern[i]
+            if c == "*":
+                out.append("[^/]*")
+            elif c == "?":
+                out.append("[^/]")
+            elif c == "[":
+                j = pattern.find("]", i + 1)
+                if j == -1:
+                    out.append(re.escape(c))
+                else:
+                    body = pattern[i + 1 : j]
+                    if body.startswith("!"):
+                        body = "^" + body[1:]
+                    out.append("[" + body.replace("\\", "\\\\") + "]")
+                    i = j
+            else:
+                out.append(re.escape(c))
+            i += 1
+    return re.compile("".join(out) + r"\Z", re.DOTALL)
+
+
+def _walk(top):
+    """Yield ``(relpath, is_dir, is_symlink, abspath)`` depth-first in sorted order; never follows symlinks."""
+    stack = [("", top)]
+    while stack:
+        rel, path = stack.pop()
+        try:
+            with os.scandir(path) as it:
+                entries = sorted(it, key=lambda e: e.name, reverse=True)
+        except (PermissionError, NotADirectoryError, FileNotFoundError):
+            continue
+        subdirs = []
+        for e in reversed(entries):
+            r = rel + "/" + e.name if rel else e.name
+            try:
+                is_dir = e.is_dir(follow_symlinks=False)
+                link = e.is_symlink()
+            except OSError:
+                continue
+            yield r, is_dir, link, e.path
+            if is_dir:
+                subdirs.append((r, e.path))
+        stack.extend(reversed(subdirs))
+
+
+def _need_dir(path):
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(20, "Not a directory", path)
+
+
+def op_read(req, payload):
+    path = req["path"]
+    with open(path, "rb") as fh:
+        data = fh.read()
+    start, end = req.get("start_line"), req.get("end_line")
+    if start is not None or end is not None:
+        lines = data.splitlines(True)
+        s = max(1, start or 1) - 1
+        e = len(lines) if end is None else end
+        data = b"".join(lines[s:e])
+    return {}, data
+
+
+def op_write(req, payload):
+    path = req["path"]
+    parent = os.path.dirname(path) or "."
+    os.makedirs(parent, exist_ok=True)
+    mode = None
+    try:
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(21, "Is a directory", path)
+        mode = stat.S_IMODE(st.st_mode)
+    except FileNotFoundError:
+        pass
+    tmp = os.path.join(parent, ".%s.boxlite-tmp-%d" % (os.path.basename(path)[:200], os.getpid()))
+    try:
+        with open(tmp, "wb") as fh:
+            if req.get("append") and mode is not None:
+                with open(path, "rb") as old:
+                    while True:
+                        chunk = old.read(1 << 20)
+                        if not chunk:
+                            break
+                        fh.write(chunk)
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return {"size": os.path.getsize(path)}, b""
+
+
+def op_exists(req, payload):
+    return {"exists": os.path.lexists(req["path"])}, b""
+
+
+def op_remove(req, payload):
+    path = req["path"]
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        import shutil
+
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+    return {}, b""
+
+
+def op_list_dir(req, payload):
+    top = req["path"]
+    _need_dir(top)
+    depth = int(req.get("max_depth", 2))
+    base = top.rstrip("/") or "/"
+    out = []
+    for rel, is_dir, _link, _abs in _walk(top):
+        if rel.count("/") + 1 > depth:
+            continue
+        full = base + "/" + rel if base != "/" else "/" + rel
+        out.append(full + "/" if is_dir else full)
+    return {"entries": out}, b""
+
+
+def op_glob(req, payload):
+    top = req["path"]
+    _need_dir(top)
+    rx = _regex_for_glob(req["pattern"])
+    limit = int(req.get("max_results", 200))
+    include_dirs = bool(req.get("include_dirs"))
+    base = top.rstrip("/") or "/"
+    out = []
+    truncated = False
+    for rel, is_dir, _link, _abs in _walk(top):
+        if is_dir and not include_dirs:
+            continue
+        if rx.match(rel):
+            if len(out) >= limit:
+                truncated = True
+                break
+            out.append(base + "/" + rel if base != "/" else "/" + rel)
+    return {"paths": out, "truncated": truncated}, b""
+
+
+def op_grep(req, payload):
+    top = req["path"]
+    flags = 0 if req.get("case_sensitive", True) else re.IGNORECASE
+    pat = req["pattern"]
+    rx = re.compile(re.escape(pat) if req.get("literal") else pat, flags)
+    file_glob = req.get("glob")
+    grx = _regex_for_glob(file_glob) if file_glob and "/" in file_glob else None
+    limit = int(req.get("max_results", 100))
+    out = []
+    truncated = False
+    st = os.stat(top)
+    if stat.S_ISDIR(st.st_mode):
+        base = top.rstrip("/") or "/"
+        files = (
+            (base + "/" + rel if base != "/" else "/" + rel, rel)
+            for rel, is_dir, link, _abs in _walk(top)
+            if not is_dir and not link
+        )
+    else:
+        files = iter([(top, os.path.basename(top))])
+    for full, rel in files:
+        if file_glob:
+            if grx is not None:
+                if not grx.match(rel):
+                    continue
+            elif not fnmatch.fnmatchcase(os.path.basename(rel), file_glob):
+                continue
+        try:
+            if not stat.S_ISREG(os.stat(full).st_mode):
+                continue
+            with open(full, "rb") as fh:
+                head = fh.read(8192)
+                if b"\0" in head:
+                    continue  # binary file
+                data = head + fh.read()
+        except OSError:
+            continue
+        for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+            if rx.search(line):
+                if len(out) >= limit:
+                    truncated = True
+                    break
+                out.append([full, n, line])
+        if truncated:
+            break
+    return {"matches": out, "truncated": truncated}, b""
+
+
+def op_fetch(req, payload):
+    """A file's bytes, or a directory's contents as a tar stream."""
+    path = req["path"]
+    if not os.path.isdir(path):
+        with open(path, "rb") as fh:
+            return {"is_dir": False}, fh.read()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(path, arcname=".")
+    return {"is_dir": True}, buf.getvalue()
+
+
+def op_tar_in(req, payload):
+    dest = req["path"]
+    os.makedirs(dest, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(payload), mode="r") as tar:
+        kwargs = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
+        tar.extractall(dest, **kwargs)
+    return {}, b""
+
+
+OPS = {
+    "read": op_read,
+    "write": op_write,
+    "exists": op_exists,
+    "remove": op_remove,
+    "list_dir": op_list_dir,
+    "glob": op_glob,
+    "grep": op_grep,
+    "fetch": op_fetch,
+    "tar_in": op_tar_in,
+}
+
+
+def main():
+    stdin = sys.stdin.buffer
+    req = json.loads(stdin.readline().decode("utf-8"))
+    payload = stdin.read(req.get("payload", 0)) if req.get("payload") else b""
+    out = sys.stdout.buffer
+    try:
+        meta, data = OPS[req["op"]](req, payload)
+        meta["ok"] = True
+    except OSError as exc:
+        meta, data = {"ok": False, "errno": exc.errno or 0, "strerror": exc.strerror or str(exc), "filename": exc.filename}, b""
+    except re.error as exc:
+        meta, data = {"ok": False, "errno": 0, "strerror": "invalid regular expression: %s" % exc, "kind": "pattern"}, b""
+    if req.get("b64"):
+        data = base64.b64encode(data)
+    meta["payload"] = len(data)
+    out.write((json.dumps(meta) + "\n").encode("ascii"))
+    out.write(data)
+    out.flush()
+
+
+main()
