@@ -12,6 +12,11 @@ socket that the host can reach.  One connection is one request:
 
 The descriptors are passed with SCM_RIGHTS, so the output never travels
 through this process: it is binary-clean and costs no copy here.
+
+Watchdog: the agent inherits the read end of a pipe whose write end only the
+host process holds.  When the host dies (even by SIGKILL) the pipe reads EOF
+and the agent exits, which ends the sandbox, unless the host marked the box
+to be kept (a ``keep`` file next to the socket) for debugging.
 """
 
 import json
@@ -125,9 +130,26 @@ def _serve(conn, base_env):
             pass
 
 
+def _watchdog(fd, keep_flag):
+    while True:
+        try:
+            if not os.read(fd, 4096):
+                break
+        except InterruptedError:
+            continue
+        except OSError:
+            break
+    if os.path.exists(keep_flag):
+        return
+    os._exit(0)
+
+
 def main():
     path = sys.argv[1]
     base_env = json.loads(sys.argv[2])
+    watchdog_fd = int(sys.argv[3])
+    keep_flag = os.path.join(os.path.dirname(path), "keep")
+    threading.Thread(target=_watchdog, args=(watchdog_fd, keep_flag), daemon=True).start()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         os.unlink(path)

@@ -11,7 +11,6 @@ output is binary-clean.  It is weaker than a VM: the kernel is shared.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import glob
 import json
@@ -241,11 +240,15 @@ def _read_info(box_dir: Path) -> dict:
 
 
 def _proc_start_time(pid: int) -> str | None:
+    """The process's start time (to tell a reused pid apart), or None if it is gone or a zombie."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
 
 
 def _alive(info: dict) -> bool:
@@ -260,7 +263,9 @@ class NamespaceBox:
     binary_stdout = True
     workdir = WORKDIR
 
-    def __init__(self, name: str, box_dir: Path, proc: subprocess.Popen[bytes], cgroups: _cgroups.CgroupSet) -> None:
+    def __init__(
+        self, name: str, box_dir: Path, proc: subprocess.Popen[bytes], cgroups: _cgroups.CgroupSet, watchdog: int
+    ) -> None:
         self.name = name
         self.id = name
         self.box_dir = box_dir
@@ -269,7 +274,12 @@ class NamespaceBox:
         self._cgroups = cgroups
         self.guest_python = sys.executable
         self.limits_missing = list(cgroups.missing)
+        self._watchdog = watchdog
         self._destroyed = False
+
+    def keep(self) -> None:
+        """Let the box outlive this process (for debugging); ``python -m pytest_boxlite clean`` removes it."""
+        (self.box_dir / "keep").write_text(str(time.time()))
 
     # -- requests -------------------------------------------------------
     def _request(self, req: dict, fds: Sequence[int], timeout: float) -> tuple[socket.socket, _Lines]:
@@ -455,6 +465,8 @@ class NamespaceBox:
         if self._destroyed:
             return
         self._destroyed = True
+        with contextlib.suppress(OSError):
+            os.close(self._watchdog)
         if self._proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
@@ -481,9 +493,6 @@ class NamespaceRuntime:
         self.home = Path(home)
         self.state_dir = self.home / "namespace"
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        # bwrap's --die-with-parent fires when the *thread* that forked it ends,
-        # so every box is spawned from this one long-lived thread.
-        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="boxlite-ns-spawn")
         self._closed = False
 
     def _bwrap_argv(self, spec: BoxSpec, name: str, box_dir: Path) -> list[str]:
@@ -492,7 +501,7 @@ class NamespaceRuntime:
             self.bwrap,
             "--unshare-user", "--uid", "0", "--gid", "0",
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--new-session",
+            "--new-session",
             "--hostname", name[:63],
             *plan,
             "--proc", "/proc", "--dev", "/dev", "--ro-bind", "/sys", "/sys",
@@ -534,18 +543,22 @@ class NamespaceRuntime:
             pids=spec.pids_limit,
         )
         try:
-            return self._spawner.submit(self._start, spec, name, box_dir, cg, timeout).result(timeout + 5)
+            return self._start(spec, name, box_dir, cg, timeout)
         except BaseException:
             cg.remove()
             shutil.rmtree(box_dir, ignore_errors=True)
             raise
 
     def _start(self, spec: BoxSpec, name: str, box_dir: Path, cg: _cgroups.CgroupSet, timeout: float) -> NamespaceBox:
+        # Not bwrap's --die-with-parent: that fires when the *thread* that forked
+        # bwrap ends.  A pipe only this process writes to dies with the process.
+        watch_r, watch_w = os.pipe()
         agent = [
             self.guest_python_for(spec),
             "-I", "-S", str(AGENT),
             f"{GUEST_CTL}/agent.sock",
             json.dumps(self._base_env(spec, name)),
+            str(watch_r),
         ]  # fmt: skip
         # The shell joins the box's cgroups first so bwrap and everything under it is limited.
         join = 'for f in $BOXLITE_CGROUP_PROCS; do echo $$ > "$f" || exit 97; done; exec "$@"'
@@ -559,13 +572,18 @@ class NamespaceRuntime:
                 stderr=log,
                 env=env,
                 start_new_session=True,
+                pass_fds=(watch_r,),
             )
+        except BaseException:
+            os.close(watch_w)
+            raise
         finally:
             log.close()
+            os.close(watch_r)
         assert proc.stdout is not None
         info = {"name": name, "pid": proc.pid, "start_time": _proc_start_time(proc.pid), "spec": spec.describe(), "created": time.time()}
         (box_dir / "info.json").write_text(json.dumps(info))
-        box = NamespaceBox(name, box_dir, proc, cg)
+        box = NamespaceBox(name, box_dir, proc, cg, watch_w)
         ready = self._wait_ready(proc, timeout)
         proc.stdout.close()
         if not ready:
@@ -614,4 +632,3 @@ class NamespaceRuntime:
         if self._closed:
             return
         self._closed = True
-        self._spawner.shutdown(wait=True)

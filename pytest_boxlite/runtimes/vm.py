@@ -183,6 +183,22 @@ class VmBox:
         self._rt.remove_box(self.name)
 
 
+def prepare_home(base: Path, owner: str) -> Path:
+    """Make ``<base>/vm/<owner>``, sharing ``<base>/images`` so layers are pulled once per host.
+
+    BoxLite keeps its image index per home; the content-addressed blobs under
+    ``images`` are what cost the download, and those are shared.
+    """
+    shared = base / "images"
+    shared.mkdir(parents=True, exist_ok=True)
+    home = base / "vm" / owner
+    home.mkdir(parents=True, exist_ok=True)
+    link = home / "images"
+    if not link.exists() and not link.is_symlink():
+        link.symlink_to(shared, target_is_directory=True)
+    return home
+
+
 class VmRuntime:
     """BoxLite runtime on one home directory (one per process: BoxLite locks the home)."""
 
