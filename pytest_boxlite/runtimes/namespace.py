@@ -384,6 +384,10 @@ class NamespaceBox:
             os.set_blocking(in_w, False)
             sel.register(in_w, selectors.EVENT_WRITE)
         exit_code: int | None = None
+        # The exit message may have arrived together with the pid message.
+        while (early := lines.pop()) is not None:
+            if "exit" in early:
+                exit_code = int(early["exit"])
         timed_out = False
         error: str | None = None
         hard_deadline: float | None = None  # after a kill, or after exit while pipes stay open

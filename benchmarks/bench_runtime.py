@@ -1,0 +1,369 @@
+"""Benchmark the box runtimes against a plain host subprocess.
+
+Usage::
+
+    python benchmarks/bench_runtime.py [--runtime namespace|vm|all] [--repeat N] [--json PATH]
+
+For every runtime that can run on this host (``vm`` is skipped, with the
+probe's reason, where no micro-VM can boot) it measures:
+
+* cold box create+start, and destroy (p50 over ``--boxes`` boxes);
+* ``Sandbox.run(["true"])`` p50/p90 and ``execute_command("true")`` p50
+  (``--repeat`` calls each, after a short warm-up);
+* 1 MiB ``write_bytes`` / ``read_bytes`` (p50 over ``--io-repeat`` calls);
+* 20 MiB ``write_bytes`` / ``read_bytes`` throughput, each round trip
+  checked by sha256.
+
+The host baseline is ``subprocess.run(["true"])``; every time is also shown
+as a multiple of it.  The table goes to stdout, progress to stderr.  Boxes
+live in a temporary home that is removed at the end; every box is destroyed
+in ``finally`` blocks (Ctrl-C and SIGTERM included) and the runtime closed.
+Standard library only, besides pytest_boxlite itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+# Runnable from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pytest_boxlite.errors import RuntimeUnavailableError
+from pytest_boxlite.runtimes import BoxHandle, Runtime, open_runtime, probe
+from pytest_boxlite.sandbox import Sandbox
+from pytest_boxlite.spec import BoxSpec
+
+MIB = 1 << 20
+SMALL = 1 * MIB
+BIG = 20 * MIB
+BIG_REPEAT = 3
+WARMUP = 5
+#: Start timeouts: a first vm boot may have to pull the image.
+START_TIMEOUT = {"namespace": 60.0, "vm": 600.0}
+RUNTIMES = ("namespace", "vm")
+
+
+# -- statistics -------------------------------------------------------------
+def summary(samples: list[float]) -> dict[str, Any]:
+    """p50/p90/min/max of ``samples`` (seconds), with the samples themselves."""
+    p90 = statistics.quantiles(samples, n=10, method="inclusive")[8] if len(samples) >= 2 else samples[0]
+    return {
+        "n": len(samples),
+        "p50": statistics.median(samples),
+        "p90": p90,
+        "min": min(samples),
+        "max": max(samples),
+        "samples": samples,
+    }
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - t0, value
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- signals ----------------------------------------------------------------
+def _raise_interrupt(signum: int, _frame: Any) -> None:
+    # SIGTERM/SIGHUP take the same path as Ctrl-C, so every finally block runs.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Hold off Ctrl-C/SIGTERM while cleaning up; re-raise afterwards.
+
+    An impatient second Ctrl-C must not abandon boxes half-way through their removal.
+    """
+    got: list[int] = []
+    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    old = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            raise KeyboardInterrupt(f"signal {got[0]} during cleanup")
+
+
+# -- measurements -----------------------------------------------------------
+def bench_host(repeat: int) -> dict[str, Any]:
+    for _ in range(WARMUP):
+        subprocess.run(["true"], check=True)
+    samples = []
+    for _ in range(repeat):
+        dt, proc = timed(lambda: subprocess.run(["true"]))
+        if proc.returncode != 0:
+            raise RuntimeError(f"host `true` exited {proc.returncode}")
+        samples.append(dt)
+    return {"subprocess_true": summary(samples)}
+
+
+def _exec_loop(fn: Callable[[], Any], repeat: int, what: str) -> dict[str, Any]:
+    for _ in range(WARMUP):
+        fn().check()
+    samples = []
+    for _ in range(repeat):
+        dt, result = timed(fn)
+        if not result.ok:
+            raise RuntimeError(f"{what} failed: exit {result.exit_code}, stderr {result.stderr[-500:]!r}")
+        samples.append(dt)
+    return summary(samples)
+
+
+def _io_loop(sb: Sandbox, path: str, data: bytes, repeat: int) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """Time ``repeat`` writes then reads of ``data``; return (write, read, every read matched)."""
+    want = hashlib.sha256(data).digest()
+    sb.write_bytes(path, data)  # warm-up: directory creation, page cache, helper start
+    sb.read_bytes(path)
+    writes, reads = [], []
+    matched = True
+    for _ in range(repeat):
+        dt, _ = timed(lambda: sb.write_bytes(path, data))
+        writes.append(dt)
+        dt, got = timed(lambda: sb.read_bytes(path))
+        reads.append(dt)
+        matched = matched and hashlib.sha256(got).digest() == want
+    return summary(writes), summary(reads), matched
+
+
+def bench_sandbox(sb: Sandbox, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    log(f"  run(['true']) x{args.repeat}")
+    out["run_true"] = _exec_loop(lambda: sb.run(["true"]), args.repeat, "run(['true'])")
+    log(f"  execute_command('true') x{args.repeat}")
+    out["execute_command_true"] = _exec_loop(lambda: sb.execute_command("true"), args.repeat, "execute_command('true')")
+
+    log(f"  1 MiB write_bytes/read_bytes x{args.io_repeat}")
+    w, r, ok_small = _io_loop(sb, "bench/small.bin", os.urandom(SMALL), args.io_repeat)
+    out["write_1mib"], out["read_1mib"] = w, r
+
+    log(f"  20 MiB write_bytes/read_bytes x{BIG_REPEAT}")
+    w, r, ok_big = _io_loop(sb, "bench/big.bin", os.urandom(BIG), BIG_REPEAT)
+    out["write_20mib"], out["read_20mib"] = w, r
+    out["write_20mib_mib_s"] = BIG / MIB / w["p50"]
+    out["read_20mib_mib_s"] = BIG / MIB / r["p50"]
+    out["sha256_ok"] = {"1mib": ok_small, "20mib": ok_big}
+    sb.remove("bench")
+    return out
+
+
+def bench_runtime(kind: str, home: Path, token: str, args: argparse.Namespace) -> dict[str, Any]:
+    spec = BoxSpec(image=args.image) if args.image else BoxSpec()
+    rt: Runtime = open_runtime(kind, home, f"bench{os.getpid()}")
+    # Every name ever handed to create_box, so even a box whose handle never
+    # came back (Ctrl-C inside create_box) is removed by name.
+    attempted: list[str] = []
+    live: dict[str, BoxHandle] = {}
+    creates: list[float] = []
+    destroys: list[float] = []
+    result: dict[str, Any] = {"isolation": rt.isolation, "image": spec.image}
+
+    def create(i: int) -> BoxHandle:
+        name = f"pbx-bench{token}-{i}"
+        attempted.append(name)
+        dt, handle = timed(lambda: rt.create_box(spec, name, timeout=START_TIMEOUT[kind]))
+        live[name] = handle
+        creates.append(dt)
+        log(f"  created {name} in {dt * 1e3:.1f} ms")
+        return handle
+
+    def destroy(handle: BoxHandle) -> None:
+        dt, _ = timed(handle.destroy)
+        del live[handle.name]
+        destroys.append(dt)
+
+    try:
+        # Box 0 carries the workload; the others are created and destroyed one
+        # at a time, so at most two boxes exist at once.
+        work = create(0)
+        for i in range(1, args.boxes):
+            destroy(create(i))
+        result.update(bench_sandbox(Sandbox(work, default_timeout=120.0), args))
+        destroy(work)
+        result["create_start"] = summary(creates)
+        result["destroy"] = summary(destroys)
+        return result
+    finally:
+        with deferred_signals():
+            for handle in list(live.values()):
+                try:
+                    handle.destroy()
+                except Exception as exc:  # noqa: BLE001 - keep removing the rest
+                    log(f"  warning: destroying {handle.name} failed: {exc}")
+            for name in attempted:
+                try:
+                    rt.remove_box(name)
+                except Exception as exc:  # noqa: BLE001 - keep removing the rest
+                    log(f"  warning: removing {name} failed: {exc}")
+            try:
+                left = [b.name for b in rt.list_boxes() if b.name.startswith(f"pbx-bench{token}-")]
+                if left:
+                    log(f"  warning: boxes still listed after cleanup: {', '.join(left)}")
+            finally:
+                rt.close()
+
+
+# -- report -----------------------------------------------------------------
+def fmt_time(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3f} ms" if ms < 10 else f"{ms:.1f} ms"
+
+
+def table_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    host = report["host"]["subprocess_true"]
+    rows = []
+
+    def row(runtime: str, metric: str, stats: dict[str, Any], key: str = "p50") -> None:
+        ratio = stats[key] / host[key]
+        rows.append((runtime, f"{metric} {key}", str(stats["n"]), fmt_time(stats[key]), f"{ratio:.1f}x"))
+
+    row("host", 'subprocess.run(["true"])', host)
+    row("host", 'subprocess.run(["true"])', host, "p90")
+    for kind, res in report["runtimes"].items():
+        if "skipped" in res:
+            rows.append((kind, f"skipped: {res['skipped']}", "", "", ""))
+            continue
+        row(kind, "create+start", res["create_start"])
+        row(kind, 'run(["true"])', res["run_true"])
+        row(kind, 'run(["true"])', res["run_true"], "p90")
+        row(kind, 'execute_command("true")', res["execute_command_true"])
+        row(kind, "write_bytes 1 MiB", res["write_1mib"])
+        row(kind, "read_bytes 1 MiB", res["read_1mib"])
+        for op in ("write", "read"):
+            rate = res[f"{op}_20mib_mib_s"]
+            rows.append((kind, f"{op}_bytes 20 MiB p50", str(res[f"{op}_20mib"]["n"]), f"{rate:.1f} MiB/s", "-"))
+        row(kind, "destroy", res["destroy"])
+    return rows
+
+
+def render(report: dict[str, Any]) -> str:
+    header = ("runtime", "metric", "n", "value", "vs host")
+    rows = [header, *table_rows(report)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    right = {2, 3, 4}
+
+    def line(r: tuple[str, ...]) -> str:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        return "  ".join(cells).rstrip()
+
+    meta = report["meta"]
+    out = [
+        f"pytest-boxlite runtime benchmark: python {meta['python']}, boxlite {meta['boxlite']}, {meta['platform']}",
+        f"vm probe: {meta['probe']}",
+        'vs host = the time divided by host subprocess.run(["true"]) at the same percentile',
+        "",
+        line(header),
+        line(tuple("-" * w for w in widths)),
+        *(line(r) for r in rows[1:]),
+    ]
+    out.append("")
+    for kind, res in report["runtimes"].items():
+        if "isolation" not in res:
+            continue
+        checks = ", ".join(f"{size} {'ok' if ok else 'MISMATCH'}" for size, ok in res["sha256_ok"].items())
+        out.append(f"{kind}: read_bytes == write_bytes by sha256: {checks}")
+        out.append(f"{kind}: {res['isolation']}")
+    return "\n".join(out)
+
+
+# -- main -------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    def positive(text: str) -> int:
+        value = int(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        return value
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runtime", choices=(*RUNTIMES, "all"), default="all", help="runtime(s) to measure (default: all)")
+    p.add_argument("--repeat", type=positive, default=200, help="exec calls per exec metric (default: 200)")
+    p.add_argument("--boxes", type=positive, default=5, help="boxes created/destroyed per runtime (default: 5)")
+    p.add_argument("--io-repeat", type=positive, default=20, help="1 MiB writes/reads (default: 20)")
+    p.add_argument("--image", default=None, help="box image (default: the BoxSpec default; the vm runtime uses it)")
+    p.add_argument("--json", metavar="PATH", type=Path, help="also write the full results, samples included, as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGHUP, _raise_interrupt)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        log("interrupted: the boxes made so far were destroyed and the temporary home removed")
+        return 130
+
+
+def run(args: argparse.Namespace) -> int:
+    pr = probe()
+    report: dict[str, Any] = {
+        "meta": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "boxlite": pr.boxlite_version,
+            "probe": pr.reason,
+            "repeat": args.repeat,
+            "boxes": args.boxes,
+            "io_repeat": args.io_repeat,
+            "unit": "seconds unless the key says otherwise",
+        },
+        "runtimes": {},
+    }
+    log('host: subprocess.run(["true"])')
+    report["host"] = bench_host(args.repeat)
+
+    kinds = RUNTIMES if args.runtime == "all" else (args.runtime,)
+    token = secrets.token_hex(3)
+    home = Path(tempfile.mkdtemp(prefix="pbx-bench-"))
+    try:
+        for kind in kinds:
+            if kind == "vm" and not pr.vm_ok:
+                log(f"vm: skipped: {pr.reason}")
+                report["runtimes"][kind] = {"skipped": pr.reason}
+                continue
+            log(f"{kind}:")
+            try:
+                report["runtimes"][kind] = bench_runtime(kind, home, token, args)
+            except RuntimeUnavailableError as exc:
+                log(f"{kind}: skipped: {exc}")
+                report["runtimes"][kind] = {"skipped": str(exc)}
+    finally:
+        with deferred_signals():
+            shutil.rmtree(home, ignore_errors=True)
+
+    print(render(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {args.json}")
+    bad = [k for k, r in report["runtimes"].items() if "sha256_ok" in r and not all(r["sha256_ok"].values())]
+    if bad:
+        log(f"error: read_bytes returned different bytes than were written ({', '.join(bad)})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Every option in one table, resolved once into a frozen :class:`Settings`.
+
+Precedence, lowest first: built-in default < ini key < environment variable
+< command line (< marker arguments, applied per test by the marker layer).
+A bad value raises :class:`pytest.UsageError` naming where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_boxlite.runtimes import RUNTIME_CHOICES
+from pytest_boxlite.spec import default_image
+
+ENV_PREFIX = "PYTEST_BOXLITE_"
+
+
+def default_home() -> str:
+    """``$XDG_CACHE_HOME/pytest-boxlite`` (``~/.cache/pytest-boxlite``): runtime state and image cache."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "pytest-boxlite")
+
+
+def _positive_int(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise ValueError("must be at least 1")
+    return n
+
+
+def _memory(v: str) -> int:
+    n = int(v)
+    if n < 64:
+        raise ValueError("must be at least 64 (MiB)")
+    return n
+
+
+def _non_negative_float(v: str) -> float:
+    f = float(v)
+    if not f >= 0 or f == float("inf"):
+        raise ValueError("must be a number of seconds >= 0")
+    return f
+
+
+def _positive_float(v: str) -> float:
+    f = float(v)
+    if not f > 0 or f == float("inf"):
+        raise ValueError("must be a number of seconds > 0")
+    return f
+
+
+def _bool(v: str) -> bool:
+    low = v.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("must be one of 1/0, true/false, yes/no, on/off")
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(v: str) -> str:
+        if v not in choices:
+            raise ValueError(f"must be one of: {', '.join(choices)}")
+        return v
+
+    return parse
+
+
+def _network(v: str) -> bool:
+    return _choice("on", "off")(v.strip().lower()) == "on"
+
+
+def _nonempty(v: str) -> str:
+    if not v.strip():
+        raise ValueError("must not be empty")
+    return v.strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One setting: its flag, ini key, environment variable, parser and default."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Callable[[], Any]
+    help: str
+    metavar: str = "VALUE"
+    flag_only: bool = False  # a store_true flag on the command line
+
+    @property
+    def flag(self) -> str:
+        return "--boxlite-" + self.name.replace("_", "-")
+
+    @property
+    def ini(self) -> str:
+        return "boxlite_" + self.name
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("image", _nonempty, default_image, "OCI image of the boxes (default: python:<host major.minor>-slim)", "IMAGE"),
+    Option("replicas", _positive_int, lambda: 2, "cap on live boxes per pytest process; also the warm-pool size", "N"),
+    Option("runtime", _choice(*RUNTIME_CHOICES), lambda: "auto", "auto (vm when a VM can boot, else namespace), vm or namespace", "KIND"),
+    Option("cpus", _positive_int, lambda: None, "vCPUs per box (default: runtime default, 1)", "N"),
+    Option("memory", _memory, lambda: None, "memory per box in MiB (default: runtime default, 1024)", "MIB"),
+    Option("idle_timeout", _non_negative_float, lambda: 600.0, "stop warm boxes idle this long, in seconds; 0 = never", "SECONDS"),
+    Option("timeout", _positive_float, lambda: 300.0, "default bound on each command and each boxed test, in seconds", "SECONDS"),
+    Option("network", _network, lambda: False, "on or off: outbound network inside boxes (default off)", "on|off"),
+    Option("home", _nonempty, default_home, "runtime state and image cache (default: ~/.cache/pytest-boxlite)", "DIR"),
+    Option("keep", _bool, lambda: False, "keep the boxes of failed tests for debugging", flag_only=True),
+    Option("boot_timeout", _positive_float, lambda: 120.0, "bound on creating and starting one box, in seconds", "SECONDS"),
+    Option("lease_timeout", _positive_float, lambda: 300.0, "how long a test waits for a box when all replicas are busy", "SECONDS"),
+)
+OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Resolved session settings.  ``sources`` says where each value came from."""
+
+    image: str
+    replicas: int
+    runtime: str
+    cpus: int | None
+    memory: int | None
+    idle_timeout: float
+    timeout: float
+    network: bool
+    home: str
+    keep: bool
+    boot_timeout: float
+    lease_timeout: float
+    sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Register every option as a flag and an ini key."""
+    group = parser.getgroup("boxlite", "run tests inside throw-away boxes (pytest-boxlite)")
+    for opt in OPTIONS:
+        text = f"{opt.help} [ini: {opt.ini}; env: {opt.env}]"
+        if opt.flag_only:
+            group.addoption(opt.flag, action="store_const", const="1", default=None, dest=f"boxlite_{opt.name}", help=text)
+        else:
+            group.addoption(opt.flag, default=None, dest=f"boxlite_{opt.name}", metavar=opt.metavar, help=text)
+        parser.addini(opt.ini, opt.help, default=None)
+
+
+def _parse(opt: Option, raw: str, source: str) -> Any:
+    try:
+        return opt.parse(raw)
+    except ValueError as exc:
+        reason = str(exc)
+        if reason.startswith(("invalid literal", "could not convert")):
+            reason = "must be a number"
+        raise pytest.UsageError(f"{opt.flag}: bad value {raw!r} from {source}: {reason}") from None
+
+
+def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Settings:
+    """Resolve every option: default < ini < environment < command line."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for opt in OPTIONS:
+        value, source = opt.default(), "default"
+        ini = config.getini(opt.ini)
+        if ini not in (None, "", []):
+            raw_ini = ini if isinstance(ini, str) else " ".join(ini)
+            value, source = _parse(opt, raw_ini, f"ini key {opt.ini}"), f"ini {opt.ini}"
+        if opt.env in env:
+            value, source = _parse(opt, env[opt.env], f"environment variable {opt.env}"), f"env {opt.env}"
+        cli = config.getoption(f"boxlite_{opt.name}")
+        if cli is not None:
+            value, source = _parse(opt, cli, f"the command line ({opt.flag})"), f"command line {opt.flag}"
+        values[opt.name] = value
+        sources[opt.name] = source
+    return Settings(**values, sources=sources)

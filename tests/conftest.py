@@ -1,0 +1,157 @@
+"""Shared fixtures: real runtimes and real boxes, created fast and never leaked.
+
+Every box made here is named ``pbx-test<session hex>-<n>`` so that the
+session-end safety net can find (and remove) anything a failing test left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_boxlite.runtimes import Runtime, open_runtime, probe
+from pytest_boxlite.sandbox import Sandbox
+from pytest_boxlite.spec import BoxSpec
+
+RUNTIME_KINDS = ["namespace", "vm"]
+#: Unique per test session (and per xdist worker): part of every box name.
+SESSION_HEX = uuid.uuid4().hex[:8]
+BOX_PREFIX = f"pbx-test{SESSION_HEX}-"
+_counter = itertools.count(1)
+
+#: Bound on box creation: a namespace box starts in ~0.1 s.
+CREATE_TIMEOUT = 30.0
+
+
+def new_box_name() -> str:
+    """A box name unique within this test session."""
+    return f"{BOX_PREFIX}{next(_counter)}"
+
+
+def skip_unless_vm_ok() -> None:
+    """Skip the calling test when this host cannot boot a micro-VM, saying why."""
+    p = probe()
+    if not p.vm_ok:
+        pytest.skip(f"micro-VMs cannot boot here: {p.reason}")
+
+
+class _Runtimes:
+    """Runtimes opened lazily, one per kind, all closed at session end."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.owner = "t" + SESSION_HEX
+        self._open: dict[str, Runtime] = {}
+
+    def get(self, kind: str) -> Runtime:
+        if kind not in self._open:
+            self._open[kind] = open_runtime(kind, self.home, owner=self.owner)
+        return self._open[kind]
+
+    def close_all(self) -> None:
+        for rt in self._open.values():
+            try:
+                # Safety net: a box a test failed to destroy must not outlive the session.
+                for rec in rt.list_boxes():
+                    if rec.name.startswith(BOX_PREFIX):
+                        rt.remove_box(rec.name)
+            finally:
+                rt.close()
+        self._open.clear()
+
+
+@pytest.fixture(scope="session")
+def boxlite_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private BoxLite home directory for this test session (never the user's own)."""
+    return tmp_path_factory.mktemp("boxlite-home")
+
+
+@pytest.fixture(scope="session")
+def runtimes(boxlite_home: Path) -> Iterator[_Runtimes]:
+    """Lazily opened runtimes, one per kind, closed (and swept of leftover boxes) at session end."""
+    rts = _Runtimes(boxlite_home)
+    try:
+        yield rts
+    finally:
+        rts.close_all()
+
+
+@pytest.fixture(scope="session", params=RUNTIME_KINDS)
+def runtime_kind(request: pytest.FixtureRequest) -> str:
+    """Each runtime kind in turn; ``vm`` skips with the probe's reason where no VM can boot."""
+    kind: str = request.param
+    if kind == "vm":
+        skip_unless_vm_ok()
+    return kind
+
+
+@pytest.fixture(scope="session")
+def runtime(runtimes: _Runtimes, runtime_kind: str) -> Runtime:
+    """The open runtime of the current :func:`runtime_kind`."""
+    return runtimes.get(runtime_kind)
+
+
+@pytest.fixture(scope="session")
+def namespace_runtime(runtimes: _Runtimes) -> Runtime:
+    """The namespace runtime, for tests that are about that runtime only."""
+    return runtimes.get("namespace")
+
+
+BoxFactory = Callable[..., Sandbox]
+
+
+def _box_factory(rt: Runtime) -> Iterator[BoxFactory]:
+    handles = []
+
+    def make(spec: BoxSpec | None = None, **sandbox_kwargs: object) -> Sandbox:
+        handle = rt.create_box(spec or BoxSpec(), new_box_name(), timeout=CREATE_TIMEOUT)
+        handles.append(handle)
+        return Sandbox(handle, **sandbox_kwargs)  # type: ignore[arg-type]
+
+    try:
+        yield make
+    finally:
+        errors = []
+        for handle in handles:
+            try:
+                handle.destroy()
+            except Exception as exc:  # noqa: BLE001 - destroy every box, then report
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+@pytest.fixture
+def make_box(runtime: Runtime) -> Iterator[BoxFactory]:
+    """Create extra boxes of the current runtime (``make_box(spec)``); all destroyed at teardown."""
+    yield from _box_factory(runtime)
+
+
+@pytest.fixture
+def make_namespace_box(namespace_runtime: Runtime) -> Iterator[BoxFactory]:
+    """Create namespace boxes (``make_namespace_box(spec)``); all destroyed at teardown."""
+    yield from _box_factory(namespace_runtime)
+
+
+@pytest.fixture
+def sandbox(runtime: Runtime) -> Iterator[Sandbox]:
+    """A fresh box of the current runtime with the default spec, destroyed after the test."""
+    handle = runtime.create_box(BoxSpec(), new_box_name(), timeout=CREATE_TIMEOUT)
+    try:
+        yield Sandbox(handle)
+    finally:
+        handle.destroy()
+
+
+@pytest.fixture
+def ns_sandbox(namespace_runtime: Runtime) -> Iterator[Sandbox]:
+    """A fresh namespace box with the default spec, destroyed after the test."""
+    handle = namespace_runtime.create_box(BoxSpec(), new_box_name(), timeout=CREATE_TIMEOUT)
+    try:
+        yield Sandbox(handle)
+    finally:
+        handle.destroy()
