@@ -1,0 +1,122 @@
+"""Public fixtures: ``boxlite_sandbox``, ``boxlite_module_sandbox`` and ``boxlite_pool``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+
+from pytest_boxlite.pool import Lease, PoolStats
+from pytest_boxlite.sandbox import Sandbox
+from pytest_boxlite.session import BoxliteSession
+from pytest_boxlite.spec import BoxSpec
+
+SESSION_KEY = pytest.StashKey[BoxliteSession]()
+#: The call-phase report of an item, so fixtures can tell whether the test failed.
+CALL_FAILED_KEY = pytest.StashKey[bool]()
+
+
+def get_session(config: pytest.Config) -> BoxliteSession:
+    try:
+        return config.stash[SESSION_KEY]
+    except KeyError:
+        raise pytest.UsageError("pytest-boxlite is not active in this process") from None
+
+
+class BoxlitePool:
+    """Lease boxes with other specs than the session default.
+
+    ``with boxlite_pool.sandbox(image="python:3.12-slim", cpus=2) as sb:``
+    leases a pristine box and destroys it afterwards.  ``reuse=True`` opts in
+    to sharing: the box goes back to the pool after use and may be handed
+    (health-checked) to another ``reuse=True`` lease.
+    """
+
+    def __init__(self, session: BoxliteSession) -> None:
+        self._session = session
+
+    def spec(
+        self,
+        *,
+        image: str | None = None,
+        cpus: int | None = None,
+        memory: int | None = None,
+        env: Mapping[str, str] | None = None,
+        network: bool | None = None,
+    ) -> BoxSpec:
+        """The session's default box spec with the given fields changed."""
+        return self._session.spec_for(
+            image=image, cpus=cpus, memory=memory, env=tuple((env or {}).items()) or None, network=network
+        )
+
+    def lease(self, *, timeout: float | None = None, reuse: bool = False, **spec: Any) -> Lease:
+        """Lease a box; call ``release()`` on the result (or use :meth:`sandbox`)."""
+        return self._session.pool().lease(self.spec(**spec), timeout=timeout, reuse=reuse)
+
+    @contextlib.contextmanager
+    def sandbox(self, *, timeout: float | None = None, reuse: bool = False, **spec: Any) -> Iterator[Sandbox]:
+        """Lease a box for the ``with`` block."""
+        lease = self.lease(timeout=timeout, reuse=reuse, **spec)
+        try:
+            yield lease.sandbox
+        finally:
+            lease.release()
+
+    @property
+    def stats(self) -> PoolStats:
+        """Counters of this process's pool (booted, leased, warm hits, ...)."""
+        return self._session.pool().stats
+
+    @property
+    def runtime(self) -> str:
+        """``"vm"`` or ``"namespace"``, and why: see :attr:`runtime_reason`."""
+        return self._session.choice.kind
+
+    @property
+    def runtime_reason(self) -> str:
+        return self._session.choice.reason
+
+
+@pytest.fixture(scope="session")
+def boxlite_pool(pytestconfig: pytest.Config) -> BoxlitePool:
+    """Session-wide access to the warm pool of boxes.
+
+    Lease boxes with other specs: ``with boxlite_pool.sandbox(image=..., cpus=...,
+    memory=..., env={...}, network=True) as sb:``.  Share one box across a module
+    or the session by leasing it in a fixture of that scope (see the README).
+    """
+    return BoxlitePool(get_session(pytestconfig))
+
+
+def _leased_sandbox(request: pytest.FixtureRequest) -> Iterator[Sandbox]:
+    session = get_session(request.config)
+    lease = session.pool().lease(session.default_spec)
+    try:
+        yield lease.sandbox
+    finally:
+        failed = request.node.stash.get(CALL_FAILED_KEY, False)
+        lease.release(keep=session.settings.keep and failed)
+
+
+@pytest.fixture
+def boxlite_sandbox(request: pytest.FixtureRequest) -> Iterator[Sandbox]:
+    """A pristine box for this test, leased from the session's warm pool.
+
+    Full file and exec contract: ``run``, ``execute_command``, ``read_file``,
+    ``write_file``, ``read_bytes``, ``write_bytes``, ``upload``, ``download``,
+    ``exists``, ``remove``, ``list_dir``, ``glob``, ``grep``.  The box is
+    destroyed after the test (kept with ``--boxlite-keep`` if the test failed).
+    """
+    yield from _leased_sandbox(request)
+
+
+@pytest.fixture(scope="module")
+def boxlite_module_sandbox(request: pytest.FixtureRequest) -> Iterator[Sandbox]:
+    """One box shared by every test of a module, for expensive setup done once.
+
+    Tests using it see each other's changes, in order; use ``boxlite_sandbox``
+    when a test needs a pristine box.
+    """
+    yield from _leased_sandbox(request)

@@ -1,0 +1,134 @@
+"""pytest hooks of pytest-boxlite.  Thin: the logic lives in the modules it calls."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+from pytest_boxlite import ledger, reporting
+from pytest_boxlite.errors import BoxliteError, ConfigError
+from pytest_boxlite.fixtures import (  # noqa: F401 - fixtures are found as attributes of this plugin
+    CALL_FAILED_KEY,
+    SESSION_KEY,
+    boxlite_module_sandbox,
+    boxlite_pool,
+    boxlite_sandbox,
+)
+from pytest_boxlite.session import BoxliteSession
+from pytest_boxlite.settings import add_options, resolve
+
+_BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
+_SIGTERM_KEY = pytest.StashKey[dict[str, Any]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "boxlite(image=None, cpus=None, memory=None, env=None, network=None, timeout=None): "
+        "run this test inside a throw-away box",
+    )
+    settings = resolve(config)
+    workerinput = getattr(config, "workerinput", None)
+    session_id = workerinput.get("boxlite_session") if workerinput else None
+    worker_id = workerinput.get("workerid") if workerinput else None
+    try:
+        session = BoxliteSession(settings, session_id=session_id or ledger.new_session_id(), worker_id=worker_id)
+    except BoxliteError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[SESSION_KEY] = session
+    _install_sigterm(config)
+
+
+def _install_sigterm(config: pytest.Config) -> None:
+    """Turn SIGTERM into an orderly interruption, so boxes are reaped; re-raised after cleanup."""
+    state: dict[str, Any] = {"received": False, "previous": None}
+    config.stash[_SIGTERM_KEY] = state
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # someone else handles SIGTERM: leave it to them
+    except ValueError:
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        state["received"] = True
+        raise KeyboardInterrupt("SIGTERM")
+
+    with contextlib.suppress(ValueError):  # not the main thread
+        state["previous"] = signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _is_controller(config: pytest.Config) -> bool:
+    """True for the xdist controller (it runs no pool); False for workers and plain runs."""
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "dist", "no") != "no")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    box = config.stash[SESSION_KEY]
+    try:
+        box.prepare_home()
+    except (ConfigError, BoxliteError) as exc:
+        if box.settings.sources["home"] != "default":
+            raise pytest.UsageError(str(exc)) from None
+        box.defer_error(exc)
+        return
+    if not hasattr(config, "workerinput"):
+        box.reconcile()
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    box = item.config.stash[SESSION_KEY]
+    if _is_controller(item.config):
+        return
+    if _BOX_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.get_closest_marker("boxlite"):
+        box.start_async()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[CALL_FAILED_KEY] = True
+    return report
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return reporting.header(config.stash[SESSION_KEY], controller=_is_controller(config))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    reporting.summary(terminalreporter, config.stash[SESSION_KEY])
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    session.config.stash[SESSION_KEY].shutdown()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    box = config.stash.get(SESSION_KEY, None)
+    if box is not None:
+        box.shutdown()
+    state = config.stash.get(_SIGTERM_KEY, None)
+    if state is None:
+        return
+    if state["previous"] is not None:
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, state["previous"])
+    if state["received"]:
+        # Die by SIGTERM as pytest would have without us, now that the boxes are gone.
+        sys.stdout.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,70 @@
+"""Report header and terminal summary lines."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from pytest_boxlite.session import BoxliteSession
+
+
+def header(box: BoxliteSession, *, controller: bool = False) -> list[str]:
+    """``boxlite: runtime=... (why) image=... replicas=...``."""
+    c = box.choice
+    why = c.reason
+    if c.kind == "namespace":
+        why += "; namespace isolation shares the host kernel, weaker than a VM"
+    per = " per worker" if controller else ""
+    s = box.settings
+    return [
+        f"boxlite: runtime={c.kind} ({why})",
+        f"boxlite: image={s.image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={box.home}",
+    ]
+
+
+def merge_stats(many: list[dict[str, Any]]) -> dict[str, Any]:
+    """Add up the stats of several processes (xdist workers)."""
+    out: dict[str, Any] = {"lease_waits": []}
+    for st in many:
+        for k, v in st.items():
+            if k == "lease_waits":
+                out[k] += v
+            elif k == "max_live":
+                out[k] = max(out.get(k, 0), v)
+            else:
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+def summary_line(stats: dict[str, Any], leaked: int) -> str:
+    waits = stats.get("lease_waits") or []
+    leased = stats.get("leased", 0)
+    hits = stats.get("warm_hits", 0)
+    rate = f"{100.0 * hits / leased:.0f}%" if leased else "n/a"
+    p50 = statistics.median(waits) * 1000 if waits else 0.0
+    mx = max(waits) * 1000 if waits else 0.0
+    return (
+        f"boxes booted {stats.get('booted', 0)}, leased {leased}, reused {stats.get('reused', 0)}, "
+        f"warm-lease hit rate {rate}, lease wait p50 {p50:.1f} ms max {mx:.1f} ms, leaked {leaked}"
+    )
+
+
+def summary(terminalreporter: Any, box: BoxliteSession) -> None:
+    """The ``boxlite`` section at the end of the run (only when boxes were used)."""
+    rep = box.report
+    stats = merge_stats([rep.stats, *rep.worker_stats]) if rep.worker_stats else rep.stats
+    if not stats and not rep.leaked and not rep.reconciled and not rep.kept:
+        return
+    tr = terminalreporter
+    tr.section("boxlite", sep="-")
+    if stats:
+        tr.write_line(summary_line(stats, len(rep.leaked)))
+    if rep.leaked:
+        tr.write_line(f"LEAKED boxes (removed at exit): {', '.join(rep.leaked)}", red=True)
+    if rep.reconciled:
+        tr.write_line(f"removed {len(rep.reconciled)} leftover box(es) of dead sessions: {', '.join(rep.reconciled)}")
+    for name in rep.kept:
+        tr.write_line(
+            f"kept box {name} (failed test): enter it with `python -m pytest_boxlite shell {name}`, "
+            f"remove it with `python -m pytest_boxlite clean {name}`"
+        )

@@ -1,0 +1,197 @@
+"""Per-process run state: settings, runtime, owner lock, warm pool.  Lives in ``config.stash``.
+
+The runtime and pool start lazily in a background thread as soon as the
+first item that needs a box is collected, so collection never waits on a
+boot and runs that use no box pay nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any
+
+from pytest_boxlite import ledger
+from pytest_boxlite.errors import BoxliteError, ConfigError
+from pytest_boxlite.pool import BoxPool, PoolStats, make_namer
+from pytest_boxlite.runtimes import Choice, Runtime, choose, open_runtime
+from pytest_boxlite.settings import Settings
+from pytest_boxlite.spec import BoxSpec
+
+
+@dataclasses.dataclass
+class SessionReport:
+    """What the terminal summary shows; plain data so xdist workers can send it to the controller."""
+
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    leaked: list[str] = dataclasses.field(default_factory=list)
+    reconciled: list[str] = dataclasses.field(default_factory=list)
+    kept: list[str] = dataclasses.field(default_factory=list)
+    #: Stats sent by xdist workers, merged into the controller's summary.
+    worker_stats: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def stats_dict(stats: PoolStats) -> dict[str, Any]:
+    return {
+        "booted": stats.booted,
+        "leased": stats.leased,
+        "warm_hits": stats.warm_hits,
+        "reused": stats.reused,
+        "evicted": stats.evicted,
+        "idle_reaped": stats.idle_reaped,
+        "unhealthy": stats.unhealthy,
+        "boot_failures": stats.boot_failures,
+        "max_live": stats.max_live,
+        "lease_waits": list(stats.lease_waits),
+    }
+
+
+class BoxliteSession:
+    """Everything one pytest process knows about its boxes."""
+
+    def __init__(self, settings: Settings, *, session_id: str, worker_id: str | None) -> None:
+        self.settings = settings
+        self.session_id = session_id
+        self.worker_id = worker_id
+        self.owner = session_id if worker_id is None else f"{session_id}-{worker_id}"
+        self.home = Path(settings.home).expanduser()
+        self.choice: Choice = choose(settings.runtime)
+        self.default_spec = self.spec_for()
+        self.report = SessionReport()
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._runtime: Runtime | None = None
+        self._pool: BoxPool | None = None
+        self._owner_lock: ledger.OwnerLock | None = None
+        self._starter: threading.Thread | None = None
+        self._closed = False
+
+    # -- specs --------------------------------------------------------------
+    def spec_for(self, **overrides: Any) -> BoxSpec:
+        """The session's default spec with ``overrides`` (image, cpus, memory, env, network) applied."""
+        s = self.settings
+        base: dict[str, Any] = {
+            "image": s.image,
+            "cpus": s.cpus,
+            "memory_mib": s.memory,
+            "network": s.network,
+            "env": (),
+        }
+        unknown = set(overrides) - {"image", "cpus", "memory", "memory_mib", "env", "network"}
+        if unknown:
+            raise ConfigError(f"unknown box setting(s): {', '.join(sorted(unknown))}")
+        if "memory" in overrides:
+            overrides["memory_mib"] = overrides.pop("memory")
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return BoxSpec(**base)
+
+    # -- lifecycle ------------------------------------------------------------
+    def prepare_home(self) -> None:
+        """Create the home and take this process's owner lock; fails clearly if the home is unusable."""
+        try:
+            self.home.mkdir(parents=True, exist_ok=True)
+            probe = self.home / f".write-test-{self.owner}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"--boxlite-home {self.home} is not usable ({exc.strerror or exc}); "
+                "point --boxlite-home (or PYTEST_BOXLITE_HOME) at a writable directory"
+            ) from None
+        lock = ledger.OwnerLock(self.home, self.owner)
+        lock.acquire()
+        self._owner_lock = lock
+
+    def defer_error(self, exc: BaseException) -> None:
+        """Remember why boxes cannot be had; raised to the first test that asks for one."""
+        self._start_error = exc
+        self._ready.set()
+        with self._lock:
+            self._starter = threading.current_thread()  # nothing to start
+
+    def reconcile(self) -> list[str]:
+        """Remove leftovers of dead sessions (never a live session's boxes)."""
+        removed = ledger.reconcile(self.home)
+        self.report.reconciled += removed
+        return removed
+
+    def start_async(self) -> None:
+        """Open the runtime and start prewarming in the background (once)."""
+        with self._lock:
+            if self._starter is not None or self._closed:
+                return
+            self._starter = threading.Thread(target=self._start, name="boxlite-start", daemon=True)
+            self._starter.start()
+
+    def _start(self) -> None:
+        try:
+            runtime = open_runtime(self.choice.kind, self.home, self.owner)
+            s = self.settings
+            pool = BoxPool(
+                runtime,
+                namer=make_namer(self.owner),
+                replicas=s.replicas,
+                boot_timeout=s.boot_timeout,
+                lease_timeout=s.lease_timeout,
+                idle_timeout=s.idle_timeout,
+                command_timeout=s.timeout,
+            )
+            with self._lock:
+                self._runtime, self._pool = runtime, pool
+                closed = self._closed
+            if not closed:
+                pool.prewarm(self.default_spec)
+        except BaseException as exc:  # surfaced to every test that asks for a box
+            self._start_error = exc
+        finally:
+            self._ready.set()
+
+    def pool(self, timeout: float | None = None) -> BoxPool:
+        """The warm pool, starting it if needed; raises the start error if the runtime could not open."""
+        self.start_async()
+        if not self._ready.wait(self.settings.boot_timeout if timeout is None else timeout):
+            raise BoxliteError("the boxlite runtime did not open in time")
+        if self._start_error is not None:
+            raise self._start_error
+        assert self._pool is not None
+        return self._pool
+
+    @property
+    def started(self) -> bool:
+        return self._pool is not None
+
+    def shutdown(self) -> None:
+        """Destroy every box of this process, count leaks, release the owner lock.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            starter = self._starter
+        if starter is not None and starter is not threading.current_thread() and starter.ident is not None:
+            starter.join(self.settings.boot_timeout)
+        pool, runtime = self._pool, self._runtime
+        try:
+            if pool is not None:
+                pool.shutdown()
+                self.report.stats = stats_dict(pool.stats)
+                self.report.kept = list(pool.stats.kept)
+            if runtime is not None:
+                # Anything of ours still listed after the pool shut down is a leak: report it, then reap it.
+                mine = [
+                    r.name
+                    for r in runtime.list_boxes()
+                    if ledger.owner_of(r.name) == self.owner and r.name not in self.report.kept
+                ]
+                self.report.leaked = mine
+                for name in mine:
+                    with contextlib.suppress(BoxliteError, OSError):
+                        runtime.remove_box(name)
+                runtime.close()
+        finally:
+            if self._owner_lock is not None:
+                if self.report.kept and self.choice.kind == "vm":
+                    (self.home / "vm" / self.owner / "keep").write_text("kept for debugging\n")
+                self._owner_lock.release()
