@@ -480,6 +480,32 @@ class NamespaceBox:
         shutil.rmtree(self.box_dir, ignore_errors=True)
 
 
+def attach(box_dir: Path, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None) -> int:
+    """Run ``argv`` in an existing box with *this* process's stdin/stdout/stderr; return its exit code.
+
+    The descriptors themselves are handed to the box, so the stream is
+    binary-clean and nothing is copied through this process.  If this process
+    dies, the agent kills the command.
+    """
+    sock = _connect(box_dir / "agent.sock", 10.0)
+    with sock:
+        req = {"op": "exec", "argv": list(argv), "env": dict(env or {}), "cwd": cwd or WORKDIR}
+        socket.send_fds(sock, [(json.dumps(req) + "\n").encode()], [0, 1, 2])
+        lines = _Lines(sock)
+        sock.settimeout(None)
+        while True:
+            msg = lines.pop()
+            if msg is None:
+                if lines.eof:
+                    raise BoxDeadError(f"box {box_dir.name} hung up")
+                lines.feed()
+                continue
+            if "error" in msg:
+                raise file_error(int(msg.get("errno") or 0), msg["error"], msg.get("filename"))
+            if "exit" in msg:
+                return int(msg["exit"])
+
+
 class NamespaceRuntime:
     """Creates namespace boxes whose state lives under ``<home>/namespace``."""
 

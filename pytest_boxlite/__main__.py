@@ -1,0 +1,121 @@
+"""``python -m pytest_boxlite``: doctor, ls, clean, shell."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from pathlib import Path
+
+from pytest_boxlite import __version__, ledger
+from pytest_boxlite.errors import BoxliteError
+from pytest_boxlite.runtimes import choose, probe
+from pytest_boxlite.settings import OPTIONS_BY_NAME, default_home
+
+
+def _home(args: argparse.Namespace) -> Path:
+    return Path(args.home or os.environ.get(OPTIONS_BY_NAME["home"].env) or default_home()).expanduser()
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Explain what this machine can run, and why."""
+    from pytest_boxlite.runtimes import _cgroups
+    from pytest_boxlite.runtimes.namespace import find_bwrap, mount_plan
+
+    p = probe()
+    home = _home(args)
+    requested = os.environ.get(OPTIONS_BY_NAME["runtime"].env, "auto")
+    print(f"pytest-boxlite {__version__}")
+    print(f"platform:   {platform.system()} {platform.release()} {platform.machine()}, Python {platform.python_version()}")
+    print(f"/dev/kvm:   {p.kvm}")
+    print(f"boxlite:    {p.boxlite_version or 'not installed'}")
+    print(f"vm runtime: {'available' if p.vm_ok else 'unavailable'}: {p.reason}")
+    bwrap, why = find_bwrap()
+    print(f"bwrap:      {why}")
+    if bwrap:
+        _, read_only = mount_plan(bwrap)
+        ro = f"; read-only (cannot overlay): {', '.join(read_only)}" if read_only else ""
+        cg = _cgroups.create("doctor-probe", memory_mib=64, cpus=1, pids=64)
+        cg.remove()
+        limits = f"limits: {', '.join(cg.applied) or 'none'}"
+        if cg.missing:
+            limits += f" (unavailable: {'; '.join(cg.missing)})"
+        print(f"namespace:  available: host filesystem copy-on-write{ro}; {limits}")
+    else:
+        print("namespace:  unavailable")
+    try:
+        c = choose(requested)
+        print(f"runtime:    {c.kind} (asked: {requested}; {c.reason})")
+    except BoxliteError as exc:
+        print(f"runtime:    ERROR: {exc}")
+    writable = os.access(home, os.W_OK) if home.exists() else os.access(home.parent, os.W_OK)
+    print(f"home:       {home} ({'writable' if writable else 'NOT writable'})")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """List boxes under the home, with their owner and state."""
+    rows = ledger.scan(_home(args))
+    if not rows:
+        print("no boxes")
+        return 0
+    for r in rows:
+        owner = f"{r.owner} ({'alive' if r.owner_alive else 'dead'})" if r.owner else "(not ours)"
+        flags = " kept" if r.kept else ""
+        print(f"{r.name:32} {r.runtime:10} {'running' if r.running else 'stopped':8} owner={owner}{flags}")
+    return 0
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    """Remove leftover boxes of dead sessions (and kept ones, or the ones named)."""
+    home = _home(args)
+    if args.names:
+        for name in args.names:
+            owner = ledger.owner_of(name)
+            if owner is not None and ledger.owner_alive(home, owner):
+                print(f"refusing to remove {name}: its session (owner {owner}) is alive", file=sys.stderr)
+                return 1
+            ledger.remove_namespace_box(home, name)
+            print(f"removed {name}")
+        return 0
+    removed = ledger.reconcile(home, include_kept=args.kept)
+    print(f"removed {len(removed)} box(es)" + (": " + ", ".join(removed) if removed else ""))
+    return 0
+
+
+def cmd_shell(args: argparse.Namespace) -> int:
+    """Open a shell (or run a command) in a running namespace box, e.g. one kept after a failure."""
+    from pytest_boxlite.runtimes.namespace import attach
+
+    box_dir = _home(args) / "namespace" / args.name
+    if not (box_dir / "agent.sock").exists():
+        print(f"no running namespace box named {args.name} under {_home(args)}", file=sys.stderr)
+        return 1
+    return attach(box_dir, args.command or ["/bin/sh", "-i"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pytest_boxlite", description=__doc__)
+    parser.add_argument("--home", help="boxlite home (default: $PYTEST_BOXLITE_HOME or ~/.cache/pytest-boxlite)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("doctor", help=cmd_doctor.__doc__).set_defaults(fn=cmd_doctor)
+    sub.add_parser("ls", help=cmd_ls.__doc__).set_defaults(fn=cmd_ls)
+    clean = sub.add_parser("clean", help=cmd_clean.__doc__)
+    clean.add_argument("names", nargs="*", help="box names to remove (default: every leftover of a dead session)")
+    clean.add_argument("--kept", action="store_true", help="also remove boxes kept for debugging")
+    clean.set_defaults(fn=cmd_clean)
+    shell = sub.add_parser("shell", help=cmd_shell.__doc__)
+    shell.add_argument("name")
+    shell.add_argument("command", nargs=argparse.REMAINDER)
+    shell.set_defaults(fn=cmd_shell)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except BoxliteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
