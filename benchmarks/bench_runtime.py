@@ -39,7 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -49,6 +49,7 @@ from pytest_boxlite.runtimes import BoxHandle, Runtime, open_runtime, probe
 from pytest_boxlite.sandbox import ExecResult, Sandbox
 from pytest_boxlite.spec import BoxSpec
 
+T = TypeVar("T")
 MIB = 1 << 20
 SMALL = 1 * MIB
 BIG = 20 * MIB
@@ -75,7 +76,7 @@ def summary(samples: list[float]) -> dict[str, Any]:
     }
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
     t0 = time.perf_counter()
     value = fn()
     return time.perf_counter() - t0, value
@@ -326,7 +327,7 @@ def render(report: dict[str, Any]) -> str:
         if stalls:
             out.append(
                 f"warning: {kind}: {stalls} of {2 * meta['repeat']} execs of `true` ran into the "
-                f"{meta['exec_timeout']:g} s timeout although `true` exits at once (kept in the samples)"
+                f"{meta['exec_timeout']:g} s exec timeout (kept in the samples; see the note column)"
             )
     return "\n".join(out)
 

@@ -20,11 +20,19 @@ from pytest_boxlite.fixtures import (  # noqa: F401 - fixtures are found as attr
     boxlite_pool,
     boxlite_sandbox,
 )
+from pytest_boxlite.markers import BoxPlan, plan_for
+from pytest_boxlite.remote import BoxedExecutor, RemoteRunner, in_guest
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.settings import add_options, resolve
 
 _BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
 _SIGTERM_KEY = pytest.StashKey[dict[str, Any]]()
+_PLAN_KEY = pytest.StashKey[BoxPlan]()
+_EXECUTOR_KEY = pytest.StashKey[BoxedExecutor]()
+_MARKER_HELP = (
+    "boxlite(image=None, cpus=None, memory=None, env=None, network=None, timeout=None): "
+    "run this test inside a throw-away box"
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -33,11 +41,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "boxlite(image=None, cpus=None, memory=None, env=None, network=None, timeout=None): "
-        "run this test inside a throw-away box",
-    )
+    config.addinivalue_line("markers", _MARKER_HELP)
+    if in_guest():
+        return  # inside a box's test worker: the host does the boxing
     settings = resolve(config)
     workerinput = getattr(config, "workerinput", None)
     session_id = workerinput.get("boxlite_session") if workerinput else None
@@ -47,6 +53,11 @@ def pytest_configure(config: pytest.Config) -> None:
     except BoxliteError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[SESSION_KEY] = session
+    runner = RemoteRunner(config, boot_timeout=settings.boot_timeout)
+    session.worker_mounts = runner.mounts()
+    session.on_boot = runner.start_worker
+    session.on_destroy = runner.stop_worker
+    config.stash[_EXECUTOR_KEY] = BoxedExecutor(runner, session)
     _install_sigterm(config)
 
 
@@ -76,7 +87,9 @@ def _is_controller(config: pytest.Config) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
-    box = config.stash[SESSION_KEY]
+    box = config.stash.get(SESSION_KEY, None)
+    if box is None:
+        return
     try:
         box.prepare_home()
     except (ConfigError, BoxliteError) as exc:
@@ -89,11 +102,45 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    box = item.config.stash[SESSION_KEY]
-    if _is_controller(item.config):
+    box = item.config.stash.get(SESSION_KEY, None)
+    if box is None or _is_controller(item.config):
         return
-    if _BOX_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.get_closest_marker("boxlite"):
-        box.start_async()
+    # Start booting while collection goes on; bad marker arguments are reported after collection.
+    # Only the session's default specs are kept warm: a test with its own image, cpus, ... boots
+    # its box on demand instead of evicting the boxes everyone else is waiting for.
+    with contextlib.suppress(pytest.UsageError):
+        plan = plan_for(item, box)
+        if plan is not None:
+            if plan.spec == box.default_worker_spec:
+                box.want(plan.spec)
+            return
+    if _BOX_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        box.want(box.default_spec)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    box = config.stash.get(SESSION_KEY, None)
+    if box is None or _is_controller(config):
+        return
+    has_timeout = config.pluginmanager.hasplugin("timeout")
+    for item in items:
+        plan = plan_for(item, box)
+        if plan is None:
+            continue
+        item.stash[_PLAN_KEY] = plan
+        if has_timeout:
+            # pytest-timeout acts inside the box; on the host it could only kill the whole session.
+            item.add_marker(pytest.mark.timeout(0), append=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    plan = item.stash.get(_PLAN_KEY, None)
+    if plan is None:
+        return None
+    next_plan = nextitem.stash.get(_PLAN_KEY, None) if nextitem is not None else None
+    return item.config.stash[_EXECUTOR_KEY].run_protocol(item, plan, nextitem, next_plan)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -105,22 +152,33 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    return reporting.header(config.stash[SESSION_KEY], controller=_is_controller(config))
+    box = config.stash.get(SESSION_KEY, None)
+    return reporting.header(box, controller=_is_controller(config)) if box is not None else []
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    reporting.summary(terminalreporter, config.stash[SESSION_KEY])
+    box = config.stash.get(SESSION_KEY, None)
+    if box is not None:
+        reporting.summary(terminalreporter, box)
+
+
+def _shutdown(config: pytest.Config) -> None:
+    box = config.stash.get(SESSION_KEY, None)
+    if box is None:
+        return
+    executor = config.stash[_EXECUTOR_KEY]
+    executor.close()
+    box.shutdown()
+    executor.runner.shutdown()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    session.config.stash[SESSION_KEY].shutdown()
+    _shutdown(session.config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    box = config.stash.get(SESSION_KEY, None)
-    if box is not None:
-        box.shutdown()
+    _shutdown(config)
     state = config.stash.get(_SIGTERM_KEY, None)
     if state is None:
         return

@@ -107,6 +107,8 @@ class BoxPool:
         idle_timeout: float = 600.0,
         command_timeout: float = DEFAULT_TIMEOUT,
         health_timeout: float = 5.0,
+        on_boot: Callable[[BoxHandle, BoxSpec], None] | None = None,
+        on_destroy: Callable[[BoxHandle], None] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
@@ -119,6 +121,9 @@ class BoxPool:
         self.health_timeout = health_timeout
         self.stats = PoolStats()
         self._namer = namer
+        #: Called after a box of a ``worker`` spec boots (starts its warm interpreter), and before any destroy.
+        self._on_boot = on_boot
+        self._on_destroy = on_destroy
         self._cond = threading.Condition()
         self._warm: dict[BoxSpec, collections.deque[_Warm]] = collections.defaultdict(collections.deque)
         self._booting: collections.Counter[BoxSpec] = collections.Counter()
@@ -187,8 +192,7 @@ class BoxPool:
                     self.stats.warm_hits += 1
                 elif kind == "reused":
                     self.stats.reused += 1
-                # Keep the pool topped up for the next test of this spec.
-                self._targets[spec] = max(self._targets.get(spec, 0), 1)
+                # Refill what this lease took, for prewarmed specs (others boot on demand).
                 self._fill_locked()
             sandbox = Sandbox(handle, default_timeout=self.command_timeout)
             return Lease(self, spec, handle, sandbox, waited, reuse)
@@ -295,9 +299,15 @@ class BoxPool:
     def _boot(self, spec: BoxSpec) -> BoxHandle:
         """Create one box; on failure the reserved capacity is returned."""
         t0 = time.monotonic()
+        handle: BoxHandle | None = None
         try:
             handle = self.runtime.create_box(spec, self._namer(), timeout=self.boot_timeout)
+            if spec.worker and self._on_boot is not None:
+                self._on_boot(handle, spec)
         except BaseException:
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    handle.destroy()
             with self._cond:
                 self._live -= 1
                 self.stats.boot_failures += 1
@@ -337,6 +347,8 @@ class BoxPool:
     def _destroy(self, handle: BoxHandle, refill: bool, release: bool = True) -> None:
         """Destroy a box; ``release=False`` hands its capacity to the caller instead of the pool."""
         try:
+            if self._on_destroy is not None:
+                self._on_destroy(handle)
             handle.destroy()
         except Exception as exc:  # noqa: BLE001 - recorded; the session's final scan counts what is left
             self.destroy_errors.append(f"{handle.name}: {exc}")

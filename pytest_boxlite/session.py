@@ -68,6 +68,17 @@ class BoxliteSession:
         self._owner_lock: ledger.OwnerLock | None = None
         self._starter: threading.Thread | None = None
         self._closed = False
+        #: Pool callbacks that give ``worker`` boxes a warm test interpreter (set by the plugin).
+        self.on_boot: Any = None
+        self.on_destroy: Any = None
+        self._wanted: set[BoxSpec] = set()
+        #: What a test worker must see at the same paths as the host: set by the plugin.
+        self.worker_mounts: tuple[str, ...] = ()
+
+    @property
+    def default_worker_spec(self) -> BoxSpec:
+        """The spec of boxes that run marked tests without arguments."""
+        return self.spec_for(worker=True, mounts=self.worker_mounts)
 
     # -- specs --------------------------------------------------------------
     def spec_for(self, **overrides: Any) -> BoxSpec:
@@ -80,7 +91,7 @@ class BoxliteSession:
             "network": s.network,
             "env": (),
         }
-        unknown = set(overrides) - {"image", "cpus", "memory", "memory_mib", "env", "network"}
+        unknown = set(overrides) - {"image", "cpus", "memory", "memory_mib", "env", "network", "worker", "mounts"}
         if unknown:
             raise ConfigError(f"unknown box setting(s): {', '.join(sorted(unknown))}")
         if "memory" in overrides:
@@ -118,6 +129,18 @@ class BoxliteSession:
         self.report.reconciled += removed
         return removed
 
+    def want(self, spec: BoxSpec) -> None:
+        """Say that tests will lease boxes of ``spec``: start the runtime and keep such boxes warm."""
+        with self._lock:
+            if spec in self._wanted:
+                return
+            self._wanted.add(spec)
+            pool = self._pool
+        if pool is not None:
+            pool.prewarm(spec)
+        else:
+            self.start_async()
+
     def start_async(self) -> None:
         """Open the runtime and start prewarming in the background (once)."""
         with self._lock:
@@ -138,12 +161,16 @@ class BoxliteSession:
                 lease_timeout=s.lease_timeout,
                 idle_timeout=s.idle_timeout,
                 command_timeout=s.timeout,
+                on_boot=self.on_boot,
+                on_destroy=self.on_destroy,
             )
             with self._lock:
                 self._runtime, self._pool = runtime, pool
                 closed = self._closed
+                wanted = list(self._wanted)
             if not closed:
-                pool.prewarm(self.default_spec)
+                for spec in wanted:
+                    pool.prewarm(spec)
         except BaseException as exc:  # surfaced to every test that asks for a box
             self._start_error = exc
         finally:

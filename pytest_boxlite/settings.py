@@ -96,7 +96,7 @@ class Option:
 
     @property
     def flag(self) -> str:
-        return "--boxlite-" + self.name.replace("_", "-")
+        return "--boxlite" if self.name == "all" else "--boxlite-" + self.name.replace("_", "-")
 
     @property
     def ini(self) -> str:
@@ -118,6 +118,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("network", _network, lambda: False, "on or off: outbound network inside boxes (default off)", "on|off"),
     Option("home", _nonempty, default_home, "runtime state and image cache (default: ~/.cache/pytest-boxlite)", "DIR"),
     Option("keep", _bool, lambda: False, "keep the boxes of failed tests for debugging", flag_only=True),
+    Option("all", _bool, lambda: False, "run every collected test inside a box (flag: --boxlite)", flag_only=True),
+    Option("scope", _choice("test", "module"), lambda: "test", "box per test (default) or one box per module", "test|module"),
     Option("boot_timeout", _positive_float, lambda: 120.0, "bound on creating and starting one box, in seconds", "SECONDS"),
     Option("lease_timeout", _positive_float, lambda: 300.0, "how long a test waits for a box when all replicas are busy", "SECONDS"),
 )
@@ -138,6 +140,8 @@ class Settings:
     network: bool
     home: str
     keep: bool
+    all: bool
+    scope: str
     boot_timeout: float
     lease_timeout: float
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)

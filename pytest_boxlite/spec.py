@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 from collections.abc import Iterable, Mapping
@@ -38,6 +39,16 @@ def check_env(env: Mapping[str, str] | Iterable[tuple[str, str]], where: str) ->
     return tuple(sorted(out.items()))
 
 
+def minimal_dirs(paths: Iterable[str]) -> tuple[str, ...]:
+    """Absolute, existing directories, without any that lie inside another one, sorted."""
+    dirs = sorted({os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.isdir(p)})
+    out: list[str] = []
+    for d in dirs:
+        if not any(d == o or d.startswith(o.rstrip("/") + "/") for o in out):
+            out.append(d)
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class BoxSpec:
     """What a box is made of.  Two equal specs can share a warm pool.
@@ -51,6 +62,10 @@ class BoxSpec:
     env: tuple[tuple[str, str], ...] = ()
     network: bool = False
     pids_limit: int | None = 4096
+    #: Boxes that run marked tests come with a warm pytest worker inside.
+    worker: bool = False
+    #: Host directories the guest sees at the same path, copy-on-write (the project, its packages).
+    mounts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image.strip():
@@ -64,6 +79,7 @@ class BoxSpec:
         if self.pids_limit is not None and (not isinstance(self.pids_limit, int) or self.pids_limit < 8):
             raise ConfigError(f"pids_limit must be an integer of at least 8, got {self.pids_limit!r}")
         object.__setattr__(self, "env", check_env(self.env, "box env"))
+        object.__setattr__(self, "mounts", minimal_dirs(self.mounts))
 
     def describe(self) -> str:
         """A short human-readable label, e.g. for the report header."""

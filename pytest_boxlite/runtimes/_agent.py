@@ -125,6 +125,11 @@ def _serve(conn, base_env):
             except OSError:
                 pass
         try:
+            # shutdown() wakes the watcher thread blocked in recv(); close() alone would not.
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
             conn.close()
         except OSError:
             pass

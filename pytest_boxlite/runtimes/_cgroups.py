@@ -44,6 +44,21 @@ class CgroupSet:
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs]
 
+    def oom_kills(self) -> int:
+        """How many processes the OOM killer has killed in these cgroups."""
+        total = 0
+        for d in self.dirs:
+            for name in ("memory.oom_control", "memory.events"):
+                try:
+                    text = (d / name).read_text()
+                except OSError:
+                    continue
+                for line in text.splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill" and value.strip().isdigit():
+                        total += int(value)
+        return total
+
     def remove(self, timeout: float = 2.0) -> None:
         """Kill what is left in the cgroups and remove them.  Bounded by ``timeout``."""
         remove_dirs(self.dirs, timeout)
@@ -113,7 +128,10 @@ def create(name: str, *, memory_mib: int | None, cpus: int | None, pids: int | N
                     cg.dirs.append(d)
                 if controller == "memory":
                     (d / "memory.max").write_text(str(value * 1024 * 1024))
-                    (d / "memory.swap.max").write_text("0")
+                    try:
+                        (d / "memory.swap.max").write_text("0")
+                    except OSError:
+                        pass  # no swap controller: the memory limit still holds
                 elif controller == "cpu":
                     (d / "cpu.max").write_text(f"{value * 100000} 100000")
                 else:

@@ -70,8 +70,11 @@ class BoxHandle(Protocol):
         """Whether the box answers a trivial request within ``timeout``."""
         ...
 
-    def attach_argv(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> list[str]:
-        """A host command whose binary-clean stdin/stdout are those of ``argv`` run in the box."""
+    def attach_argv(self, argv: Sequence[str], *, cwd: str | None = None, status_file: str | None = None) -> list[str]:
+        """A host command whose binary-clean stdin/stdout are those of ``argv`` run in the box.
+
+        With ``status_file``, the command's raw exit status (negative: signal) is written there.
+        """
         ...
 
     def log_tail(self, max_bytes: int = 4000) -> str:

@@ -39,6 +39,7 @@ from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxRecord, RawResul
 from pytest_boxlite.spec import BoxSpec
 
 AGENT = Path(__file__).with_name("_agent.py")
+ATTACH = Path(__file__).with_name("_attach.py")
 GUEST_CTL = "/run/pytest-boxlite"
 WORKDIR = "/workspace"
 #: Memory cap when the spec names none: BoxLite's own VM default, for parity.
@@ -146,6 +147,18 @@ def mount_plan(bwrap: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
                 continue
         args += overlay
     return tuple(args), tuple(read_only)
+
+
+_PRIVATE_TOPS = ("/tmp", "/run", "/dev", "/proc", "/sys")
+
+
+def _mirror_args(mounts: Sequence[str]) -> list[str]:
+    """Make host directories that the box would otherwise hide (under /tmp, /run) visible copy-on-write."""
+    args: list[str] = []
+    for m in mounts:
+        if any(m == t or m.startswith(t + "/") for t in _PRIVATE_TOPS):
+            args += ["--overlay-src", m, "--tmp-overlay", m]
+    return args
 
 
 def _mask_args(home: Path) -> list[str]:
@@ -456,6 +469,23 @@ class NamespaceBox:
             error=error,
         )
 
+    def attach_argv(self, argv: Sequence[str], *, cwd: str | None = None, status_file: str | None = None) -> list[str]:
+        """A host command whose stdin/stdout/stderr are those of ``argv`` running in this box.
+
+        With ``status_file``, the command's raw exit status is written there when it ends.
+        """
+        # The command's stderr goes to the box log, which failure reports quote.
+        extra = ["--stderr", str(self.box_dir / "box.log")]
+        if cwd:
+            extra += ["--cwd", cwd]
+        if status_file:
+            extra += ["--status", status_file]
+        return [sys.executable, "-I", "-S", str(ATTACH), str(self.sock_path), *extra, "--", *argv]
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel's OOM killer has fired inside this box's memory cgroup."""
+        return self._cgroups.oom_kills() > 0
+
     def log_tail(self, max_bytes: int = 4000) -> str:
         try:
             with open(self.box_dir / "box.log", "rb") as fh:
@@ -537,6 +567,7 @@ class NamespaceRuntime:
             "--proc", "/proc", "--dev", "/dev", "--ro-bind", "/sys", "/sys",
             "--tmpfs", "/tmp", "--tmpfs", "/run",
             "--dir", WORKDIR,
+            *_mirror_args(spec.mounts),
             *_mask_args(self.home),
             "--bind", str(box_dir), GUEST_CTL,
             "--chdir", WORKDIR,

@@ -233,6 +233,9 @@ class VmRuntime:
             # Keep the record after a stop so a dead session's boxes can be found and removed.
             "auto_delete": False,
         }
+        if spec.mounts:
+            # Same paths as on the host, read-only: nothing the guest writes may reach the host.
+            kwargs["volumes"] = [(m, m, True) for m in spec.mounts]
         if spec.cpus:
             kwargs["cpus"] = spec.cpus
         if spec.memory_mib:

@@ -1,0 +1,493 @@
+"""The namespace runtime behaves like a throw-away machine, and its bookkeeping holds.
+
+Every test that writes on the host cleans up after itself, including when
+isolation is broken and the box's write reached the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import BoxFactory, new_box_name
+
+from pytest_boxlite import errors
+from pytest_boxlite.runtimes import Runtime, _cgroups
+from pytest_boxlite.runtimes.namespace import NamespaceRuntime
+from pytest_boxlite.sandbox import Sandbox
+from pytest_boxlite.spec import BoxSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+def unique(prefix: str = "pbx-iso") -> str:
+    """A file name no other test (or run) uses."""
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def py(sb: Sandbox, code: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    """Run Python code in the box; returns (exit code, stdout, stderr) like subprocess does."""
+    r = sb.run([sb.handle.guest_python, "-c", textwrap.dedent(code)], timeout=timeout)
+    return subprocess.CompletedProcess([], r.exit_code or 0, r.stdout, r.stderr)
+
+
+@contextlib.contextmanager
+def host_cleanup(*paths: Path) -> Iterator[None]:
+    """Remove ``paths`` from the host afterwards, should a box's write have leaked there."""
+    try:
+        yield
+    finally:
+        for p in paths:
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+# --------------------------------------------------------------------------
+# filesystem
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["/etc", "/usr", "/usr/local/bin", "/var/tmp", "project", "home"])
+def test_writes_anywhere_succeed_and_stay_in_the_box(make_namespace_box: BoxFactory, where: str) -> None:
+    base = {"project": PROJECT, "home": Path.home()}.get(where, Path(where))
+    target = base / unique()
+    assert not target.exists()
+    with host_cleanup(target):
+        sb = make_namespace_box()
+        r = sb.execute_command(f"echo from-box > '{target}' && cat '{target}'", timeout=20)
+        assert r.ok, r.stderr
+        assert r.stdout == "from-box\n"
+        helper_target = target.with_name(target.name + "-helper")
+        with host_cleanup(helper_target):
+            sb.write_file(str(helper_target), "via helper\n")
+            assert sb.read_file(str(helper_target)) == "via helper\n"
+            assert not helper_target.exists(), f"{helper_target} leaked to the host"
+        assert not target.exists(), f"{target} leaked to the host"
+
+
+def test_changes_to_existing_host_files_stay_in_the_box(make_namespace_box: BoxFactory) -> None:
+    victim = PROJECT / f".{unique('pbx-victim')}"
+    victim.write_text("original\n")
+    with host_cleanup(victim):
+        sb = make_namespace_box()
+        r = sb.execute_command(f"echo changed >> '{victim}' && cat '{victim}'", timeout=20)
+        assert r.stdout == "original\nchanged\n"
+        assert victim.read_text() == "original\n"
+        sb.remove(str(victim))
+        assert not sb.exists(str(victim))
+        assert victim.read_text() == "original\n"
+        # Nothing of it reaches a second, fresh box either.
+        other = make_namespace_box()
+        assert other.read_file(str(victim)) == "original\n"
+
+
+def test_tmp_is_private(make_namespace_box: BoxFactory) -> None:
+    host_file = Path("/tmp") / unique("pbx-host")
+    box_file = Path("/tmp") / unique("pbx-box")
+    host_file.write_text("host\n")
+    with host_cleanup(host_file, box_file):
+        sb = make_namespace_box()
+        assert not sb.exists(str(host_file))
+        assert sb.execute_command(f"echo box > {box_file} && cat {box_file}", timeout=20).stdout == "box\n"
+        assert not box_file.exists()
+        listing = sb.execute_command("ls -A /tmp", timeout=20).stdout.split()
+        assert box_file.name in listing
+        assert host_file.name not in listing
+
+
+def test_boxlite_home_is_hidden_from_guests(make_namespace_box: BoxFactory, namespace_runtime: Runtime) -> None:
+    a = make_namespace_box()
+    b = make_namespace_box()
+    home = str(namespace_runtime.home)  # type: ignore[attr-defined]
+    assert (Path(home) / "namespace" / a.name / "agent.sock").exists()  # really there on the host
+    assert b.list_dir(home) == []
+    assert not b.exists(f"{home}/namespace/{a.name}/agent.sock")
+
+
+def test_two_boxes_do_not_share_files(make_namespace_box: BoxFactory) -> None:
+    a = make_namespace_box()
+    b = make_namespace_box()
+    etc_name = f"/etc/{unique()}"
+    with host_cleanup(Path(etc_name)):
+        for path in (f"{a.workdir}/mine.txt", "/tmp/mine.txt", etc_name):
+            a.write_file(path, "a\n")
+            assert a.exists(path)
+            assert not b.exists(path), f"box b sees {path} written by box a"
+        b.write_file("/tmp/mine.txt", "b\n")
+        assert a.read_file("/tmp/mine.txt") == "a\n"
+
+
+def test_box_survives_deleting_its_workdir(ns_sandbox: Sandbox) -> None:
+    sb = ns_sandbox
+    workdir = sb.workdir
+    r = sb.execute_command(f"cd / && rm -rf {workdir}", timeout=20)
+    assert r.ok, r.stderr
+    assert sb.handle.alive()
+    assert sb.execute_command("echo alive", cwd="/", timeout=20).stdout == "alive\n"
+    # Absolute-path file operations and plain commands must keep working.
+    assert sb.read_file("/etc/hostname") is not None
+    assert sb.execute_command("echo still alive", timeout=20).stdout == "still alive\n"
+
+
+# --------------------------------------------------------------------------
+# processes, hostname, clock
+# --------------------------------------------------------------------------
+
+
+def test_box_cannot_see_host_processes(ns_sandbox: Sandbox) -> None:
+    sb = ns_sandbox
+    out = py(
+        sb,
+        """
+        import os
+        pids = [p for p in os.listdir('/proc') if p.isdigit()]
+        cmds = []
+        for p in pids:
+            try:
+                cmds.append(open('/proc/%s/cmdline' % p, 'rb').read().replace(b'\\0', b' ').decode())
+            except OSError:
+                pass
+        print(len(pids))
+        print('\\n'.join(cmds))
+        """,
+    ).stdout
+    count, *cmds = out.splitlines()
+    assert int(count) < 10, cmds
+    # This very process (the host's pytest) is not visible, under its pid or any other.
+    me = Path(f"/proc/{os.getpid()}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    assert me not in cmds
+    seen = py(sb, f"import sys\ntry:\n    sys.stdout.write(open('/proc/{os.getpid()}/cmdline', 'rb').read().decode(errors='replace'))\nexcept OSError:\n    pass").stdout
+    assert seen != me
+
+
+def test_box_cannot_signal_host_processes(ns_sandbox: Sandbox) -> None:
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        r = ns_sandbox.execute_command(f"kill -9 {victim.pid}", timeout=20)
+        time.sleep(0.1)
+        assert victim.poll() is None, "a box killed a host process"
+        assert not r.ok or r.exit_code != 0 or victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait(10)
+
+
+def test_hostname_is_private(ns_sandbox: Sandbox) -> None:
+    host_before = socket.gethostname()
+    sb = ns_sandbox
+    assert py(sb, "import socket; print(socket.gethostname())").stdout.strip() == sb.name[:63]
+    r = py(sb, "import socket; socket.sethostname('pbx-renamed'); print(socket.gethostname())")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "pbx-renamed"
+    assert sb.read_file("/proc/sys/kernel/hostname").strip() == "pbx-renamed"
+    assert socket.gethostname() == host_before
+
+
+def test_clock_cannot_be_set(ns_sandbox: Sandbox) -> None:
+    before = time.time()
+    r = ns_sandbox.execute_command("date -s '2001-01-01 00:00:00'", timeout=20)
+    assert r.exit_code != 0
+    assert time.time() >= before
+    assert time.time() > 1_600_000_000  # host clock not moved to 2001
+    year = ns_sandbox.execute_command("date +%Y", timeout=20).stdout.strip()
+    assert int(year) > 2001
+
+
+def test_destroying_a_box_kills_its_processes(namespace_runtime: Runtime) -> None:
+    marker = unique("pbx-marker")
+    handle = namespace_runtime.create_box(BoxSpec(), new_box_name(), timeout=30)
+    sb = Sandbox(handle)
+    found: list[int] = []
+    try:
+        spawn = (
+            "import subprocess, sys\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]],"
+            " start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        )
+        assert sb.run([handle.guest_python, "-c", spawn, marker], timeout=20).ok
+        deadline = time.monotonic() + 5
+        while not found and time.monotonic() < deadline:
+            found = _host_pids_with(marker)
+            time.sleep(0.02)
+        assert found, "the detached process did not start"
+        handle.destroy()
+        deadline = time.monotonic() + 5
+        while _host_pids_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _host_pids_with(marker) == [], "a box process outlived destroy()"
+    finally:
+        handle.destroy()
+        for pid in _host_pids_with(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _host_pids_with(marker: str) -> list[int]:
+    """Host pids of live (non-zombie) processes whose command line contains ``marker``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmd and state not in ("Z", "X"):
+            out.append(int(entry))
+    return out
+
+
+# --------------------------------------------------------------------------
+# network
+# --------------------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.received: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            with conn:
+                conn.settimeout(2)
+                with contextlib.suppress(OSError):
+                    self.received.append(conn.recv(100))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+@pytest.fixture
+def tcp_server() -> Iterator[_Server]:
+    """A TCP server on the host's 127.0.0.1 that records what each connection sends."""
+    server = _Server()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+CONNECT = """
+import socket, sys
+try:
+    s = socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=3)
+except OSError as exc:
+    print('failed', type(exc).__name__)
+    sys.exit(1)
+s.sendall(b'hello-from-box')
+s.close()
+print('connected')
+"""
+
+
+def test_network_is_off_by_default(ns_sandbox: Sandbox, tcp_server: _Server) -> None:
+    r = ns_sandbox.run([ns_sandbox.handle.guest_python, "-c", CONNECT, str(tcp_server.port)], timeout=20)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert r.stdout.startswith("failed")
+    time.sleep(0.2)
+    assert tcp_server.received == []
+    devices = [line.split(":")[0].strip() for line in ns_sandbox.read_file("/proc/net/dev").splitlines()[2:]]
+    assert devices == ["lo"]
+
+
+def test_network_can_be_turned_on(make_namespace_box: BoxFactory, tcp_server: _Server) -> None:
+    sb = make_namespace_box(BoxSpec(network=True))
+    r = sb.run([sb.handle.guest_python, "-c", CONNECT, str(tcp_server.port)], timeout=20)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert r.stdout == "connected\n"
+    deadline = time.monotonic() + 5
+    while not tcp_server.received and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert tcp_server.received == [b"hello-from-box"]
+
+
+# --------------------------------------------------------------------------
+# credentials
+# --------------------------------------------------------------------------
+
+
+def test_ssh_directory_is_masked(namespace_runtime: Runtime) -> None:
+    ssh = Path.home() / ".ssh"
+    created = not ssh.exists()
+    ssh.mkdir(mode=0o700, exist_ok=True)
+    key = ssh / f"{unique('pbx-testkey')}"
+    leaked = ssh / f"{unique('pbx-written-in-box')}"
+    handle = None
+    try:
+        key.write_text("SECRET-KEY-MATERIAL\n")
+        handle = namespace_runtime.create_box(BoxSpec(), new_box_name(), timeout=30)
+        sb = Sandbox(handle)
+        for guest_ssh in {str(ssh), "/root/.ssh"}:
+            assert sb.list_dir(guest_ssh) == [], f"{guest_ssh} is not masked"
+            r = sb.execute_command(f"cat {guest_ssh}/{key.name}", timeout=20)
+            assert r.exit_code != 0
+            assert "SECRET" not in r.stdout
+        assert sb.grep(str(ssh), "SECRET-KEY-MATERIAL", timeout=30).items == []
+        sb.write_file(str(leaked), "x")
+        assert not leaked.exists()
+    finally:
+        if handle is not None:
+            handle.destroy()
+        for p in (key, leaked):
+            with contextlib.suppress(OSError):
+                p.unlink()
+        if created:
+            with contextlib.suppress(OSError):
+                ssh.rmdir()
+
+
+def test_netrc_is_masked(namespace_runtime: Runtime) -> None:
+    netrc = Path.home() / ".netrc"
+    if netrc.exists():
+        pytest.skip("this host has a ~/.netrc of its own; not touching it")
+    handle = None
+    try:
+        netrc.write_text("machine pbx-test.invalid login x password SECRET-NETRC\n")
+        netrc.chmod(0o600)
+        handle = namespace_runtime.create_box(BoxSpec(), new_box_name(), timeout=30)
+        sb = Sandbox(handle)
+        try:
+            content = sb.read_file(str(netrc))
+        except PermissionError:
+            content = ""  # masked by a device node on a nodev mount: unreadable, which also hides it
+        assert "SECRET" not in content
+        assert "SECRET" not in sb.execute_command(f"cat {netrc}", timeout=20).stdout
+    finally:
+        if handle is not None:
+            handle.destroy()
+        with contextlib.suppress(OSError):
+            netrc.unlink()
+
+
+# --------------------------------------------------------------------------
+# runtime bookkeeping
+# --------------------------------------------------------------------------
+
+
+def test_list_boxes_and_remove_box(namespace_runtime: Runtime) -> None:
+    rt = namespace_runtime
+    a = rt.create_box(BoxSpec(), new_box_name(), timeout=30)
+    b = rt.create_box(BoxSpec(), new_box_name(), timeout=30)
+    try:
+        records = {r.name: r for r in rt.list_boxes()}
+        for h in (a, b):
+            rec = records[h.name]
+            assert rec.state == "running"
+            assert rec.runtime == "namespace"
+            assert rec.id == h.id
+            assert rec.home == str(rt.home)  # type: ignore[attr-defined]
+        a.destroy()
+        assert a.name not in {r.name for r in rt.list_boxes()}
+        rt.remove_box(b.name)
+        assert b.name not in {r.name for r in rt.list_boxes()}
+        assert not b.alive(timeout=1)
+        assert not (rt.home / "namespace" / b.name).exists()  # type: ignore[attr-defined]
+        assert _cgroups.find_dirs(b.name) == []
+        with pytest.raises(errors.BoxliteError):
+            Sandbox(b).execute_command("true", timeout=5)
+        rt.remove_box(b.name)  # twice: not an error
+        rt.remove_box("pbx-test-never-existed")
+    finally:
+        a.destroy()
+        b.destroy()
+        rt.remove_box(b.name)
+
+
+def test_duplicate_box_name_is_refused(namespace_runtime: Runtime) -> None:
+    name = new_box_name()
+    a = namespace_runtime.create_box(BoxSpec(), name, timeout=30)
+    try:
+        with pytest.raises(errors.BoxStartError, match="already exists"):
+            namespace_runtime.create_box(BoxSpec(), name, timeout=30)
+        assert a.alive()  # the failed attempt must not have torn down the existing box
+    finally:
+        a.destroy()
+
+
+def test_destroy_is_idempotent(namespace_runtime: Runtime) -> None:
+    h = namespace_runtime.create_box(BoxSpec(), new_box_name(), timeout=30)
+    h.destroy()
+    h.destroy()
+    assert not h.alive()
+    with pytest.raises(errors.BoxDeadError):
+        h.exec(["true"], timeout=5)
+
+
+CHILD = """
+import sys, time
+from pathlib import Path
+from pytest_boxlite.runtimes.namespace import NamespaceRuntime
+from pytest_boxlite.spec import BoxSpec
+
+rt = NamespaceRuntime(Path(sys.argv[1]))
+box = rt.create_box(BoxSpec(), sys.argv[2], timeout=30)
+print(box.name, flush=True)
+time.sleep(600)
+"""
+
+
+def _readline(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            return ""
+        return proc.stdout.readline().decode().strip()
+
+
+def test_box_dies_with_its_sigkilled_host_process(tmp_path: Path) -> None:
+    rt = NamespaceRuntime(tmp_path)
+    name = new_box_name()
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), name], stdout=subprocess.PIPE)
+    try:
+        assert _readline(child, 30) == name
+        [rec] = rt.list_boxes()
+        assert (rec.name, rec.state) == (name, "running")
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        deadline = time.monotonic() + 10
+        while rt.list_boxes()[0].state != "dead" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [rec] = rt.list_boxes()
+        assert rec.state == "dead", "the box outlived the process that made it"
+        rt.remove_box(name)
+        assert rt.list_boxes() == []
+        assert not (tmp_path / "namespace" / name).exists()
+        assert _cgroups.find_dirs(name) == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        if child.stdout is not None:
+            child.stdout.close()
+        rt.remove_box(name)
+        rt.close()
