@@ -75,6 +75,18 @@ def guest_args(config: pytest.Config) -> list[str]:
     return args
 
 
+#: Host variables that describe the host process itself, not the environment tests expect.
+_HOST_ONLY_ENV = ("PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
+
+
+def guest_env(spec: BoxSpec) -> dict[str, str]:
+    """The test worker's environment: the host's, as a local run would see it, then the box's own."""
+    env = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV}
+    env.update(dict(spec.env))
+    env[GUEST_ENV] = "1"
+    return env
+
+
 def _node_arg(config: pytest.Config, nodeid: str) -> str:
     """A command-line argument that selects ``nodeid`` whatever the guest's working directory."""
     path, sep, rest = nodeid.partition("::")
@@ -117,7 +129,7 @@ class RemoteRunner:
                     "args": self._args,
                     "cwd": cwd,
                     "sys_path": list(sys.path),
-                    "env": {GUEST_ENV: "1", "PYTHONDONTWRITEBYTECODE": "1"},
+                    "env": guest_env(spec),
                 }
             )
             kind, pid = channel.receive(self.boot_timeout)

@@ -1,0 +1,82 @@
+"""Examples: tests that would harm a host, run inside boxes.
+
+Every example is marked ``@pytest.mark.boxlite``.  Before the run this
+conftest plants sentinels on the host (a directory, a process, the hostname,
+/etc/hosts); after the run it checks that each one is untouched and fails
+the session loudly if not, so "the host is untouched" is proved, not claimed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SENTINEL_DIR = Path(os.environ.get("BOXLITE_EXAMPLES_SENTINEL", "/var/tmp/pytest-boxlite-examples"))
+_STATE = pytest.StashKey[dict[str, object]]()
+
+
+def _digest(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return "absent"
+
+
+@pytest.fixture(scope="session")
+def host_sentinel() -> dict[str, object]:
+    """What the examples try to destroy: the host-side sentinel paths and process id."""
+    return {"dir": str(SENTINEL_DIR), "pid": int(os.environ["BOXLITE_EXAMPLES_SENTINEL_PID"])}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or os.environ.get("PYTEST_BOXLITE_GUEST"):
+        return
+    SENTINEL_DIR.mkdir(parents=True, exist_ok=True)
+    for i in range(3):
+        (SENTINEL_DIR / f"precious-{i}.txt").write_text(f"do not delete {i}\n")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    # The boxed tests learn the host pid through the environment the box inherits from the marker.
+    os.environ["BOXLITE_EXAMPLES_SENTINEL_PID"] = str(sleeper.pid)
+    config.stash[_STATE] = {
+        "sleeper": sleeper,
+        "hostname": socket.gethostname(),
+        "hosts": _digest("/etc/hosts"),
+        "files": sorted(p.name for p in SENTINEL_DIR.iterdir()),
+    }
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    state = session.config.stash.get(_STATE, None)
+    if state is None:
+        return
+    sleeper = state["sleeper"]
+    assert isinstance(sleeper, subprocess.Popen)
+    problems = []
+    if sleeper.poll() is not None:
+        problems.append(f"the host process {sleeper.pid} was killed")
+    if socket.gethostname() != state["hostname"]:
+        problems.append(f"the host name changed to {socket.gethostname()!r}")
+    if _digest("/etc/hosts") != state["hosts"]:
+        problems.append("/etc/hosts changed on the host")
+    files = sorted(p.name for p in SENTINEL_DIR.iterdir()) if SENTINEL_DIR.is_dir() else []
+    if files != state["files"]:
+        problems.append(f"{SENTINEL_DIR} changed on the host: {files}")
+    if Path("/etc/pytest-boxlite-example").exists():
+        problems.append("/etc/pytest-boxlite-example appeared on the host")
+    sleeper.kill()
+    sleeper.wait()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if problems:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if reporter is not None:
+            reporter.write_line("HOST WAS TOUCHED: " + "; ".join(problems), red=True, bold=True)
+    elif reporter is not None:
+        reporter.write_line(
+            "host untouched: sentinel files, sentinel process, hostname and /etc/hosts are as before", green=True
+        )
