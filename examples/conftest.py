@@ -71,12 +71,21 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         problems.append("/etc/pytest-boxlite-example appeared on the host")
     sleeper.kill()
     sleeper.wait()
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    state["problems"] = problems
     if problems:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        if reporter is not None:
-            reporter.write_line("HOST WAS TOUCHED: " + "; ".join(problems), red=True, bold=True)
-    elif reporter is not None:
-        reporter.write_line(
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    state = config.stash.get(_STATE, None)
+    if state is None or "problems" not in state:
+        return
+    problems = state["problems"]
+    assert isinstance(problems, list)
+    terminalreporter.section("host check", sep="-")
+    if problems:
+        terminalreporter.write_line("HOST WAS TOUCHED: " + "; ".join(problems), red=True, bold=True)
+    else:
+        terminalreporter.write_line(
             "host untouched: sentinel files, sentinel process, hostname and /etc/hosts are as before", green=True
         )

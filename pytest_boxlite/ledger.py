@@ -191,8 +191,18 @@ def remove_vm_home(vm_home: Path) -> int:
     return len(names)
 
 
-def reconcile(home: Path, *, include_kept: bool = False, owners: set[str] | None = None) -> list[str]:
-    """Remove the boxes of dead owners (or only of ``owners``, once dead).  Returns what was removed.
+def _selected(owner: str | None, owners: set[str] | None, prefix: str | None) -> bool:
+    if owners is not None and owner not in owners:
+        return False
+    return prefix is None or (owner is not None and owner.startswith(prefix))
+
+
+def reconcile(
+    home: Path, *, include_kept: bool = False, owners: set[str] | None = None, owner_prefix: str | None = None
+) -> list[str]:
+    """Remove the boxes of dead owners (only ``owners``, or owners starting with ``owner_prefix``).
+
+    Returns what was removed.
 
     Live owners' boxes are never touched: two concurrent sessions sharing a
     home do not interfere.  Kept boxes stay unless ``include_kept``.
@@ -202,14 +212,14 @@ def reconcile(home: Path, *, include_kept: bool = False, owners: set[str] | None
     for lo in _namespace_boxes(home):
         if lo.owner_alive or (lo.kept and not include_kept):
             continue
-        if owners is not None and lo.owner not in owners:
+        if not _selected(lo.owner, owners, owner_prefix):
             continue
         remove_namespace_box(home, lo.name)
         removed.append(lo.name)
     for owner, vm_home in _vm_homes(home):
         if owner_alive(home, owner) or ((vm_home / "keep").exists() and not include_kept):
             continue
-        if owners is not None and owner not in owners:
+        if not _selected(owner, owners, owner_prefix):
             continue
         try:
             n = remove_vm_home(vm_home)

@@ -40,6 +40,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    """``--boxlite-scope=worker`` without ``-n``: run the whole session again inside one box."""
+    if in_guest() or hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None):
+        return None
+    settings = resolve(config)
+    if settings.scope != "worker":
+        return None
+    from pytest_boxlite.session_in_box import run_session_in_box
+
+    return run_session_in_box(config, settings)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_HELP)
     if in_guest():
@@ -58,6 +71,12 @@ def pytest_configure(config: pytest.Config) -> None:
     session.on_boot = runner.start_worker
     session.on_destroy = runner.stop_worker
     config.stash[_EXECUTOR_KEY] = BoxedExecutor(runner, session)
+    if config.pluginmanager.hasplugin("xdist"):
+        from pytest_boxlite.xdist_support import XdistHooks, box_worker_specs
+
+        config.pluginmanager.register(XdistHooks(session), "boxlite-xdist")
+        if settings.scope == "worker" and _is_controller(config):
+            box_worker_specs(session, config)
     _install_sigterm(config)
 
 
@@ -170,6 +189,14 @@ def _shutdown(config: pytest.Config) -> None:
     executor.close()
     box.shutdown()
     executor.runner.shutdown()
+    if _is_controller(config):
+        box.reap_workers()
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        from pytest_boxlite.xdist_support import WORKEROUTPUT_KEY
+
+        rep = box.report
+        workeroutput[WORKEROUTPUT_KEY] = {"stats": rep.stats, "leaked": rep.leaked, "kept": rep.kept}
 
 
 @pytest.hookimpl(trylast=True)

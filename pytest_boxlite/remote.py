@@ -31,10 +31,9 @@ import pytest
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.runtimes.base import BoxHandle
-from pytest_boxlite.spec import BoxSpec
+from pytest_boxlite.spec import GUEST_ENV, BoxSpec, worker_env
 
 WORKER_SOURCE = Path(__file__).with_name("_worker.py")
-GUEST_ENV = "PYTEST_BOXLITE_GUEST"
 #: Flags whose values are forwarded to the guest's pytest so reports render the same.
 _FORWARD_VALUE_FLAGS = ("-p", "-o", "--override-ini", "-W", "--pythonwarnings", "--import-mode", "--assert")
 _FORWARD_BARE_FLAGS = ("--strict-markers", "--strict-config", "--full-trace", "--showlocals", "-l")
@@ -73,18 +72,6 @@ def guest_args(config: pytest.Config) -> list[str]:
     verbose = int(getattr(opt, "verbose", 0))
     args += ["-" + "v" * verbose] if verbose > 0 else (["-" + "q" * -verbose] if verbose < 0 else [])
     return args
-
-
-#: Host variables that describe the host process itself, not the environment tests expect.
-_HOST_ONLY_ENV = ("PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
-
-
-def guest_env(spec: BoxSpec) -> dict[str, str]:
-    """The test worker's environment: the host's, as a local run would see it, then the box's own."""
-    env = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV}
-    env.update(dict(spec.env))
-    env[GUEST_ENV] = "1"
-    return env
 
 
 def _node_arg(config: pytest.Config, nodeid: str) -> str:
@@ -129,7 +116,7 @@ class RemoteRunner:
                     "args": self._args,
                     "cwd": cwd,
                     "sys_path": list(sys.path),
-                    "env": guest_env(spec),
+                    "env": worker_env(spec),
                 }
             )
             kind, pid = channel.receive(self.boot_timeout)

@@ -112,6 +112,8 @@ class BoxliteSession:
                 f"--boxlite-home {self.home} is not usable ({exc.strerror or exc}); "
                 "point --boxlite-home (or PYTEST_BOXLITE_HOME) at a writable directory"
             ) from None
+        # A restarted xdist worker reuses its predecessor's owner id: clear what that one left.
+        ledger.reconcile(self.home, owners={self.owner})
         lock = ledger.OwnerLock(self.home, self.owner)
         lock.acquire()
         self._owner_lock = lock
@@ -189,6 +191,11 @@ class BoxliteSession:
     @property
     def started(self) -> bool:
         return self._pool is not None
+
+    def reap_workers(self) -> None:
+        """xdist controller, after its workers ended: remove whatever they (or their boxes' hosts) left."""
+        removed = ledger.reconcile(self.home, owner_prefix=f"{self.session_id}-")
+        self.report.leaked += removed
 
     def shutdown(self) -> None:
         """Destroy every box of this process, count leaks, release the owner lock.  Idempotent."""

@@ -119,7 +119,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("home", _nonempty, default_home, "runtime state and image cache (default: ~/.cache/pytest-boxlite)", "DIR"),
     Option("keep", _bool, lambda: False, "keep the boxes of failed tests for debugging", flag_only=True),
     Option("all", _bool, lambda: False, "run every collected test inside a box (flag: --boxlite)", flag_only=True),
-    Option("scope", _choice("test", "module"), lambda: "test", "box per test (default) or one box per module", "test|module"),
+    Option("scope", _choice("test", "module", "worker"), lambda: "test",
+           "test: a box per boxed test (default); module: one per module; worker: each xdist worker "
+           "(or, without -n, the whole session) runs inside one box", "test|module|worker"),
     Option("boot_timeout", _positive_float, lambda: 120.0, "bound on creating and starting one box, in seconds", "SECONDS"),
     Option("lease_timeout", _positive_float, lambda: 300.0, "how long a test waits for a box when all replicas are busy", "SECONDS"),
 )

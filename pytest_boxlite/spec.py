@@ -10,6 +10,11 @@ from collections.abc import Iterable, Mapping
 
 from pytest_boxlite.errors import ConfigError
 
+#: Set in a box's test worker: the plugin there stays passive (the host does the boxing).
+GUEST_ENV = "PYTEST_BOXLITE_GUEST"
+#: Host variables that describe the host process itself, not the environment tests expect.
+_HOST_ONLY_ENV = ("PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
+
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -92,3 +97,11 @@ class BoxSpec:
         if self.env:
             parts.append("env=" + ",".join(k for k, _ in self.env))
         return " ".join(parts)
+
+
+def worker_env(spec: BoxSpec) -> dict[str, str]:
+    """A test worker's environment: the host's, as a local run would see it, then the box's own."""
+    env = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV}
+    env.update(dict(spec.env))
+    env[GUEST_ENV] = "1"
+    return env

@@ -1,0 +1,79 @@
+"""pytest-xdist integration, registered only when xdist is active.
+
+* The controller hands its session id to every worker (``workerinput``), so
+  all box names of one run carry it; each worker is its own owner
+  (``<session>-<workerid>``) with its own pool and BoxLite home.
+* Workers send their pool counters back (``workeroutput``) for the summary.
+* ``--boxlite-scope=worker`` starts each worker inside a box of its own.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_boxlite.session import BoxliteSession
+from pytest_boxlite.settings import Settings
+
+WORKEROUTPUT_KEY = "boxlite"
+
+
+def boxproc_argv(
+    settings: Settings, *, session_id: str, home: Path, runtime: str, mounts: tuple[str, ...], cwd: str
+) -> list[str]:
+    """The host command that runs a worker (or a whole session) inside a fresh box."""
+    s = settings
+    argv = [
+        sys.executable, "-m", "pytest_boxlite.boxproc",
+        "--home", str(home),
+        "--session", session_id,
+        "--runtime", runtime,
+        "--image", s.image,
+        "--cwd", cwd,
+        "--boot-timeout", str(s.boot_timeout),
+    ]  # fmt: skip
+    if s.cpus:
+        argv += ["--cpus", str(s.cpus)]
+    if s.memory:
+        argv += ["--memory", str(s.memory)]
+    if s.network:
+        argv.append("--network")
+    for m in mounts:
+        argv += ["--mount", m]
+    return argv
+
+
+def box_worker_specs(box: BoxliteSession, config: pytest.Config) -> None:
+    """Rewrite xdist's plain ``popen`` gateways so each worker starts inside its own box."""
+    tx = list(getattr(config.option, "tx", None) or [])
+    cmd = boxproc_argv(
+        box.settings,
+        session_id=box.session_id,
+        home=box.home,
+        runtime=box.choice.kind,
+        mounts=box.worker_mounts,
+        cwd=str(config.invocation_params.dir),
+    )
+    python = shlex.join([*cmd, "--", sys.executable])
+    config.option.tx = [f"popen//python={python}" if t == "popen" else t for t in tx]
+
+
+class XdistHooks:
+    """Controller-side and worker-side xdist hooks."""
+
+    def __init__(self, box: BoxliteSession) -> None:
+        self.box = box
+
+    def pytest_configure_node(self, node: Any) -> None:
+        node.workerinput["boxlite_session"] = self.box.session_id
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        data = getattr(node, "workeroutput", {}).get(WORKEROUTPUT_KEY)
+        if data:
+            self.box.report.worker_stats.append(data["stats"])
+            self.box.report.leaked += data["leaked"]
+            self.box.report.kept += data["kept"]

@@ -1,0 +1,710 @@
+"""``@pytest.mark.boxlite`` and ``--boxlite``: the same test files, run locally and in boxes, compared.
+
+Every check here is a real pytest sub-run (``pytester``) whose boxed tests run
+in real namespace boxes, each sub-run with a private ``--boxlite-home``.  After
+every sub-run no box may be left behind.  Boxes cost about half a second each,
+so the checks are packed into few sub-runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import textwrap
+import uuid
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_boxlite import ledger
+
+pytestmark = pytest.mark.timeout(120)
+
+BOX_PROPERTY = "boxlite_box"
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    """A private BoxLite home for the sub-runs of one test; no box may be left in it afterwards."""
+    h = tmp_path / "bxh"
+    yield h
+    assert ledger.scan(h) == []
+
+
+def no_leftovers(home: Path) -> None:
+    assert ledger.scan(home) == [], f"boxes left behind in {home}"
+
+
+def by_phase(reprec: Any) -> dict[tuple[str, str], pytest.TestReport]:
+    """The run's test reports keyed by (nodeid, when); a phase logged twice is an error."""
+    out: dict[tuple[str, str], pytest.TestReport] = {}
+    for rep in reprec.getreports("pytest_runtest_logreport"):
+        key = (rep.nodeid, rep.when)
+        assert key not in out, f"{key} was reported twice"
+        out[key] = rep
+    return out
+
+
+def props(rep: Any) -> dict[str, Any]:
+    return dict(rep.user_properties)
+
+
+def without_box(user_properties: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    return [(k, v) for k, v in user_properties if k != BOX_PROPERTY]
+
+
+def box_of(reports: dict[tuple[str, str], Any], nodeid: str) -> str:
+    """The box a test ran in, from the property the plugin adds to the teardown report."""
+    name = props(reports[(nodeid, "teardown")]).get(BOX_PROPERTY)
+    assert isinstance(name, str), f"{nodeid}: no {BOX_PROPERTY} property: {reports[(nodeid, 'teardown')].user_properties}"
+    assert name.startswith(ledger.PREFIX), name
+    return name
+
+
+def junit_cases(path: Path) -> dict[tuple[str, str], ET.Element]:
+    root = ET.parse(path).getroot()
+    return {(tc.get("classname", ""), tc.get("name", "")): tc for tc in root.iter("testcase")}
+
+
+def junit_view(tc: ET.Element) -> tuple[dict[str, str], list[tuple[str, dict[str, str], str]], list[tuple[str, str]]]:
+    """A testcase without its timing: attributes, children (tag, attributes, text) and properties."""
+    attrs = {k: v for k, v in tc.attrib.items() if k != "time"}
+    children = [(c.tag, dict(c.attrib), (c.text or "").strip()) for c in tc if c.tag != "properties"]
+    properties = [(p.get("name", ""), p.get("value", "")) for p in tc.iter("property")]
+    return attrs, children, properties
+
+
+@contextlib.contextmanager
+def host_cleanup(*paths: Path) -> Iterator[None]:
+    """Remove ``paths`` from the host afterwards, should a box's write have leaked there."""
+    try:
+        yield
+    finally:
+        for p in paths:
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+# --------------------------------------------------------------------------
+# 3. reports with full fidelity: the same file, locally and in boxes
+
+FIDELITY_CONFTEST = """
+    import pytest
+
+    @pytest.fixture
+    def greeting():
+        print("fixture setup says hi")
+        yield "hello"
+        print("fixture teardown says bye")
+"""
+
+FIDELITY_TESTS = """
+    import logging
+    import sys
+
+    import pytest
+
+    log = logging.getLogger("fidelity")
+
+
+    def test_pass_with_output(greeting, record_property):
+        print("to stdout", greeting)
+        sys.stderr.write("to stderr\\n")
+        log.warning("a warning %d", 42)
+        record_property("answer", 42)
+        record_property("word", greeting)
+
+
+    def test_fail_list_diff():
+        print("printed before failing")
+        assert [1, 2, 3] == [1, 2, 4]
+
+
+    def test_fail_dict_diff(record_property):
+        record_property("before", "failure")
+        log.error("logged before failing")
+        assert {"a": 1, "b": 2} == {"a": 1, "b": 3}
+
+
+    def test_fail_exception():
+        def inner(x):
+            raise ValueError(f"bad value {x}")
+
+        inner(7)
+
+
+    def test_skip_imperative():
+        pytest.skip("not today")
+
+
+    @pytest.mark.skip(reason="marked skip")
+    def test_skip_marked():
+        raise AssertionError("never runs")
+
+
+    @pytest.mark.xfail(reason="known bug")
+    def test_xfail():
+        assert 1 == 2
+
+
+    @pytest.mark.xfail(reason="maybe fixed")
+    def test_xpass():
+        pass
+
+
+    @pytest.mark.xfail(strict=True, reason="must fail")
+    def test_xpass_strict():
+        pass
+
+
+    @pytest.mark.parametrize("n, expected", [(1, 2), (2, 5)])
+    def test_param(n, expected):
+        assert n * 2 == expected
+
+
+    @pytest.fixture
+    def broken_setup():
+        raise RuntimeError("setup boom")
+
+
+    def test_setup_error(broken_setup):
+        pass
+
+
+    @pytest.fixture
+    def broken_teardown():
+        yield
+        print("tearing down")
+        raise RuntimeError("teardown boom")
+
+
+    def test_teardown_error(broken_teardown):
+        print("body ran")
+"""
+
+
+def test_boxed_reports_match_local_reports(pytester: pytest.Pytester, home: Path) -> None:
+    """Outcome, failure text, sections, properties, skip/xfail, keywords and junitxml match a local run."""
+    pytester.makeconftest(FIDELITY_CONFTEST)
+    pytester.makepyfile(test_fidelity=FIDELITY_TESTS)
+
+    local = pytester.runpytest_inprocess("-p", "no:boxlite", "--junitxml=local.xml")
+    boxed = pytester.runpytest_inprocess("--boxlite", f"--boxlite-home={home}", "--junitxml=boxed.xml")
+    no_leftovers(home)
+
+    expected_outcomes = {"passed": 2, "failed": 5, "skipped": 2, "xfailed": 1, "xpassed": 1, "errors": 2}
+    assert local.parseoutcomes() == expected_outcomes
+    assert boxed.parseoutcomes() == local.parseoutcomes()
+    assert boxed.ret == local.ret == pytest.ExitCode.TESTS_FAILED
+
+    loc = by_phase(local.reprec)  # type: ignore[attr-defined]
+    box = by_phase(boxed.reprec)  # type: ignore[attr-defined]
+    assert sorted(box) == sorted(loc)
+    assert len({nodeid for nodeid, _ in loc}) == 14
+
+    boxes = set()
+    for key, lrep in loc.items():
+        brep = box[key]
+        where = f"{key[0]} [{key[1]}]"
+        assert brep.outcome == lrep.outcome, where
+        assert brep.longreprtext == lrep.longreprtext, where
+        assert brep.sections == lrep.sections, where
+        assert without_box(brep.user_properties) == list(lrep.user_properties), where
+        assert getattr(brep, "wasxfail", None) == getattr(lrep, "wasxfail", None), where
+        assert dict(brep.keywords) == dict(lrep.keywords), where
+        assert brep.location == lrep.location, where
+        assert brep.duration > 0, where
+        assert BOX_PROPERTY not in props(lrep), where
+        if key[1] == "teardown":
+            boxes.add(box_of(box, key[0]))
+    # --boxlite boxed every test, each in a fresh box (default scope).
+    assert len(boxes) == 14
+
+    # Spot checks that the compared text is the rich one (assertion rewriting, sections).
+    diff = box[("test_fidelity.py::test_fail_list_diff", "call")]
+    assert "At index 2 diff: 3 != 4" in diff.longreprtext
+    assert ("Captured stdout call", "printed before failing\n") in diff.sections
+    dict_diff = box[("test_fidelity.py::test_fail_dict_diff", "call")]
+    assert "Differing items:" in dict_diff.longreprtext
+    assert "{'b': 2} != {'b': 3}" in dict_diff.longreprtext
+    assert any(n == "Captured log call" and "logged before failing" in c for n, c in dict_diff.sections)
+    assert "ValueError: bad value 7" in box[("test_fidelity.py::test_fail_exception", "call")].longreprtext
+    passing = box[("test_fidelity.py::test_pass_with_output", "call")]
+    section_names = [n for n, _ in passing.sections]
+    assert section_names == ["Captured stdout setup", "Captured stdout call", "Captured stderr call", "Captured log call"]
+    assert ("answer", 42) in passing.user_properties
+    assert ("word", "hello") in passing.user_properties
+    assert box[("test_fidelity.py::test_xfail", "call")].wasxfail == "known bug"
+    assert box[("test_fidelity.py::test_xpass", "call")].wasxfail == "maybe fixed"
+    assert "[XPASS(strict)] must fail" in box[("test_fidelity.py::test_xpass_strict", "call")].longreprtext
+    assert "not today" in box[("test_fidelity.py::test_skip_imperative", "call")].longreprtext
+    assert "setup boom" in box[("test_fidelity.py::test_setup_error", "setup")].longreprtext
+    teardown_error = box[("test_fidelity.py::test_teardown_error", "teardown")]
+    assert teardown_error.failed and "teardown boom" in teardown_error.longreprtext
+
+    # The terminal summary says the same, line for line (minus the boxlite header and summary).
+    def summary(lines: list[str]) -> list[str]:
+        return [ln for ln in lines if ln.startswith(("FAILED ", "ERROR ", "XFAIL ", "XPASS ", "SKIPPED "))]
+
+    assert summary(boxed.outlines) == summary(local.outlines)
+    assert summary(local.outlines)
+
+    # junitxml: the same testcases with the same failures, plus the box as a property.
+    local_cases = junit_cases(pytester.path / "local.xml")
+    boxed_cases = junit_cases(pytester.path / "boxed.xml")
+    assert sorted(boxed_cases) == sorted(local_cases)
+    assert len(local_cases) == 14
+    for key, ltc in local_cases.items():
+        l_attrs, l_children, l_props = junit_view(ltc)
+        b_attrs, b_children, b_props = junit_view(boxed_cases[key])
+        assert b_attrs == l_attrs, key
+        assert b_children == l_children, key
+        assert [p for p in b_props if p[0] != BOX_PROPERTY] == l_props, key
+        box_props = [v for n, v in b_props if n == BOX_PROPERTY]
+        assert len(box_props) == 1, (key, b_props)
+        assert box_props[0].startswith(ledger.PREFIX)
+        assert box_props[0] in boxes
+    assert ("answer", "42") in junit_view(boxed_cases[("test_fidelity", "test_pass_with_output")])[2]
+
+
+# --------------------------------------------------------------------------
+# 1. marker placement, and --boxlite
+
+
+def test_marker_on_function_class_and_module(pytester: pytest.Pytester, home: Path) -> None:
+    """Marked tests (function, class, ``pytestmark``) run in their own box; unmarked ones on the host."""
+    pytester.makepyfile(
+        test_mod="""
+        import socket
+        import pytest
+
+        pytestmark = pytest.mark.boxlite
+
+        def _where(record_property):
+            record_property("host", socket.gethostname())
+
+        def test_module_a(record_property):
+            _where(record_property)
+
+        def test_module_b(record_property):
+            _where(record_property)
+        """,
+        test_cls="""
+        import socket
+        import pytest
+
+        def _where(record_property):
+            record_property("host", socket.gethostname())
+
+        @pytest.mark.boxlite
+        class TestBoxed:
+            def test_one(self, record_property):
+                _where(record_property)
+
+            def test_two(self, record_property):
+                _where(record_property)
+
+        @pytest.mark.boxlite
+        def test_function(record_property):
+            _where(record_property)
+
+        def test_plain(record_property):
+            _where(record_property)
+
+        class TestPlain:
+            def test_method(self, record_property):
+                _where(record_property)
+        """,
+    )
+    result = pytester.runpytest_inprocess(f"--boxlite-home={home}")
+    no_leftovers(home)
+    assert result.parseoutcomes() == {"passed": 7}
+    reports = by_phase(result.reprec)  # type: ignore[attr-defined]
+
+    host = socket.gethostname()
+    assert not host.startswith(ledger.PREFIX)
+    boxed = [
+        "test_cls.py::TestBoxed::test_one",
+        "test_cls.py::TestBoxed::test_two",
+        "test_cls.py::test_function",
+        "test_mod.py::test_module_a",
+        "test_mod.py::test_module_b",
+    ]
+    local = ["test_cls.py::test_plain", "test_cls.py::TestPlain::test_method"]
+    seen = set()
+    for nodeid in boxed:
+        guest_host = props(reports[(nodeid, "call")])["host"]
+        assert guest_host.startswith(ledger.PREFIX), nodeid
+        assert guest_host == box_of(reports, nodeid)[:63], nodeid
+        seen.add(guest_host)
+    assert len(seen) == len(boxed), "each test gets a fresh box"
+    for nodeid in local:
+        assert props(reports[(nodeid, "call")])["host"] == host, nodeid
+        assert BOX_PROPERTY not in props(reports[(nodeid, "teardown")]), nodeid
+
+
+# --------------------------------------------------------------------------
+# 2. what runs where
+
+
+ISOLATION_CONFTEST = """
+    import os
+    import socket
+
+    import pytest
+
+    @pytest.fixture
+    def where():
+        return socket.gethostname(), os.getpid()
+"""
+
+ISOLATION_TESTS = """
+    import logging
+    import os
+    import socket
+
+    import pytest
+
+    HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+    def test_host_files_visible_writes_stay(where, record_property):
+        host = socket.gethostname()
+        record_property("host", host)
+        assert host.startswith("pbx-")
+        assert where == (host, os.getpid())  # the conftest fixture ran in this very process
+        assert os.path.isfile(__file__)  # the project is at the same path in the guest
+        with open(os.path.join(HERE, "sentinel.txt")) as f:
+            assert f.read() == "host"
+        with open(os.path.join(HERE, "sentinel.txt"), "w") as f:
+            f.write("guest")
+        with open(os.path.join(HERE, "{guest_file}"), "w") as f:
+            f.write("guest")
+        with open("/etc/{etc_file}", "w") as f:
+            f.write("guest")
+        with open(os.path.join(HERE, "sentinel.txt")) as f:
+            assert f.read() == "guest"
+
+
+    @pytest.mark.parametrize("n", [1, 2])
+    def test_fixtures_in_box(n, where, tmp_path, monkeypatch, capsys, caplog, record_property):
+        host = socket.gethostname()
+        record_property("host", host)
+        record_property("n", n)
+        assert host.startswith("pbx-")
+        assert where == (host, os.getpid())
+        marker = tmp_path / "made-in-box.txt"
+        marker.write_text(host)
+        record_property("tmp_file", str(marker))
+        monkeypatch.setenv("PBX_MARKER_N", str(n))
+        assert os.environ["PBX_MARKER_N"] == str(n)
+        monkeypatch.chdir(tmp_path)
+        assert os.getcwd() == str(tmp_path)
+        print("captured", n)
+        assert capsys.readouterr().out == f"captured {n}\\n"
+        logging.getLogger("iso").warning("warned %d", n)
+        assert [r.getMessage() for r in caplog.records] == [f"warned {n}"]
+"""
+
+
+def test_what_runs_in_the_box(pytester: pytest.Pytester, home: Path) -> None:
+    """--boxlite: body, conftest fixtures, tmp_path, monkeypatch, capsys, caplog, params run in a box; writes stay there."""
+    tag = uuid.uuid4().hex[:10]
+    guest_file = f"guest-wrote-{tag}.txt"
+    etc_file = f"pbx-marker-{tag}"
+    pytester.makeconftest(ISOLATION_CONFTEST)
+    pytester.makepyfile(test_iso=ISOLATION_TESTS.replace("{guest_file}", guest_file).replace("{etc_file}", etc_file))
+    (pytester.path / "sentinel.txt").write_text("host")
+
+    with host_cleanup(pytester.path / guest_file, Path("/etc") / etc_file):
+        result = pytester.runpytest_inprocess("--boxlite", f"--boxlite-home={home}")
+        no_leftovers(home)
+        assert result.parseoutcomes() == {"passed": 3}, result.stdout.str()
+        reports = by_phase(result.reprec)  # type: ignore[attr-defined]
+
+        # Nothing the guest wrote reached the host.
+        assert (pytester.path / "sentinel.txt").read_text() == "host"
+        assert not (pytester.path / guest_file).exists()
+        assert not (Path("/etc") / etc_file).exists()
+    assert "PBX_MARKER_N" not in os.environ
+
+    hosts = set()
+    for n in (1, 2):
+        call = props(reports[(f"test_iso.py::test_fixtures_in_box[{n}]", "call")])
+        assert call["n"] == n
+        hosts.add(call["host"])
+        # tmp_path was made in the box's private /tmp: it is not on the host.
+        assert not Path(call["tmp_file"]).exists()
+    hosts.add(props(reports[("test_iso.py::test_host_files_visible_writes_stay", "call")])["host"])
+    assert len(hosts) == 3 and all(h.startswith(ledger.PREFIX) for h in hosts)
+
+
+# --------------------------------------------------------------------------
+# 3. -x, -k and --lf
+
+
+def test_exitfirst_keyword_and_last_failed(pytester: pytest.Pytester, home: Path) -> None:
+    """-x stops after the first boxed failure, -k selects, --lf reruns only the boxed failure."""
+    pytester.makepyfile(
+        test_sel="""
+        import socket
+
+        def test_a():
+            assert socket.gethostname().startswith("pbx-")
+
+        def test_b():
+            assert socket.gethostname() == "no such host"
+
+        def test_c():
+            pass
+
+        def test_deselect_me():
+            pass
+        """
+    )
+    first = pytester.runpytest_inprocess("--boxlite", f"--boxlite-home={home}", "-x", "-k", "not deselect_me")
+    no_leftovers(home)
+    assert first.parseoutcomes() == {"passed": 1, "failed": 1, "deselected": 1}
+    assert first.ret == pytest.ExitCode.TESTS_FAILED
+    ran = {nodeid for nodeid, _ in by_phase(first.reprec)}  # type: ignore[attr-defined]
+    assert ran == {"test_sel.py::test_a", "test_sel.py::test_b"}
+    first.stdout.fnmatch_lines(["*stopping after 1 failures*"])
+    failure = by_phase(first.reprec)[("test_sel.py::test_b", "call")]  # type: ignore[attr-defined]
+    assert "assert 'pbx-" in failure.longreprtext and "== 'no such host'" in failure.longreprtext
+
+    again = pytester.runpytest_inprocess("--boxlite", f"--boxlite-home={home}", "--lf")
+    no_leftovers(home)
+    assert again.parseoutcomes() == {"failed": 1, "deselected": 3}
+    reports = by_phase(again.reprec)  # type: ignore[attr-defined]
+    assert {nodeid for nodeid, _ in reports} == {"test_sel.py::test_b"}
+    box_of(reports, "test_sel.py::test_b")
+    again.stdout.fnmatch_lines(["*run-last-failure: rerun previous 1 failure*"])
+
+
+# --------------------------------------------------------------------------
+# 1. --boxlite-scope
+
+
+SCOPE_TESTS = """
+    import os
+    import socket
+
+    def test_1_writes(record_property):
+        record_property("host", socket.gethostname())
+        record_property("saw", os.path.exists("/workspace/x"))
+        with open("/workspace/x", "w") as f:
+            f.write("from test 1")
+
+    def test_2_reads(record_property):
+        record_property("host", socket.gethostname())
+        record_property("saw", os.path.exists("/workspace/x"))
+"""
+
+
+def test_scope_module_shares_a_box_in_order(pytester: pytest.Pytester, home: Path) -> None:
+    """--boxlite-scope=module: the tests of one module share a box in order; another module gets its own."""
+    pytester.makepyfile(test_scope_a=SCOPE_TESTS, test_scope_b=SCOPE_TESTS)
+    assert not Path("/workspace/x").exists()
+    result = pytester.runpytest_inprocess("--boxlite", "--boxlite-scope=module", f"--boxlite-home={home}")
+    no_leftovers(home)
+    assert result.parseoutcomes() == {"passed": 4}
+    reports = by_phase(result.reprec)  # type: ignore[attr-defined]
+    for module in ("test_scope_a.py", "test_scope_b.py"):
+        first = props(reports[(f"{module}::test_1_writes", "call")])
+        second = props(reports[(f"{module}::test_2_reads", "call")])
+        assert first["saw"] is False, module
+        assert second["saw"] is True, module
+        assert first["host"] == second["host"], module
+        assert box_of(reports, f"{module}::test_1_writes") == box_of(reports, f"{module}::test_2_reads")
+    assert box_of(reports, "test_scope_a.py::test_1_writes") != box_of(reports, "test_scope_b.py::test_1_writes")
+    assert not Path("/workspace/x").exists()
+
+
+def test_scope_test_is_the_default_fresh_box_per_test(pytester: pytest.Pytester, home: Path) -> None:
+    """Default scope: test 2 does not see what test 1 wrote to /workspace; each has its own box."""
+    pytester.makepyfile(test_scope_a=SCOPE_TESTS)
+    result = pytester.runpytest_inprocess("--boxlite", f"--boxlite-home={home}")
+    no_leftovers(home)
+    assert result.parseoutcomes() == {"passed": 2}
+    reports = by_phase(result.reprec)  # type: ignore[attr-defined]
+    first = props(reports[("test_scope_a.py::test_1_writes", "call")])
+    second = props(reports[("test_scope_a.py::test_2_reads", "call")])
+    assert first["saw"] is False
+    assert second["saw"] is False
+    assert first["host"] != second["host"]
+    assert box_of(reports, "test_scope_a.py::test_1_writes") != box_of(reports, "test_scope_a.py::test_2_reads")
+
+
+# --------------------------------------------------------------------------
+# 1. strict marker validation
+
+
+@pytest.mark.parametrize(
+    ("marker", "names"),
+    [
+        pytest.param("imgae='x'", ["imgae"], id="unknown-keyword"),
+        pytest.param("cpus=0", ["cpus", "0"], id="cpus-zero"),
+        pytest.param("'positional'", ["positional"], id="positional"),
+        pytest.param("env={'A': 1}", ["env"], id="env-non-str-value"),
+    ],
+)
+def test_bad_marker_arguments_are_usage_errors(
+    pytester: pytest.Pytester, home: Path, marker: str, names: list[str]
+) -> None:
+    """A bad marker argument is a usage error (exit 4) naming the test and the argument."""
+    pytester.makepyfile(
+        test_bad=f"""
+        import pytest
+
+        @pytest.mark.boxlite
+        def test_good():
+            pass
+
+        @pytest.mark.boxlite({marker})
+        def test_bad():
+            pass
+        """
+    )
+    result = pytester.runpytest_inprocess(f"--boxlite-home={home}")
+    no_leftovers(home)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    err = result.stderr.str()
+    error_lines = [ln for ln in err.splitlines() if "test_bad.py::test_bad" in ln]
+    assert error_lines, err
+    for name in names:
+        assert any(name in ln for ln in error_lines), (name, err)
+    assert "test_good" not in err
+    assert "passed" not in result.stdout.str()
+
+
+# --------------------------------------------------------------------------
+# 5. when the box itself fails
+
+DUMP_CONFTEST = """
+    import json
+
+    def pytest_runtest_logreport(report):
+        # On the host this file is the real one; a box only ever writes to its own copy.
+        with open({path!r}, "a") as f:
+            f.write(json.dumps({{
+                "nodeid": report.nodeid,
+                "when": report.when,
+                "outcome": report.outcome,
+                "longreprtext": report.longreprtext,
+                "sections": report.sections,
+                "duration": report.duration,
+                "user_properties": [list(p) for p in report.user_properties],
+            }}) + "\\n")
+"""
+
+CRASH_TESTS = """
+    import ctypes
+    import os
+    import time
+
+    import pytest
+
+
+    def test_exit():
+        os._exit(3)
+
+
+    def test_after_exit():
+        pass
+
+
+    def test_segfault():
+        ctypes.string_at(0)
+
+
+    @pytest.mark.boxlite(timeout=1)
+    def test_marker_timeout():
+        time.sleep(30)
+
+
+    @pytest.mark.boxlite(memory=128)
+    def test_oom():
+        hog = []
+        for _ in range(32):  # 1 GiB at most, touched page by page
+            hog.append(b"x" * (32 << 20))
+
+
+    @pytest.mark.timeout(1)
+    def test_pytest_timeout():
+        time.sleep(30)
+
+
+    def test_last():
+        pass
+"""
+
+
+def test_box_failures_become_failed_reports(pytester: pytest.Pytester, home: Path) -> None:
+    """os._exit, SIGSEGV, marker timeout, OOM and pytest-timeout fail the test, never the session."""
+    dump = pytester.path / "reports.jsonl"
+    pytester.makeconftest(DUMP_CONFTEST.format(path=str(dump)))
+    pytester.makepyfile(test_crash=CRASH_TESTS)
+    result = pytester.runpytest_subprocess("--boxlite", f"--boxlite-home={home}", timeout=110)
+    no_leftovers(home)
+    assert result.parseoutcomes() == {"passed": 2, "failed": 5}, result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+
+    reports: dict[tuple[str, str], dict[str, Any]] = {}
+    for line in dump.read_text().splitlines():
+        rep = json.loads(line)
+        key = (rep["nodeid"], rep["when"])
+        assert key not in reports, f"{key} reported twice"
+        reports[key] = rep
+
+    def failure(name: str) -> dict[str, Any]:
+        failed = [r for (nodeid, _), r in reports.items() if nodeid == f"test_crash.py::{name}" and r["outcome"] == "failed"]
+        assert len(failed) == 1, (name, failed)
+        # Every phase is reported, and the test ends with a teardown report.
+        assert (f"test_crash.py::{name}", "teardown") in reports, name
+        return failed[0]
+
+    exited = failure("test_exit")
+    assert "exited with status 3" in exited["longreprtext"]
+
+    segv = failure("test_segfault")
+    assert "SIGSEGV" in segv["longreprtext"]
+    assert any(name.startswith("boxlite log") for name, _ in segv["sections"]), segv["sections"]
+
+    timed_out = failure("test_marker_timeout")
+    assert "timed out" in timed_out["longreprtext"]
+    assert timed_out["duration"] < 20  # the test sleeps for 30 s
+
+    oom = failure("test_oom")
+    assert "OOM" in oom["longreprtext"]
+
+    pt = failure("test_pytest_timeout")
+    assert "Timeout" in pt["longreprtext"]
+    assert pt["duration"] < 20
+
+    for name in ("test_after_exit", "test_last"):
+        assert reports[(f"test_crash.py::{name}", "call")]["outcome"] == "passed", name
+    # The session went on to the end, in order.
+    nodeids = list(dict.fromkeys(nodeid for nodeid, _ in reports))
+    assert nodeids == [
+        f"test_crash.py::{n}"
+        for n in (
+            "test_exit",
+            "test_after_exit",
+            "test_segfault",
+            "test_marker_timeout",
+            "test_oom",
+            "test_pytest_timeout",
+            "test_last",
+        )
+    ]
+    # The terminal shows the box log section of the crashed test.
+    result.stdout.fnmatch_lines(["*boxlite log of pbx-*"])
