@@ -27,7 +27,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     home = _home(args)
     requested = os.environ.get(OPTIONS_BY_NAME["runtime"].env, "auto")
     print(f"pytest-boxlite {__version__}")
-    print(f"platform:   {platform.system()} {platform.release()} {platform.machine()}, Python {platform.python_version()}")
+    print(
+        f"platform:   {platform.system()} {platform.release()} {platform.machine()}, Python {platform.python_version()}"
+    )
     print(f"/dev/kvm:   {p.kvm}")
     print(f"boxlite:    {p.boxlite_version or 'not installed'}")
     print(f"vm runtime: {'available' if p.vm_ok else 'unavailable'}: {p.reason}")

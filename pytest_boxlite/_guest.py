@@ -273,9 +273,15 @@ def main():
         meta, data = OPS[req["op"]](req, payload)
         meta["ok"] = True
     except OSError as exc:
-        meta, data = {"ok": False, "errno": exc.errno or 0, "strerror": exc.strerror or str(exc), "filename": exc.filename}, b""
+        meta, data = (
+            {"ok": False, "errno": exc.errno or 0, "strerror": exc.strerror or str(exc), "filename": exc.filename},
+            b"",
+        )
     except re.error as exc:
-        meta, data = {"ok": False, "errno": 0, "strerror": "invalid regular expression: %s" % exc, "kind": "pattern"}, b""
+        meta, data = (
+            {"ok": False, "errno": 0, "strerror": "invalid regular expression: %s" % exc, "kind": "pattern"},
+            b"",
+        )
     if req.get("b64"):
         data = base64.b64encode(data)
     meta["payload"] = len(data)

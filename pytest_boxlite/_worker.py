@@ -61,7 +61,9 @@ def serve(channel):
                 return
             item = self.items.get(nodeid)
             if item is None:
-                channel.send(("error", "the box could not collect %s (collected: %s)" % (nodeid, sorted(self.items)[:5])))
+                channel.send(
+                    ("error", "the box could not collect %s (collected: %s)" % (nodeid, sorted(self.items)[:5]))
+                )
                 return
             nextitem = self.items.get(next_nodeid) if next_nodeid else None
             item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)

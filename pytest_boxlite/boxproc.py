@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,22 +55,26 @@ def main(argv: list[str] | None = None) -> int:
     runtime = None
     box = None
     try:
-        env = tuple(tuple(e.split("=", 1)) for e in args.env)
+        env = tuple((k, v) for k, _, v in (e.partition("=") for e in args.env))
         spec = BoxSpec(
             image=args.image,
             cpus=args.cpus,
             memory_mib=args.memory,
             network=args.network,
-            env=env,  # type: ignore[arg-type]
+            env=env,
             mounts=tuple(args.mount),
         )
         runtime = open_runtime(args.runtime, home, owner)
         box = runtime.create_box(spec, f"pbx-{owner}-1", timeout=args.boot_timeout)
-        if not isinstance(box, NamespaceBox):
-            raise BoxliteError(f"--boxlite-scope=worker needs the namespace runtime here (got {args.runtime})")
         # The command inherits SIGINT from the terminal's process group; so do we: let the box handle it.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        code = attach(box.box_dir, command, cwd=args.cwd, env=worker_env(spec))
+        guest_env = worker_env(spec)
+        if isinstance(box, NamespaceBox):
+            code = attach(box.box_dir, command, cwd=args.cwd, env=guest_env)
+        else:
+            # The VM's bridge lives in this process; the attach helper reaches it like an agent.
+            argv = box.attach_argv(command, cwd=args.cwd)
+            code = subprocess.call([*argv[: argv.index("--")], "--env", json.dumps(guest_env), *argv[argv.index("--") :]])
         return 128 - code if code < 0 else code
     except BoxliteError as exc:
         print(f"pytest-boxlite: could not run the worker in a box: {exc}", file=sys.stderr)

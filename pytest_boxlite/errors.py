@@ -14,22 +14,22 @@ if TYPE_CHECKING:
     from pytest_boxlite.sandbox import ExecResult
 
 __all__ = [
-    "BoxliteError",
-    "ConfigError",
-    "RuntimeUnavailableError",
-    "BoxStartError",
     "BoxDeadError",
-    "BoxTimeoutError",
-    "CommandError",
-    "GuestToolError",
-    "InvalidPathError",
-    "LeaseTimeoutError",
-    "SandboxFileError",
-    "BoxFileNotFoundError",
     "BoxFileExistsError",
+    "BoxFileNotFoundError",
     "BoxIsADirectoryError",
     "BoxNotADirectoryError",
     "BoxPermissionError",
+    "BoxStartError",
+    "BoxTimeoutError",
+    "BoxliteError",
+    "CommandError",
+    "ConfigError",
+    "GuestToolError",
+    "InvalidPathError",
+    "LeaseTimeoutError",
+    "RuntimeUnavailableError",
+    "SandboxFileError",
     "file_error",
 ]
 
@@ -78,9 +78,7 @@ class CommandError(BoxliteError):
         what = "timed out" if result.timed_out else f"exited with status {result.exit_code}"
         out = _tail(result.stdout)
         err = _tail(result.stderr)
-        super().__init__(
-            f"command {result.command!r} {what}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
-        )
+        super().__init__(f"command {result.command!r} {what}\n--- stdout ---\n{out}\n--- stderr ---\n{err}")
 
 
 def _tail(text: str, limit: int = 2000) -> str:

@@ -70,7 +70,9 @@ class _Warm:
 class Lease:
     """A leased box.  Use as a context manager, or call :meth:`release` yourself."""
 
-    def __init__(self, pool: BoxPool, spec: BoxSpec, handle: BoxHandle, sandbox: Sandbox, waited: float, reuse: bool) -> None:
+    def __init__(
+        self, pool: BoxPool, spec: BoxSpec, handle: BoxHandle, sandbox: Sandbox, waited: float, reuse: bool
+    ) -> None:
         self.pool = pool
         self.spec = spec
         self.handle = handle
@@ -176,13 +178,14 @@ class BoxPool:
                 finally:
                     with self._cond:
                         self._booting[spec] -= 1
-            elif kind == "reused" or time.monotonic() - self._since.pop(handle.name, 0.0) > self.health_after:
+            elif (
+                kind == "reused" or time.monotonic() - self._since.pop(handle.name, 0.0) > self.health_after
+            ) and not handle.alive(self.health_timeout):
                 # A box that served a test, or sat in the pool a while, is checked before it is handed out.
-                if not handle.alive(self.health_timeout):
-                    with self._cond:
-                        self.stats.unhealthy += 1
-                    self._destroy_async(handle)
-                    continue
+                with self._cond:
+                    self.stats.unhealthy += 1
+                self._destroy_async(handle)
+                continue
             waited = time.monotonic() - start
             with self._cond:
                 self._leased[handle.name] = handle
@@ -279,7 +282,7 @@ class BoxPool:
     def _fill_one(self, spec: BoxSpec) -> None:
         try:
             handle = self._boot(spec)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - handed to the next lease of this spec, which raises it
             with self._cond:
                 self._booting[spec] -= 1
                 self._boot_errors[spec] = exc

@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import execnet
 import pytest
@@ -33,9 +33,14 @@ from pytest_boxlite.pool import Lease
 from pytest_boxlite.runtimes.base import BoxHandle
 from pytest_boxlite.spec import GUEST_ENV, BoxSpec, worker_env
 
+if TYPE_CHECKING:
+    from pytest_boxlite.markers import BoxPlan
+    from pytest_boxlite.session import BoxliteSession
+
 WORKER_SOURCE = Path(__file__).with_name("_worker.py")
 #: Flags whose values are forwarded to the guest's pytest so reports render the same.
 _FORWARD_VALUE_FLAGS = ("-p", "-o", "--override-ini", "-W", "--pythonwarnings", "--import-mode", "--assert")
+_FORWARD_JOINED = ("--override-ini=", "--pythonwarnings=", "--import-mode=", "--assert=")
 _FORWARD_BARE_FLAGS = ("--strict-markers", "--strict-config", "--full-trace", "--showlocals", "-l")
 
 
@@ -60,11 +65,8 @@ def guest_args(config: pytest.Config) -> list[str]:
             args += [a, inv[i + 1]]
             i += 2
             continue
-        if a.startswith(("-p", "-W", "-o")) and len(a) > 2 and not a.startswith("--"):
-            args.append(a)
-        elif a.startswith(("--override-ini=", "--pythonwarnings=", "--import-mode=", "--assert=")):
-            args.append(a)
-        elif a in _FORWARD_BARE_FLAGS:
+        short_joined = a.startswith(("-p", "-W", "-o")) and len(a) > 2 and not a.startswith("--")
+        if short_joined or a.startswith(_FORWARD_JOINED) or a in _FORWARD_BARE_FLAGS:
             args.append(a)
         i += 1
     opt = config.option
@@ -160,7 +162,12 @@ class RemoteRunner:
         if worker is None:
             return self._synthesized(item, "setup", f"box {handle.name} has no running test worker", handle, 0.0)
         start = time.monotonic()
-        request = (item.nodeid, _node_arg(config, item.nodeid), next_nodeid, _node_arg(config, next_nodeid) if next_nodeid else None)
+        request = (
+            item.nodeid,
+            _node_arg(config, item.nodeid),
+            next_nodeid,
+            _node_arg(config, next_nodeid) if next_nodeid else None,
+        )
         reports: list[Any] = []
         deadline = start + timeout
         try:
@@ -205,7 +212,9 @@ class RemoteRunner:
         gone = "" if handle.alive(timeout=1.0) else "; the box itself is gone"
         return f"the test process in the box {how}{gone} (channel: {type(exc).__name__}: {exc})"
 
-    def _complete(self, item: pytest.Item, reports: list[Any], why: str, handle: BoxHandle, duration: float) -> list[Any]:
+    def _complete(
+        self, item: pytest.Item, reports: list[Any], why: str, handle: BoxHandle, duration: float
+    ) -> list[Any]:
         """Add failed reports for the phases the box did not finish."""
         done = {r.when for r in reports}
         if "setup" not in done:
@@ -244,7 +253,9 @@ def _how_it_died(status_file: Path, wait: float = 2.0) -> str:
     return f"exited with status {code}"
 
 
-def _report(item: pytest.Item, when: str, outcome: str, why: str | None, handle: BoxHandle, duration: float) -> pytest.TestReport:
+def _report(
+    item: pytest.Item, when: str, outcome: str, why: str | None, handle: BoxHandle, duration: float
+) -> pytest.TestReport:
     sections = []
     if why is not None:
         tail = handle.log_tail()
@@ -273,12 +284,14 @@ class BoxedExecutor:
 
     KEEP_PROPERTY = "boxlite_box"
 
-    def __init__(self, runner: RemoteRunner, session: Any) -> None:
+    def __init__(self, runner: RemoteRunner, session: BoxliteSession) -> None:
         self.runner = runner
         self.session = session
         self._held: tuple[str, BoxSpec, Lease] | None = None  # module scope: (module path, spec, lease)
 
-    def run_protocol(self, item: pytest.Item, plan: Any, nextitem: pytest.Item | None, next_plan: Any) -> bool:
+    def run_protocol(
+        self, item: pytest.Item, plan: BoxPlan, nextitem: pytest.Item | None, next_plan: BoxPlan | None
+    ) -> bool:
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         module = item.nodeid.split("::", 1)[0]
@@ -315,7 +328,7 @@ class BoxedExecutor:
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
 
-    def _lease(self, module: str, plan: Any) -> Lease:
+    def _lease(self, module: str, plan: BoxPlan) -> Lease:
         if self._held is not None:
             held_module, held_spec, lease = self._held
             if held_module == module and held_spec == plan.spec:

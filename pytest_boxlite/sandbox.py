@@ -33,7 +33,7 @@ from pytest_boxlite.errors import (
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxHandle, RawResult
 from pytest_boxlite.spec import check_env
 
-__all__ = ["ExecResult", "GrepMatch", "SearchResult", "Sandbox"]
+__all__ = ["ExecResult", "GrepMatch", "Sandbox", "SearchResult"]
 
 #: File transfers are not capped the way command output is.
 _TRANSFER_CAP = 1 << 40
@@ -114,7 +114,9 @@ class Sandbox:
     (:attr:`workdir`); ``..`` components are resolved as in a shell.
     """
 
-    def __init__(self, handle: BoxHandle, *, default_timeout: float = DEFAULT_TIMEOUT, max_output: int = DEFAULT_MAX_OUTPUT) -> None:
+    def __init__(
+        self, handle: BoxHandle, *, default_timeout: float = DEFAULT_TIMEOUT, max_output: int = DEFAULT_MAX_OUTPUT
+    ) -> None:
         self.handle = handle
         self.default_timeout = default_timeout
         self.max_output = max_output
@@ -156,7 +158,9 @@ class Sandbox:
     ) -> ExecResult:
         """Run ``command`` through ``/bin/sh -c`` in the box."""
         if not isinstance(command, str):
-            raise ConfigError(f"execute_command takes a shell command string, got {type(command).__name__}; use run() for argv lists")
+            raise ConfigError(
+                f"execute_command takes a shell command string, got {type(command).__name__}; use run() for argv lists"
+            )
         return self._exec(["/bin/sh", "-c", command], command, None, env, cwd, timeout, user, check)
 
     def run(
@@ -226,7 +230,9 @@ class Sandbox:
         return "/" + p.lstrip("/")
 
     # -- guest helper -----------------------------------------------------
-    def _helper(self, op: str, args: dict[str, Any], payload: bytes = b"", timeout: float | None = None) -> tuple[dict[str, Any], bytes]:
+    def _helper(
+        self, op: str, args: dict[str, Any], payload: bytes = b"", timeout: float | None = None
+    ) -> tuple[dict[str, Any], bytes]:
         t = self._timeout(timeout)
         req = dict(args, op=op, payload=len(payload), b64=not self.handle.binary_stdout)
         stdin = json.dumps(req).encode() + b"\n" + payload
@@ -242,8 +248,10 @@ class Sandbox:
         head, sep, body = raw.stdout.partition(b"\n")
         if raw.exit_code != 0 or not sep:
             err = raw.stderr.decode("utf-8", "replace").strip()
-            if raw.exit_code == 127 or "No such file or directory" in err and self.handle.guest_python in err:
-                raise GuestToolError(f"file operations need {self.handle.guest_python} in the guest image of box {self.name}")
+            if raw.exit_code == 127 or ("No such file or directory" in err and self.handle.guest_python in err):
+                raise GuestToolError(
+                    f"file operations need {self.handle.guest_python} in the guest image of box {self.name}"
+                )
             raise GuestToolError(f"{what} failed in box {self.name} (exit {raw.exit_code}): {err[-2000:]}")
         meta: dict[str, Any] = json.loads(head.decode())
         if not meta.pop("ok"):
@@ -257,12 +265,21 @@ class Sandbox:
         return meta, body
 
     # -- files ------------------------------------------------------------
-    def read_file(self, path: PathLike, *, start_line: int | None = None, end_line: int | None = None, timeout: float | None = None) -> str:
+    def read_file(
+        self,
+        path: PathLike,
+        *,
+        start_line: int | None = None,
+        end_line: int | None = None,
+        timeout: float | None = None,
+    ) -> str:
         """Read a text file (UTF-8, invalid bytes replaced); lines are 1-based and inclusive."""
         for v, n in ((start_line, "start_line"), (end_line, "end_line")):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{n} must be a positive integer, got {v!r}")
-        _, data = self._helper("read", {"path": self._path(path), "start_line": start_line, "end_line": end_line}, timeout=timeout)
+        _, data = self._helper(
+            "read", {"path": self._path(path), "start_line": start_line, "end_line": end_line}, timeout=timeout
+        )
         return data.decode("utf-8", "replace")
 
     def read_bytes(self, path: PathLike, *, timeout: float | None = None) -> bytes:
@@ -310,7 +327,9 @@ class Sandbox:
         else:
             raise FileNotFoundError(2, "No such file or directory (on the host)", str(src))
 
-    def download(self, guest_path: PathLike, host_path: str | os.PathLike[str], *, timeout: float | None = None) -> None:
+    def download(
+        self, guest_path: PathLike, host_path: str | os.PathLike[str], *, timeout: float | None = None
+    ) -> None:
         """Copy a guest file or directory tree to ``host_path`` (a tree's contents land in it)."""
         meta, data = self._helper("fetch", {"path": self._path(guest_path)}, timeout=timeout)
         dest = Path(host_path)
@@ -334,7 +353,9 @@ class Sandbox:
         """Entries under ``path`` down to ``max_depth`` levels, sorted; directories end with ``/``."""
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
             raise ConfigError(f"max_depth must be a positive integer, got {max_depth!r}")
-        return list(self._helper("list_dir", {"path": self._path(path), "max_depth": max_depth}, timeout=timeout)[0]["entries"])
+        return list(
+            self._helper("list_dir", {"path": self._path(path), "max_depth": max_depth}, timeout=timeout)[0]["entries"]
+        )
 
     def glob(
         self,

@@ -173,7 +173,7 @@ class BoxliteSession:
             if not closed:
                 for spec in wanted:
                     pool.prewarm(spec)
-        except BaseException as exc:  # surfaced to every test that asks for a box
+        except BaseException as exc:  # noqa: BLE001 - raised to every test that asks for a box
             self._start_error = exc
         finally:
             self._ready.set()

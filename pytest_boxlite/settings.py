@@ -108,22 +108,55 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("image", _nonempty, default_image, "OCI image of the boxes (default: python:<host major.minor>-slim)", "IMAGE"),
+    Option(
+        "image", _nonempty, default_image, "OCI image of the boxes (default: python:<host major.minor>-slim)", "IMAGE"
+    ),
     Option("replicas", _positive_int, lambda: 2, "cap on live boxes per pytest process; also the warm-pool size", "N"),
-    Option("runtime", _choice(*RUNTIME_CHOICES), lambda: "auto", "auto (vm when a VM can boot, else namespace), vm or namespace", "KIND"),
+    Option(
+        "runtime",
+        _choice(*RUNTIME_CHOICES),
+        lambda: "auto",
+        "auto (vm when a VM can boot, else namespace), vm or namespace",
+        "KIND",
+    ),
     Option("cpus", _positive_int, lambda: None, "vCPUs per box (default: runtime default, 1)", "N"),
     Option("memory", _memory, lambda: None, "memory per box in MiB (default: runtime default, 1024)", "MIB"),
-    Option("idle_timeout", _non_negative_float, lambda: 600.0, "stop warm boxes idle this long, in seconds; 0 = never", "SECONDS"),
-    Option("timeout", _positive_float, lambda: 300.0, "default bound on each command and each boxed test, in seconds", "SECONDS"),
+    Option(
+        "idle_timeout",
+        _non_negative_float,
+        lambda: 600.0,
+        "stop warm boxes idle this long, in seconds; 0 = never",
+        "SECONDS",
+    ),
+    Option(
+        "timeout",
+        _positive_float,
+        lambda: 300.0,
+        "default bound on each command and each boxed test, in seconds",
+        "SECONDS",
+    ),
     Option("network", _network, lambda: False, "on or off: outbound network inside boxes (default off)", "on|off"),
     Option("home", _nonempty, default_home, "runtime state and image cache (default: ~/.cache/pytest-boxlite)", "DIR"),
     Option("keep", _bool, lambda: False, "keep the boxes of failed tests for debugging", flag_only=True),
     Option("all", _bool, lambda: False, "run every collected test inside a box (flag: --boxlite)", flag_only=True),
-    Option("scope", _choice("test", "module", "worker"), lambda: "test",
-           "test: a box per boxed test (default); module: one per module; worker: each xdist worker "
-           "(or, without -n, the whole session) runs inside one box", "test|module|worker"),
-    Option("boot_timeout", _positive_float, lambda: 120.0, "bound on creating and starting one box, in seconds", "SECONDS"),
-    Option("lease_timeout", _positive_float, lambda: 300.0, "how long a test waits for a box when all replicas are busy", "SECONDS"),
+    Option(
+        "scope",
+        _choice("test", "module", "worker"),
+        lambda: "test",
+        "test: a box per boxed test (default); module: one per module; worker: each xdist worker "
+        "(or, without -n, the whole session) runs inside one box",
+        "test|module|worker",
+    ),
+    Option(
+        "boot_timeout", _positive_float, lambda: 120.0, "bound on creating and starting one box, in seconds", "SECONDS"
+    ),
+    Option(
+        "lease_timeout",
+        _positive_float,
+        lambda: 300.0,
+        "how long a test waits for a box when all replicas are busy",
+        "SECONDS",
+    ),
 )
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -155,7 +188,9 @@ def add_options(parser: pytest.Parser) -> None:
     for opt in OPTIONS:
         text = f"{opt.help} [ini: {opt.ini}; env: {opt.env}]"
         if opt.flag_only:
-            group.addoption(opt.flag, action="store_const", const="1", default=None, dest=f"boxlite_{opt.name}", help=text)
+            group.addoption(
+                opt.flag, action="store_const", const="1", default=None, dest=f"boxlite_{opt.name}", help=text
+            )
         else:
             group.addoption(opt.flag, default=None, dest=f"boxlite_{opt.name}", metavar=opt.metavar, help=text)
         parser.addini(opt.ini, opt.help, default=None)

@@ -231,9 +231,10 @@ def test_without_reuse_a_box_never_serves_two_leases(rt: NamespaceRuntime, make_
     pool = make_pool(replicas=2)
     pool.prewarm(SPEC)
     seen: list[str] = []
-    for i in range(4):
-        reuse_first = i % 2 == 1  # one side opting in is not enough
-        lease = pool.lease(SPEC, reuse=reuse_first)
+    # One side opting in is not enough: a reuse=True lease neither gets the box of a plain lease
+    # before it, nor gives its own box to the plain leases after it.
+    for reuse in (False, True, False, False):
+        lease = pool.lease(SPEC, reuse=reuse, timeout=20)
         seen.append(lease.handle.name)
         assert not lease.sandbox.exists("/workspace/used-before"), "a leased box was not pristine"
         lease.sandbox.write_file("/workspace/used-before", "x")

@@ -9,7 +9,18 @@ from pytest_boxlite.errors import ConfigError, RuntimeUnavailableError
 from pytest_boxlite.runtimes.base import BoxHandle, BoxRecord, RawResult, Runtime
 from pytest_boxlite.runtimes.probe import Probe, probe
 
-__all__ = ["RUNTIME_CHOICES", "BoxHandle", "BoxRecord", "Choice", "Probe", "RawResult", "Runtime", "choose", "open_runtime", "probe"]
+__all__ = [
+    "RUNTIME_CHOICES",
+    "BoxHandle",
+    "BoxRecord",
+    "Choice",
+    "Probe",
+    "RawResult",
+    "Runtime",
+    "choose",
+    "open_runtime",
+    "probe",
+]
 
 RUNTIME_CHOICES = ("auto", "vm", "namespace")
 

@@ -1,6 +1,6 @@
 """Host-side stdio bridge into a box.  Standard library only; runs as ``python -I -S _attach.py``.
 
-``_attach.py SOCKET [--cwd DIR] [--status FILE] [--stderr FILE] -- ARGV...`` runs ARGV in the box whose
+``_attach.py SOCKET [--cwd DIR] [--status FILE] [--stderr FILE] [--env JSON] -- ARGV...`` runs ARGV in the box whose
 agent listens on SOCKET, handing it this process's stdin, stdout and stderr
 (SCM_RIGHTS), so the stream is binary-clean and this process copies nothing.
 It exits with the command's status (128+N for a signal), and is what an
@@ -34,9 +34,12 @@ def main(argv):
     cwd = None
     status_file = None
     stderr_fd = 2
-    while rest[:1] in (["--cwd"], ["--status"], ["--stderr"]):
+    env = {}
+    while rest[:1] in (["--cwd"], ["--status"], ["--stderr"], ["--env"]):
         if rest[0] == "--cwd":
             cwd = rest[1]
+        elif rest[0] == "--env":
+            env = json.loads(rest[1])
         elif rest[0] == "--stderr":
             stderr_fd = os.open(rest[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         else:
@@ -45,7 +48,7 @@ def main(argv):
     if rest[:1] == ["--"]:
         rest = rest[1:]
     sock = _connect(path)
-    req = {"op": "exec", "argv": rest, "env": {}, "cwd": cwd}
+    req = {"op": "exec", "argv": rest, "env": env, "cwd": cwd}
     socket.send_fds(sock, [(json.dumps(req) + "\n").encode()], [0, 1, stderr_fd])
     # Our own stdio now lives on in the box; keep nothing that could hold the pipes open.
     for fd in (0, 1):

@@ -7,6 +7,7 @@ could not be applied, so the runtime can report it instead of pretending.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -70,10 +71,8 @@ def remove_dirs(dirs: list[Path], timeout: float = 2.0) -> None:
         while d.exists():
             try:
                 for pid in (d / "cgroup.procs").read_text().split():
-                    try:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(int(pid), 9)
-                    except (ProcessLookupError, PermissionError):
-                        pass
                 d.rmdir()
             except FileNotFoundError:
                 break
@@ -109,10 +108,8 @@ def create(name: str, *, memory_mib: int | None, cpus: int | None, pids: int | N
                 cg.dirs.append(d)
                 if controller == "memory":
                     (d / "memory.limit_in_bytes").write_text(str(value * 1024 * 1024))
-                    try:
+                    with contextlib.suppress(OSError):  # no swap accounting: the plain limit still holds
                         (d / "memory.memsw.limit_in_bytes").write_text(str(value * 1024 * 1024))
-                    except OSError:
-                        pass  # no swap accounting: the plain limit still holds
                 elif controller == "cpu":
                     (d / "cpu.cfs_period_us").write_text("100000")
                     (d / "cpu.cfs_quota_us").write_text(str(value * 100000))
@@ -128,10 +125,8 @@ def create(name: str, *, memory_mib: int | None, cpus: int | None, pids: int | N
                     cg.dirs.append(d)
                 if controller == "memory":
                     (d / "memory.max").write_text(str(value * 1024 * 1024))
-                    try:
+                    with contextlib.suppress(OSError):  # no swap controller: the memory limit still holds
                         (d / "memory.swap.max").write_text("0")
-                    except OSError:
-                        pass  # no swap controller: the memory limit still holds
                 elif controller == "cpu":
                     (d / "cpu.max").write_text(f"{value * 100000} 100000")
                 else:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from pytest_boxlite.errors import (
     BoxDeadError,
@@ -139,7 +140,12 @@ def mount_plan(bwrap: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         overlay = ["--overlay-src", path, "--tmp-overlay", path]
         if _mounts_below(path):
             probe = [bwrap, "--unshare-user", "--uid", "0", "--gid", "0", *overlay, "--ro-bind", "/usr", "/usr"]
-            probe += [a for d in ("bin", "lib", "lib64") if os.path.islink("/" + d) for a in ("--symlink", os.readlink("/" + d), "/" + d)]
+            probe += [
+                a
+                for d in ("bin", "lib", "lib64")
+                if os.path.islink("/" + d)
+                for a in ("--symlink", os.readlink("/" + d), "/" + d)
+            ]
             ok = subprocess.run([*probe, "true"], capture_output=True, timeout=10).returncode == 0
             if not ok:
                 args += ["--ro-bind", path, path]
@@ -222,13 +228,14 @@ class _Lines:
             self.eof = True
         self.buf += chunk
 
-    def pop(self) -> dict | None:
+    def pop(self) -> dict[str, Any] | None:
         if b"\n" not in self.buf:
             return None
         line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line.decode())
+        msg: dict[str, Any] = json.loads(line.decode())
+        return msg
 
-    def read(self, deadline: float) -> dict:
+    def read(self, deadline: float) -> dict[str, Any]:
         while True:
             msg = self.pop()
             if msg is not None:
@@ -245,9 +252,10 @@ class _Lines:
                 continue
 
 
-def _read_info(box_dir: Path) -> dict:
+def _read_info(box_dir: Path) -> dict[str, Any]:
     try:
-        return json.loads((box_dir / "info.json").read_text())
+        info: dict[str, Any] = json.loads((box_dir / "info.json").read_text())
+        return info
     except (OSError, ValueError):
         return {}
 
@@ -264,9 +272,11 @@ def _proc_start_time(pid: int) -> str | None:
     return fields[19]
 
 
-def _alive(info: dict) -> bool:
+def _alive(info: dict[str, Any]) -> bool:
     pid = info.get("pid")
-    return bool(pid) and _proc_start_time(int(pid)) == info.get("start_time")
+    if not pid:
+        return False
+    return _proc_start_time(int(pid)) == info.get("start_time")
 
 
 class NamespaceBox:
@@ -295,7 +305,7 @@ class NamespaceBox:
         (self.box_dir / "keep").write_text(str(time.time()))
 
     # -- requests -------------------------------------------------------
-    def _request(self, req: dict, fds: Sequence[int], timeout: float) -> tuple[socket.socket, _Lines]:
+    def _request(self, req: dict[str, Any], fds: Sequence[int], timeout: float) -> tuple[socket.socket, _Lines]:
         if self._destroyed:
             raise BoxDeadError(f"box {self.name} has been destroyed")
         try:
@@ -642,7 +652,13 @@ class NamespaceRuntime:
             log.close()
             os.close(watch_r)
         assert proc.stdout is not None
-        info = {"name": name, "pid": proc.pid, "start_time": _proc_start_time(proc.pid), "spec": spec.describe(), "created": time.time()}
+        info = {
+            "name": name,
+            "pid": proc.pid,
+            "start_time": _proc_start_time(proc.pid),
+            "spec": spec.describe(),
+            "created": time.time(),
+        }
         (box_dir / "info.json").write_text(json.dumps(info))
         box = NamespaceBox(name, box_dir, proc, cg, watch_w)
         ready = self._wait_ready(proc, timeout)
@@ -650,7 +666,9 @@ class NamespaceRuntime:
         if not ready:
             tail = box.log_tail()
             box.destroy()
-            raise BoxStartError(f"namespace box {name} did not start within {timeout:.0f}s: {tail.strip() or 'no output'}")
+            raise BoxStartError(
+                f"namespace box {name} did not start within {timeout:.0f}s: {tail.strip() or 'no output'}"
+            )
         return box
 
     @staticmethod
@@ -675,7 +693,9 @@ class NamespaceRuntime:
         for box_dir in sorted(self.state_dir.iterdir()) if self.state_dir.is_dir() else []:
             info = _read_info(box_dir)
             state = "running" if _alive(info) else "dead"
-            out.append(BoxRecord(name=box_dir.name, id=box_dir.name, runtime=self.name, state=state, home=str(self.home)))
+            out.append(
+                BoxRecord(name=box_dir.name, id=box_dir.name, runtime=self.name, state=state, home=str(self.home))
+            )
         return out
 
     def remove_box(self, name: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -20,10 +21,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pytest_boxlite.errors import BoxDeadError, BoxStartError, BoxTimeoutError, ConfigError, RuntimeUnavailableError
+from pytest_boxlite.runtimes._vmbridge import VmBridge
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxRecord, RawResult
 from pytest_boxlite.spec import BoxSpec
 
 T = TypeVar("T")
+ATTACH = Path(__file__).with_name("_attach.py")
 WORKDIR = "/workspace"
 #: Bound on bookkeeping calls (create, list, remove) that never boot anything.
 BOOKKEEPING_TIMEOUT = 30.0
@@ -82,6 +85,19 @@ class VmBox:
         self.name = name
         self.id = str(box.id)
         self._dead = False
+        self._bridge: VmBridge | None = None
+        self._bridge_lock = threading.Lock()
+
+    def attach_argv(self, argv: Sequence[str], *, cwd: str | None = None, status_file: str | None = None) -> list[str]:
+        """A host command whose stdio are those of ``argv`` in this VM (through this process's bridge)."""
+        with self._bridge_lock:
+            if self._bridge is None:
+                sock = self._rt.home / "bridges" / f"{self.name}.sock"
+                self._bridge = VmBridge(self._box, self._rt.loop.loop, sock, self.guest_python)
+        extra = ["--cwd", cwd] if cwd else []
+        if status_file:
+            extra += ["--status", status_file]
+        return [sys.executable, "-I", "-S", str(ATTACH), str(self._bridge.sock_path), *extra, "--", *argv]
 
     def exec(
         self,
@@ -178,6 +194,10 @@ class VmBox:
     def destroy(self) -> None:
         if self._dead and self._box is None:
             return
+        with self._bridge_lock:
+            if self._bridge is not None:
+                self._bridge.close()
+                self._bridge = None
         self._dead = True
         self._box = None
         self._rt.remove_box(self.name)

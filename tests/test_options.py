@@ -1,0 +1,295 @@
+"""Options: default < ini < environment < command line, bad values, and turning the plugin off.
+
+Each case is a real pytest sub-run (``pytester.runpytest``) whose test prints
+the settings the plugin resolved, read from ``config.stash``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_boxlite.runtimes import probe
+from pytest_boxlite.settings import OPTIONS, default_home
+from pytest_boxlite.spec import default_image
+
+#: Where boxlite's wheel unpacked its bwrap; pytester points $HOME elsewhere, so keep this reachable.
+REAL_DATA_HOME = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+
+SHOW_SETTINGS = """
+import dataclasses, json
+from pytest_boxlite.fixtures import SESSION_KEY
+
+def test_show(pytestconfig):
+    session = pytestconfig.stash[SESSION_KEY]
+    s = session.settings
+    values = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "sources"}
+    print("BOXLITE-SETTINGS " + json.dumps({"values": values, "sources": s.sources, "runtime": session.choice.kind}))
+"""
+
+# name -> (ini raw, env raw, cli args, parsed ini, parsed env, parsed cli)
+LAYERS: dict[str, tuple[str, str, list[str], Any, Any, Any]] = {
+    "replicas": ("3", "4", ["--boxlite-replicas", "5"], 3, 4, 5),
+    "image": ("ini/image:1", "env/image:2", ["--boxlite-image", "cli/image:3"], "ini/image:1", "env/image:2", "cli/image:3"),
+    "network": ("on", "off", ["--boxlite-network", "on"], True, False, True),
+    "runtime": ("namespace", "auto", ["--boxlite-runtime", "namespace"], "namespace", "auto", "namespace"),
+    "idle_timeout": ("11", "0", ["--boxlite-idle-timeout", "12.5"], 11.0, 0.0, 12.5),
+    "timeout": ("21", "22", ["--boxlite-timeout", "23.5"], 21.0, 22.0, 23.5),
+    "cpus": ("2", "3", ["--boxlite-cpus", "4"], 2, 3, 4),
+    "memory": ("256", "512", ["--boxlite-memory", "768"], 256, 512, 768),
+    "keep": ("true", "no", ["--boxlite-keep"], True, False, True),
+    "scope": ("module", "test", ["--boxlite-scope", "module"], "module", "test", "module"),
+    "boot_timeout": ("31", "32", ["--boxlite-boot-timeout", "33"], 31.0, 32.0, 33.0),
+    "lease_timeout": ("41", "42", ["--boxlite-lease-timeout", "43"], 41.0, 42.0, 43.0),
+}
+# home is set per test, under tmp_path: see home_layers().
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No PYTEST_BOXLITE_* from the outer environment leaks into a sub-run."""
+    for key in list(os.environ):
+        if key.startswith("PYTEST_BOXLITE_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("XDG_DATA_HOME", REAL_DATA_HOME)
+
+
+def home_layers(tmp_path: Path) -> tuple[str, str, str]:
+    return str(tmp_path / "ini-home"), str(tmp_path / "env-home"), str(tmp_path / "cli-home")
+
+
+def write_ini(pytester: pytest.Pytester, values: dict[str, str]) -> None:
+    lines = ["[pytest]"] + [f"boxlite_{k} = {v}" for k, v in values.items()]
+    pytester.makeini("\n".join(lines) + "\n")
+
+
+def run_show(pytester: pytest.Pytester, *args: str) -> dict[str, Any]:
+    pytester.makepyfile(test_show=SHOW_SETTINGS)
+    result = pytester.runpytest("-s", "-p", "no:cacheprovider", *args)
+    assert result.ret == pytest.ExitCode.OK, "\n".join(result.outlines + result.errlines)
+    for line in result.outlines:
+        if line.startswith("BOXLITE-SETTINGS "):
+            shown: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+            return shown
+    raise AssertionError("the sub-run printed no settings:\n" + "\n".join(result.outlines))
+
+
+# -- precedence --------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_defaults(pytester: pytest.Pytester) -> None:
+    shown = run_show(pytester)
+    values, sources = shown["values"], shown["sources"]
+    assert set(sources) == {o.name for o in OPTIONS}
+    assert all(src == "default" for src in sources.values()), sources
+    assert values["image"] == default_image()
+    assert values["replicas"] == 2
+    assert values["runtime"] == "auto"
+    assert values["network"] is False
+    assert values["idle_timeout"] == 600.0
+    assert values["timeout"] == 300.0
+    assert values["keep"] is False
+    assert values["cpus"] is None
+    assert values["memory"] is None
+    # The default home is under the user's cache directory, as seen by the sub-run (pytester sets $HOME).
+    assert values["home"] == default_home()
+    assert values["home"].endswith(os.path.join(".cache", "pytest-boxlite"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layers", ["ini", "ini+env", "ini+env+cli"])
+def test_precedence(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, layers: str) -> None:
+    ini_home, env_home, cli_home = home_layers(tmp_path)
+    write_ini(pytester, {**{k: v[0] for k, v in LAYERS.items()}, "home": ini_home})
+    args: list[str] = []
+    if "env" in layers:
+        for name, layer in LAYERS.items():
+            monkeypatch.setenv("PYTEST_BOXLITE_" + name.upper(), layer[1])
+        monkeypatch.setenv("PYTEST_BOXLITE_HOME", env_home)
+    if "cli" in layers:
+        for layer in LAYERS.values():
+            args += layer[2]
+        args += ["--boxlite-home", cli_home]
+
+    shown = run_show(pytester, *args)
+    values, sources = shown["values"], shown["sources"]
+    idx = {"ini": 3, "ini+env": 4, "ini+env+cli": 5}[layers]
+    for name, layer in LAYERS.items():
+        assert values[name] == layer[idx], f"{name} under {layers}"
+    assert values["home"] == {"ini": ini_home, "ini+env": env_home, "ini+env+cli": cli_home}[layers]
+    for name in [*LAYERS, "home"]:
+        if layers == "ini":
+            assert sources[name] == f"ini boxlite_{name}"
+        elif layers == "ini+env":
+            assert sources[name] == f"env PYTEST_BOXLITE_{name.upper()}"
+        else:
+            assert sources[name].startswith("command line --boxlite-"), sources[name]
+    # Options nobody set keep their defaults.
+    assert sources["all"] == "default"
+
+
+@pytest.mark.timeout(60)
+def test_env_beats_default_and_cli_beats_ini_without_the_middle_layer(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    write_ini(pytester, {"replicas": "3", "image": "ini/image:1", "home": str(tmp_path / "ini-home")})
+    monkeypatch.setenv("PYTEST_BOXLITE_NETWORK", "on")
+    monkeypatch.setenv("PYTEST_BOXLITE_IDLE_TIMEOUT", "7")
+    shown = run_show(pytester, "--boxlite-replicas=6", "--boxlite-timeout", "9")
+    values, sources = shown["values"], shown["sources"]
+    assert (values["replicas"], sources["replicas"]) == (6, "command line --boxlite-replicas")
+    assert (values["image"], sources["image"]) == ("ini/image:1", "ini boxlite_image")
+    assert (values["network"], sources["network"]) == (True, "env PYTEST_BOXLITE_NETWORK")
+    assert (values["idle_timeout"], sources["idle_timeout"]) == (7.0, "env PYTEST_BOXLITE_IDLE_TIMEOUT")
+    assert (values["timeout"], sources["timeout"]) == (9.0, "command line --boxlite-timeout")
+    assert sources["runtime"] == "default"
+
+
+@pytest.mark.timeout(60)
+def test_runtime_namespace_is_used_when_asked(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    shown = run_show(pytester, "--boxlite-runtime=namespace", f"--boxlite-home={tmp_path / 'h'}")
+    assert shown["runtime"] == "namespace"
+
+
+# -- bad values ----------------------------------------------------------------
+
+# (option name, bad raw value, expected reason fragment); each is tried from every source that can express it.
+BAD_VALUES = [
+    ("replicas", "0", "must be at least 1"),
+    ("replicas", "many", "must be a number"),
+    ("image", " ", "must not be empty"),
+    ("network", "maybe", "must be one of: on, off"),
+    ("runtime", "docker", "must be one of: auto, vm, namespace"),
+    ("idle_timeout", "-1", "must be a number of seconds >= 0"),
+    ("idle_timeout", "inf", "must be a number of seconds >= 0"),
+    ("timeout", "0", "must be a number of seconds > 0"),
+    ("timeout", "nan", "must be a number of seconds > 0"),
+    ("cpus", "two", "must be a number"),
+    ("memory", "10", "must be at least 64"),
+    ("keep", "perhaps", "must be one of 1/0, true/false"),
+    ("scope", "class", "must be one of: test, module"),
+    ("lease_timeout", "-5", "must be a number of seconds > 0"),
+]
+SOURCES = ["ini", "env", "cli"]
+
+
+def _bad_cases() -> list[Any]:
+    cases = []
+    for name, raw, reason in BAD_VALUES:
+        for source in SOURCES:
+            if name == "keep" and source == "cli":
+                continue  # a flag on the command line: it has no value to get wrong
+            if source == "ini" and not raw.strip():
+                continue  # an empty ini value means "not set"
+            cases.append(pytest.param(name, raw, reason, source, id=f"{name}={raw.strip() or 'blank'}-{source}"))
+    return cases
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("name", "raw", "reason", "source"), _bad_cases())
+def test_bad_value_is_a_usage_error_naming_source_and_option(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, name: str, raw: str, reason: str, source: str
+) -> None:
+    flag = "--boxlite-" + name.replace("_", "-")
+    env = "PYTEST_BOXLITE_" + name.upper()
+    args: list[str] = []
+    if source == "ini":
+        write_ini(pytester, {name: raw})
+        where = f"ini key boxlite_{name}"
+    elif source == "env":
+        monkeypatch.setenv(env, raw)
+        where = f"environment variable {env}"
+    else:
+        args.append(f"{flag}={raw}")
+        where = f"the command line ({flag})"
+    pytester.makepyfile("def test_never_runs():\n    raise AssertionError('must not run')\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    err = "\n".join(result.errlines)
+    assert f"{flag}: bad value {raw!r} from {where}" in err, err
+    assert reason in err, err
+    assert "must not run" not in "\n".join(result.outlines)
+
+
+@pytest.mark.timeout(60)
+def test_empty_home_on_the_command_line_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--boxlite-home=")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--boxlite-home: bad value '' from the command line (--boxlite-home): must not be empty*"])
+
+
+@pytest.mark.timeout(60)
+def test_unwritable_home_from_the_command_line_is_a_usage_error(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("a file, not a directory")
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", f"--boxlite-home={not_a_dir / 'home'}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--boxlite-home*is not usable*"])
+
+
+@pytest.mark.timeout(60)
+def test_runtime_vm_where_no_vm_boots_fails_fast_with_the_reason(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    p = probe()
+    if p.vm_ok:
+        pytest.skip("a micro-VM can boot here: runtime=vm is valid")
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--boxlite-runtime=vm", f"--boxlite-home={tmp_path / 'h'}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    err = "\n".join(result.errlines)
+    assert "cannot boot" in err
+    assert p.reason in err
+
+
+# -- the plugin as a whole -------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_p_no_boxlite_disables_the_plugin_cleanly(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        def test_plain():
+            pass
+
+        def test_boxed(boxlite_sandbox):
+            pass
+        """
+    )
+    result = pytester.runpytest("-p", "no:boxlite", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'boxlite_sandbox' not found*"])
+    assert not any(line.startswith("boxlite:") for line in result.outlines)
+    assert not any("- boxlite -" in line for line in result.outlines)
+
+
+@pytest.mark.timeout(60)
+def test_plugin_is_active_by_default(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """The counterpart of the test above: without ``-p no:boxlite`` the header is there."""
+    pytester.makepyfile("def test_plain():\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", f"--boxlite-home={tmp_path / 'h'}")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["boxlite: runtime=*", "boxlite: image=* replicas=2 *"])
+
+
+@pytest.mark.timeout(60)
+def test_fixtures_listing_shows_the_docstrings(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pytester.makepyfile("def test_plain():\n    pass\n")
+    result = pytester.runpytest("--fixtures", "-p", "no:cacheprovider", f"--boxlite-home={tmp_path / 'h'}")
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(
+        [
+            "boxlite_module_sandbox*module scope*",
+            "*One box shared by every test of a module*",
+        ],
+        consecutive=True,
+    )
+    result.stdout.fnmatch_lines(
+        ["boxlite_pool*session scope*", "*Session-wide access to the warm pool of boxes.*"], consecutive=True
+    )
+    result.stdout.fnmatch_lines(["boxlite_sandbox*", "*A pristine box for this test*"], consecutive=True)
