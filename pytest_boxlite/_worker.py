@@ -15,6 +15,15 @@ Protocol on the channel:
 import os
 import sys
 
+SECTION_CAP = 1 << 20
+
+
+def _cap(text):
+    if len(text) <= SECTION_CAP:
+        return text
+    cut = len(text) - SECTION_CAP
+    return text[:SECTION_CAP] + "\n[pytest-boxlite: %d more characters of this section were cut]\n" % cut
+
 
 def serve(channel):
     cfg = channel.receive()
@@ -44,6 +53,8 @@ def serve(channel):
                 self.run(session, *msg)
 
         def pytest_runtest_logreport(self, report):
+            # A test that prints 100 MB must not make the host hold 100 MB per report.
+            report.sections = [(title, _cap(content)) for title, content in report.sections]
             data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
             channel.send(("report", data))
 

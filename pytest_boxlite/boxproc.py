@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # The VM's bridge lives in this process; the attach helper reaches it like an agent.
             argv = box.attach_argv(command, cwd=args.cwd)
-            code = subprocess.call([*argv[: argv.index("--")], "--env", json.dumps(guest_env), *argv[argv.index("--") :]])
+            cut = argv.index("--")
+            code = subprocess.call([*argv[:cut], "--env", json.dumps(guest_env), *argv[cut:]])
         return 128 - code if code < 0 else code
     except BoxliteError as exc:
         print(f"pytest-boxlite: could not run the worker in a box: {exc}", file=sys.stderr)

@@ -16,9 +16,12 @@ def header(box: BoxliteSession, *, controller: bool = False) -> list[str]:
         why += "; namespace isolation shares the host kernel, weaker than a VM"
     per = " per worker" if controller else ""
     s = box.settings
+    image = s.image
+    if c.kind == "namespace":
+        image += " (unused: namespace boxes show the host's filesystem)"
     return [
         f"boxlite: runtime={c.kind} ({why})",
-        f"boxlite: image={s.image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={box.home}",
+        f"boxlite: image={image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={box.home}",
     ]
 
 
