@@ -25,18 +25,131 @@ def _cap(text):
     return text[:SECTION_CAP] + "\n[pytest-boxlite: %d more characters of this section were cut]\n" % cut
 
 
+# --- a fresh box for one test, forked from this warm interpreter (namespace runtime) -------------
+# The child gets new mount, uts, ipc, network and pid namespaces; every overlay the box has gets a
+# new, empty upper layer, and /tmp, /workspace and /dev/shm new tmpfs, so the test sees the box as
+# it was when this interpreter started, and nothing it does reaches this interpreter or the host.
+
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWUTS = 0x04000000
+_CLONE_NEWIPC = 0x08000000
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWPID = 0x20000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret, what):
+    if ret != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
+
+
+def _mount(libc, src, target, fstype, flags, data):
+    enc = lambda v: v.encode() if v is not None else None  # noqa: E731
+    _check(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)
+
+
+def _overlays():
+    """Mount points of this box's overlays, parents first."""
+    out = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            f = line.split()
+            if f[f.index("-") + 1] == "overlay":
+                out.append(f[4])
+    return sorted(set(out), key=lambda p: (p.count("/"), p))
+
+
+def _overlay(libc, lower, target, stage, n):
+    """A new overlay on ``target`` over ``lower``, with an empty upper layer in ``stage``."""
+    upper, work = "%s/u%d" % (stage, n), "%s/w%d" % (stage, n)
+    os.mkdir(upper)
+    os.mkdir(work)
+    opts = "lowerdir=%s,upperdir=%s,workdir=%s,userxattr" % (lower, upper, work)
+    _mount(libc, "overlay", target, "overlay", 0, opts)
+
+
+def _fresh_box(hostname):
+    """In the forked child: new namespaces and pristine writable layers.  Returns in the box's pid 1."""
+    libc = _libc()
+    _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWNET | _CLONE_NEWPID), "unshare")
+    _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
+    stage = "/run/.boxlite-fresh"
+    os.makedirs(stage, exist_ok=True)
+    _mount(libc, "tmpfs", stage, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700")
+    overlays = _overlays()
+    hidden = [m for m in overlays if m.startswith("/tmp/")]
+    # Overlays under /tmp vanish under the new /tmp: keep a handle on them first.
+    for i, m in enumerate(hidden):
+        os.mkdir("%s/keep%d" % (stage, i))
+        _mount(libc, m, "%s/keep%d" % (stage, i), None, _MS_BIND | _MS_REC, None)
+    for i, m in enumerate(overlays):
+        if m not in hidden:
+            _overlay(libc, m, m, stage, i)
+    for d in ("/tmp", "/workspace", "/dev/shm"):
+        if os.path.isdir(d):
+            _mount(libc, "tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777" if d != "/workspace" else "mode=0755")
+    for i, m in enumerate(hidden):
+        os.makedirs(m, exist_ok=True)
+        _overlay(libc, "%s/keep%d" % (stage, i), m, stage, len(overlays) + i)
+    pid = os.fork()
+    if pid:
+        # The intermediate process: wait for the box's pid 1 and exit with its status.
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            import signal
+
+            try:
+                signal.signal(-code, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass  # SIGKILL and SIGSTOP cannot be handled, so need no reset
+            os.kill(os.getpid(), -code)
+        os._exit(code)
+    import signal
+    import socket
+
+    _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+    socket.sethostname(hostname)
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket() as s:  # bring loopback up, as a new machine has it
+            fcntl.ioctl(s.fileno(), 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
+    except OSError:
+        pass
+    with open("/proc/self/oom_score_adj", "w") as fh:
+        fh.write("1000")  # under memory pressure the test dies, not the warm interpreter
+
+
 def serve(channel):
     cfg = channel.receive()
     os.chdir(cfg["cwd"])
     # The guest sees the host's project and packages at the same paths.
     sys.path[:] = cfg["sys_path"]
     os.environ.update(cfg["env"])
+    import json
+    import socket
+
     import pytest
 
     class GuestPlugin:
         def __init__(self):
             self.items = {}
             self.config = None
+            self.send = lambda kind, data: channel.send((kind, data))
+            self.children = {}
 
         @pytest.hookimpl(tryfirst=True)
         def pytest_collection(self, session):
@@ -50,13 +163,26 @@ def serve(channel):
                 msg = channel.receive()
                 if msg is None:
                     return True
-                self.run(session, *msg)
+                kind, args = msg[0], msg[1:]
+                if kind == "run":
+                    self.run(session, *args)
+                    self.send("done", None)
+                elif kind == "fork":
+                    self.fork(session, *args)
+                elif kind == "wait":
+                    channel.send(("status", self.wait(*args)))
+                elif kind == "kill":
+                    try:
+                        os.kill(args[0], 9)
+                    except ProcessLookupError:
+                        pass
+                    channel.send(("status", self.wait(args[0])))
 
         def pytest_runtest_logreport(self, report):
             # A test that prints 100 MB must not make the host hold 100 MB per report.
             report.sections = [(title, _cap(content)) for title, content in report.sections]
             data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-            channel.send(("report", data))
+            self.send("report", data)
 
         def _collect(self, session, pairs):
             missing = [arg for nodeid, arg in pairs if nodeid and nodeid not in self.items]
@@ -68,18 +194,69 @@ def serve(channel):
             try:
                 self._collect(session, [(nodeid, arg), (next_nodeid, next_arg)])
             except Exception as exc:  # reported to the host as a failed setup
-                channel.send(("error", "collecting %s in the box failed: %s: %s" % (nodeid, type(exc).__name__, exc)))
+                self.send("error", "collecting %s in the box failed: %s: %s" % (nodeid, type(exc).__name__, exc))
                 return
             item = self.items.get(nodeid)
             if item is None:
-                channel.send(
-                    ("error", "the box could not collect %s (collected: %s)" % (nodeid, sorted(self.items)[:5]))
-                )
+                self.send("error", "the box could not collect %s (collected: %s)" % (nodeid, sorted(self.items)[:5]))
                 return
             nextitem = self.items.get(next_nodeid) if next_nodeid else None
             item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
             self.items.pop(nodeid, None)
-            channel.send(("done", None))
+
+        def fork(self, session, nodeid, arg, token, sock_path, hostname):
+            for old in list(self.children):  # reap boxes that have ended
+                self.wait(old, timeout=0)
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                channel.send(("error", "fork failed: %s" % exc))
+                return
+            if pid:
+                self.children[pid] = None
+                channel.send(("forked", pid))
+                return
+            code = 0
+            try:
+                _fresh_box(hostname)
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.connect(sock_path)
+                out = conn.makefile("wb")
+
+                def send(kind, data):
+                    out.write((json.dumps([kind, data]) + "\n").encode())
+                    out.flush()
+
+                send("token", token)
+                self.send = send
+                self.run(session, nodeid, arg, None, None)
+                send("done", None)
+                out.close()
+                conn.close()
+            except BaseException as exc:
+                try:
+                    sys.stderr.write("pytest-boxlite: forked box failed: %r\n" % (exc,))
+                finally:
+                    code = 70
+            finally:
+                os._exit(code)
+
+        def wait(self, pid, timeout=5.0):
+            import time
+
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    return self.children.pop(pid, None)
+                if done:
+                    code = os.waitstatus_to_exitcode(status)
+                    self.children.pop(pid, None)
+                    return code
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.005)
 
     pytest.main(cfg["args"], plugins=[GuestPlugin()])
 

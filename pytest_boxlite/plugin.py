@@ -189,6 +189,8 @@ def _shutdown(config: pytest.Config) -> None:
     executor.close()
     box.shutdown()
     executor.runner.shutdown()
+    if executor.runner.forks:
+        box.report.stats.update(forked=executor.runner.forks, fork_waits=list(executor.runner.fork_waits))
     if _is_controller(config):
         box.reap_workers()
     workeroutput = getattr(config, "workeroutput", None)

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import secrets
 import shlex
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +97,11 @@ class RemoteRunner:
         self._lock = threading.Lock()
         self._source = WORKER_SOURCE.read_text()
         self._args = guest_args(config)
+        self._listeners: dict[str, socket.socket] = {}
+        self._log_since: dict[str, int] = {}
+        #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
+        self.forks = 0
+        self.fork_waits: list[float] = []
         self._status_tmp = tempfile.TemporaryDirectory(prefix="boxlite-status-")
         self.status_dir = Path(self._status_tmp.name)
 
@@ -138,6 +147,9 @@ class RemoteRunner:
         """Pool ``on_destroy`` callback: drop the gateway; the box is killed right after."""
         with self._lock:
             w = self._workers.pop(handle.name, None)
+            listener = self._listeners.pop(handle.name, None)
+        if listener is not None:
+            listener.close()
         if w is not None:
             with contextlib.suppress(Exception):
                 w.gateway.exit()
@@ -163,6 +175,7 @@ class RemoteRunner:
             return self._synthesized(item, "setup", f"box {handle.name} has no running test worker", handle, 0.0)
         start = time.monotonic()
         request = (
+            "run",
             item.nodeid,
             _node_arg(config, item.nodeid),
             next_nodeid,
@@ -170,6 +183,7 @@ class RemoteRunner:
         )
         reports: list[Any] = []
         deadline = start + timeout
+        error: str | None = None
         try:
             worker.channel.send(request)
             while True:
@@ -183,7 +197,9 @@ class RemoteRunner:
                 elif kind == "done":
                     break
                 elif kind == "error":
-                    return self._synthesized(item, "setup", str(data), handle, time.monotonic() - start)
+                    error = str(data)  # "done" still follows
+            if error is not None:
+                return self._synthesized(item, "setup", error, handle, time.monotonic() - start)
         except (TimeoutError, execnet.TimeoutError):
             self._kill(handle)
             why = f"timed out after {timeout:.0f}s; the box was killed (--boxlite-timeout or the marker's timeout)"
@@ -192,6 +208,88 @@ class RemoteRunner:
             why = self._death_reason(handle, worker, exc)
             return self._complete(item, reports, why, handle, time.monotonic() - start)
         return reports
+
+    def run_item_forked(self, item: pytest.Item, lease: Lease, *, timeout: float) -> tuple[list[Any], str]:
+        """Run ``item`` in a fresh box forked from the leased box's warm interpreter (namespace runtime).
+
+        Returns the reports and the forked box's name.  The fork gets new namespaces and empty
+        writable layers, so it is as pristine as a newly booted box, at the cost of a fork.
+        """
+        config = item.config
+        handle = lease.handle
+        with self._lock:
+            worker = self._workers.get(handle.name)
+        self.forks += 1
+        name = f"{handle.name}.{self.forks}"
+        if worker is None:
+            return self._synthesized(item, "setup", f"box {handle.name} has no running test worker", handle, 0.0), name
+        listener = self._fork_listener(handle)
+        token = secrets.token_hex(8)
+        start = time.monotonic()
+        deadline = start + timeout
+        reports: list[Any] = []
+        oom_before = _oom_count(handle)
+        # Failure reports quote only what this fork added to the template's log.
+        size = getattr(handle, "log_size", None)
+        self._log_since[handle.name] = size() if size is not None else 0
+        try:
+            worker.channel.send(("fork", item.nodeid, _node_arg(config, item.nodeid), token, FORK_SOCKET, name[:63]))
+            kind, data = worker.channel.receive(min(timeout, 30.0))
+            if kind != "forked":
+                return self._synthesized(item, "setup", f"could not fork a box: {data}", handle, 0.0), name
+            child = int(data)
+        except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError) as exc:
+            why = self._death_reason(handle, worker, exc)
+            return self._complete(item, reports, why, handle, time.monotonic() - start), name
+        error: str | None = None
+        done = False
+        try:
+            conn = _accept(listener, token, deadline)
+            with conn:
+                for kind, data in _json_lines(conn, deadline):
+                    if kind == "report":
+                        reports.append(config.hook.pytest_report_from_serializable(config=config, data=data))
+                    elif kind == "error":
+                        error = str(data)
+                    elif kind == "done":
+                        done = True
+                        break
+            self.fork_waits.append(time.monotonic() - start - sum(getattr(r, "duration", 0.0) for r in reports))
+        except TimeoutError:
+            self._fork_status(worker, ("kill", child))
+            why = f"timed out after {timeout:.0f}s; the box was killed (--boxlite-timeout or the marker's timeout)"
+            return self._complete(item, reports, why, handle, time.monotonic() - start), name
+        except OSError:
+            pass  # the box hung up: say how it died below
+        if error is not None:
+            return self._synthesized(item, "setup", error, handle, time.monotonic() - start), name
+        if not done:
+            code = self._fork_status(worker, ("wait", child))
+            if _oom_count(handle) > oom_before:
+                why = "the test process in the box was killed by the kernel's OOM killer (the box's memory cap)"
+            else:
+                why = f"the test process in the box {_describe_status(code)}"
+            return self._complete(item, reports, why, handle, time.monotonic() - start), name
+        return reports, name
+
+    def _fork_status(self, worker: _Worker, request: tuple[str, int]) -> int | None:
+        try:
+            worker.channel.send(request)
+            kind, code = worker.channel.receive(10.0)
+        except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError):
+            return None
+        return int(code) if kind == "status" and code is not None else None
+
+    def _fork_listener(self, handle: BoxHandle) -> socket.socket:
+        with self._lock:
+            sock = self._listeners.get(handle.name)
+            if sock is None:
+                path = Path(getattr(handle, "box_dir")) / "fork.sock"  # noqa: B009 - namespace boxes only
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.bind(_short_path(path))
+                sock.listen(4)
+                self._listeners[handle.name] = sock
+            return sock
 
     def _kill(self, handle: BoxHandle) -> None:
         with self._lock:
@@ -221,16 +319,83 @@ class RemoteRunner:
             return reports + self._synthesized(item, "setup", why, handle, duration)
         out = list(reports)
         if "call" not in done and all(r.passed for r in reports):
-            out.append(_report(item, "call", "failed", why, handle, duration))
+            out.append(_report(item, "call", "failed", why, self._log(handle), duration))
         if "teardown" not in done:
-            out.append(_report(item, "teardown", "passed", None, handle, 0.0))
+            out.append(_report(item, "teardown", "passed", None, None, 0.0))
         return out
 
+    def _log(self, handle: BoxHandle) -> tuple[str, str] | None:
+        """The box log's tail as a report section (for a forked box: only what it wrote)."""
+        since = self._log_since.get(handle.name)
+        tail = handle.log_tail() if since is None else handle.log_tail(since=since)  # type: ignore[call-arg]
+        return (f"boxlite log of {handle.name}", tail) if tail.strip() else None
+
     def _synthesized(self, item: pytest.Item, when: str, why: str, handle: BoxHandle, duration: float) -> list[Any]:
-        reports = [_report(item, when, "failed", why, handle, duration)]
+        reports = [_report(item, when, "failed", why, self._log(handle), duration)]
         if when != "teardown":
-            reports.append(_report(item, "teardown", "passed", None, handle, 0.0))
+            reports.append(_report(item, "teardown", "passed", None, None, 0.0))
         return reports
+
+
+FORK_SOCKET = "/run/pytest-boxlite/fork.sock"
+
+
+def _short_path(path: Path) -> str:
+    """``sun_path`` holds ~108 bytes: bind long paths through a directory descriptor."""
+    target = str(path)
+    if len(target.encode()) <= 100:
+        return target
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    # The descriptor must stay open while the path is used; it is kept for the process's life.
+    return f"/proc/self/fd/{fd}/{path.name}"
+
+
+def _accept(listener: socket.socket, token: str, deadline: float) -> socket.socket:
+    """The forked box's connection that presents ``token`` (stale ones are dropped)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        listener.settimeout(left)
+        conn, _ = listener.accept()  # socket.timeout is TimeoutError
+        for kind, data in _json_lines(conn, deadline):
+            if kind == "token" and data == token:
+                return conn
+            break
+        conn.close()
+
+
+def _json_lines(conn: socket.socket, deadline: float) -> Iterator[tuple[str, Any]]:
+    buf = b""
+    while True:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            kind, data = json.loads(line)
+            yield kind, data
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        conn.settimeout(left)
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            return
+        buf += chunk
+
+
+def _oom_count(handle: BoxHandle) -> int:
+    counter = getattr(handle, "oom_kills", None)
+    return int(counter()) if counter is not None else 0
+
+
+def _describe_status(code: int | None) -> str:
+    if code is None:
+        return "died"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def _how_it_died(status_file: Path, wait: float = 2.0) -> str:
@@ -238,29 +403,17 @@ def _how_it_died(status_file: Path, wait: float = 2.0) -> str:
     deadline = time.monotonic() + wait
     while True:
         try:
-            code = int(status_file.read_text().strip())
-            break
+            return _describe_status(int(status_file.read_text().strip()))
         except (OSError, ValueError):
             if time.monotonic() > deadline:
-                return "died"
+                return _describe_status(None)
             time.sleep(0.02)
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with status {code}"
 
 
 def _report(
-    item: pytest.Item, when: str, outcome: str, why: str | None, handle: BoxHandle, duration: float
+    item: pytest.Item, when: str, outcome: str, why: str | None, log: tuple[str, str] | None, duration: float
 ) -> pytest.TestReport:
-    sections = []
-    if why is not None:
-        tail = handle.log_tail()
-        if tail.strip():
-            sections.append((f"boxlite log of {handle.name}", tail))
+    sections = [log] if why is not None and log is not None else []
     return pytest.TestReport(
         nodeid=item.nodeid,
         location=item.location,
@@ -288,6 +441,8 @@ class BoxedExecutor:
         self.runner = runner
         self.session = session
         self._held: tuple[str, BoxSpec, Lease] | None = None  # module scope: (module path, spec, lease)
+        #: Warm interpreters that fresh boxes are forked from, one per spec (fork mode).
+        self._templates: dict[BoxSpec, Lease] = {}
 
     def run_protocol(
         self, item: pytest.Item, plan: BoxPlan, nextitem: pytest.Item | None, next_plan: BoxPlan | None
@@ -304,14 +459,22 @@ class BoxedExecutor:
         )
         reports: list[Any]
         lease: Lease | None = None
+        box_name = ""
         try:
-            lease = self._lease(module, plan)
+            lease = self._template(plan) if self.session.fork_boxes else self._lease(module, plan)
         except BoxliteError as exc:
             reports = [
                 _report_no_box(item, "setup", "failed", f"[boxlite] could not get a box: {exc}"),
                 _report_no_box(item, "teardown", "passed", None),
             ]
         else:
+            box_name = lease.handle.name
+        if lease is not None and self.session.fork_boxes:
+            reports, box_name = self.runner.run_item_forked(item, lease, timeout=plan.timeout)
+            if lease.handle.name not in self.runner.live_workers():
+                self._templates.pop(plan.spec, None)
+                lease.release()
+        elif lease is not None:
             reports = self.runner.run_item(
                 item, lease, next_nodeid=nextitem.nodeid if shared and nextitem else None, timeout=plan.timeout
             )
@@ -322,8 +485,8 @@ class BoxedExecutor:
             elif failed and self.session.settings.keep:
                 pass  # the module goes on in this box; it is kept when the module ends if asked
         for rep in reports:
-            if rep.when == "teardown" and lease is not None:
-                rep.user_properties.append((self.KEEP_PROPERTY, lease.handle.name))
+            if rep.when == "teardown" and box_name:
+                rep.user_properties.append((self.KEEP_PROPERTY, box_name))
             ihook.pytest_runtest_logreport(report=rep)
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
@@ -338,6 +501,19 @@ class BoxedExecutor:
         self._held = (module, plan.spec, lease)
         return lease
 
+    def _template(self, plan: BoxPlan) -> Lease:
+        """The warm interpreter to fork ``plan``'s box from, leased once per spec."""
+        lease = self._templates.get(plan.spec)
+        if lease is not None:
+            return lease
+        if len(self._templates) >= self.session.settings.replicas:
+            # Make room under the cap: the oldest template goes.
+            oldest = next(iter(self._templates))
+            self._templates.pop(oldest).release()
+        lease = self.session.pool().lease(plan.spec)
+        self._templates[plan.spec] = lease
+        return lease
+
     def _drop(self, *, keep: bool) -> None:
         if self._held is not None:
             _, _, lease = self._held
@@ -346,6 +522,9 @@ class BoxedExecutor:
 
     def close(self) -> None:
         self._drop(keep=False)
+        for lease in self._templates.values():
+            lease.release()
+        self._templates.clear()
 
 
 def _report_no_box(item: pytest.Item, when: str, outcome: str, why: str | None) -> pytest.TestReport:

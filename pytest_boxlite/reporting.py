@@ -30,8 +30,8 @@ def merge_stats(many: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"lease_waits": []}
     for st in many:
         for k, v in st.items():
-            if k == "lease_waits":
-                out[k] += v
+            if isinstance(v, list):
+                out[k] = out.get(k, []) + v
             elif k == "max_live":
                 out[k] = max(out.get(k, 0), v)
             else:
@@ -46,8 +46,12 @@ def summary_line(stats: dict[str, Any], leaked: int) -> str:
     rate = f"{100.0 * hits / leased:.0f}%" if leased else "n/a"
     p50 = statistics.median(waits) * 1000 if waits else 0.0
     mx = max(waits) * 1000 if waits else 0.0
+    forked = ""
+    if stats.get("forked"):
+        fw = stats.get("fork_waits") or [0.0]
+        forked = f"forked {stats['forked']} (overhead p50 {statistics.median(fw) * 1000:.1f} ms), "
     return (
-        f"boxes booted {stats.get('booted', 0)}, leased {leased}, reused {stats.get('reused', 0)}, "
+        f"boxes booted {stats.get('booted', 0)}, {forked}leased {leased}, reused {stats.get('reused', 0)}, "
         f"warm-lease hit rate {rate}, lease wait p50 {p50:.1f} ms max {mx:.1f} ms, leaked {leaked}"
     )
 

@@ -76,6 +76,16 @@ class BoxliteSession:
         self.worker_mounts: tuple[str, ...] = ()
 
     @property
+    def fork_boxes(self) -> bool:
+        """Boxed tests get boxes forked from a warm interpreter (namespace runtime, per-test scope).
+
+        Kept boxes (``--boxlite-keep``) must outlive the run, which a fork cannot: then each test
+        gets a booted box of its own instead.
+        """
+        s = self.settings
+        return self.choice.kind == "namespace" and s.scope == "test" and not s.keep
+
+    @property
     def default_worker_spec(self) -> BoxSpec:
         """The spec of boxes that run marked tests without arguments."""
         return self.spec_for(worker=True, mounts=self.worker_mounts)
@@ -139,9 +149,13 @@ class BoxliteSession:
             self._wanted.add(spec)
             pool = self._pool
         if pool is not None:
-            pool.prewarm(spec)
+            pool.prewarm(spec, self._warm_count(spec))
         else:
             self.start_async()
+
+    def _warm_count(self, spec: BoxSpec) -> int:
+        # Forked boxes need one warm interpreter per spec, not a box per test.
+        return 1 if spec.worker and self.fork_boxes else self.settings.replicas
 
     def start_async(self) -> None:
         """Open the runtime and start prewarming in the background (once)."""
@@ -172,7 +186,7 @@ class BoxliteSession:
                 wanted = list(self._wanted)
             if not closed:
                 for spec in wanted:
-                    pool.prewarm(spec)
+                    pool.prewarm(spec, self._warm_count(spec))
         except BaseException as exc:  # noqa: BLE001 - raised to every test that asks for a box
             self._start_error = exc
         finally:

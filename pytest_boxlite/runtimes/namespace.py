@@ -496,14 +496,26 @@ class NamespaceBox:
         """Whether the kernel's OOM killer has fired inside this box's memory cgroup."""
         return self._cgroups.oom_kills() > 0
 
-    def log_tail(self, max_bytes: int = 4000) -> str:
+    def oom_kills(self) -> int:
+        """How many processes the OOM killer has killed in this box so far."""
+        return self._cgroups.oom_kills()
+
+    def log_tail(self, max_bytes: int = 4000, *, since: int = 0) -> str:
+        """The last ``max_bytes`` of the box log, from byte offset ``since`` on."""
         try:
             with open(self.box_dir / "box.log", "rb") as fh:
                 fh.seek(0, os.SEEK_END)
-                fh.seek(max(0, fh.tell() - max_bytes))
+                fh.seek(max(since, fh.tell() - max_bytes))
                 return fh.read().decode("utf-8", "replace")
         except OSError:
             return ""
+
+    def log_size(self) -> int:
+        """Current length of the box log, to quote only what a later step adds."""
+        try:
+            return (self.box_dir / "box.log").stat().st_size
+        except OSError:
+            return 0
 
     def destroy(self) -> None:
         if self._destroyed:
