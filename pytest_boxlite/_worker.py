@@ -207,6 +207,12 @@ def serve(channel):
         def fork(self, session, nodeid, arg, token, sock_path, hostname):
             for old in list(self.children):  # reap boxes that have ended
                 self.wait(old, timeout=0)
+            # Collect (import the module) here, once: every box forked later inherits it.
+            try:
+                self._collect(session, [(nodeid, arg)])
+            except Exception as exc:
+                channel.send(("error", "collecting %s in the box failed: %s: %s" % (nodeid, type(exc).__name__, exc)))
+                return
             try:
                 pid = os.fork()
             except OSError as exc:
