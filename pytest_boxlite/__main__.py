@@ -72,6 +72,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_clean(args: argparse.Namespace) -> int:
     """Remove leftover boxes of dead sessions (and kept ones, or the ones named)."""
     home = _home(args)
+    if args.templates:
+        from pytest_boxlite.templates import drop_templates
+
+        dropped = drop_templates(home)
+        print(f"dropped {len(dropped)} template(s)" + (": " + ", ".join(dropped) if dropped else ""))
     if args.names:
         for name in args.names:
             owner = ledger.owner_of(name)
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     clean = sub.add_parser("clean", help=cmd_clean.__doc__)
     clean.add_argument("names", nargs="*", help="box names to remove (default: every leftover of a dead session)")
     clean.add_argument("--kept", action="store_true", help="also remove boxes kept for debugging")
+    clean.add_argument("--templates", action="store_true", help="also drop provisioned templates (--boxlite-setup)")
     clean.set_defaults(fn=cmd_clean)
     shell = sub.add_parser("shell", help=cmd_shell.__doc__)
     shell.add_argument("name")

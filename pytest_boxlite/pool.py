@@ -111,6 +111,7 @@ class BoxPool:
         health_timeout: float = 5.0,
         on_boot: Callable[[BoxHandle, BoxSpec], None] | None = None,
         on_destroy: Callable[[BoxHandle], None] | None = None,
+        prepare: Callable[[BoxSpec], BoxSpec] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
@@ -123,9 +124,11 @@ class BoxPool:
         self.health_timeout = health_timeout
         self.stats = PoolStats()
         self._namer = namer
-        #: Called after a box of a ``worker`` spec boots (starts its warm interpreter), and before any destroy.
+        #: Called after every box boots (e.g. to start a warm interpreter), and before any destroy.
         self._on_boot = on_boot
         self._on_destroy = on_destroy
+        #: Maps a requested spec to the one booted (e.g. with a provisioned template); may take long once.
+        self._prepare = prepare
         self._cond = threading.Condition()
         self._warm: dict[BoxSpec, collections.deque[_Warm]] = collections.defaultdict(collections.deque)
         self._booting: collections.Counter[BoxSpec] = collections.Counter()
@@ -304,9 +307,10 @@ class BoxPool:
         t0 = time.monotonic()
         handle: BoxHandle | None = None
         try:
-            handle = self.runtime.create_box(spec, self._namer(), timeout=self.boot_timeout)
-            if spec.worker and self._on_boot is not None:
-                self._on_boot(handle, spec)
+            booted = self._prepare(spec) if self._prepare is not None else spec
+            handle = self.runtime.create_box(booted, self._namer(), timeout=self.boot_timeout)
+            if self._on_boot is not None:
+                self._on_boot(handle, booted)
         except BaseException:
             if handle is not None:
                 with contextlib.suppress(Exception):

@@ -114,7 +114,9 @@ class RemoteRunner:
 
     # -- pool callbacks -------------------------------------------------------
     def start_worker(self, handle: BoxHandle, spec: BoxSpec) -> None:
-        """Pool ``on_boot`` callback: start pytest inside the fresh box and wait until it is ready."""
+        """Pool ``on_boot`` callback: start pytest inside a fresh ``worker`` box and wait until it is ready."""
+        if not spec.worker:
+            return
         cwd = str(self.config.invocation_params.dir)
         status_file = self.status_dir / f"{handle.name}.status"
         argv = handle.attach_argv([handle.guest_python], cwd=cwd, status_file=str(status_file))

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from pytest_boxlite import ledger
-from pytest_boxlite.errors import BoxliteError, ConfigError
+from pytest_boxlite.errors import BoxliteError, BoxStartError, ConfigError
 from pytest_boxlite.pool import BoxPool, PoolStats, make_namer
-from pytest_boxlite.runtimes import Choice, Runtime, choose, open_runtime
+from pytest_boxlite.runtimes import BoxHandle, Choice, Runtime, choose, open_runtime
 from pytest_boxlite.settings import Settings
 from pytest_boxlite.spec import BoxSpec
 
@@ -72,6 +72,11 @@ class BoxliteSession:
         self.on_boot: Any = None
         self.on_destroy: Any = None
         self._wanted: set[BoxSpec] = set()
+        self._namer = make_namer(self.owner)
+        self._templated: dict[BoxSpec, BoxSpec] = {}
+        self._template_lock = threading.Lock()
+        #: Where the setup command runs and relative paths in it resolve: the invocation directory.
+        self.cwd = Path.cwd()
         #: What a test worker must see at the same paths as the host: set by the plugin.
         self.worker_mounts: tuple[str, ...] = ()
 
@@ -171,14 +176,15 @@ class BoxliteSession:
             s = self.settings
             pool = BoxPool(
                 runtime,
-                namer=make_namer(self.owner),
+                namer=self._namer,
                 replicas=s.replicas,
                 boot_timeout=s.boot_timeout,
                 lease_timeout=s.lease_timeout,
                 idle_timeout=s.idle_timeout,
                 command_timeout=s.timeout,
-                on_boot=self.on_boot,
+                on_boot=self._on_boot,
                 on_destroy=self.on_destroy,
+                prepare=self._prepare if s.setup else None,
             )
             with self._lock:
                 self._runtime, self._pool = runtime, pool
@@ -191,6 +197,35 @@ class BoxliteSession:
             self._start_error = exc
         finally:
             self._ready.set()
+
+    def _prepare(self, spec: BoxSpec) -> BoxSpec:
+        """With ``--boxlite-setup``: the spec that starts from the provisioned template (built once)."""
+        from pytest_boxlite.templates import ensure_template
+
+        assert self.settings.setup is not None and self._runtime is not None and self._pool is not None
+        with self._template_lock:
+            if spec not in self._templated:
+                self._templated[spec] = ensure_template(
+                    self._runtime,
+                    spec,
+                    self.settings.setup,
+                    home=self.home,
+                    cwd=self.cwd,
+                    timeout=max(self.settings.boot_timeout, self.settings.timeout),
+                    name=self._namer(),
+                )
+            return self._templated[spec]
+
+    def _on_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
+        setup = self.settings.setup
+        if setup and self.choice.kind == "vm":
+            # No template to start from: each VM runs the setup once, in the background, before it is leased.
+            raw = handle.exec(["/bin/sh", "-c", setup], cwd=str(self.cwd), timeout=self.settings.timeout)
+            if raw.exit_code != 0 or raw.timed_out:
+                err = (raw.stdout + raw.stderr).decode("utf-8", "replace")[-3000:]
+                raise BoxStartError(f"--boxlite-setup {setup!r} failed in box {handle.name}:\n{err}")
+        if self.on_boot is not None:
+            self.on_boot(handle, spec)
 
     def pool(self, timeout: float | None = None) -> BoxPool:
         """The warm pool, starting it if needed; raises the start error if the runtime could not open."""

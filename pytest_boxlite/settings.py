@@ -148,6 +148,14 @@ OPTIONS: tuple[Option, ...] = (
         "test|module|worker",
     ),
     Option(
+        "setup",
+        _nonempty,
+        lambda: None,
+        "command run once per box spec before boxes enter the pool, e.g. 'pip install -e .'; "
+        "cached across sessions (python -m pytest_boxlite clean --templates drops it)",
+        "COMMAND",
+    ),
+    Option(
         "boot_timeout", _positive_float, lambda: 120.0, "bound on creating and starting one box, in seconds", "SECONDS"
     ),
     Option(
@@ -177,6 +185,7 @@ class Settings:
     keep: bool
     all: bool
     scope: str
+    setup: str | None
     boot_timeout: float
     lease_timeout: float
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)

@@ -71,6 +71,8 @@ class BoxSpec:
     worker: bool = False
     #: Host directories the guest sees at the same path, copy-on-write (the project, its packages).
     mounts: tuple[str, ...] = ()
+    #: A provisioned template (``--boxlite-setup``) the box starts from: its directory, set by the session.
+    template: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image.strip():

@@ -118,41 +118,71 @@ def _mounts_below(top: str) -> bool:
 
 
 @lru_cache(maxsize=1)
-def mount_plan(bwrap: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """bwrap arguments that show the host's top-level directories copy-on-write.
+def mount_plan(bwrap: str) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+    """How the host's top-level directories appear in a box.
 
-    Returns ``(args, read_only)``.  A directory with other filesystems mounted
-    below it cannot be an overlay lower layer inside a user namespace on some
-    kernels; each such directory is tried once and, if the overlay fails,
-    bound read-only instead (writes there fail rather than reach the host).
+    Returns ``(entries, read_only)``; each entry is ``("overlay", path)``,
+    ``("symlink", target, path)`` or ``("ro", path)``.  A directory with other
+    filesystems mounted below it cannot be an overlay lower layer inside a
+    user namespace on some kernels; each such directory is tried once and, if
+    the overlay fails, bound read-only instead (writes there fail rather than
+    reach the host).
     """
-    args: list[str] = []
+    entries: list[tuple[str, ...]] = []
     read_only: list[str] = []
     for entry in sorted(os.scandir("/"), key=lambda e: e.name):
         if entry.name in _SKIP_TOP:
             continue
         path = entry.path
         if entry.is_symlink():
-            args += ["--symlink", os.readlink(path), path]
+            entries.append(("symlink", os.readlink(path), path))
             continue
         if not entry.is_dir(follow_symlinks=False):
             continue
-        overlay = ["--overlay-src", path, "--tmp-overlay", path]
         if _mounts_below(path):
-            probe = [bwrap, "--unshare-user", "--uid", "0", "--gid", "0", *overlay, "--ro-bind", "/usr", "/usr"]
+            probe = [bwrap, "--unshare-user", "--uid", "0", "--gid", "0", "--overlay-src", path, "--tmp-overlay", path]
+            probe += ["--ro-bind", "/usr", "/usr"]
             probe += [
                 a
                 for d in ("bin", "lib", "lib64")
                 if os.path.islink("/" + d)
                 for a in ("--symlink", os.readlink("/" + d), "/" + d)
             ]
-            ok = subprocess.run([*probe, "true"], capture_output=True, timeout=10).returncode == 0
-            if not ok:
-                args += ["--ro-bind", path, path]
+            if subprocess.run([*probe, "true"], capture_output=True, timeout=10).returncode != 0:
+                entries.append(("ro", path))
                 read_only.append(path)
                 continue
-        args += overlay
-    return tuple(args), tuple(read_only)
+        entries.append(("overlay", path))
+    return tuple(entries), tuple(read_only)
+
+
+def _layer_args(bwrap: str, template: str | None = None, persist: Path | None = None) -> list[str]:
+    """bwrap arguments for the mount plan: each directory copy-on-write over the host.
+
+    ``template`` adds a provisioned template's layers on top of the host's;
+    ``persist`` keeps this box's writes in that directory (to build a template).
+    """
+    entries, _ = mount_plan(bwrap)
+    args: list[str] = []
+    for entry in entries:
+        kind, path = entry[0], entry[-1]
+        if kind == "symlink":
+            args += ["--symlink", entry[1], path]
+        elif kind == "ro":
+            args += ["--ro-bind", path, path]
+        else:
+            layer = path.strip("/")
+            args += ["--overlay-src", path]
+            if template is not None and (Path(template) / "upper" / layer).is_dir():
+                args += ["--overlay-src", str(Path(template) / "upper" / layer)]
+            if persist is not None:
+                upper, work = persist / "upper" / layer, persist / "work" / layer
+                upper.mkdir(parents=True, exist_ok=True)
+                work.mkdir(parents=True, exist_ok=True)
+                args += ["--overlay", str(upper), str(work), path]
+            else:
+                args += ["--tmp-overlay", path]
+    return args
 
 
 _PRIVATE_TOPS = ("/tmp", "/run", "/dev", "/proc", "/sys")
@@ -577,15 +607,14 @@ class NamespaceRuntime:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._closed = False
 
-    def _bwrap_argv(self, spec: BoxSpec, name: str, box_dir: Path) -> list[str]:
-        plan, _ = mount_plan(self.bwrap)
+    def _bwrap_argv(self, spec: BoxSpec, name: str, box_dir: Path, persist: Path | None = None) -> list[str]:
         argv = [
             self.bwrap,
             "--unshare-user", "--uid", "0", "--gid", "0",
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--new-session",
             "--hostname", name[:63],
-            *plan,
+            *_layer_args(self.bwrap, spec.template, persist),
             "--proc", "/proc", "--dev", "/dev", "--ro-bind", "/sys", "/sys",
             "--tmpfs", "/tmp", "--tmpfs", "/run",
             "--dir", WORKDIR,
@@ -611,7 +640,8 @@ class NamespaceRuntime:
         env.update(dict(spec.env))
         return env
 
-    def create_box(self, spec: BoxSpec, name: str, *, timeout: float) -> NamespaceBox:
+    def create_box(self, spec: BoxSpec, name: str, *, timeout: float, persist: Path | None = None) -> NamespaceBox:
+        """Create and start a box.  With ``persist``, its writes are kept there (template building)."""
         if self._closed:
             raise BoxStartError("the namespace runtime is closed")
         box_dir = self.state_dir / name
@@ -626,13 +656,15 @@ class NamespaceRuntime:
             pids=spec.pids_limit,
         )
         try:
-            return self._start(spec, name, box_dir, cg, timeout)
+            return self._start(spec, name, box_dir, cg, timeout, persist)
         except BaseException:
             cg.remove()
             shutil.rmtree(box_dir, ignore_errors=True)
             raise
 
-    def _start(self, spec: BoxSpec, name: str, box_dir: Path, cg: _cgroups.CgroupSet, timeout: float) -> NamespaceBox:
+    def _start(
+        self, spec: BoxSpec, name: str, box_dir: Path, cg: _cgroups.CgroupSet, timeout: float, persist: Path | None
+    ) -> NamespaceBox:
         # Not bwrap's --die-with-parent: that fires when the *thread* that forked
         # bwrap ends.  A pipe only this process writes to dies with the process.
         watch_r, watch_w = os.pipe()
@@ -649,7 +681,7 @@ class NamespaceRuntime:
         log = open(box_dir / "box.log", "ab")  # noqa: SIM115 - handed to the child
         try:
             proc = subprocess.Popen(
-                ["/bin/sh", "-c", join, "sh", *self._bwrap_argv(spec, name, box_dir), *agent],
+                ["/bin/sh", "-c", join, "sh", *self._bwrap_argv(spec, name, box_dir, persist), *agent],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=log,
