@@ -52,11 +52,14 @@ def _regex_for_glob(pattern):
     return re.compile("".join(out) + r"\Z", re.DOTALL)
 
 
-def _walk(top):
-    """Yield ``(relpath, is_dir, is_symlink, abspath)`` depth-first in sorted order; never follows symlinks."""
-    stack = [("", top)]
+def _walk(top, max_depth=None):
+    """Yield ``(relpath, is_dir, is_symlink, abspath)`` depth-first in sorted order; never follows symlinks.
+
+    With ``max_depth``, nothing deeper than that many levels is even read.
+    """
+    stack = [("", top, 1)]
     while stack:
-        rel, path = stack.pop()
+        rel, path, depth = stack.pop()
         try:
             with os.scandir(path) as it:
                 entries = sorted(it, key=lambda e: e.name, reverse=True)
@@ -71,9 +74,18 @@ def _walk(top):
             except OSError:
                 continue
             yield r, is_dir, link, e.path
-            if is_dir:
-                subdirs.append((r, e.path))
+            if is_dir and (max_depth is None or depth < max_depth):
+                subdirs.append((r, e.path, depth + 1))
         stack.extend(reversed(subdirs))
+
+
+def _lines(data):
+    """Lines ending in ``\n`` only, as grep and sed count them (not ``str.splitlines``' many breaks)."""
+    parts = data.split(b"\n")
+    out = [p + b"\n" for p in parts[:-1]]
+    if parts[-1]:
+        out.append(parts[-1])
+    return out
 
 
 def _need_dir(path):
@@ -88,7 +100,7 @@ def op_read(req, payload):
         data = fh.read()
     start, end = req.get("start_line"), req.get("end_line")
     if start is not None or end is not None:
-        lines = data.splitlines(True)
+        lines = _lines(data)
         s = max(1, start or 1) - 1
         e = len(lines) if end is None else end
         data = b"".join(lines[s:e])
@@ -107,7 +119,8 @@ def op_write(req, payload):
         mode = stat.S_IMODE(st.st_mode)
     except FileNotFoundError:
         pass
-    tmp = os.path.join(parent, ".%s.boxlite-tmp-%d" % (os.path.basename(path)[:200], os.getpid()))
+    # A short name: the target's own name may already be at the 255-byte limit.
+    tmp = os.path.join(parent, ".boxlite-tmp-%d-%s" % (os.getpid(), os.urandom(4).hex()))
     try:
         with open(tmp, "wb") as fh:
             if req.get("append") and mode is not None:
@@ -154,9 +167,7 @@ def op_list_dir(req, payload):
     depth = int(req.get("max_depth", 2))
     base = top.rstrip("/") or "/"
     out = []
-    for rel, is_dir, _link, _abs in _walk(top):
-        if rel.count("/") + 1 > depth:
-            continue
+    for rel, is_dir, _link, _abs in _walk(top, depth):
         full = base + "/" + rel if base != "/" else "/" + rel
         out.append(full + "/" if is_dir else full)
     return {"entries": out}, b""
@@ -219,7 +230,8 @@ def op_grep(req, payload):
                 data = head + fh.read()
         except OSError:
             continue
-        for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+        for n, raw in enumerate(_lines(data), 1):
+            line = raw.rstrip(b"\n").decode("utf-8", "replace")
             if rx.search(line):
                 if len(out) >= limit:
                     truncated = True

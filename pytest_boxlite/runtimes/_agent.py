@@ -27,6 +27,8 @@ import subprocess
 import sys
 import threading
 
+DEFAULT_CWD = "/workspace"
+
 
 def _send(conn, obj):
     conn.sendall((json.dumps(obj) + "\n").encode())
@@ -95,7 +97,8 @@ def _serve(conn, base_env):
                 stdout=fds[1],
                 stderr=fds[2],
                 env=env,
-                cwd=req.get("cwd") or None,
+                # A test may delete the box's working directory; the box must stay usable.
+                cwd=req.get("cwd") or (DEFAULT_CWD if os.path.isdir(DEFAULT_CWD) else "/"),
                 start_new_session=True,
                 close_fds=True,
             )

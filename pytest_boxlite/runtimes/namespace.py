@@ -387,7 +387,7 @@ class NamespaceBox:
             in_r = os.open(os.devnull, os.O_RDONLY)
         else:
             in_r, in_w = os.pipe()
-        req = {"op": "exec", "argv": list(argv), "env": dict(env or {}), "cwd": cwd or WORKDIR}
+        req = {"op": "exec", "argv": list(argv), "env": dict(env or {}), "cwd": cwd}
         try:
             sock, lines = self._request(req, [in_r, out_w, err_w], min(timeout, 10.0) + 1.0)
         except BaseException:
@@ -571,7 +571,7 @@ def attach(box_dir: Path, argv: Sequence[str], *, env: Mapping[str, str] | None 
     """
     sock = _connect(box_dir / "agent.sock", 10.0)
     with sock:
-        req = {"op": "exec", "argv": list(argv), "env": dict(env or {}), "cwd": cwd or WORKDIR}
+        req = {"op": "exec", "argv": list(argv), "env": dict(env or {}), "cwd": cwd}
         socket.send_fds(sock, [(json.dumps(req) + "\n").encode()], [0, 1, 2])
         lines = _Lines(sock)
         sock.settimeout(None)
