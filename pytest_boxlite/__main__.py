@@ -83,6 +83,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
             if owner is not None and ledger.owner_alive(home, owner):
                 print(f"refusing to remove {name}: its session (owner {owner}) is alive", file=sys.stderr)
                 return 1
+            if not (home / "namespace" / name).exists():
+                print(f"no box named {name} under {home}", file=sys.stderr)
+                return 1
             ledger.remove_namespace_box(home, name)
             print(f"removed {name}")
         return 0

@@ -8,19 +8,32 @@ not crashes.  Keep this file compatible with Python 3.8: it runs under the
 guest image's interpreter.
 """
 
-import base64
-import fnmatch
-import io
 import json
 import os
-import re
 import stat
 import sys
-import tarfile
+
+# re, fnmatch, tarfile, io and base64 are imported where needed: every file operation
+# starts a fresh interpreter, and unused imports would cost each one.
+
+
+class PatternError(Exception):
+    """The caller's regular expression or glob does not compile."""
+
+
+def _compile(pattern, flags=0):
+    import re
+
+    try:
+        return re.compile(pattern, flags)
+    except re.error as exc:
+        raise PatternError("invalid regular expression %r: %s" % (pattern, exc)) from None
 
 
 def _regex_for_glob(pattern):
     """Translate a glob with ``**`` (any depth) into a regex over relative POSIX paths."""
+    import re
+
     out = []
     i = 0
     while i < len(pattern):
@@ -49,7 +62,7 @@ def _regex_for_glob(pattern):
             else:
                 out.append(re.escape(c))
             i += 1
-    return re.compile("".join(out) + r"\Z", re.DOTALL)
+    return _compile("".join(out) + r"\Z", re.DOTALL)
 
 
 def _walk(top, max_depth=None):
@@ -110,7 +123,11 @@ def op_read(req, payload):
 def op_write(req, payload):
     path = req["path"]
     parent = os.path.dirname(path) or "."
-    os.makedirs(parent, exist_ok=True)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except FileExistsError:
+        # A component of the parent is a file: say so as the local filesystem would.
+        raise NotADirectoryError(20, "Not a directory", parent) from None
     mode = None
     try:
         st = os.stat(path)
@@ -170,7 +187,7 @@ def op_list_dir(req, payload):
     for rel, is_dir, _link, _abs in _walk(top, depth):
         full = base + "/" + rel if base != "/" else "/" + rel
         out.append(full + "/" if is_dir else full)
-    return {"entries": out}, b""
+    return {"entries": sorted(out)}, b""
 
 
 def op_glob(req, payload):
@@ -194,10 +211,13 @@ def op_glob(req, payload):
 
 
 def op_grep(req, payload):
+    import fnmatch
+    import re
+
     top = req["path"]
     flags = 0 if req.get("case_sensitive", True) else re.IGNORECASE
     pat = req["pattern"]
-    rx = re.compile(re.escape(pat) if req.get("literal") else pat, flags)
+    rx = _compile(re.escape(pat) if req.get("literal") else pat, flags)
     file_glob = req.get("glob")
     grx = _regex_for_glob(file_glob) if file_glob and "/" in file_glob else None
     limit = int(req.get("max_results", 100))
@@ -248,6 +268,9 @@ def op_fetch(req, payload):
     if not os.path.isdir(path):
         with open(path, "rb") as fh:
             return {"is_dir": False}, fh.read()
+    import io
+    import tarfile
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.add(path, arcname=".")
@@ -257,6 +280,9 @@ def op_fetch(req, payload):
 def op_tar_in(req, payload):
     dest = req["path"]
     os.makedirs(dest, exist_ok=True)
+    import io
+    import tarfile
+
     with tarfile.open(fileobj=io.BytesIO(payload), mode="r") as tar:
         kwargs = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
         tar.extractall(dest, **kwargs)
@@ -289,12 +315,14 @@ def main():
             {"ok": False, "errno": exc.errno or 0, "strerror": exc.strerror or str(exc), "filename": exc.filename},
             b"",
         )
-    except re.error as exc:
+    except PatternError as exc:
         meta, data = (
-            {"ok": False, "errno": 0, "strerror": "invalid regular expression: %s" % exc, "kind": "pattern"},
+            {"ok": False, "errno": 0, "strerror": str(exc), "kind": "pattern"},
             b"",
         )
     if req.get("b64"):
+        import base64
+
         data = base64.b64encode(data)
     meta["payload"] = len(data)
     out.write((json.dumps(meta) + "\n").encode("ascii"))
@@ -302,4 +330,5 @@ def main():
     out.flush()
 
 
-main()
+if __name__ == "__main__":
+    main()

@@ -252,13 +252,15 @@ class BoxPool:
                     self._reserve_locked(spec)
                     return None, "cold", None
                 if self._booting[spec] == 0:
-                    # At the cap with nothing coming for this spec: take the place of another spec's idle box.
+                    # At the cap with nothing coming for this spec: take the place of an idle box this
+                    # lease cannot use (another spec's, or one parked for reuse when reuse is not asked).
                     for other, oq in self._warm.items():
-                        if other != spec and oq:
-                            victim = oq.popleft().handle
-                            self.stats.evicted += 1
-                            self._booting[spec] += 1
-                            return None, "cold", victim
+                        for i, w in enumerate(oq):
+                            if other != spec or (w.reusable and not reuse):
+                                del oq[i]
+                                self.stats.evicted += 1
+                                self._booting[spec] += 1
+                                return None, "cold", w.handle
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise LeaseTimeoutError(
@@ -328,7 +330,8 @@ class BoxPool:
     def _give_back(self, lease: Lease, *, keep: bool) -> None:
         handle = lease.handle
         with self._cond:
-            self._leased.pop(handle.name, None)
+            if self._leased.pop(handle.name, None) is None:
+                return  # shutdown() already destroyed it
             if keep:
                 self.stats.kept.append(handle.name)
                 self._live -= 1  # a kept box leaves the pool's accounting on purpose

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import statistics
 from typing import Any
 
@@ -70,8 +71,9 @@ def summary(terminalreporter: Any, box: BoxliteSession) -> None:
         tr.write_line(f"LEAKED boxes (removed at exit): {', '.join(rep.leaked)}", red=True)
     if rep.reconciled:
         tr.write_line(f"removed {len(rep.reconciled)} leftover box(es) of dead sessions: {', '.join(rep.reconciled)}")
+    home = "" if box.settings.sources.get("home") == "default" else f" --home {shlex.quote(str(box.home))}"
     for name in rep.kept:
         tr.write_line(
-            f"kept box {name} (failed test): enter it with `python -m pytest_boxlite shell {name}`, "
-            f"remove it with `python -m pytest_boxlite clean {name}`"
+            f"kept box {name} (failed test): enter it with `python -m pytest_boxlite{home} shell {name}`, "
+            f"remove it with `python -m pytest_boxlite{home} clean {name}`"
         )

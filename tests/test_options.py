@@ -20,6 +20,9 @@ from pytest_boxlite.spec import default_image
 #: Where boxlite's wheel unpacked its bwrap; pytester points $HOME elsewhere, so keep this reachable.
 REAL_DATA_HOME = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
 
+#: Every sub-run leaves out plugins unrelated to boxlite: hypothesis's alone costs seconds per in-process run.
+QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark")
+
 SHOW_SETTINGS = """
 import dataclasses, json
 from pytest_boxlite.fixtures import SESSION_KEY
@@ -28,13 +31,21 @@ def test_show(pytestconfig):
     session = pytestconfig.stash[SESSION_KEY]
     s = session.settings
     values = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "sources"}
-    print("BOXLITE-SETTINGS " + json.dumps({"values": values, "sources": s.sources, "runtime": session.choice.kind}))
+    shown = {"values": values, "sources": s.sources, "runtime": session.choice.kind}
+    print("\\nBOXLITE-SETTINGS " + json.dumps(shown))
 """
 
 # name -> (ini raw, env raw, cli args, parsed ini, parsed env, parsed cli)
 LAYERS: dict[str, tuple[str, str, list[str], Any, Any, Any]] = {
     "replicas": ("3", "4", ["--boxlite-replicas", "5"], 3, 4, 5),
-    "image": ("ini/image:1", "env/image:2", ["--boxlite-image", "cli/image:3"], "ini/image:1", "env/image:2", "cli/image:3"),
+    "image": (
+        "ini/image:1",
+        "env/image:2",
+        ["--boxlite-image", "cli/image:3"],
+        "ini/image:1",
+        "env/image:2",
+        "cli/image:3",
+    ),
     "network": ("on", "off", ["--boxlite-network", "on"], True, False, True),
     "runtime": ("namespace", "auto", ["--boxlite-runtime", "namespace"], "namespace", "auto", "namespace"),
     "idle_timeout": ("11", "0", ["--boxlite-idle-timeout", "12.5"], 11.0, 0.0, 12.5),
@@ -69,11 +80,11 @@ def write_ini(pytester: pytest.Pytester, values: dict[str, str]) -> None:
 
 def run_show(pytester: pytest.Pytester, *args: str) -> dict[str, Any]:
     pytester.makepyfile(test_show=SHOW_SETTINGS)
-    result = pytester.runpytest("-s", "-p", "no:cacheprovider", *args)
+    result = pytester.runpytest("-s", *QUIET, *args)
     assert result.ret == pytest.ExitCode.OK, "\n".join(result.outlines + result.errlines)
     for line in result.outlines:
-        if line.startswith("BOXLITE-SETTINGS "):
-            shown: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+        if "BOXLITE-SETTINGS " in line:
+            shown: dict[str, Any] = json.loads(line.split("BOXLITE-SETTINGS ", 1)[1])
             return shown
     raise AssertionError("the sub-run printed no settings:\n" + "\n".join(result.outlines))
 
@@ -82,7 +93,8 @@ def run_show(pytester: pytest.Pytester, *args: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(60)
-def test_defaults(pytester: pytest.Pytester) -> None:
+def test_defaults(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     shown = run_show(pytester)
     values, sources = shown["values"], shown["sources"]
     assert set(sources) == {o.name for o in OPTIONS}
@@ -208,7 +220,7 @@ def test_bad_value_is_a_usage_error_naming_source_and_option(
         args.append(f"{flag}={raw}")
         where = f"the command line ({flag})"
     pytester.makepyfile("def test_never_runs():\n    raise AssertionError('must not run')\n")
-    result = pytester.runpytest("-p", "no:cacheprovider", *args)
+    result = pytester.runpytest(*QUIET, *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     err = "\n".join(result.errlines)
     assert f"{flag}: bad value {raw!r} from {where}" in err, err
@@ -219,9 +231,11 @@ def test_bad_value_is_a_usage_error_naming_source_and_option(
 @pytest.mark.timeout(60)
 def test_empty_home_on_the_command_line_is_a_usage_error(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_x():\n    pass\n")
-    result = pytester.runpytest("-p", "no:cacheprovider", "--boxlite-home=")
+    result = pytester.runpytest(*QUIET, "--boxlite-home=")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--boxlite-home: bad value '' from the command line (--boxlite-home): must not be empty*"])
+    result.stderr.fnmatch_lines(
+        ["*--boxlite-home: bad value '' from the command line (--boxlite-home): must not be empty*"]
+    )
 
 
 @pytest.mark.timeout(60)
@@ -229,7 +243,7 @@ def test_unwritable_home_from_the_command_line_is_a_usage_error(pytester: pytest
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("a file, not a directory")
     pytester.makepyfile("def test_x():\n    pass\n")
-    result = pytester.runpytest("-p", "no:cacheprovider", f"--boxlite-home={not_a_dir / 'home'}")
+    result = pytester.runpytest(*QUIET, f"--boxlite-home={not_a_dir / 'home'}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--boxlite-home*is not usable*"])
 
@@ -240,7 +254,7 @@ def test_runtime_vm_where_no_vm_boots_fails_fast_with_the_reason(pytester: pytes
     if p.vm_ok:
         pytest.skip("a micro-VM can boot here: runtime=vm is valid")
     pytester.makepyfile("def test_x():\n    pass\n")
-    result = pytester.runpytest("-p", "no:cacheprovider", "--boxlite-runtime=vm", f"--boxlite-home={tmp_path / 'h'}")
+    result = pytester.runpytest(*QUIET, "--boxlite-runtime=vm", f"--boxlite-home={tmp_path / 'h'}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     err = "\n".join(result.errlines)
     assert "cannot boot" in err
@@ -261,7 +275,7 @@ def test_p_no_boxlite_disables_the_plugin_cleanly(pytester: pytest.Pytester) -> 
             pass
         """
     )
-    result = pytester.runpytest("-p", "no:boxlite", "-p", "no:cacheprovider")
+    result = pytester.runpytest("-p", "no:boxlite", *QUIET)
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*fixture 'boxlite_sandbox' not found*"])
     assert not any(line.startswith("boxlite:") for line in result.outlines)
@@ -272,7 +286,7 @@ def test_p_no_boxlite_disables_the_plugin_cleanly(pytester: pytest.Pytester) -> 
 def test_plugin_is_active_by_default(pytester: pytest.Pytester, tmp_path: Path) -> None:
     """The counterpart of the test above: without ``-p no:boxlite`` the header is there."""
     pytester.makepyfile("def test_plain():\n    pass\n")
-    result = pytester.runpytest("-p", "no:cacheprovider", f"--boxlite-home={tmp_path / 'h'}")
+    result = pytester.runpytest(*QUIET, f"--boxlite-home={tmp_path / 'h'}")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["boxlite: runtime=*", "boxlite: image=* replicas=2 *"])
 
@@ -280,7 +294,7 @@ def test_plugin_is_active_by_default(pytester: pytest.Pytester, tmp_path: Path) 
 @pytest.mark.timeout(60)
 def test_fixtures_listing_shows_the_docstrings(pytester: pytest.Pytester, tmp_path: Path) -> None:
     pytester.makepyfile("def test_plain():\n    pass\n")
-    result = pytester.runpytest("--fixtures", "-p", "no:cacheprovider", f"--boxlite-home={tmp_path / 'h'}")
+    result = pytester.runpytest("--fixtures", *QUIET, f"--boxlite-home={tmp_path / 'h'}")
     assert result.ret == pytest.ExitCode.OK
     result.stdout.fnmatch_lines(
         [

@@ -353,10 +353,12 @@ def test_shutdown_is_idempotent_joins_threads_and_leaves_no_boxes(rt: NamespaceR
     assert leftover == set()
     assert rt.list_boxes() == []
     assert pool.live == 0
-    held.release()  # releasing after shutdown is harmless
-    assert pool.live == 0
     with pytest.raises(errors.BoxliteError, match="shut down"):
         pool.lease(SPEC, timeout=1)
+    # A lease released after shutdown (its box was already destroyed) must not be counted twice.
+    held.release()
+    assert pool.live == 0
+    assert pool.stats.destroyed == 3
 
 
 # -- speed -------------------------------------------------------------------

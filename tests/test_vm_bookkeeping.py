@@ -192,7 +192,9 @@ def test_probe_matches_this_host() -> None:
     assert p.reason
     dev = Path("/dev/kvm")
     modules = Path("/sys/module")
-    pvm_only = (modules / "kvm_pvm").exists() and not ((modules / "kvm_intel").exists() or (modules / "kvm_amd").exists())
+    pvm_only = (modules / "kvm_pvm").exists() and not (
+        (modules / "kvm_intel").exists() or (modules / "kvm_amd").exists()
+    )
     if not dev.exists():
         assert not p.vm_ok
         assert "/dev/kvm" in p.reason

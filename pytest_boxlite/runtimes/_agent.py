@@ -4,6 +4,9 @@ Runs as the first process inside a bubblewrap sandbox and listens on a Unix
 socket that the host can reach.  One connection is one request:
 
 * ``{"op": "ping"}`` -> ``{"pong": pid}``
+* ``{"op": "helper"}`` with three descriptors: like ``exec``, but the file
+  helper (:mod:`pytest_boxlite._guest`) runs in a fork of this agent, which
+  has it imported already: no interpreter start-up per file operation.
 * ``{"op": "exec", "argv": [...], "env": {...}, "cwd": ...}`` sent together
   with three file descriptors (stdin, stdout, stderr) -> ``{"pid": n}`` or
   ``{"error": msg, "errno": n}``, later ``{"exit": code}`` (negative: signal).
@@ -74,6 +77,70 @@ def _watch_client(conn, proc):
             _killpg(proc.pid, sig)
 
 
+def _cwd(req):
+    # A test may delete the box's working directory; the box must stay usable.
+    return req.get("cwd") or (DEFAULT_CWD if os.path.isdir(DEFAULT_CWD) else "/")
+
+
+_HELPER = {}
+
+
+def _load_helper(path):
+    """Import the file helper once; forked children inherit it."""
+    import importlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_boxlite_guest_helper", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # What its operations import lazily is imported here, once, for every fork to inherit.
+    for name in ("base64", "fnmatch", "io", "re", "shutil", "tarfile"):
+        importlib.import_module(name)
+
+    _HELPER["module"] = module
+
+
+class _ForkedHelper:
+    """A fork of the agent running the file helper: a Popen look-alike (pid, poll, wait)."""
+
+    def __init__(self, fds, cwd):
+        if not os.path.isdir(cwd):
+            raise FileNotFoundError(2, "No such file or directory", cwd)
+        pid = os.fork()
+        if pid == 0:
+            code = 70
+            try:
+                os.setsid()
+                for i, fd in enumerate(fds):
+                    os.dup2(fd, i)
+                os.chdir(cwd)
+                sys.stdin = open(0, "r", closefd=False)
+                sys.stdout = open(1, "w", closefd=False)
+                _HELPER["module"].main()
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        self.pid = pid
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self):
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
 def _serve(conn, base_env):
     fds = []
     try:
@@ -82,7 +149,7 @@ def _serve(conn, base_env):
         if op == "ping":
             _send(conn, {"pong": os.getpid()})
             return
-        if op != "exec":
+        if op not in ("exec", "helper"):
             _send(conn, {"error": "unknown op %r" % (op,), "errno": 22})
             return
         if len(fds) != 3:
@@ -91,17 +158,19 @@ def _serve(conn, base_env):
         env = dict(base_env)
         env.update(req.get("env") or {})
         try:
-            proc = subprocess.Popen(
-                req["argv"],
-                stdin=fds[0],
-                stdout=fds[1],
-                stderr=fds[2],
-                env=env,
-                # A test may delete the box's working directory; the box must stay usable.
-                cwd=req.get("cwd") or (DEFAULT_CWD if os.path.isdir(DEFAULT_CWD) else "/"),
-                start_new_session=True,
-                close_fds=True,
-            )
+            if op == "helper":
+                proc = _ForkedHelper(fds, _cwd(req))
+            else:
+                proc = subprocess.Popen(
+                    req["argv"],
+                    stdin=fds[0],
+                    stdout=fds[1],
+                    stderr=fds[2],
+                    env=env,
+                    cwd=_cwd(req),
+                    start_new_session=True,
+                    close_fds=True,
+                )
         except OSError as exc:
             _send(conn, {"error": exc.strerror or str(exc), "errno": exc.errno or 0, "filename": exc.filename})
             return
@@ -156,6 +225,7 @@ def main():
     path = sys.argv[1]
     base_env = json.loads(sys.argv[2])
     watchdog_fd = int(sys.argv[3])
+    _load_helper(sys.argv[4])
     keep_flag = os.path.join(os.path.dirname(path), "keep")
     threading.Thread(target=_watchdog, args=(watchdog_fd, keep_flag), daemon=True).start()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -41,6 +41,7 @@ from pytest_boxlite.spec import BoxSpec
 
 AGENT = Path(__file__).with_name("_agent.py")
 ATTACH = Path(__file__).with_name("_attach.py")
+HELPER = Path(__file__).parent.parent / "_guest.py"
 GUEST_CTL = "/run/pytest-boxlite"
 WORKDIR = "/workspace"
 #: Memory cap when the spec names none: BoxLite's own VM default, for parity.
@@ -372,6 +373,7 @@ class NamespaceBox:
         user: str | None = None,
         timeout: float,
         max_output: int = DEFAULT_MAX_OUTPUT,
+        op: str = "exec",
     ) -> RawResult:
         if user not in (None, "root", "0", "0:0"):
             raise ConfigError(
@@ -387,7 +389,7 @@ class NamespaceBox:
             in_r = os.open(os.devnull, os.O_RDONLY)
         else:
             in_r, in_w = os.pipe()
-        req = {"op": "exec", "argv": list(argv), "env": dict(env or {}), "cwd": cwd}
+        req = {"op": op, "argv": list(argv), "env": dict(env or {}), "cwd": cwd}
         try:
             sock, lines = self._request(req, [in_r, out_w, err_w], min(timeout, 10.0) + 1.0)
         except BaseException:
@@ -508,6 +510,10 @@ class NamespaceBox:
             stderr_dropped=dropped[err_r],
             error=error,
         )
+
+    def run_helper(self, payload: bytes, *, timeout: float, max_output: int) -> RawResult:
+        """Run the file helper on ``payload`` in a fork of the box's agent (no interpreter start-up)."""
+        return self.exec(["<helper>"], input=payload, timeout=timeout, max_output=max_output, op="helper")
 
     def attach_argv(self, argv: Sequence[str], *, cwd: str | None = None, status_file: str | None = None) -> list[str]:
         """A host command whose stdin/stdout/stderr are those of ``argv`` running in this box.
@@ -674,6 +680,7 @@ class NamespaceRuntime:
             f"{GUEST_CTL}/agent.sock",
             json.dumps(self._base_env(spec, name)),
             str(watch_r),
+            str(HELPER),
         ]  # fmt: skip
         # The shell joins the box's cgroups first so bwrap and everything under it is limited.
         join = 'for f in $BOXLITE_CGROUP_PROCS; do echo $$ > "$f" || exit 97; done; exec "$@"'
