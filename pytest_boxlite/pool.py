@@ -132,6 +132,9 @@ class BoxPool:
         self._cond = threading.Condition()
         self._warm: dict[BoxSpec, collections.deque[_Warm]] = collections.defaultdict(collections.deque)
         self._booting: collections.Counter[BoxSpec] = collections.Counter()
+        #: Background boots that will land in the warm queue, and leases waiting for them.
+        self._filling: collections.Counter[BoxSpec] = collections.Counter()
+        self._waiting: collections.Counter[BoxSpec] = collections.Counter()
         self._targets: dict[BoxSpec, int] = {}
         self._leased: dict[str, BoxHandle] = {}
         self._live = 0
@@ -248,6 +251,16 @@ class BoxPool:
                 err = self._boot_errors.pop(spec, None)
                 if err is not None:
                     raise err
+                left = deadline - time.monotonic()
+                if self._filling[spec] > self._waiting[spec] and left > 0:
+                    # A box of this spec is already booting for the pool: wait for it rather than
+                    # boot a second one (each boot costs CPU that the running tests need).
+                    self._waiting[spec] += 1
+                    try:
+                        self._cond.wait(left)
+                    finally:
+                        self._waiting[spec] -= 1
+                    continue
                 if self._live < self.replicas:
                     self._reserve_locked(spec)
                     return None, "cold", None
@@ -282,6 +295,7 @@ class BoxPool:
         for spec, target in self._targets.items():
             while len(self._warm[spec]) + self._booting[spec] < target and self._live < self.replicas:
                 self._reserve_locked(spec)
+                self._filling[spec] += 1
                 self._workers.submit(self._fill_one, spec)
 
     def _fill_one(self, spec: BoxSpec) -> None:
@@ -290,11 +304,13 @@ class BoxPool:
         except BaseException as exc:  # noqa: BLE001 - handed to the next lease of this spec, which raises it
             with self._cond:
                 self._booting[spec] -= 1
+                self._filling[spec] -= 1
                 self._boot_errors[spec] = exc
                 self._cond.notify_all()
             return
         with self._cond:
             self._booting[spec] -= 1
+            self._filling[spec] -= 1
             if self._closed:
                 closed = True
             else:

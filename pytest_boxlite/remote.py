@@ -512,7 +512,11 @@ class BoxedExecutor:
             # Make room under the cap: the oldest template goes.
             oldest = next(iter(self._templates))
             self._templates.pop(oldest).release()
-        lease = self.session.pool().lease(plan.spec)
+        pool = self.session.pool()
+        # The template is held for the session: no spare box of this spec is needed (a warm or
+        # booting one is still taken by the lease below).
+        pool.prewarm(plan.spec, 0)
+        lease = pool.lease(plan.spec)
         self._templates[plan.spec] = lease
         return lease
 
