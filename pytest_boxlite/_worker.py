@@ -133,6 +133,17 @@ def _fresh_box(hostname):
         fh.write("1000")  # under memory pressure the test dies, not the warm interpreter
 
 
+def _tag(obj):
+    """JSON has no tuples, and pytest's reports need theirs back: mark them (see remote._untag)."""
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_tag(x) for x in obj]}
+    if isinstance(obj, list):
+        return [_tag(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _tag(v) for k, v in obj.items()}
+    return obj
+
+
 def serve(channel):
     cfg = channel.receive()
     os.chdir(cfg["cwd"])
@@ -230,7 +241,7 @@ def serve(channel):
                 out = conn.makefile("wb")
 
                 def send(kind, data):
-                    out.write((json.dumps([kind, data]) + "\n").encode())
+                    out.write((json.dumps([kind, _tag(data)]) + "\n").encode())
                     out.flush()
 
                 send("token", token)

@@ -237,6 +237,7 @@ class BoxPool:
         self, spec: BoxSpec, deadline: float, limit: float, reuse: bool
     ) -> tuple[BoxHandle | None, str, BoxHandle | None]:
         """Take a warm box, or reserve capacity for a cold boot (``None``, maybe with a box to evict)."""
+        waited = False  # a box that arrives while we wait is not a warm hit
         with self._cond:
             while True:
                 if self._closed:
@@ -247,7 +248,8 @@ class BoxPool:
                         if w.reusable == wanted:
                             del q[i]
                             self._since[w.handle.name] = w.since
-                            return w.handle, "reused" if wanted else "warm", None
+                            kind = "reused" if wanted else ("booted-for-us" if waited else "warm")
+                            return w.handle, kind, None
                 err = self._boot_errors.pop(spec, None)
                 if err is not None:
                     raise err
@@ -260,6 +262,7 @@ class BoxPool:
                         self._cond.wait(left)
                     finally:
                         self._waiting[spec] -= 1
+                    waited = True
                     continue
                 if self._live < self.replicas:
                     self._reserve_locked(spec)
@@ -283,6 +286,7 @@ class BoxPool:
                         "--boxlite-lease-timeout, or release boxes sooner."
                     )
                 self._cond.wait(left)
+                waited = True
 
     def _reserve_locked(self, spec: BoxSpec) -> None:
         self._live += 1

@@ -372,7 +372,7 @@ def _json_lines(conn: socket.socket, deadline: float) -> Iterator[tuple[str, Any
     while True:
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            kind, data = json.loads(line)
+            kind, data = json.loads(line, object_hook=_untag)
             yield kind, data
         left = deadline - time.monotonic()
         if left <= 0:
@@ -382,6 +382,13 @@ def _json_lines(conn: socket.socket, deadline: float) -> Iterator[tuple[str, Any
         if not chunk:
             return
         buf += chunk
+
+
+def _untag(obj: dict[str, Any]) -> Any:
+    """The inverse of the guest's ``_tag``: tuples come back as tuples."""
+    if len(obj) == 1 and "__tuple__" in obj:
+        return tuple(obj["__tuple__"])
+    return obj
 
 
 def _oom_count(handle: BoxHandle) -> int:

@@ -61,8 +61,9 @@ def summary(terminalreporter: Any, box: BoxliteSession) -> None:
     """The ``boxlite`` section at the end of the run (only when boxes were used)."""
     rep = box.report
     stats = merge_stats([rep.stats, *rep.worker_stats]) if rep.worker_stats else rep.stats
-    if not stats and not rep.leaked and not rep.reconciled and not rep.kept:
-        return
+    used = bool(stats.get("booted") or stats.get("leased") or stats.get("forked"))
+    if not used and not rep.leaked and not rep.reconciled and not rep.kept:
+        return  # no box was used: nothing to say
     tr = terminalreporter
     tr.section("boxlite", sep="-")
     if stats:

@@ -12,8 +12,8 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
-import textwrap
 import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -45,14 +45,26 @@ def no_leftovers(home: Path) -> None:
     assert ledger.scan(home) == [], f"boxes left behind in {home}"
 
 
-def by_phase(reprec: Any) -> dict[tuple[str, str], pytest.TestReport]:
-    """The run's test reports keyed by (nodeid, when); a phase logged twice is an error."""
+class _Collector:
+    """Records every test report a sub-run logs (also when the run ends in an internal error)."""
+
+    def __init__(self) -> None:
+        self.reports: list[pytest.TestReport] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.reports.append(report)
+
+
+def run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict[tuple[str, str], pytest.TestReport]]:
+    """An in-process sub-run: its result, and its test reports keyed by (nodeid, when)."""
+    collector = _Collector()
+    result = pytester.runpytest_inprocess(*args, plugins=[collector])
     out: dict[tuple[str, str], pytest.TestReport] = {}
-    for rep in reprec.getreports("pytest_runtest_logreport"):
+    for rep in collector.reports:
         key = (rep.nodeid, rep.when)
         assert key not in out, f"{key} was reported twice"
         out[key] = rep
-    return out
+    return result, out
 
 
 def no_addresses(text: str) -> str:
@@ -65,13 +77,13 @@ def props(rep: Any) -> dict[str, Any]:
 
 
 def without_box(user_properties: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    return [(k, v) for k, v in user_properties if k != BOX_PROPERTY]
+    return [p for p in user_properties if p[0] != BOX_PROPERTY]
 
 
 def box_of(reports: dict[tuple[str, str], Any], nodeid: str) -> str:
     """The box a test ran in, from the property the plugin adds to the teardown report."""
     name = props(reports[(nodeid, "teardown")]).get(BOX_PROPERTY)
-    assert isinstance(name, str), f"{nodeid}: no {BOX_PROPERTY} property: {reports[(nodeid, 'teardown')].user_properties}"
+    assert isinstance(name, str), f"{nodeid}: no {BOX_PROPERTY}: {reports[(nodeid, 'teardown')].user_properties}"
     assert name.startswith(ledger.PREFIX), name
     return name
 
@@ -84,7 +96,7 @@ def junit_cases(path: Path) -> dict[tuple[str, str], ET.Element]:
 def junit_view(tc: ET.Element) -> tuple[dict[str, str], list[tuple[str, dict[str, str], str]], list[tuple[str, str]]]:
     """A testcase without its timing: attributes, children (tag, attributes, text) and properties."""
     attrs = {k: v for k, v in tc.attrib.items() if k != "time"}
-    children = [(c.tag, dict(c.attrib), (c.text or "").strip()) for c in tc if c.tag != "properties"]
+    children = [(c.tag, dict(c.attrib), no_addresses((c.text or "").strip())) for c in tc if c.tag != "properties"]
     properties = [(p.get("name", ""), p.get("value", "")) for p in tc.iter("property")]
     return attrs, children, properties
 
@@ -192,41 +204,39 @@ FIDELITY_TESTS = """
 
 
 def test_boxed_reports_match_local_reports(pytester: pytest.Pytester, home: Path) -> None:
-    """Outcome, failure text, sections, properties, skip/xfail, keywords and junitxml match a local run."""
+    """Outcome, failure text, sections, properties, skip/xfail, keywords and the terminal match a local run."""
     pytester.makeconftest(FIDELITY_CONFTEST)
     pytester.makepyfile(test_fidelity=FIDELITY_TESTS)
 
-    # xunit1: record_property warns under the default xunit2 family.
-    junit = ("-o", "junit_family=xunit1")
-    local = pytester.runpytest_inprocess("-p", "no:boxlite", *junit, "--junitxml=local.xml")
-    boxed = pytester.runpytest_inprocess("--boxlite", f"--boxlite-home={home}", *junit, "--junitxml=boxed.xml")
+    local, loc = run(pytester, "-p", "no:boxlite", "-rA")
+    boxed, box = run(pytester, "--boxlite", f"--boxlite-home={home}", "-rA")
     no_leftovers(home)
 
-    expected_outcomes = {"passed": 3, "failed": 4, "skipped": 2, "xfailed": 1, "xpassed": 1, "errors": 2}
-    assert local.parseoutcomes() == expected_outcomes
-    assert boxed.parseoutcomes() == local.parseoutcomes()
-    assert boxed.ret == local.ret == pytest.ExitCode.TESTS_FAILED
-
-    loc = by_phase(local.reprec)  # type: ignore[attr-defined]
-    box = by_phase(boxed.reprec)  # type: ignore[attr-defined]
-    assert sorted(box) == sorted(loc)
     assert len({nodeid for nodeid, _ in loc}) == 12
+    assert sorted(box) == sorted(loc)
 
+    mismatches = []
     boxes = set()
     for key, lrep in loc.items():
         brep = box[key]
-        where = f"{key[0]} [{key[1]}]"
-        assert brep.outcome == lrep.outcome, where
-        assert no_addresses(brep.longreprtext) == no_addresses(lrep.longreprtext), where
-        assert brep.sections == lrep.sections, where
-        assert without_box(brep.user_properties) == list(lrep.user_properties), where
-        assert getattr(brep, "wasxfail", None) == getattr(lrep, "wasxfail", None), where
-        assert dict(brep.keywords) == dict(lrep.keywords), where
-        assert brep.location == lrep.location, where
-        assert brep.duration > 0, where
-        assert BOX_PROPERTY not in props(lrep), where
+        fields = {
+            "outcome": (brep.outcome, lrep.outcome),
+            "longrepr type": (type(brep.longrepr).__name__, type(lrep.longrepr).__name__),
+            "longreprtext": (no_addresses(brep.longreprtext), no_addresses(lrep.longreprtext)),
+            "sections": (brep.sections, lrep.sections),
+            "user_properties": (without_box(brep.user_properties), list(lrep.user_properties)),
+            "wasxfail": (getattr(brep, "wasxfail", None), getattr(lrep, "wasxfail", None)),
+            "keywords": (dict(brep.keywords), dict(lrep.keywords)),
+            "location": (brep.location, lrep.location),
+            "duration > 0": (brep.duration > 0, True),
+        }
+        mismatches += [(key, name, b, lo) for name, (b, lo) in fields.items() if b != lo]
+        assert BOX_PROPERTY not in props(lrep), key
         if key[1] == "teardown":
             boxes.add(box_of(box, key[0]))
+    assert not mismatches, "boxed and local reports differ:\n" + "\n".join(
+        f"{nodeid} [{when}] {name}: boxed {b!r:.150} != local {lo!r:.150}" for (nodeid, when), name, b, lo in mismatches
+    )
     # --boxlite boxed every test, each in a fresh box (default scope).
     assert len(boxes) == 12
 
@@ -239,8 +249,12 @@ def test_boxed_reports_match_local_reports(pytester: pytest.Pytester, home: Path
     assert "{'b': 2} != {'b': 3}" in dict_diff.longreprtext
     assert any(n == "Captured log call" and "logged before failing" in c for n, c in dict_diff.sections)
     passing = box[("test_fidelity.py::test_pass_with_output", "call")]
-    section_names = [n for n, _ in passing.sections]
-    assert section_names == ["Captured stdout setup", "Captured stdout call", "Captured stderr call", "Captured log call"]
+    assert [n for n, _ in passing.sections] == [
+        "Captured stdout setup",
+        "Captured stdout call",
+        "Captured stderr call",
+        "Captured log call",
+    ]
     assert ("answer", 42) in passing.user_properties
     assert ("word", "hello") in passing.user_properties
     assert box[("test_fidelity.py::test_xfail", "call")].wasxfail == "known bug"
@@ -251,18 +265,58 @@ def test_boxed_reports_match_local_reports(pytester: pytest.Pytester, home: Path
     teardown_error = box[("test_fidelity.py::test_teardown_error", "teardown")]
     assert teardown_error.failed and "teardown boom" in teardown_error.longreprtext
 
-    # The terminal summary says the same, line for line (minus the boxlite header and summary).
+    # The terminal says the same: no internal error, same counts, same -rA summary lines.
+    assert "INTERNALERROR" not in boxed.stdout.str() + boxed.stderr.str()
+    assert boxed.ret == local.ret == pytest.ExitCode.TESTS_FAILED
+    expected_outcomes = {"passed": 3, "failed": 4, "skipped": 2, "xfailed": 1, "xpassed": 1, "errors": 2}
+    assert local.parseoutcomes() == expected_outcomes
+    assert boxed.parseoutcomes() == expected_outcomes
+
     def summary(lines: list[str]) -> list[str]:
-        return [ln for ln in lines if ln.startswith(("FAILED ", "ERROR ", "XFAIL ", "XPASS ", "SKIPPED "))]
+        return [ln for ln in lines if re.match(r"(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED) (\[\d+\] )?test_", ln)]
 
+    assert len(summary(local.outlines)) == 13
     assert summary(boxed.outlines) == summary(local.outlines)
-    assert summary(local.outlines)
 
-    # junitxml: the same testcases with the same failures, plus the box as a property.
+
+JUNIT_TESTS = """
+    import pytest
+
+
+    def test_property(record_property):
+        record_property("answer", 42)
+
+
+    def test_fail():
+        assert [1, 2, 3] == [1, 2, 4]
+
+
+    @pytest.mark.skip(reason="marked skip")
+    def test_skip():
+        pass
+
+
+    @pytest.mark.xfail(reason="known bug")
+    def test_xfail():
+        assert 0
+"""
+
+
+def test_junitxml_matches_local_and_names_the_box(pytester: pytest.Pytester, home: Path) -> None:
+    """--junitxml: the same testcases with the same results, plus a boxlite_box property naming the box."""
+    pytester.makepyfile(test_junit=JUNIT_TESTS)
+    # xunit1: record_property warns under the default xunit2 family.
+    junit = ("-o", "junit_family=xunit1")
+    local, _ = run(pytester, "-p", "no:boxlite", *junit, "--junitxml=local.xml")
+    boxed, reports = run(pytester, "--boxlite", f"--boxlite-home={home}", *junit, "--junitxml=boxed.xml")
+    no_leftovers(home)
+    assert "INTERNALERROR" not in boxed.stdout.str() + boxed.stderr.str()
+    assert boxed.parseoutcomes() == local.parseoutcomes() == {"passed": 1, "failed": 1, "skipped": 1, "xfailed": 1}
+
     local_cases = junit_cases(pytester.path / "local.xml")
     boxed_cases = junit_cases(pytester.path / "boxed.xml")
+    assert len(local_cases) == 4
     assert sorted(boxed_cases) == sorted(local_cases)
-    assert len(local_cases) == 12
     for key, ltc in local_cases.items():
         l_attrs, l_children, l_props = junit_view(ltc)
         b_attrs, b_children, b_props = junit_view(boxed_cases[key])
@@ -270,10 +324,10 @@ def test_boxed_reports_match_local_reports(pytester: pytest.Pytester, home: Path
         assert b_children == l_children, key
         assert [p for p in b_props if p[0] != BOX_PROPERTY] == l_props, key
         box_props = [v for n, v in b_props if n == BOX_PROPERTY]
-        assert len(box_props) == 1, (key, b_props)
-        assert box_props[0].startswith(ledger.PREFIX)
-        assert box_props[0] in boxes
-    assert ("answer", "42") in junit_view(boxed_cases[("test_fidelity", "test_pass_with_output")])[2]
+        assert box_props == [box_of(reports, f"test_junit.py::{key[1]}")], (key, b_props)
+    assert ("answer", "42") in junit_view(boxed_cases[("test_junit", "test_property")])[2]
+    assert [c[0] for c in junit_view(boxed_cases[("test_junit", "test_fail")])[1]] == ["failure"]
+    assert "At index 2 diff" in junit_view(boxed_cases[("test_junit", "test_fail")])[1][0][2]
 
 
 # --------------------------------------------------------------------------
@@ -325,10 +379,9 @@ def test_marker_on_function_class_and_module(pytester: pytest.Pytester, home: Pa
                 _where(record_property)
         """,
     )
-    result = pytester.runpytest_inprocess(f"--boxlite-home={home}")
+    result, reports = run(pytester, f"--boxlite-home={home}")
     no_leftovers(home)
     assert result.parseoutcomes() == {"passed": 7}
-    reports = by_phase(result.reprec)  # type: ignore[attr-defined]
 
     host = socket.gethostname()
     assert not host.startswith(ledger.PREFIX)
@@ -416,8 +469,14 @@ ISOLATION_TESTS = """
 """
 
 
-def test_what_runs_in_the_box(pytester: pytest.Pytester, home: Path) -> None:
-    """--boxlite: body, conftest fixtures, tmp_path, monkeypatch, capsys, caplog, params run in a box; writes stay there."""
+def test_what_runs_in_the_box(pytester: pytest.Pytester, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--boxlite: body, conftest fixtures, tmp_path, monkeypatch, capsys, caplog, params run in a box.
+
+    The guest sees the project at the same path; nothing it writes (own directory, /etc) reaches the host.
+    """
+    # pytester points this at a host directory under /tmp, which a box does not see (its /tmp is
+    # private); test_tmp_path_when_host_temproot_is_under_tmp covers that case on its own.
+    monkeypatch.delenv("PYTEST_DEBUG_TEMPROOT", raising=False)
     tag = uuid.uuid4().hex[:10]
     guest_file = f"guest-wrote-{tag}.txt"
     etc_file = f"pbx-marker-{tag}"
@@ -426,10 +485,9 @@ def test_what_runs_in_the_box(pytester: pytest.Pytester, home: Path) -> None:
     (pytester.path / "sentinel.txt").write_text("host")
 
     with host_cleanup(pytester.path / guest_file, Path("/etc") / etc_file):
-        result = pytester.runpytest_inprocess("--boxlite", f"--boxlite-home={home}")
+        result, reports = run(pytester, "--boxlite", f"--boxlite-home={home}")
         no_leftovers(home)
         assert result.parseoutcomes() == {"passed": 3}, result.stdout.str()
-        reports = by_phase(result.reprec)  # type: ignore[attr-defined]
 
         # Nothing the guest wrote reached the host.
         assert (pytester.path / "sentinel.txt").read_text() == "host"
@@ -446,6 +504,34 @@ def test_what_runs_in_the_box(pytester: pytest.Pytester, home: Path) -> None:
         assert not Path(call["tmp_file"]).exists()
     hosts.add(props(reports[("test_iso.py::test_host_files_visible_writes_stay", "call")])["host"])
     assert len(hosts) == 3 and all(h.startswith(ledger.PREFIX) for h in hosts)
+
+
+def test_tmp_path_when_host_temproot_is_under_tmp(
+    pytester: pytest.Pytester, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tmp_path works in a box when the host's PYTEST_DEBUG_TEMPROOT names a directory under /tmp.
+
+    pytester sets it for every sub-run (so does any plugin's own test suite); the worker inherits
+    the host environment, but the box's /tmp is private, so the directory named is not there.
+    """
+    temproot = Path("/tmp") / f"pbx-temproot-{uuid.uuid4().hex[:10]}"
+    temproot.mkdir()
+    try:
+        monkeypatch.setenv("PYTEST_DEBUG_TEMPROOT", str(temproot))
+        pytester.makepyfile(
+            test_tmp="""
+            import pytest
+
+            @pytest.mark.boxlite
+            def test_tmp(tmp_path):
+                (tmp_path / "f").write_text("x")
+            """
+        )
+        result, _ = run(pytester, f"--boxlite-home={home}")
+        no_leftovers(home)
+    finally:
+        shutil.rmtree(temproot, ignore_errors=True)
+    assert result.parseoutcomes() == {"passed": 1}, result.stdout.str()
 
 
 # --------------------------------------------------------------------------
@@ -471,20 +557,19 @@ def test_exitfirst_keyword_and_last_failed(pytester: pytest.Pytester, home: Path
             pass
         """
     )
-    first = pytester.runpytest_inprocess("--boxlite", f"--boxlite-home={home}", "-x", "-k", "not deselect_me")
+    first, first_reports = run(pytester, "--boxlite", f"--boxlite-home={home}", "-x", "-k", "not deselect_me")
     no_leftovers(home)
     assert first.parseoutcomes() == {"passed": 1, "failed": 1, "deselected": 1}
     assert first.ret == pytest.ExitCode.TESTS_FAILED
-    ran = {nodeid for nodeid, _ in by_phase(first.reprec)}  # type: ignore[attr-defined]
+    ran = {nodeid for nodeid, _ in first_reports}
     assert ran == {"test_sel.py::test_a", "test_sel.py::test_b"}
     first.stdout.fnmatch_lines(["*stopping after 1 failures*"])
-    failure = by_phase(first.reprec)[("test_sel.py::test_b", "call")]  # type: ignore[attr-defined]
+    failure = first_reports[("test_sel.py::test_b", "call")]
     assert "assert 'pbx-" in failure.longreprtext and "== 'no such host'" in failure.longreprtext
 
-    again = pytester.runpytest_inprocess("--boxlite", f"--boxlite-home={home}", "--lf")
+    again, reports = run(pytester, "--boxlite", f"--boxlite-home={home}", "--lf")
     no_leftovers(home)
-    assert again.parseoutcomes() == {"failed": 1, "deselected": 3}
-    reports = by_phase(again.reprec)  # type: ignore[attr-defined]
+    assert again.parseoutcomes() == {"failed": 1}  # --lf does not even collect the others
     assert {nodeid for nodeid, _ in reports} == {"test_sel.py::test_b"}
     box_of(reports, "test_sel.py::test_b")
     again.stdout.fnmatch_lines(["*run-last-failure: rerun previous 1 failure*"])
@@ -514,10 +599,9 @@ def test_scope_module_shares_a_box_in_order(pytester: pytest.Pytester, home: Pat
     """--boxlite-scope=module: the tests of one module share a box in order; another module gets its own."""
     pytester.makepyfile(test_scope_a=SCOPE_TESTS, test_scope_b=SCOPE_TESTS)
     assert not Path("/workspace/x").exists()
-    result = pytester.runpytest_inprocess("--boxlite", "--boxlite-scope=module", f"--boxlite-home={home}")
+    result, reports = run(pytester, "--boxlite", "--boxlite-scope=module", f"--boxlite-home={home}")
     no_leftovers(home)
     assert result.parseoutcomes() == {"passed": 4}
-    reports = by_phase(result.reprec)  # type: ignore[attr-defined]
     for module in ("test_scope_a.py", "test_scope_b.py"):
         first = props(reports[(f"{module}::test_1_writes", "call")])
         second = props(reports[(f"{module}::test_2_reads", "call")])
@@ -532,10 +616,9 @@ def test_scope_module_shares_a_box_in_order(pytester: pytest.Pytester, home: Pat
 def test_scope_test_is_the_default_fresh_box_per_test(pytester: pytest.Pytester, home: Path) -> None:
     """Default scope: test 2 does not see what test 1 wrote to /workspace; each has its own box."""
     pytester.makepyfile(test_scope_a=SCOPE_TESTS)
-    result = pytester.runpytest_inprocess("--boxlite", f"--boxlite-home={home}")
+    result, reports = run(pytester, "--boxlite", f"--boxlite-home={home}")
     no_leftovers(home)
     assert result.parseoutcomes() == {"passed": 2}
-    reports = by_phase(result.reprec)  # type: ignore[attr-defined]
     first = props(reports[("test_scope_a.py::test_1_writes", "call")])
     second = props(reports[("test_scope_a.py::test_2_reads", "call")])
     assert first["saw"] is False
@@ -574,7 +657,7 @@ def test_bad_marker_arguments_are_usage_errors(
             pass
         """
     )
-    result = pytester.runpytest_inprocess(f"--boxlite-home={home}")
+    result, _ = run(pytester, f"--boxlite-home={home}")
     no_leftovers(home)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     err = result.stderr.str()
@@ -666,10 +749,11 @@ def test_box_failures_become_failed_reports(pytester: pytest.Pytester, home: Pat
         reports[key] = rep
 
     def failure(name: str) -> dict[str, Any]:
-        failed = [r for (nodeid, _), r in reports.items() if nodeid == f"test_crash.py::{name}" and r["outcome"] == "failed"]
+        nodeid = f"test_crash.py::{name}"
+        failed = [r for (n, _), r in reports.items() if n == nodeid and r["outcome"] == "failed"]
         assert len(failed) == 1, (name, failed)
         # Every phase is reported, and the test ends with a teardown report.
-        assert (f"test_crash.py::{name}", "teardown") in reports, name
+        assert (nodeid, "teardown") in reports, name
         return failed[0]
 
     exited = failure("test_exit")
