@@ -450,6 +450,7 @@ class BoxedExecutor:
         self.runner = runner
         self.session = session
         self._held: tuple[str, BoxSpec, Lease] | None = None  # module scope: (module path, spec, lease)
+        self._held_failed = False
         #: Warm interpreters that fresh boxes are forked from, one per spec (fork mode).
         self._templates: dict[BoxSpec, Lease] = {}
 
@@ -473,8 +474,8 @@ class BoxedExecutor:
             lease = self._template(plan) if self.session.fork_boxes else self._lease(module, plan)
         except BoxliteError as exc:
             reports = [
-                _report_no_box(item, "setup", "failed", f"[boxlite] could not get a box: {exc}"),
-                _report_no_box(item, "teardown", "passed", None),
+                _report(item, "setup", "failed", f"could not get a box: {exc}", None, 0.0),
+                _report(item, "teardown", "passed", None, None, 0.0),
             ]
         else:
             box_name = lease.handle.name
@@ -487,12 +488,11 @@ class BoxedExecutor:
             reports = self.runner.run_item(
                 item, lease, next_nodeid=nextitem.nodeid if shared and nextitem else None, timeout=plan.timeout
             )
-            failed = any(r.failed for r in reports)
+            self._held_failed |= any(r.failed for r in reports)
             dead = lease.handle.name not in self.runner.live_workers()
             if not shared or dead:
-                self._drop(keep=failed and self.session.settings.keep and not dead)
-            elif failed and self.session.settings.keep:
-                pass  # the module goes on in this box; it is kept when the module ends if asked
+                # With --boxlite-keep, a box in which any test failed outlives the run (a dead one cannot).
+                self._drop(keep=self._held_failed and self.session.settings.keep and not dead)
         for rep in reports:
             if rep.when == "teardown" and box_name:
                 rep.user_properties.append((self.KEEP_PROPERTY, box_name))
@@ -505,7 +505,7 @@ class BoxedExecutor:
             held_module, held_spec, lease = self._held
             if held_module == module and held_spec == plan.spec:
                 return lease
-            self._drop(keep=False)
+            self._drop(keep=self._held_failed and self.session.settings.keep)
         lease = self.session.pool().lease(plan.spec)
         self._held = (module, plan.spec, lease)
         return lease
@@ -531,24 +531,11 @@ class BoxedExecutor:
         if self._held is not None:
             _, _, lease = self._held
             self._held = None
+            self._held_failed = False
             lease.release(keep=keep)
 
     def close(self) -> None:
-        self._drop(keep=False)
+        self._drop(keep=self._held_failed and self.session.settings.keep)
         for lease in self._templates.values():
             lease.release()
         self._templates.clear()
-
-
-def _report_no_box(item: pytest.Item, when: str, outcome: str, why: str | None) -> pytest.TestReport:
-    return pytest.TestReport(
-        nodeid=item.nodeid,
-        location=item.location,
-        keywords={k: 1 for k in item.keywords},
-        outcome=outcome,  # type: ignore[arg-type]
-        longrepr=why,
-        when=when,  # type: ignore[arg-type]
-        sections=[],
-        duration=0.0,
-        user_properties=list(item.user_properties),
-    )
