@@ -29,6 +29,7 @@ _BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite
 _SIGTERM_KEY = pytest.StashKey[dict[str, Any]]()
 _PLAN_KEY = pytest.StashKey[BoxPlan]()
 _EXECUTOR_KEY = pytest.StashKey[BoxedExecutor]()
+_SHUT_DOWN_KEY = pytest.StashKey[bool]()
 _MARKER_HELP = (
     "boxlite(image=None, cpus=None, memory=None, env=None, network=None, timeout=None): "
     "run this test inside a throw-away box"
@@ -182,9 +183,11 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
 
 
 def _shutdown(config: pytest.Config) -> None:
+    """Reap everything (at session finish, or at unconfigure if the session never finished).  Once."""
     box = config.stash.get(SESSION_KEY, None)
-    if box is None:
+    if box is None or config.stash.get(_SHUT_DOWN_KEY, False):
         return
+    config.stash[_SHUT_DOWN_KEY] = True
     executor = config.stash[_EXECUTOR_KEY]
     executor.close()
     box.shutdown()
