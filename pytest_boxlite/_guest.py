@@ -122,6 +122,9 @@ def op_read(req, payload):
 
 def op_write(req, payload):
     path = req["path"]
+    if len(os.fsencode(path)) >= 4096:
+        # Longer than PATH_MAX: fail before creating any of its directories.
+        raise OSError(36, "File name too long", path)
     parent = os.path.dirname(path) or "."
     try:
         os.makedirs(parent, exist_ok=True)

@@ -58,15 +58,15 @@ def _mount(libc, src, target, fstype, flags, data):
     _check(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)
 
 
-def _overlays():
-    """Mount points of this box's overlays, parents first."""
+def _mounts():
+    """``(mount point, fstype)`` of every mount this process sees, in mount order."""
     out = []
     with open("/proc/self/mountinfo") as fh:
         for line in fh:
             f = line.split()
-            if f[f.index("-") + 1] == "overlay":
-                out.append(f[4])
-    return sorted(set(out), key=lambda p: (p.count("/"), p))
+            point = f[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+            out.append((point, f[f.index("-") + 1]))
+    return out
 
 
 def _overlay(libc, lower, target, stage, n):
@@ -78,29 +78,63 @@ def _overlay(libc, lower, target, stage, n):
     _mount(libc, "overlay", target, "overlay", 0, opts)
 
 
-def _fresh_box(hostname):
-    """In the forked child: new namespaces and pristine writable layers.  Returns in the box's pid 1."""
+def _under(path, top):
+    return path.startswith(top.rstrip("/") + "/")
+
+
+def _fresh_box(hostname, network):
+    """In the forked child: new namespaces and pristine writable layers.  Returns in the box's pid 1.
+
+    Every overlay gets a new, empty upper layer.  The masks the box had on top of its overlays
+    (credential directories, the boxes' state) are laid again on top of the new layers, and
+    /tmp, /workspace, /dev/shm and /run are new tmpfs.
+    """
     libc = _libc()
-    _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWNET | _CLONE_NEWPID), "unshare")
+    flags = _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID
+    if not network:
+        flags |= _CLONE_NEWNET
+    _check(libc.unshare(flags), "unshare")
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
     stage = "/run/.boxlite-fresh"
     os.makedirs(stage, exist_ok=True)
     _mount(libc, "tmpfs", stage, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700")
-    overlays = _overlays()
-    hidden = [m for m in overlays if m.startswith("/tmp/")]
-    # Overlays under /tmp vanish under the new /tmp: keep a handle on them first.
+    mounts = _mounts()
+    overlays = sorted({m for m, fs in mounts if fs == "overlay"}, key=lambda p: (p.count("/"), p))
+    hidden = [m for m in overlays if _under(m, "/tmp")]
+    private = ("/tmp", "/run", "/proc", "/dev", "/sys")
+    masks = [
+        (m, fs)
+        for m, fs in mounts
+        if fs != "overlay" and any(_under(m, o) for o in overlays) and not any(m == p or _under(m, p) for p in private)
+    ]
+    # Overlays under /tmp and bind masks vanish under what is mounted next: keep a handle on them.
     for i, m in enumerate(hidden):
         os.mkdir("%s/keep%d" % (stage, i))
         _mount(libc, m, "%s/keep%d" % (stage, i), None, _MS_BIND | _MS_REC, None)
+    for i, (m, fs) in enumerate(masks):
+        if fs != "tmpfs":
+            held = "%s/mask%d" % (stage, i)
+            if os.path.isdir(m):
+                os.mkdir(held)
+            else:
+                open(held, "w").close()
+            _mount(libc, m, held, None, _MS_BIND, None)
     for i, m in enumerate(overlays):
         if m not in hidden:
             _overlay(libc, m, m, stage, i)
+    for i, (m, fs) in enumerate(masks):
+        if fs == "tmpfs":
+            _mount(libc, "tmpfs", m, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+        else:
+            _mount(libc, "%s/mask%d" % (stage, i), m, None, _MS_BIND, None)
     for d in ("/tmp", "/workspace", "/dev/shm"):
         if os.path.isdir(d):
             _mount(libc, "tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777" if d != "/workspace" else "mode=0755")
     for i, m in enumerate(hidden):
         os.makedirs(m, exist_ok=True)
         _overlay(libc, "%s/keep%d" % (stage, i), m, stage, len(overlays) + i)
+    # Last, a new /run: it hides the staging area and the template's control directory.
+    _mount(libc, "tmpfs", "/run", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
     pid = os.fork()
     if pid:
         # The intermediate process: wait for the box's pid 1 and exit with its status.
@@ -215,7 +249,7 @@ def serve(channel):
             item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
             self.items.pop(nodeid, None)
 
-        def fork(self, session, nodeid, arg, token, sock_path, hostname):
+        def fork(self, session, nodeid, arg, token, sock_path, hostname, network):
             for old in list(self.children):  # reap boxes that have ended
                 self.wait(old, timeout=0)
             # Collect (import the module) here, once: every box forked later inherits it.
@@ -235,9 +269,10 @@ def serve(channel):
                 return
             code = 0
             try:
-                _fresh_box(hostname)
+                # Connect first: the fresh box gets a new /run, which hides the socket's directory.
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.connect(sock_path)
+                _fresh_box(hostname, network)
                 out = conn.makefile("wb")
 
                 def send(kind, data):

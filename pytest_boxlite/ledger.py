@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.runtimes import _cgroups
-from pytest_boxlite.runtimes.namespace import _alive, _read_info
+from pytest_boxlite.runtimes.namespace import _alive, _read_info, keep_marker
 
 PREFIX = "pbx-"
 _NAME = re.compile(r"^pbx-(?P<owner>[a-z0-9]+(?:-[A-Za-z0-9_]+)?)-(?P<seq>\d+)$")
@@ -109,6 +109,8 @@ def _namespace_boxes(home: Path) -> Iterator[Leftover]:
     if not state.is_dir():
         return
     for box_dir in sorted(state.iterdir()):
+        if not box_dir.is_dir():
+            continue  # a keep marker
         owner = owner_of(box_dir.name)
         yield Leftover(
             name=box_dir.name,
@@ -116,7 +118,7 @@ def _namespace_boxes(home: Path) -> Iterator[Leftover]:
             owner=owner,
             owner_alive=owner is not None and owner_alive(home, owner),
             running=_alive(_read_info(box_dir)),
-            kept=(box_dir / "keep").exists(),
+            kept=keep_marker(box_dir).exists(),
             location=str(box_dir),
         )
 
@@ -174,6 +176,7 @@ def remove_namespace_box(home: Path, name: str) -> None:
                 kill(pid, 9)
     _cgroups.remove_dirs(_cgroups.find_dirs(name))
     shutil.rmtree(box_dir, ignore_errors=True)
+    keep_marker(box_dir).unlink(missing_ok=True)
 
 
 def remove_vm_home(vm_home: Path) -> int:

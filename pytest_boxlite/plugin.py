@@ -71,7 +71,9 @@ def pytest_configure(config: pytest.Config) -> None:
     session.worker_mounts = runner.mounts()
     session.on_boot = runner.start_worker
     session.on_destroy = runner.stop_worker
-    config.stash[_EXECUTOR_KEY] = BoxedExecutor(runner, session)
+    executor = BoxedExecutor(runner, session)
+    session.on_pressure = executor.release_template
+    config.stash[_EXECUTOR_KEY] = executor
     if config.pluginmanager.hasplugin("xdist"):
         from pytest_boxlite.xdist_support import XdistHooks, box_worker_specs
 

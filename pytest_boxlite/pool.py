@@ -112,6 +112,7 @@ class BoxPool:
         on_boot: Callable[[BoxHandle, BoxSpec], None] | None = None,
         on_destroy: Callable[[BoxHandle], None] | None = None,
         prepare: Callable[[BoxSpec], BoxSpec] | None = None,
+        on_pressure: Callable[[BoxSpec], bool] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
@@ -129,6 +130,9 @@ class BoxPool:
         self._on_destroy = on_destroy
         #: Maps a requested spec to the one booted (e.g. with a provisioned template); may take long once.
         self._prepare = prepare
+        #: Asked to give back a leased box it holds for itself (a fork template) when a lease of
+        #: another spec is blocked at the cap; returns whether it released one.
+        self._on_pressure = on_pressure
         self._cond = threading.Condition()
         self._warm: dict[BoxSpec, collections.deque[_Warm]] = collections.defaultdict(collections.deque)
         self._booting: collections.Counter[BoxSpec] = collections.Counter()
@@ -277,6 +281,15 @@ class BoxPool:
                                 self.stats.evicted += 1
                                 self._booting[spec] += 1
                                 return None, "cold", w.handle
+                if self._on_pressure is not None and self._booting[spec] == 0:
+                    # Nothing idle to evict: ask the holder of long-lived leases to let one go.
+                    self._cond.release()
+                    try:
+                        freed = self._on_pressure(spec)
+                    finally:
+                        self._cond.acquire()
+                    if freed:
+                        continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise LeaseTimeoutError(

@@ -211,7 +211,9 @@ class RemoteRunner:
             return self._complete(item, reports, why, handle, time.monotonic() - start)
         return reports
 
-    def run_item_forked(self, item: pytest.Item, lease: Lease, *, timeout: float) -> tuple[list[Any], str]:
+    def run_item_forked(
+        self, item: pytest.Item, lease: Lease, *, timeout: float, network: bool
+    ) -> tuple[list[Any], str]:
         """Run ``item`` in a fresh box forked from the leased box's warm interpreter (namespace runtime).
 
         Returns the reports and the forked box's name.  The fork gets new namespaces and empty
@@ -235,7 +237,8 @@ class RemoteRunner:
         size = getattr(handle, "log_size", None)
         self._log_since[handle.name] = size() if size is not None else 0
         try:
-            worker.channel.send(("fork", item.nodeid, _node_arg(config, item.nodeid), token, FORK_SOCKET, name[:63]))
+            request = ("fork", item.nodeid, _node_arg(config, item.nodeid), token, FORK_SOCKET, name[:63], network)
+            worker.channel.send(request)
             kind, data = worker.channel.receive(min(timeout, 30.0))
             if kind != "forked":
                 return self._synthesized(item, "setup", f"could not fork a box: {data}", handle, 0.0), name
@@ -480,7 +483,9 @@ class BoxedExecutor:
         else:
             box_name = lease.handle.name
         if lease is not None and self.session.fork_boxes:
-            reports, box_name = self.runner.run_item_forked(item, lease, timeout=plan.timeout)
+            reports, box_name = self.runner.run_item_forked(
+                item, lease, timeout=plan.timeout, network=plan.spec.network
+            )
             if lease.handle.name not in self.runner.live_workers():
                 self._templates.pop(plan.spec, None)
                 lease.release()
@@ -526,6 +531,14 @@ class BoxedExecutor:
         lease = pool.lease(plan.spec)
         self._templates[plan.spec] = lease
         return lease
+
+    def release_template(self, wanted: BoxSpec) -> bool:
+        """Pool pressure callback: give back the oldest fork template not of ``wanted``'s spec."""
+        for spec in list(self._templates):
+            if spec != wanted:
+                self._templates.pop(spec).release()
+                return True
+        return False
 
     def _drop(self, *, keep: bool) -> None:
         if self._held is not None:

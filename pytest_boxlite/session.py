@@ -71,6 +71,7 @@ class BoxliteSession:
         #: Pool callbacks that give ``worker`` boxes a warm test interpreter (set by the plugin).
         self.on_boot: Any = None
         self.on_destroy: Any = None
+        self.on_pressure: Any = None
         self._wanted: set[BoxSpec] = set()
         self._namer = make_namer(self.owner)
         self._templated: dict[BoxSpec, BoxSpec] = {}
@@ -185,6 +186,7 @@ class BoxliteSession:
                 on_boot=self._on_boot,
                 on_destroy=self.on_destroy,
                 prepare=self._prepare if s.setup else None,
+                on_pressure=self.on_pressure,
             )
             with self._lock:
                 self._runtime, self._pool = runtime, pool

@@ -18,8 +18,9 @@ through this process: it is binary-clean and costs no copy here.
 
 Watchdog: the agent inherits the read end of a pipe whose write end only the
 host process holds.  When the host dies (even by SIGKILL) the pipe reads EOF
-and the agent exits, which ends the sandbox, unless the host marked the box
-to be kept (a ``keep`` file next to the socket) for debugging.
+and the agent exits, which ends the sandbox, unless the host first wrote
+``k`` into that pipe to keep the box for debugging.  Nothing in the box can
+ask for that: the control directory is made read-only once the socket exists.
 """
 
 import json
@@ -207,18 +208,29 @@ def _serve(conn, base_env):
             pass
 
 
-def _watchdog(fd, keep_flag):
+def _watchdog(fd):
+    keep = False
     while True:
         try:
-            if not os.read(fd, 4096):
-                break
+            data = os.read(fd, 4096)
         except InterruptedError:
             continue
         except OSError:
             break
-    if os.path.exists(keep_flag):
-        return
-    os._exit(0)
+        if not data:
+            break
+        keep = keep or b"k" in data
+    if not keep:
+        os._exit(0)
+
+
+def _seal(path):
+    """Remount the control directory read-only: a guest must not plant files the host reads."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_rdonly, ms_remount, ms_bind = 1, 32, 4096
+    libc.mount(None, path.encode(), None, ms_remount | ms_bind | ms_rdonly, None)
 
 
 def main():
@@ -226,8 +238,7 @@ def main():
     base_env = json.loads(sys.argv[2])
     watchdog_fd = int(sys.argv[3])
     _load_helper(sys.argv[4])
-    keep_flag = os.path.join(os.path.dirname(path), "keep")
-    threading.Thread(target=_watchdog, args=(watchdog_fd, keep_flag), daemon=True).start()
+    threading.Thread(target=_watchdog, args=(watchdog_fd,), daemon=True).start()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         os.unlink(path)
@@ -235,6 +246,7 @@ def main():
         pass
     srv.bind(path)
     srv.listen(64)
+    _seal(os.path.dirname(path))
     # Tell the host we are ready: it waits for this line on our stdout.
     sys.stdout.write("ready %d\n" % os.getpid())
     sys.stdout.flush()

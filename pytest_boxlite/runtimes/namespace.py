@@ -283,6 +283,11 @@ class _Lines:
                 continue
 
 
+def keep_marker(box_dir: Path) -> Path:
+    """Where the host marks a box as kept: next to its directory, never inside it."""
+    return box_dir.with_name(box_dir.name + ".keep")
+
+
 def _read_info(box_dir: Path) -> dict[str, Any]:
     try:
         info: dict[str, Any] = json.loads((box_dir / "info.json").read_text())
@@ -332,8 +337,12 @@ class NamespaceBox:
         self._destroyed = False
 
     def keep(self) -> None:
-        """Let the box outlive this process (for debugging); ``python -m pytest_boxlite clean`` removes it."""
-        (self.box_dir / "keep").write_text(str(time.time()))
+        """Let the box outlive this process (for debugging); ``python -m pytest_boxlite clean`` removes it.
+
+        The mark lives outside the box's directory (which the guest sees), so only the host can set it.
+        """
+        keep_marker(self.box_dir).write_text(str(time.time()))
+        os.write(self._watchdog, b"k")
 
     # -- requests -------------------------------------------------------
     def _request(self, req: dict[str, Any], fds: Sequence[int], timeout: float) -> tuple[socket.socket, _Lines]:
@@ -742,6 +751,8 @@ class NamespaceRuntime:
     def list_boxes(self) -> list[BoxRecord]:
         out = []
         for box_dir in sorted(self.state_dir.iterdir()) if self.state_dir.is_dir() else []:
+            if not box_dir.is_dir():
+                continue
             info = _read_info(box_dir)
             state = "running" if _alive(info) else "dead"
             out.append(
@@ -759,6 +770,7 @@ class NamespaceRuntime:
                 os.kill(int(info["pid"]), signal.SIGKILL)
         _cgroups.remove_dirs(_cgroups.find_dirs(name))
         shutil.rmtree(box_dir, ignore_errors=True)
+        keep_marker(box_dir).unlink(missing_ok=True)
 
     def close(self) -> None:
         if self._closed:
