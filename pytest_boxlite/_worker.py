@@ -216,6 +216,8 @@ def serve(channel):
                     self.fork(session, *args)
                 elif kind == "wait":
                     channel.send(("status", self.wait(*args)))
+                elif kind == "poll":
+                    channel.send(("status", self.wait(args[0], timeout=0)))
                 elif kind == "kill":
                     try:
                         os.kill(args[0], 9)
@@ -250,8 +252,11 @@ def serve(channel):
             self.items.pop(nodeid, None)
 
         def fork(self, session, nodeid, arg, token, sock_path, hostname, network):
-            for old in list(self.children):  # reap boxes that have ended
-                self.wait(old, timeout=0)
+            for old, status in list(self.children.items()):  # reap boxes that have ended
+                if status is None:
+                    self.wait(old, timeout=0)
+                else:
+                    del self.children[old]  # reaped and reported
             # Collect (import the module) here, once: every box forked later inherits it.
             try:
                 self._collect(session, [(nodeid, arg)])
@@ -301,10 +306,10 @@ def serve(channel):
                 try:
                     done, status = os.waitpid(pid, os.WNOHANG)
                 except ChildProcessError:
-                    return self.children.pop(pid, None)
+                    return self.children.get(pid)  # reaped already: its status was kept
                 if done:
                     code = os.waitstatus_to_exitcode(status)
-                    self.children.pop(pid, None)
+                    self.children[pid] = code
                     return code
                 if time.monotonic() > deadline:
                     return None

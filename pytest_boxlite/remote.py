@@ -249,9 +249,13 @@ class RemoteRunner:
         error: str | None = None
         done = False
         try:
-            conn = _accept(listener, token, deadline)
-            with conn:
-                for kind, data in _json_lines(conn, deadline):
+            stream = self._accept_fork(worker, listener, token, child, deadline)
+            if stream is None:
+                code = self._fork_status(worker, ("wait", child))
+                why = f"the box died before it could run the test: it {_describe_status(code)}"
+                return self._synthesized(item, "setup", why, handle, time.monotonic() - start), name
+            with stream.conn:
+                for kind, data in stream.messages(deadline):
                     if kind == "report":
                         reports.append(config.hook.pytest_report_from_serializable(config=config, data=data))
                     elif kind == "error":
@@ -276,6 +280,31 @@ class RemoteRunner:
                 why = f"the test process in the box {_describe_status(code)}"
             return self._complete(item, reports, why, handle, time.monotonic() - start), name
         return reports, name
+
+    def _accept_fork(
+        self, worker: _Worker, listener: socket.socket, token: str, child: int, deadline: float
+    ) -> _JsonStream | None:
+        """The forked box's connection, which presents ``token``; ``None`` if the box died first.
+
+        Waits in short slices and asks the warm interpreter between them whether the fork is still
+        alive, so a box that dies before connecting is reported at once, not at the timeout.
+        """
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            listener.settimeout(min(left, 1.0))
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                if self._fork_status(worker, ("poll", child)) is not None:
+                    return None
+                continue
+            stream = _JsonStream(conn)
+            first = next(stream.messages(deadline), None)
+            if first == ("token", token):
+                return stream
+            conn.close()  # a stale connection (from an earlier box that timed out): drop it
 
     def _fork_status(self, worker: _Worker, request: tuple[str, int]) -> int | None:
         try:
@@ -355,36 +384,27 @@ def _short_path(path: Path) -> str:
     return f"/proc/self/fd/{fd}/{path.name}"
 
 
-def _accept(listener: socket.socket, token: str, deadline: float) -> socket.socket:
-    """The forked box's connection that presents ``token`` (stale ones are dropped)."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        listener.settimeout(left)
-        conn, _ = listener.accept()  # socket.timeout is TimeoutError
-        for kind, data in _json_lines(conn, deadline):
-            if kind == "token" and data == token:
-                return conn
-            break
-        conn.close()
+class _JsonStream:
+    """Newline-delimited JSON from a forked box; the buffer outlives any one reader."""
 
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.buf = b""
 
-def _json_lines(conn: socket.socket, deadline: float) -> Iterator[tuple[str, Any]]:
-    buf = b""
-    while True:
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            kind, data = json.loads(line, object_hook=_untag)
-            yield kind, data
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        conn.settimeout(left)
-        chunk = conn.recv(1 << 16)
-        if not chunk:
-            return
-        buf += chunk
+    def messages(self, deadline: float) -> Iterator[tuple[str, Any]]:
+        while True:
+            while b"\n" in self.buf:
+                line, self.buf = self.buf.split(b"\n", 1)
+                kind, data = json.loads(line, object_hook=_untag)
+                yield kind, data
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self.conn.settimeout(left)
+            chunk = self.conn.recv(1 << 16)
+            if not chunk:
+                return
+            self.buf += chunk
 
 
 def _untag(obj: dict[str, Any]) -> Any:
