@@ -37,7 +37,7 @@ from pytest_boxlite.errors import (
 )
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxRecord, RawResult
-from pytest_boxlite.spec import BoxSpec
+from pytest_boxlite.spec import BoxSpec, minimal_dirs
 
 AGENT = Path(__file__).with_name("_agent.py")
 ATTACH = Path(__file__).with_name("_attach.py")
@@ -187,6 +187,19 @@ def _layer_args(bwrap: str, template: str | None = None, persist: Path | None = 
 
 
 _PRIVATE_TOPS = ("/tmp", "/run", "/dev", "/proc", "/sys")
+
+
+def _own_dirs() -> list[str]:
+    """What every box needs at the host's paths: this package (the agent and the file helper run
+    from it) and the interpreter that runs them, wherever they are installed, even under /tmp."""
+    exe = os.path.realpath(sys.executable)
+    return [
+        str(Path(__file__).resolve().parent.parent),
+        sys.prefix,
+        sys.exec_prefix,
+        sys.base_prefix,
+        os.path.dirname(exe),
+    ]
 
 
 def _mirror_args(mounts: Sequence[str]) -> list[str]:
@@ -633,7 +646,7 @@ class NamespaceRuntime:
             "--proc", "/proc", "--dev", "/dev", "--ro-bind", "/sys", "/sys",
             "--tmpfs", "/tmp", "--tmpfs", "/run",
             "--dir", WORKDIR,
-            *_mirror_args(spec.mounts),
+            *_mirror_args(minimal_dirs([*spec.mounts, *_own_dirs()])),
             *_mask_args(self.home),
             "--bind", str(box_dir), GUEST_CTL,
             "--chdir", WORKDIR,
