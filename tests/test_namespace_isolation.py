@@ -80,7 +80,8 @@ def test_writes_anywhere_succeed_and_stay_in_the_box(make_namespace_box: BoxFact
 
 
 def test_changes_to_existing_host_files_stay_in_the_box(make_namespace_box: BoxFactory) -> None:
-    victim = PROJECT / f".{unique('pbx-victim')}"
+    # /var/tmp, not the project: a checkout under /tmp is not visible in a box (its /tmp is private).
+    victim = Path("/var/tmp") / f".{unique('pbx-victim')}"
     victim.write_text("original\n")
     with host_cleanup(victim):
         sb = make_namespace_box()
