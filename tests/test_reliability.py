@@ -37,6 +37,7 @@ from typing import Any
 
 import pytest
 from conftest import BoxFactory, skip_unless_vm_ok
+from subruns import QUIET, REAL_DATA_HOME, pids_with, process_gone, sub_env, wait_until
 
 from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError, BoxTimeoutError, ConfigError, InvalidPathError, SandboxFileError
@@ -45,34 +46,12 @@ from pytest_boxlite.spec import BoxSpec
 
 pytestmark = pytest.mark.reliability
 
-#: Where boxlite's wheel unpacked its bwrap; pytester points $HOME elsewhere, so keep this reachable.
-REAL_DATA_HOME = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-#: Plugins unrelated to boxlite are left out of sub-runs: they are slow or noisy here.
-QUIET = ("-p", "no:hypothesispytest", "-p", "no:benchmark", "-p", "no:cacheprovider")
 RUNTIME_KINDS = ["namespace", "vm"]
 SUMMARY = re.compile(r"boxes booted \d+, .*leased (?P<leased>\d+), .*leaked (?P<leaked>\d+)")
 
 
 # --------------------------------------------------------------------------
 # helpers
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return bool(predicate())
-        time.sleep(interval)
-
-
-def sub_env(**extra: str) -> dict[str, str]:
-    """The environment of a subprocess sub-run: no boxlite settings leak in, bwrap stays findable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_BOXLITE_") and k != "PYTEST_ADDOPTS"}
-    env["XDG_DATA_HOME"] = REAL_DATA_HOME
-    env.update(extra)
-    return env
 
 
 def pytest_argv(home: Path, *args: str) -> list[str]:
@@ -82,30 +61,6 @@ def pytest_argv(home: Path, *args: str) -> list[str]:
 def no_leftovers(home: Path) -> None:
     rows = ledger.scan(home)
     assert rows == [], f"boxes left behind in {home}: {rows}"
-
-
-def process_gone(pid: int) -> bool:
-    """Gone, or a zombie nobody reaped yet (it runs nothing)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
-def pids_with(tag: str) -> list[int]:
-    """Host pids of live processes whose command line contains ``tag``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if tag.encode() in cmd and not process_gone(int(entry)):
-            out.append(int(entry))
-    return out
 
 
 def box_pids(home: Path) -> dict[str, int]:

@@ -15,19 +15,14 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from subruns import QUIET, REAL_DATA_HOME, process_gone, sub_env, wait_until
 
 from pytest_boxlite import ledger
 from pytest_boxlite.runtimes import choose, probe
-
-#: Where boxlite's wheel unpacked its bwrap; pytester points $HOME elsewhere, so keep this reachable.
-REAL_DATA_HOME = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-#: Plugins unrelated to boxlite are left out of sub-runs: hypothesis's alone costs seconds per run.
-QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark")
 
 SUMMARY = re.compile(
     r"boxes booted (?P<booted>\d+), leased (?P<leased>\d+), reused (?P<reused>\d+), "
@@ -51,23 +46,6 @@ def test_hold(boxlite_sandbox):
 """
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return bool(predicate())
-        time.sleep(interval)
-
-
-def sub_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_BOXLITE_") and k != "PYTEST_ADDOPTS"}
-    env["XDG_DATA_HOME"] = REAL_DATA_HOME
-    env.update(extra)
-    return env
-
-
 def cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``python -m pytest_boxlite --home HOME ...``."""
     return subprocess.run(
@@ -82,15 +60,6 @@ def cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def box_pid(home: Path, name: str) -> int:
     info = json.loads((home / "namespace" / name / "info.json").read_text())
     return int(info["pid"])
-
-
-def process_gone(pid: int) -> bool:
-    """Gone, or a zombie nobody reaped yet (it runs nothing)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 class Holder:

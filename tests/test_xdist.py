@@ -20,23 +20,19 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from subruns import QUIET, REAL_DATA_HOME, pids_with, process_gone, sub_env, wait_until
 
 from pytest_boxlite import ledger
 from pytest_boxlite.runtimes.vm import prepare_home
 
 pytestmark = pytest.mark.timeout(180)
 
-#: Where boxlite's wheel unpacked its bwrap; keep it reachable whatever $HOME the sub-run sees.
-REAL_DATA_HOME = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-#: Plugins unrelated to boxlite are left out of sub-runs: hypothesis's alone costs seconds per run.
-QUIET = ("-p", "no:hypothesispytest", "-p", "no:benchmark", "-p", "no:cacheprovider")
 #: The namespace runtime everywhere, also where micro-VMs boot: box names, forks and state dirs are checked.
 RUNTIME = ("--boxlite-runtime=namespace",)
 
@@ -54,37 +50,6 @@ PER_WORKER_HEADER = re.compile(r"^boxlite: image=.* replicas=2 per worker networ
 
 # --------------------------------------------------------------------------
 # helpers
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return bool(predicate())
-        time.sleep(interval)
-
-
-def sub_env(**extra: str) -> dict[str, str]:
-    """A sub-run's environment: no boxlite settings and no outer xdist/pytest state leak in."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PYTEST_BOXLITE_", "PYTEST_XDIST_")) and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
-    }
-    env["XDG_DATA_HOME"] = REAL_DATA_HOME
-    env.update(extra)
-    return env
-
-
-def process_gone(pid: int) -> bool:
-    """Gone, or a zombie nobody reaped yet (it runs nothing)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def no_leftovers(home: Path, output: str = "") -> None:
@@ -539,21 +504,6 @@ def test_boxed_hold():
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", os.environ["PBX_TAG"]])
     time.sleep(120)
 """
-
-
-def pids_with(tag: str) -> list[int]:
-    """Host pids of live processes whose command line contains ``tag``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if tag.encode() in cmd and not process_gone(int(entry)):
-            out.append(int(entry))
-    return out
 
 
 @pytest.mark.parametrize("target", ["controller", "process group"])
