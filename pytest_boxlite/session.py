@@ -137,9 +137,7 @@ class BoxliteSession:
     def defer_error(self, exc: BaseException) -> None:
         """Remember why boxes cannot be had; raised to the first test that asks for one."""
         self._start_error = exc
-        self._ready.set()
-        with self._lock:
-            self._starter = threading.current_thread()  # nothing to start
+        self._ready.set()  # nothing will start: start_async sees the session is "ready"
 
     def reconcile(self) -> list[str]:
         """Remove leftovers of dead sessions (never a live session's boxes)."""
@@ -166,7 +164,7 @@ class BoxliteSession:
     def start_async(self) -> None:
         """Open the runtime and start prewarming in the background (once)."""
         with self._lock:
-            if self._starter is not None or self._closed:
+            if self._starter is not None or self._closed or self._ready.is_set():
                 return
             self._starter = threading.Thread(target=self._start, name="boxlite-start", daemon=True)
             self._starter.start()
@@ -255,7 +253,7 @@ class BoxliteSession:
                 return
             self._closed = True
             starter = self._starter
-        if starter is not None and starter is not threading.current_thread() and starter.ident is not None:
+        if starter is not None:
             starter.join(self.settings.boot_timeout)
         pool, runtime = self._pool, self._runtime
         try:
