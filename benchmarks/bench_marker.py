@@ -54,13 +54,12 @@ import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from _bench import RunFailed, _raise_interrupt, clean_env, deferred_signals, leak_check, log, run_bounded
 
 HERE = Path(__file__).resolve().parent
 VENV = HERE / ".venv-pytest8"
@@ -101,20 +100,7 @@ def pytest_unconfigure(config):
 '''
 
 
-class RunFailed(Exception):
-    """A measured run failed: its result would be meaningless."""
-
-    def __init__(self, what: str, cmd: list[str], detail: str, output: str) -> None:
-        super().__init__(f"{what}: {detail}")
-        self.what = what
-        self.cmd = cmd
-        self.detail = detail
-        self.output = output
-
-
 # -- helpers ----------------------------------------------------------------
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def fmt_ms(seconds: float | None) -> str:
@@ -124,76 +110,6 @@ def fmt_ms(seconds: float | None) -> str:
     return f"{ms:.2f} ms" if abs(ms) < 10 else f"{ms:.1f} ms"
 
 
-def _raise_interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextlib.contextmanager
-def deferred_signals() -> Iterator[None]:
-    """Hold off Ctrl-C/SIGTERM while cleaning up; re-raise afterwards."""
-    got: list[int] = []
-    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
-    old = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in sigs}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        if got:
-            raise KeyboardInterrupt(f"signal {got[0]} during cleanup")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The caller's environment without PYTEST_* settings (PYTEST_ADDOPTS, PYTEST_BOXLITE_*...)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env.update(extra)
-    return env
-
-
-def run_bounded(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str, float, bool]:
-    """Run ``cmd`` in its own process group; returns (rc, output, wall seconds, timed out).
-
-    On timeout the group gets SIGTERM (pytest-boxlite reaps its boxes on it, and
-    pytest prints where it was), then SIGKILL 30 s later.
-    """
-    with tempfile.TemporaryFile() as out:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        timed_out = False
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            raise
-        wall = time.perf_counter() - t0
-        out.seek(0)
-        text = out.read().decode(errors="replace")
-    return proc.returncode, text, wall, timed_out
-
-
 def check_passed(what: str, cmd: list[str], rc: int, output: str, timed_out: bool, want: int, timeout: float) -> None:
     if timed_out:
         raise RunFailed(what, cmd, f"timed out after {timeout:.0f} s", output)
@@ -201,15 +117,6 @@ def check_passed(what: str, cmd: list[str], rc: int, output: str, timed_out: boo
     passed = int(m.group(1)) if m else 0
     if rc != 0 or passed != want:
         raise RunFailed(what, cmd, f"exit status {rc}, {passed} of {want} tests passed", output)
-
-
-def leak_check(what: str, home: Path) -> str:
-    """``python -m pytest_boxlite --home H ls`` must say ``no boxes``."""
-    cmd = [sys.executable, "-m", "pytest_boxlite", "--home", str(home), "ls"]
-    rc, out, _, timed_out = run_bounded(cmd, cwd=HERE, env=clean_env(), timeout=60)
-    if timed_out or rc != 0 or out.strip() != "no boxes":
-        raise RunFailed(f"{what}: leak check", cmd, f"expected 'no boxes', got exit {rc}", out)
-    return out.strip()
 
 
 def summary_line(output: str) -> str | None:

@@ -43,9 +43,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _bench import _raise_interrupt, deferred_signals, log
 
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -75,33 +77,9 @@ def summary(samples: list[float]) -> dict[str, Any]:
     }
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def fmt_time(seconds: float) -> str:
     ms = seconds * 1e3
     return f"{ms:.3f} ms" if ms < 10 else f"{ms:.1f} ms"
-
-
-def _raise_interrupt(signum: int, _frame: Any) -> None:
-    # SIGTERM/SIGHUP take the same path as Ctrl-C, so every finally block runs.
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextlib.contextmanager
-def deferred_signals() -> Iterator[None]:
-    """Hold off Ctrl-C/SIGTERM while cleaning up; re-raise afterwards."""
-    got: list[int] = []
-    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
-    old = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in sigs}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        if got:
-            raise KeyboardInterrupt(f"signal {got[0]} during cleanup")
 
 
 def wait_until(cond: Callable[[], bool], pool: BoxPool, timeout: float, what: str) -> None:

@@ -24,7 +24,6 @@ Standard library only, besides pytest_boxlite itself.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -37,9 +36,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+from _bench import _raise_interrupt, deferred_signals, log
 
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -82,32 +83,7 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
     return time.perf_counter() - t0, value
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # -- signals ----------------------------------------------------------------
-def _raise_interrupt(signum: int, _frame: Any) -> None:
-    # SIGTERM/SIGHUP take the same path as Ctrl-C, so every finally block runs.
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextlib.contextmanager
-def deferred_signals() -> Iterator[None]:
-    """Hold off Ctrl-C/SIGTERM while cleaning up; re-raise afterwards.
-
-    An impatient second Ctrl-C must not abandon boxes half-way through their removal.
-    """
-    got: list[int] = []
-    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
-    old = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in sigs}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        if got:
-            raise KeyboardInterrupt(f"signal {got[0]} during cleanup")
 
 
 # -- measurements -----------------------------------------------------------

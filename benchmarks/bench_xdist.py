@@ -37,13 +37,12 @@ import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from _bench import RunFailed, _raise_interrupt, clean_env, deferred_signals, leak_check, log, run_bounded
 
 HERE = Path(__file__).resolve().parent
 BASE_ARGS = ("-q", "-p", "no:cacheprovider")
@@ -52,102 +51,12 @@ UNUSED_PLUGINS = ("-p", "no:hypothesispytest", "-p", "no:benchmark")
 TAIL = 3000
 
 
-class RunFailed(Exception):
-    """A measured run failed: its result would be meaningless."""
-
-    def __init__(self, what: str, cmd: list[str], detail: str, output: str) -> None:
-        super().__init__(f"{what}: {detail}")
-        self.what = what
-        self.cmd = cmd
-        self.detail = detail
-        self.output = output
-
-
 # -- helpers ----------------------------------------------------------------
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def fmt_ms(seconds: float) -> str:
     ms = seconds * 1e3
     return f"{ms:.2f} ms" if abs(ms) < 10 else f"{ms:.1f} ms"
-
-
-def _raise_interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextlib.contextmanager
-def deferred_signals() -> Iterator[None]:
-    """Hold off Ctrl-C/SIGTERM while cleaning up; re-raise afterwards."""
-    got: list[int] = []
-    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
-    old = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in sigs}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        if got:
-            raise KeyboardInterrupt(f"signal {got[0]} during cleanup")
-
-
-def clean_env() -> dict[str, str]:
-    """The caller's environment without PYTEST_* settings (PYTEST_ADDOPTS, PYTEST_BOXLITE_*, ...)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-
-
-def run_bounded(cmd: list[str], *, cwd: Path, timeout: float) -> tuple[int, str, float, bool]:
-    """Run ``cmd`` in its own process group; returns (rc, output, wall seconds, timed out).
-
-    On timeout the group gets SIGTERM (pytest-boxlite reaps its boxes on it, and
-    pytest prints where it was), then SIGKILL 30 s later.
-    """
-    with tempfile.TemporaryFile() as out:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=clean_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        timed_out = False
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            raise
-        wall = time.perf_counter() - t0
-        out.seek(0)
-        text = out.read().decode(errors="replace")
-    return proc.returncode, text, wall, timed_out
-
-
-def leak_check(what: str, home: Path) -> str:
-    """``python -m pytest_boxlite --home H ls`` must say ``no boxes``."""
-    cmd = [sys.executable, "-m", "pytest_boxlite", "--home", str(home), "ls"]
-    rc, out, _, timed_out = run_bounded(cmd, cwd=HERE, timeout=60)
-    if timed_out or rc != 0 or out.strip() != "no boxes":
-        raise RunFailed(f"{what}: leak check", cmd, f"expected 'no boxes', got exit {rc}", out)
-    return out.strip()
 
 
 def write_suite(work: Path, n: int, per_module: int) -> None:
@@ -179,7 +88,7 @@ def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, Any], dict[
     def one(key: str, label: str, extra: tuple[str, ...], rep: int, *, timed: bool = True) -> None:
         home = root / "homes" / f"{key}-{rep}"
         cmd = [sys.executable, "-m", "pytest", *base, *extra, "--boxlite-home", str(home)]
-        rc, out, wall, timed_out = run_bounded(cmd, cwd=work, timeout=args.timeout)
+        rc, out, wall, timed_out = run_bounded(cmd, cwd=work, env=clean_env(), timeout=args.timeout)
         if timed_out:
             raise RunFailed(label, cmd, f"timed out after {args.timeout:.0f} s", out)
         m = re.search(r"(\d+) passed", out)
@@ -343,7 +252,10 @@ def run(args: argparse.Namespace) -> int:
                 # Only a run that was stopped half-way (or leaked) leaves anything here: reap it first.
                 with contextlib.suppress(Exception):
                     run_bounded(
-                        [sys.executable, "-m", "pytest_boxlite", "--home", str(home), "clean"], cwd=HERE, timeout=60
+                        [sys.executable, "-m", "pytest_boxlite", "--home", str(home), "clean"],
+                        cwd=HERE,
+                        env=clean_env(),
+                        timeout=60,
                     )
             shutil.rmtree(root, ignore_errors=True)
 

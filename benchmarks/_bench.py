@@ -1,0 +1,115 @@
+"""Pieces the benchmark scripts share: logging, signal handling, bounded sub-runs, the leak check.
+
+Each script stays runnable on its own (``python benchmarks/<name>.py``): this directory is on
+``sys.path`` when one of them runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: The repository root's benchmarks directory, where leak checks run from.
+HERE = Path(__file__).resolve().parent
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _raise_interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Hold off Ctrl-C/SIGTERM while cleaning up; re-raise afterwards."""
+    got: list[int] = []
+    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    old = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            raise KeyboardInterrupt(f"signal {got[0]} during cleanup")
+
+
+class RunFailed(Exception):
+    """A measured run failed: its result would be meaningless."""
+
+    def __init__(self, what: str, cmd: list[str], detail: str, output: str) -> None:
+        super().__init__(f"{what}: {detail}")
+        self.what = what
+        self.cmd = cmd
+        self.detail = detail
+        self.output = output
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The caller's environment without PYTEST_* settings (PYTEST_ADDOPTS, PYTEST_BOXLITE_*...)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(extra)
+    return env
+
+
+def run_bounded(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str, float, bool]:
+    """Run ``cmd`` in its own process group; returns (rc, output, wall seconds, timed out).
+
+    On timeout the group gets SIGTERM (pytest-boxlite reaps its boxes on it, and
+    pytest prints where it was), then SIGKILL 30 s later.
+    """
+    with tempfile.TemporaryFile() as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        timed_out = False
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    return proc.returncode, text, wall, timed_out
+
+
+def leak_check(what: str, home: Path) -> str:
+    """``python -m pytest_boxlite --home H ls`` must say ``no boxes``."""
+    cmd = [sys.executable, "-m", "pytest_boxlite", "--home", str(home), "ls"]
+    rc, out, _, timed_out = run_bounded(cmd, cwd=HERE, env=clean_env(), timeout=60)
+    if timed_out or rc != 0 or out.strip() != "no boxes":
+        raise RunFailed(f"{what}: leak check", cmd, f"expected 'no boxes', got exit {rc}", out)
+    return out.strip()
