@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,3 +61,70 @@ def pids_with(tag: str) -> list[int]:
         if tag.encode() in cmd and not process_gone(int(entry)):
             out.append(int(entry))
     return out
+
+
+def pytest_argv(home: Path, *args: str) -> list[str]:
+    """``python -m pytest`` with the quiet plugin set and a private boxlite home."""
+    return [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", *args]
+
+
+class SubRun:
+    """``python -m pytest`` in ``cwd`` as a subprocess; its output goes to a log file.
+
+    A test file sets :attr:`base_args` (given to every one of its sub-runs) and
+    :attr:`wait_timeout` in a subclass when it needs them.
+    """
+
+    base_args: tuple[str, ...] = ()
+    wait_timeout = 120.0
+
+    def __init__(
+        self,
+        cwd: Path,
+        home: Path,
+        tag: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+    ) -> None:
+        self.log_path = cwd / f"{tag}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()/kill()
+        self.proc = subprocess.Popen(
+            pytest_argv(home, *self.base_args, *args),
+            cwd=cwd,
+            env=env or sub_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            return self.proc.wait(self.wait_timeout if timeout is None else timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                if self._own_group():
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                else:
+                    self.proc.kill()
+            self.proc.wait(30)
+        self._log.close()
+
+    def _own_group(self) -> bool:
+        try:
+            return os.getpgid(self.proc.pid) == self.proc.pid
+        except ProcessLookupError:
+            return False

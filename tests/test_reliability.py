@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 from conftest import BoxFactory, skip_unless_vm_ok
-from subruns import QUIET, REAL_DATA_HOME, pids_with, process_gone, sub_env, wait_until
+from subruns import QUIET, REAL_DATA_HOME, SubRun, pids_with, process_gone, pytest_argv, sub_env, wait_until
 
 from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError, BoxTimeoutError, ConfigError, InvalidPathError, SandboxFileError
@@ -52,10 +52,6 @@ SUMMARY = re.compile(r"boxes booted \d+, .*leased (?P<leased>\d+), .*leaked (?P<
 
 # --------------------------------------------------------------------------
 # helpers
-
-
-def pytest_argv(home: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", *args]
 
 
 def no_leftovers(home: Path) -> None:
@@ -82,42 +78,6 @@ def summary_leaked(output: str) -> str:
 def skip_unless_runtime(kind: str) -> None:
     if kind == "vm":
         skip_unless_vm_ok()
-
-
-class SubRun:
-    """A pytest subprocess in ``cwd`` with its output in a log file; killed at teardown if still running."""
-
-    def __init__(self, cwd: Path, home: Path, tag: str, *args: str, env: dict[str, str] | None = None) -> None:
-        self.log_path = cwd / f"{tag}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()/kill()
-        self.proc = subprocess.Popen(
-            pytest_argv(home, *args),
-            cwd=cwd,
-            env=env or sub_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait(self, timeout: float = 120.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-        self._log.close()
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from subruns import QUIET, REAL_DATA_HOME, pids_with, process_gone, sub_env, wait_until
+import subruns
+from subruns import REAL_DATA_HOME, pids_with, process_gone, sub_env, wait_until
 
 from pytest_boxlite import ledger
 from pytest_boxlite.runtimes.vm import prepare_home
@@ -68,59 +69,11 @@ def write(directory: Path, name: str, source: str) -> None:
     (directory / name).write_text(textwrap.dedent(source))
 
 
-class SubRun:
-    """``python -m pytest`` in ``cwd`` as a subprocess; its output goes to a log file."""
+class SubRun(subruns.SubRun):
+    """A sub-run of this file: always on the namespace runtime, with more time to finish."""
 
-    def __init__(
-        self,
-        cwd: Path,
-        home: Path,
-        tag: str,
-        *args: str,
-        env: dict[str, str] | None = None,
-        new_session: bool = False,
-    ) -> None:
-        self.log_path = cwd / f"{tag}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()/kill()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", *RUNTIME, *args],
-            cwd=cwd,
-            env=env or sub_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=new_session,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait(self, timeout: float = 150.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                if self._own_group():
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                else:
-                    self.proc.kill()
-            self.proc.wait(30)
-        self._log.close()
-
-    def _own_group(self) -> bool:
-        try:
-            return os.getpgid(self.proc.pid) == self.proc.pid
-        except ProcessLookupError:
-            return False
+    base_args = RUNTIME
+    wait_timeout = 150.0
 
 
 def junit_props(path: Path) -> dict[str, dict[str, str]]:
