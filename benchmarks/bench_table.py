@@ -437,7 +437,7 @@ def box_memory(home: Path, name: str) -> dict[str, Any]:
 
 
 def host_helpers(home: Path, name: str) -> dict[str, Any]:
-    """Host processes outside the box that serve it: the stdio bridge (``_attach.py <box>/agent.sock``)."""
+    """Host processes outside the box that serve it: the stdio bridge (``guest/attach.py <box>/agent.sock``)."""
     sock = str(home / "namespace" / name / "agent.sock")
     rss = pss = 0
     n = 0

@@ -2,7 +2,7 @@
 
 Each box made for boxed tests gets a warm interpreter at boot: an execnet
 gateway through the runtime's stdio bridge, running
-:mod:`pytest_boxlite._worker` with pytest already configured.  A test then
+:mod:`pytest_boxlite.guest.worker` with pytest already configured.  A test then
 costs one request on that channel.  Reports travel through pytest's public
 ``pytest_report_to_serializable`` / ``pytest_report_from_serializable``
 hooks and are logged on the host with ``pytest_runtest_logreport``, so
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import execnet
 import pytest
 
+from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.runtimes.base import BoxHandle
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from pytest_boxlite.markers import BoxPlan
     from pytest_boxlite.session import BoxliteSession
 
-WORKER_SOURCE = Path(__file__).with_name("_worker.py")
 #: Flags whose values are forwarded to the guest's pytest so reports render the same.
 _FORWARD_VALUE_FLAGS = ("-p", "-o", "--override-ini", "-W", "--pythonwarnings", "--import-mode", "--assert")
 _FORWARD_JOINED = ("--override-ini=", "--pythonwarnings=", "--import-mode=", "--assert=")
@@ -95,7 +95,8 @@ class RemoteRunner:
         self.group = execnet.Group()
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
-        self._source = WORKER_SOURCE.read_text()
+        # The per-test fork's namespace set-up travels with the worker: one remote_exec.
+        self._source = guest.source("fresh") + "\n" + guest.source("worker")
         self._args = guest_args(config)
         self._listeners: dict[str, socket.socket] = {}
         self._log_since: dict[str, int] = {}

@@ -1,7 +1,7 @@
 """The file & exec contract on top of any runtime's box handle.
 
 Everything here is synchronous and bounded in time.  File operations run a
-small standard-library helper (:mod:`pytest_boxlite._guest`) in the guest,
+small standard-library helper (:mod:`pytest_boxlite.guest.files`) in the guest,
 which keeps them atomic, binary-safe (base64 where the runtime's stdout is
 lossy text) and structured: results are values, errors are exceptions.
 """
@@ -22,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path, PurePosixPath
 from typing import Any, NamedTuple
 
+from pytest_boxlite import guest
 from pytest_boxlite.errors import (
     BoxTimeoutError,
     CommandError,
@@ -42,7 +43,7 @@ DEFAULT_TIMEOUT = 60.0
 
 @lru_cache(maxsize=1)
 def _helper_source() -> str:
-    return Path(__file__).with_name("_guest.py").read_text()
+    return guest.source("files")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -901,7 +901,7 @@ import os
 n = 0
 for p in os.listdir('/proc'):
     try:
-        n += p.isdigit() and b'_agent.py' in open('/proc/%s/cmdline' % p, 'rb').read()
+        n += p.isdigit() and b'guest/agent.py' in open('/proc/%s/cmdline' % p, 'rb').read()
     except OSError:
         pass
 print(n)

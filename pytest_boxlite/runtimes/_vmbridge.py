@@ -1,8 +1,8 @@
 """Host-side stdio bridge for VM boxes: the VM's counterpart of the namespace agent.
 
-It serves the same Unix-socket protocol as :mod:`pytest_boxlite.runtimes._agent`
+It serves the same Unix-socket protocol as :mod:`pytest_boxlite.guest.agent`
 (one connection = one command, stdio passed as file descriptors, ``exit``
-and ``signal`` messages), so :mod:`pytest_boxlite.runtimes._attach` (and so
+and ``signal`` messages), so :mod:`pytest_boxlite.guest.attach` (and so
 execnet gateways and xdist workers) reach a VM exactly as they reach a
 namespace box.  It lives in the process that owns the VM, because BoxLite
 allows one runtime per home per process.

@@ -1,7 +1,7 @@
 """The ``namespace`` runtime: throw-away machines made of Linux namespaces.
 
 A box is one long-lived bubblewrap sandbox whose first process is a small
-agent (:mod:`pytest_boxlite.runtimes._agent`).  The host filesystem is
+agent (:mod:`pytest_boxlite.guest.agent`).  The host filesystem is
 visible copy-on-write (one overlay per top-level directory, upper layer in
 memory), /tmp, /run and /workspace are private, and the box has its own
 user, pid, ipc, uts, cgroup and (unless asked) network namespaces.  Commands
@@ -27,6 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from pytest_boxlite import guest
 from pytest_boxlite.errors import (
     BoxDeadError,
     BoxStartError,
@@ -39,9 +40,9 @@ from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxRecord, RawResult
 from pytest_boxlite.spec import BoxSpec, minimal_dirs
 
-AGENT = Path(__file__).with_name("_agent.py")
-ATTACH = Path(__file__).with_name("_attach.py")
-HELPER = Path(__file__).parent.parent / "_guest.py"
+AGENT = guest.path("agent")
+ATTACH = guest.path("attach")
+HELPER = guest.path("files")
 GUEST_CTL = "/run/pytest-boxlite"
 WORKDIR = "/workspace"
 #: Memory cap when the spec names none: BoxLite's own VM default, for parity.

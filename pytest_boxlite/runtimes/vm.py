@@ -20,13 +20,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxDeadError, BoxStartError, BoxTimeoutError, ConfigError, RuntimeUnavailableError
 from pytest_boxlite.runtimes._vmbridge import VmBridge
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxRecord, RawResult
 from pytest_boxlite.spec import BoxSpec
 
 T = TypeVar("T")
-ATTACH = Path(__file__).with_name("_attach.py")
+ATTACH = guest.path("attach")
 WORKDIR = "/workspace"
 #: Bound on bookkeeping calls (create, list, remove) that never boot anything.
 BOOKKEEPING_TIMEOUT = 30.0

@@ -1,0 +1,33 @@
+"""Code that runs inside a box (or as a bare helper beside one), and the one loader for it.
+
+Every module here is standard-library only (plus pytest for :mod:`worker`) and imports nothing of
+the package: it is shipped into a box as source or run by path under ``python -I -S``.  The host
+reaches these files only through :func:`path` and :func:`source`.
+
+- ``worker``: the warm pytest interpreter in a box (execnet channel to ``remote.py``).
+- ``fresh``: the per-test fork's new namespaces and pristine layers (namespace runtime).
+- ``files``: the file-operation helper behind :class:`~pytest_boxlite.sandbox.Sandbox`.
+- ``agent``: the in-box agent of a namespace box (pid 2 under bwrap).
+- ``attach``: the host-side stdio bridge into a box (namespace agent or VM bridge).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+_HERE = Path(__file__).parent
+NAMES = ("worker", "fresh", "files", "agent", "attach")
+
+
+def path(name: str) -> Path:
+    """The file of guest module ``name`` (one of :data:`NAMES`)."""
+    if name not in NAMES:
+        raise ValueError(f"unknown guest module {name!r}; expected one of {NAMES}")
+    return _HERE / f"{name}.py"
+
+
+@functools.cache
+def source(name: str) -> str:
+    """The source text of guest module ``name``, read once per process."""
+    return path(name).read_text()

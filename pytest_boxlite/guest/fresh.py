@@ -1,0 +1,149 @@
+"""A fresh box for one test, forked from the warm interpreter (namespace runtime).
+
+Standard library only.  Shipped into the box together with :mod:`pytest_boxlite.guest.worker`
+(the host sends both sources to the box's interpreter in one ``remote_exec``), so it imports nothing
+of the package.
+"""
+
+import os
+
+# --- a fresh box for one test, forked from this warm interpreter (namespace runtime) -------------
+# The child gets new mount, uts, ipc, network and pid namespaces; every overlay the box has gets a
+# new, empty upper layer, and /tmp, /workspace and /dev/shm new tmpfs, so the test sees the box as
+# it was when this interpreter started, and nothing it does reaches this interpreter or the host.
+
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWUTS = 0x04000000
+_CLONE_NEWIPC = 0x08000000
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWPID = 0x20000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret, what):
+    if ret != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
+
+
+def _mount(libc, src, target, fstype, flags, data):
+    enc = lambda v: v.encode() if v is not None else None  # noqa: E731
+    _check(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)
+
+
+def _mounts():
+    """``(mount point, fstype)`` of every mount this process sees, in mount order."""
+    out = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            f = line.split()
+            point = f[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+            out.append((point, f[f.index("-") + 1]))
+    return out
+
+
+def _overlay(libc, lower, target, stage, n):
+    """A new overlay on ``target`` over ``lower``, with an empty upper layer in ``stage``."""
+    upper, work = "%s/u%d" % (stage, n), "%s/w%d" % (stage, n)
+    os.mkdir(upper)
+    os.mkdir(work)
+    opts = "lowerdir=%s,upperdir=%s,workdir=%s,userxattr" % (lower, upper, work)
+    _mount(libc, "overlay", target, "overlay", 0, opts)
+
+
+def _under(path, top):
+    return path.startswith(top.rstrip("/") + "/")
+
+
+def _fresh_box(hostname, network):
+    """In the forked child: new namespaces and pristine writable layers.  Returns in the box's pid 1.
+
+    Every overlay gets a new, empty upper layer.  The masks the box had on top of its overlays
+    (credential directories, the boxes' state) are laid again on top of the new layers, and
+    /tmp, /workspace, /dev/shm and /run are new tmpfs.
+    """
+    libc = _libc()
+    flags = _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID
+    if not network:
+        flags |= _CLONE_NEWNET
+    _check(libc.unshare(flags), "unshare")
+    _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
+    stage = "/run/.boxlite-fresh"
+    os.makedirs(stage, exist_ok=True)
+    _mount(libc, "tmpfs", stage, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700")
+    mounts = _mounts()
+    overlays = sorted({m for m, fs in mounts if fs == "overlay"}, key=lambda p: (p.count("/"), p))
+    hidden = [m for m in overlays if _under(m, "/tmp")]
+    private = ("/tmp", "/run", "/proc", "/dev", "/sys")
+    masks = [
+        (m, fs)
+        for m, fs in mounts
+        if fs != "overlay" and any(_under(m, o) for o in overlays) and not any(m == p or _under(m, p) for p in private)
+    ]
+    # Overlays under /tmp and bind masks vanish under what is mounted next: keep a handle on them.
+    for i, m in enumerate(hidden):
+        os.mkdir("%s/keep%d" % (stage, i))
+        _mount(libc, m, "%s/keep%d" % (stage, i), None, _MS_BIND | _MS_REC, None)
+    for i, (m, fs) in enumerate(masks):
+        if fs != "tmpfs":
+            held = "%s/mask%d" % (stage, i)
+            if os.path.isdir(m):
+                os.mkdir(held)
+            else:
+                open(held, "w").close()
+            _mount(libc, m, held, None, _MS_BIND, None)
+    for i, m in enumerate(overlays):
+        if m not in hidden:
+            _overlay(libc, m, m, stage, i)
+    for i, (m, fs) in enumerate(masks):
+        if fs == "tmpfs":
+            _mount(libc, "tmpfs", m, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+        else:
+            _mount(libc, "%s/mask%d" % (stage, i), m, None, _MS_BIND, None)
+    for d in ("/tmp", "/workspace", "/dev/shm"):
+        if os.path.isdir(d):
+            _mount(libc, "tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777" if d != "/workspace" else "mode=0755")
+    for i, m in enumerate(hidden):
+        os.makedirs(m, exist_ok=True)
+        _overlay(libc, "%s/keep%d" % (stage, i), m, stage, len(overlays) + i)
+    # Last, a new /run: it hides the staging area and the template's control directory.
+    _mount(libc, "tmpfs", "/run", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+    pid = os.fork()
+    if pid:
+        # The intermediate process: wait for the box's pid 1 and exit with its status.
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            import signal
+
+            try:
+                signal.signal(-code, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass  # SIGKILL and SIGSTOP cannot be handled, so need no reset
+            os.kill(os.getpid(), -code)
+        os._exit(code)
+    import signal
+    import socket
+
+    _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+    socket.sethostname(hostname)
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket() as s:  # bring loopback up, as a new machine has it
+            fcntl.ioctl(s.fileno(), 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
+    except OSError:
+        pass
+    with open("/proc/self/oom_score_adj", "w") as fh:
+        fh.write("1000")  # under memory pressure the test dies, not the warm interpreter
