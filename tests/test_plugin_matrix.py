@@ -39,6 +39,15 @@ NO_RANDOMLY = ("-p", "no:randomly")
 BOXED = ("--boxlite",)
 MODULE = ("--boxlite", "--boxlite-scope=module")
 SUB_TIMEOUT = 150.0
+try:
+    import pytest_asyncio  # noqa: F401
+
+    #: Without it pytest-asyncio warns at every start (its deprecation of an unset loop scope).
+    ASYNCIO_QUIET: tuple[str, ...] = ("-o", "asyncio_default_fixture_loop_scope=function")
+except ImportError:
+    ASYNCIO_QUIET = ()
+#: pytest-rerunfailures' xdist workers dial the controller over TCP; only the check about that keeps it.
+NO_RERUNS = ("-p", "no:rerunfailures")
 BOOTED = re.compile(r"boxes booted (\d+)")
 
 
@@ -114,7 +123,7 @@ class Project:
         self._n += 1
         xml = self.path / f"junit-{self._n}.xml"
         boxed = any(a.startswith("--boxlite") for a in args)
-        cmd = [sys.executable, "-m", "pytest", *NO_RANDOMLY, f"--junitxml={xml}", "-rA", *args]
+        cmd = [sys.executable, "-m", "pytest", *NO_RANDOMLY, *ASYNCIO_QUIET, f"--junitxml={xml}", "-rA", *args]
         if boxed:
             cmd.append(f"--boxlite-home={self.home}")
         full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONHASHSEED"))}
@@ -140,7 +149,7 @@ class Project:
 
     def files(self, **files: str) -> None:
         for name, text in files.items():
-            p = self.path / name
+            p = self.path / (name if "." in name else name + ".py")
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(textwrap.dedent(text))
 
@@ -225,13 +234,28 @@ RERUN_TESTS = """
 
 
 @pytest.mark.parametrize(
-    "mode", [pytest.param(BOXED, id="boxed", marks=xfail11("the host protocol is bypassed: no rerun"))]
+    "mode",
+    [
+        pytest.param(BOXED, id="boxed", marks=xfail11("the host protocol is bypassed: no rerun")),
+        pytest.param(
+            ("--boxlite-scope=worker", "-n", "2"),
+            id="worker-n2",
+            marks=xfail11(
+                "INTERNALERROR: rerunfailures' xdist worker connects to the controller's socket on 127.0.0.1, "
+                "unreachable from the box's network namespace"
+            ),
+        ),
+    ],
 )
 def test_pytest_rerunfailures(proj: Project, mode: tuple[str, ...]) -> None:
-    """``--reruns 2``: a failing test is run three times, the summary says ``2 rerun``, plain and boxed."""
+    """``--reruns 2``: a failing test is run three times, the summary says ``2 rerun``, plain and boxed.
+
+    With ``-n`` installed, pytest-rerunfailures' workers open a TCP connection to the controller at
+    start-up, whether or not ``--reruns`` is given: in worker scope that connection starts in the box.
+    """
     need("pytest_rerunfailures")
     proj.files(test_r=RERUN_TESTS)
-    plain = proj.run("--reruns", "2")
+    plain = proj.run("--reruns", "2", *(("-n", "2") if "-n" in mode else ()))
     assert plain.summary() == {"failed": 1, "passed": 1, "rerun": 2}, plain.tail()
     boxed = proj.run("--reruns", "2", *mode)
     assert boxed.summary() == plain.summary(), boxed.tail()
@@ -337,10 +361,11 @@ def test_hypothesis_outcomes(proj: Project, mode: tuple[str, ...]) -> None:
     proj.files(test_h=HYPOTHESIS_TESTS)
     plain = proj.run()
     assert plain.outcome("test_finds_counterexample") == ["failed"], plain.tail()
-    assert "Falsifying example" in plain.output, plain.tail()
+    # Hypothesis shrinks the counterexample to the boundary and prints it.
+    assert re.search(r"x\s*=\s*1000\b", plain.output), plain.tail()
     boxed = proj.run(*mode)
     same_outcomes(plain, boxed)
-    assert "Falsifying example" in boxed.output, boxed.tail()
+    assert re.search(r"x\s*=\s*1000\b", boxed.output), boxed.tail()
 
 
 @pytest.mark.parametrize(
@@ -450,7 +475,9 @@ XDIST_TESTS = """
 @pytest.mark.parametrize(
     "mode",
     [
-        pytest.param(("--boxlite", "-n", "2"), id="boxed-n2"),
+        pytest.param(
+            ("--boxlite", "-n", "2"), id="boxed-n2", marks=xfail11("worker_id is 'master' in a boxed test under -n 2")
+        ),
         pytest.param(("--boxlite-scope=worker", "-n", "2"), id="worker-n2"),
     ],
 )
@@ -458,9 +485,10 @@ def test_pytest_xdist(proj: Project, mode: tuple[str, ...]) -> None:
     """``-n 2``: same outcomes plain and boxed; boxed tests see their worker's id."""
     need("xdist")
     proj.files(test_x=XDIST_TESTS)
-    plain = proj.run("-n", "2")
+    plain = proj.run("-n", "2", *NO_RERUNS)
     assert plain.summary() == {"passed": 5, "failed": 1}, plain.tail()
-    boxed = proj.run(*mode)
+    assert {plain.prop(k.split("::")[-1], "worker") for k in plain.cases} <= {"gw0", "gw1"}, plain.tail()
+    boxed = proj.run(*mode, *NO_RERUNS)
     same_outcomes(plain, boxed)
     assert {boxed.prop(k.split("::")[-1], "worker") for k in boxed.cases} <= {"gw0", "gw1"}, boxed.tail()
 
@@ -514,10 +542,6 @@ CORE_TESTS = """
         cache.set("pbx/written", 42)
         assert cache.get("pbx/written", None) == 42
 
-    @pytest.mark.parametrize("x", (i for i in range(3)))
-    def test_generator_param(x):
-        assert x in (0, 1, 2)
-
     def test_sigkill_self():
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -533,6 +557,17 @@ CORE_TESTS = """
 
     def test_mod_3(modfix, record_property):
         record_property("modfix", modfix)
+"""
+#: In a module of its own: in module scope, its collection failure poisons every test of its module.
+GEN_TESTS = """
+    import pytest
+
+    @pytest.mark.parametrize("x", (i for i in range(3)))
+    def test_generator_param(x):
+        assert x in (0, 1, 2)
+
+    def test_gen_neighbour():
+        pass
 """
 CRASH = "test_core.py::test_sigkill_self"
 
@@ -575,6 +610,7 @@ def core_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tu
                 "sub/test_sub_a.py": SUB_TEST,
                 "sub/test_sub_b.py": SUB_TEST,
                 "test_core.py": CORE_TESTS,
+                "test_gen.py": GEN_TESTS,
             }.items():
                 (d / name).parent.mkdir(parents=True, exist_ok=True)
                 (d / name).write_text(textwrap.dedent(text))
@@ -662,10 +698,7 @@ def test_generator_parametrize(core_runs: dict[str, tuple[Run, Path]], mode: str
         core_check(core_runs, mode, f"test_generator_param[{i}]")
 
 
-@core_params(
-    ("boxed", "subdirectory conftest fixtures attach to the first directory node only"),
-    ("module", "subdirectory conftest fixtures attach to the first directory node only"),
-)
+@core_params(("boxed", "subdirectory conftest fixtures attach to the first directory node only"))
 def test_subdirectory_conftest_fixture(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """A fixture of ``sub/conftest.py`` is found by the tests of both ``sub/`` modules."""
     run = core_runs[mode][0]
@@ -770,6 +803,6 @@ def test_tmp_path_in_worker_scope_n2(proj: Project) -> None:
     """``--boxlite-scope=worker -n 2``: ``tmp_path`` works in every test (default temp root)."""
     need("xdist")
     proj.files(test_tmp=TMP_TESTS)
-    plain = proj.run("-n", "2")
+    plain = proj.run("-n", "2", *NO_RERUNS)
     assert plain.summary() == {"passed": 4}, plain.tail()
-    same_outcomes(plain, proj.run("--boxlite-scope=worker", "-n", "2"))
+    same_outcomes(plain, proj.run("--boxlite-scope=worker", "-n", "2", *NO_RERUNS))
