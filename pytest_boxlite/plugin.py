@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from pytest_boxlite.fixtures import (  # noqa: F401 - fixtures are found as attr
     boxlite_pool,
     boxlite_sandbox,
 )
+from pytest_boxlite.marker_registration import MARKER_HELP as _MARKER_HELP
 from pytest_boxlite.markers import BoxPlan, plan_for
 from pytest_boxlite.remote import BoxedExecutor, RemoteRunner, in_guest
 from pytest_boxlite.session import BoxliteSession
@@ -30,10 +32,6 @@ _SIGTERM_KEY = pytest.StashKey[dict[str, Any]]()
 _PLAN_KEY = pytest.StashKey[BoxPlan]()
 _EXECUTOR_KEY = pytest.StashKey[BoxedExecutor]()
 _SHUT_DOWN_KEY = pytest.StashKey[bool]()
-_MARKER_HELP = (
-    "boxlite(image=None, cpus=None, memory=None, env=None, network=None, timeout=None): "
-    "run this test inside a throw-away box"
-)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -45,6 +43,8 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     """``--boxlite-scope=worker`` without ``-n``: run the whole session again inside one box."""
     if in_guest() or hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None):
         return None
+    if _boots_nothing(config):
+        return None
     settings = resolve(config)
     if settings.scope != "worker":
         return None
@@ -53,11 +53,33 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     return run_session_in_box(config, settings)
 
 
+class GuestRole:
+    """Registered inside a box's pytest (boxed tests, ``--boxlite-scope=worker``): the host boxes."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        # A --basetemp the host chose (or xdist's per-worker one) lies under the host's /tmp, which
+        # the box does not share: make its parent, so tmp_path works as it does on the host.
+        basetemp = item.config.option.basetemp
+        if basetemp:
+            Path(basetemp).resolve().parent.mkdir(parents=True, exist_ok=True)
+
+
+def _boots_nothing(config: pytest.Config) -> bool:
+    """Runs that only list or collect (--collect-only, --fixtures, --markers, --help, ...)."""
+    opt = config.option
+    names = ("collectonly", "showfixtures", "show_fixtures_per_test", "markers", "help", "version")
+    return any(getattr(opt, n, False) for n in names)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_HELP)
     if in_guest():
+        config.pluginmanager.register(GuestRole(), "boxlite-guest")
         return  # inside a box's test worker: the host does the boxing
+    if _boots_nothing(config):
+        return
     settings = resolve(config)
     workerinput = getattr(config, "workerinput", None)
     session_id = workerinput.get("boxlite_session") if workerinput else None
@@ -175,7 +197,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     box = config.stash.get(SESSION_KEY, None)
-    return reporting.header(box, controller=_is_controller(config)) if box is not None else []
+    if box is None:
+        return []
+    lines = reporting.header(box, controller=_is_controller(config))
+    if config.option.usepdb:
+        lines.append(
+            "boxlite: --pdb does not enter boxed tests (they run in a box without this terminal); "
+            "to debug one here, run it with -p no:boxlite"
+        )
+    return lines
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
