@@ -20,6 +20,9 @@ guest -> host
     ``WARNING {message, category, module, filename, lineno, nodeid}``
                                       a warning recorded while the test ran
     ``EXIT {reason, returncode}``     the test called ``pytest.exit()``
+    ``CACHE {values}``                what the test stored with ``config.cache.set`` (key -> JSON value)
+    ``COVERAGE {arcs, files}``        the box's coverage data so far, when coverage runs in the box
+                                      (file -> lines, or arcs as ``[a, b]`` pairs)
     ``ERROR {text}``                  the item could not run in the box (not collected there, ...)
     ``DONE {}``                       end of one ``RUN`` (or of a forked box's stream)
     ``FORKED {pid}`` / ``STATUS {code}``
@@ -37,6 +40,8 @@ READY = "ready"
 REPORT = "report"
 WARNING = "warning"
 EXIT = "exit"
+CACHE = "cache"
+COVERAGE = "coverage"
 ERROR = "error"
 DONE = "done"
 FORKED = "forked"
@@ -44,7 +49,7 @@ STATUS = "status"
 TOKEN = "token"
 
 #: Messages a test may send while it runs (everything else ends or is foreign to a run).
-RUN_MESSAGES = (REPORT, WARNING, EXIT, ERROR, DONE)
+RUN_MESSAGES = (REPORT, WARNING, EXIT, CACHE, COVERAGE, ERROR, DONE)
 
 #: Longest text the guest puts in one report field (a section, the failure's text).
 FIELD_CAP = 1 << 20

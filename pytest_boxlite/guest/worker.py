@@ -85,6 +85,26 @@ def _warning_fields(warning_message, nodeid):
     }
 
 
+def _coverage_fields():
+    """The coverage data this process gathered so far, if coverage runs here (pytest-cov ``--cov``).
+
+    Plain lines or arcs, never coverage's own serialized form: that is an SQL script, which the
+    host must not run on a box's word.
+    """
+    coverage = sys.modules.get("coverage")
+    cov = coverage.Coverage.current() if coverage is not None else None
+    if cov is None:
+        return None
+    data = cov.get_data()
+    arcs = data.has_arcs()
+    files = {}
+    for name in data.measured_files():
+        found = data.arcs(name) if arcs else data.lines(name)
+        if found:
+            files[name] = [list(a) for a in found] if arcs else sorted(found)
+    return {"arcs": arcs, "files": files} if files else None
+
+
 def serve(channel):
     cfg = channel.receive()
     os.chdir(cfg["cwd"])
@@ -103,6 +123,7 @@ def serve(channel):
             self.session = None
             self.children = {}
             self.send = lambda name, **fields: channel.send((name, fields))
+            self.cache_writes = {}
 
         # -- configuration: the host's invocation, minus what only the host does -------------
         @pytest.hookimpl(tryfirst=True)
@@ -126,6 +147,7 @@ def serve(channel):
         @pytest.hookimpl(tryfirst=True)
         def pytest_runtestloop(self, session):
             self.session = session
+            self._watch_cache(session.config)
             channel.send((READY, {"pid": os.getpid(), "collected": len(self.items)}))  # noqa: F821
             while True:
                 msg = channel.receive()
@@ -146,6 +168,28 @@ def serve(channel):
                     except ProcessLookupError:
                         pass
                     channel.send((STATUS, {"code": self.wait(fields["pid"])}))  # noqa: F821
+
+        def _watch_cache(self, config):
+            """Keep what tests store in ``config.cache``: the host stores it in its own cache."""
+            cache = getattr(config, "cache", None)
+            if cache is None:
+                return
+            store = cache.set
+
+            def set_and_keep(key, value):
+                store(key, value)
+                self.cache_writes[key] = value
+
+            cache.set = set_and_keep
+
+        def _send_side_data(self):
+            """What a test left for the host besides its reports: cache values, coverage data."""
+            if self.cache_writes:
+                self.send(CACHE, values=self.cache_writes)  # noqa: F821
+                self.cache_writes = {}
+            coverage = _coverage_fields()
+            if coverage is not None:
+                self.send(COVERAGE, **coverage)  # noqa: F821
 
         def pytest_runtest_logreport(self, report):
             # A test that prints (or asserts with) 100 MB must not make the host hold 100 MB.
@@ -189,6 +233,7 @@ def serve(channel):
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
             except pytest.exit.Exception as exc:
                 self.send(EXIT, reason=str(exc.msg), returncode=exc.returncode)  # noqa: F821
+            self._send_side_data()
 
         def fork(self, nodeid, token, sock, hostname, network):
             for old, status in list(self.children.items()):  # reap boxes that have ended

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import socket
 import sys
 import time
@@ -110,8 +112,11 @@ class Outcome:
     hung_up: BaseException | None = None  # the channel broke (the box died)
 
 
-def drain(stream: Stream, item: pytest.Item, deadline: float) -> Outcome:
-    """Read one test's messages until ``DONE``; never raises for what the box does."""
+def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str) -> Outcome:
+    """Read one test's messages until ``DONE``; never raises for what the box does.
+
+    ``box`` names the box (its coverage data is kept in a file of its own until pytest-cov combines).
+    """
     out = Outcome()
     config = item.config
     try:
@@ -120,6 +125,10 @@ def drain(stream: Stream, item: pytest.Item, deadline: float) -> Outcome:
                 out.reports.append(_report(config, item, fields.get("data")))
             elif name == msg.WARNING:
                 _relay_warning(item, fields)
+            elif name == msg.CACHE:
+                _store_cache(config, fields.get("values"))
+            elif name == msg.COVERAGE:
+                _store_coverage(config, fields, box)
             elif name == msg.EXIT:
                 out.exit = (str(fields.get("reason", ""))[:1000], _int(fields.get("returncode"), 1))
             elif name == msg.ERROR:
@@ -185,3 +194,73 @@ def _relay_warning(item: pytest.Item, fields: dict[str, Any]) -> None:
     item.ihook.pytest_warning_recorded.call_historic(
         kwargs=dict(warning_message=wm, when="runtest", nodeid=item.nodeid, location=None)
     )
+
+
+_CACHE_KEY = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+def _store_cache(config: pytest.Config, values: object) -> None:
+    """Store a box's ``config.cache`` values in the host's cache, as the test would have locally.
+
+    Keys become paths under the cache directory: only plain relative names are accepted.
+    """
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return
+    if not isinstance(values, dict) or len(values) > 1000:
+        raise BoxSpoke("cache values that are not a small dict")
+    for key, value in values.items():
+        if not isinstance(key, str) or len(key) > 500 or not _CACHE_KEY.match(key) or ".." in key.split("/"):
+            raise BoxSpoke(f"a cache key that is not a plain relative name: {str(key)[:200]!r}")
+        if len(json.dumps(value)) > msg.FIELD_CAP:
+            raise BoxSpoke(f"a cache value over {msg.FIELD_CAP} bytes for {key!r}")
+        cache.set(key, value)
+
+
+def _coverage_roots(config: pytest.Config) -> tuple[str, ...]:
+    """Where measured source files may lie: what the box sees of the host (project, sys.path)."""
+    return tuple(os.path.join(os.path.abspath(p), "") for p in (str(config.rootpath), *sys.path) if p)
+
+
+def _store_coverage(config: pytest.Config, fields: dict[str, Any], box: str) -> None:
+    """Keep a box's coverage data beside the host's, where pytest-cov's combine step finds it.
+
+    Written through coverage's API from plain numbers; file names must be Python files under the
+    host directories the box sees (so a report never quotes another host file on a box's word).
+    """
+    coverage = sys.modules.get("coverage")
+    cov = coverage.Coverage.current() if coverage is not None else None
+    if coverage is None or cov is None:
+        return  # coverage is not measured on the host: nothing to merge into
+    files, arcs = fields.get("files"), fields.get("arcs")
+    if not isinstance(files, dict) or not isinstance(arcs, bool) or len(files) > 100_000:
+        raise BoxSpoke("coverage data that is not {file: lines}")
+    roots = _coverage_roots(config)
+    measured: dict[str, Any] = {}
+    for name, found in files.items():
+        ok_name = (
+            isinstance(name, str) and name.endswith(".py") and os.path.normpath(name) == name and name.startswith(roots)
+        )
+        if not ok_name:
+            raise BoxSpoke(f"coverage for a file outside the project and sys.path: {str(name)[:200]!r}")
+        if not isinstance(found, list) or len(found) > 1_000_000:
+            raise BoxSpoke(f"coverage data for {name!r} that is not a list")
+        if arcs:
+            if not all(isinstance(a, list) and len(a) == 2 and all(_is_int(x) for x in a) for a in found):
+                raise BoxSpoke(f"coverage arcs for {name!r} that are not pairs of numbers")
+            measured[name] = [(a, b) for a, b in found]
+        else:
+            if not all(_is_int(x) for x in found):
+                raise BoxSpoke(f"coverage lines for {name!r} that are not numbers")
+            measured[name] = found
+    suffix = "boxlite." + re.sub(r"[^A-Za-z0-9_.-]", "_", box)[:100]
+    data = coverage.CoverageData(basename=os.path.abspath(cov.config.data_file), suffix=suffix)
+    if arcs:
+        data.add_arcs(measured)
+    else:
+        data.add_lines(measured)
+    data.write()
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -160,7 +160,7 @@ class RemoteRunner:
             worker.channel.send((msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid}))
         except (EOFError, OSError, execnet.RemoteError) as exc:
             return self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), None
-        out = drain(ChannelStream(worker.channel), item, start + timeout)
+        out = drain(ChannelStream(worker.channel), item, start + timeout, box=handle.name)
         if out.timed_out or out.spoke:
             self._kill(handle)
         elif out.hung_up is not None:
@@ -217,7 +217,7 @@ class RemoteRunner:
                 why = f"the box died before it could run the test: it {reports.describe_status(died, forked=True)}"
                 return self._failed(item, why, handle, time.monotonic() - start), name, None
             with stream.conn:
-                out = drain(stream, item, deadline)
+                out = drain(stream, item, deadline, box=name)
         code: int | None = None
         if out.timed_out or out.spoke:
             self._fork_status(worker, msg.KILL, child)
