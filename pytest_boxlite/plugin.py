@@ -23,9 +23,12 @@ from pytest_boxlite.fixtures import (  # noqa: F401 - fixtures are found as attr
 )
 from pytest_boxlite.marker_registration import MARKER_HELP as _MARKER_HELP
 from pytest_boxlite.markers import BoxPlan, plan_for
+from pytest_boxlite.pool import NoLifecycle
 from pytest_boxlite.remote import BoxedExecutor, RemoteRunner, in_guest
+from pytest_boxlite.runtimes import BoxHandle
 from pytest_boxlite.session import BoxliteSession
-from pytest_boxlite.settings import add_options, resolve
+from pytest_boxlite.settings import Settings, add_options, resolve
+from pytest_boxlite.spec import BoxSpec
 
 _BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
 _SIGTERM_KEY = pytest.StashKey[dict[str, Any]]()
@@ -85,17 +88,12 @@ def pytest_configure(config: pytest.Config) -> None:
     session_id = workerinput.get("boxlite_session") if workerinput else None
     worker_id = workerinput.get("workerid") if workerinput else None
     try:
-        session = BoxliteSession(settings, session_id=session_id or ledger.new_session_id(), worker_id=worker_id)
+        boxed = _BoxedLifecycle(config, settings, session_id or ledger.new_session_id(), worker_id)
     except BoxliteError as exc:
         raise pytest.UsageError(str(exc)) from None
+    session = boxed.session
     config.stash[SESSION_KEY] = session
-    runner = RemoteRunner(config, boot_timeout=settings.boot_timeout)
-    session.worker_mounts = runner.mounts()
-    session.on_boot = runner.start_worker
-    session.on_destroy = runner.stop_worker
-    executor = BoxedExecutor(runner, session)
-    session.on_pressure = executor.release_template
-    config.stash[_EXECUTOR_KEY] = executor
+    config.stash[_EXECUTOR_KEY] = boxed.executor
     if config.pluginmanager.hasplugin("xdist"):
         from pytest_boxlite.xdist_support import XdistHooks, box_worker_specs
 
@@ -103,6 +101,38 @@ def pytest_configure(config: pytest.Config) -> None:
         if settings.scope == "worker" and _is_controller(config):
             box_worker_specs(session, config)
     _install_sigterm(config)
+
+
+class _BoxedLifecycle(NoLifecycle):
+    """The pool's lifecycle for boxed tests: a warm interpreter in every ``worker`` box, and fork
+    parents that give way when a lease of another spec is blocked at the cap.
+
+    Builds the runner, the session and the executor, which it is the lifecycle of.
+    """
+
+    def __init__(self, config: pytest.Config, settings: Settings, session_id: str, worker_id: str | None) -> None:
+        self.runner = RemoteRunner(config, boot_timeout=settings.boot_timeout)
+        try:
+            self.session = BoxliteSession(
+                settings,
+                session_id=session_id,
+                worker_id=worker_id,
+                lifecycle=self,
+                worker_mounts=self.runner.mounts(),
+            )
+        except BaseException:
+            self.runner.shutdown()
+            raise
+        self.executor = BoxedExecutor(self.runner, self.session)
+
+    def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
+        self.runner.start_worker(handle, spec)
+
+    def before_destroy(self, handle: BoxHandle) -> None:
+        self.runner.stop_worker(handle)
+
+    def relieve(self, spec: BoxSpec) -> bool:
+        return self.executor.release_template(spec)
 
 
 def _install_sigterm(config: pytest.Config) -> None:
