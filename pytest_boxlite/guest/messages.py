@@ -77,8 +77,12 @@ def untag(obj: "dict[str, Any]") -> object:
 
 
 def cap(text: str, what: str = "of this section") -> str:
-    """``text`` cut to :data:`FIELD_CAP` characters, saying how much was cut."""
+    """``text`` cut to at most :data:`FIELD_CAP` characters, saying how much was cut.
+
+    The note fits in the cap, so capping again (the host re-caps what a box sent) changes nothing.
+    """
     if len(text) <= FIELD_CAP:
         return text
-    cut = len(text) - FIELD_CAP
-    return text[:FIELD_CAP] + "\n[pytest-boxlite: %d more characters %s were cut]\n" % (cut, what)
+    keep = FIELD_CAP - 200
+    note = "\n[pytest-boxlite: %d more characters %s were cut]\n" % (len(text) - keep, what[:100])
+    return text[:keep] + note
