@@ -24,6 +24,6 @@ def in_guest() -> bool:
 
 
 from pytest_boxlite.remote.executor import BoxedExecutor  # noqa: E402 - after in_guest, which they may use
-from pytest_boxlite.remote.worker_host import RemoteRunner, guest_args  # noqa: E402
+from pytest_boxlite.remote.worker_host import RemoteRunner, guest_args, worker_mounts  # noqa: E402
 
-__all__ = ["BoxedExecutor", "RemoteRunner", "guest_args", "in_guest"]
+__all__ = ["BoxedExecutor", "RemoteRunner", "guest_args", "in_guest", "worker_mounts"]

@@ -60,6 +60,12 @@ def guest_args(config: pytest.Config) -> list[str]:
     return [str(a) for a in config.invocation_params.args]
 
 
+def worker_mounts(config: pytest.Config) -> tuple[str, ...]:
+    """Host directories a test worker needs at the same paths: the project and ``sys.path``."""
+    paths = [str(config.rootpath), str(config.invocation_params.dir), *sys.path]
+    return minimal_dirs(p for p in paths if p)
+
+
 def startup_env(env: dict[str, str]) -> list[str]:
     """``NAME=value`` for the variables Python reads at start-up: they must be set before it starts."""
     return [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("PYTHON")]
@@ -87,8 +93,7 @@ class RemoteRunner:
 
     def mounts(self) -> tuple[str, ...]:
         """Host directories a test worker needs at the same paths: the project and ``sys.path``."""
-        paths = [str(self.config.rootpath), str(self.config.invocation_params.dir), *sys.path]
-        return minimal_dirs(p for p in paths if p)
+        return worker_mounts(self.config)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start_worker(self, handle: BoxHandle, spec: BoxSpec) -> None:
