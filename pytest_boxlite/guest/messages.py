@@ -20,6 +20,7 @@ guest -> host
     ``WARNING {message, category, module, filename, lineno, nodeid}``
                                       a warning recorded while the test ran
     ``EXIT {reason, returncode}``     the test called ``pytest.exit()``
+    ``OUTPUT {stream, text}``         with ``-s``: what the test (and its subprocesses) printed, as it prints
     ``CACHE {values}``                what the test stored with ``config.cache.set`` (key -> JSON value)
     ``COVERAGE {arcs, files}``        the box's coverage data so far, when coverage runs in the box
                                       (file -> lines, or arcs as ``[a, b]`` pairs)
@@ -41,6 +42,7 @@ REPORT = "report"
 WARNING = "warning"
 EXIT = "exit"
 CACHE = "cache"
+OUTPUT = "output"
 COVERAGE = "coverage"
 ERROR = "error"
 DONE = "done"
@@ -49,7 +51,7 @@ STATUS = "status"
 TOKEN = "token"
 
 #: Messages a test may send while it runs (everything else ends or is foreign to a run).
-RUN_MESSAGES = (REPORT, WARNING, EXIT, CACHE, COVERAGE, ERROR, DONE)
+RUN_MESSAGES = (REPORT, WARNING, EXIT, OUTPUT, CACHE, COVERAGE, ERROR, DONE)
 
 #: Longest text the guest puts in one report field (a section, the failure's text).
 FIELD_CAP = 1 << 20

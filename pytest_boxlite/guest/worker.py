@@ -85,6 +85,55 @@ def _warning_fields(warning_message, nodeid):
     }
 
 
+class _LiveOutput:
+    """With ``-s``: fds 1 and 2 of the test (and so of its subprocesses) go to the host as it prints.
+
+    Each stream is a pipe drained by a thread that sends ``OUTPUT`` messages; :meth:`close` puts the
+    original descriptors back and waits (bounded) for what is still in the pipes.
+    """
+
+    def __init__(self, send):
+        import codecs
+        import threading
+
+        self.send = send
+        self.saved = []
+        self.threads = []
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            self.saved.append(os.dup(fd))
+            r, w = os.pipe()
+            os.dup2(w, fd)
+            os.close(w)
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            t = threading.Thread(target=self._pump, args=(r, name, decoder), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _pump(self, r, name, decoder):
+        try:
+            while True:
+                chunk = os.read(r, 65536)
+                text = decoder.decode(chunk, final=not chunk)
+                if text:
+                    self.send(OUTPUT, stream=name, text=text)  # noqa: F821 - messages.py
+                if not chunk:
+                    return
+        finally:
+            os.close(r)
+
+    def close(self):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for fd, saved in zip((1, 2), self.saved):  # noqa: B905 - strict= is Python 3.10+, guests may be older
+            os.dup2(saved, fd)
+            os.close(saved)
+        for t in self.threads:
+            t.join(2.0)  # a subprocess that still holds the pipe must not hold up the next test
+
+
 def _coverage_fields():
     """The coverage data this process gathered so far, if coverage runs here (pytest-cov ``--cov``).
 
@@ -122,8 +171,21 @@ def serve(channel):
             self.collect_errors = {}
             self.session = None
             self.children = {}
-            self.send = lambda name, **fields: channel.send((name, fields))
+            self.send = self._locked(lambda name, **fields: channel.send((name, fields)))
             self.cache_writes = {}
+
+        @staticmethod
+        def _locked(send):
+            """``send`` made safe for the live-output threads (one message at a time)."""
+            import threading
+
+            lock = threading.Lock()
+
+            def locked(name, **fields):
+                with lock:
+                    send(name, **fields)
+
+            return locked
 
         # -- configuration: the host's invocation, minus what only the host does -------------
         @pytest.hookimpl(tryfirst=True)
@@ -131,6 +193,16 @@ def serve(channel):
             for name, value in _HOST_ONLY_OPTIONS.items():
                 if hasattr(config.option, name):
                     setattr(config.option, name, value)
+            # The box's own terminal report is nobody's to read: the terminal plugin binds it to
+            # sys.stdout in its pytest_configure, so hand it a copy of stderr (the box log) until
+            # the session starts; with -s fd 1 then carries only what the test prints.
+            self.stdout = sys.stdout
+            sys.stdout = os.fdopen(os.dup(2), "w", buffering=1)
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_sessionstart(self, session):
+            if getattr(self, "stdout", None) is not None:
+                sys.stdout, self.stdout = self.stdout, None
 
         # -- collection: once, every item indexed before any plugin deselects or reorders ------
         @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -229,10 +301,14 @@ def serve(channel):
                 self.send(ERROR, text=error)  # noqa: F821
                 return
             nextitem = self.items.get(next_nodeid) if next_nodeid else None
+            live = _LiveOutput(self.send) if item.config.option.capture == "no" else None
             try:
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
             except pytest.exit.Exception as exc:
                 self.send(EXIT, reason=str(exc.msg), returncode=exc.returncode)  # noqa: F821
+            finally:
+                if live is not None:
+                    live.close()
             self._send_side_data()
 
         def fork(self, nodeid, token, sock, hostname, network):
@@ -272,7 +348,7 @@ def serve(channel):
                     out.flush()
 
                 send(TOKEN, token=token)  # noqa: F821
-                self.send = send
+                self.send = send = self._locked(send)
                 self.run(nodeid, None)
                 send(DONE)  # noqa: F821
                 out.close()

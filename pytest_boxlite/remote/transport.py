@@ -125,6 +125,8 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str) -> Ou
                 out.reports.append(_report(config, item, fields.get("data")))
             elif name == msg.WARNING:
                 _relay_warning(item, fields)
+            elif name == msg.OUTPUT:
+                _relay_output(config, fields)
             elif name == msg.CACHE:
                 _store_cache(config, fields.get("values"))
             elif name == msg.COVERAGE:
@@ -194,6 +196,20 @@ def _relay_warning(item: pytest.Item, fields: dict[str, Any]) -> None:
     item.ihook.pytest_warning_recorded.call_historic(
         kwargs=dict(warning_message=wm, when="runtest", nodeid=item.nodeid, location=None)
     )
+
+
+def _relay_output(config: pytest.Config, fields: dict[str, Any]) -> None:
+    """With ``-s``: print what the boxed test printed, where a local test's output would appear."""
+    text = fields.get("text")
+    if not isinstance(text, str):
+        raise BoxSpoke("live output that is not text")
+    text = text[: 1 << 17]  # the guest sends at most 64 KiB a message
+    if fields.get("stream") == "stderr":
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    else:
+        # Through pytest's terminal writer, so the progress lines around it stay in step.
+        config.get_terminal_writer().write(text, flush=True)
 
 
 _CACHE_KEY = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
