@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+import time
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -17,6 +19,54 @@ if TYPE_CHECKING:
     from pytest_boxlite.session import BoxliteSession
 
 
+class WaitNotice:
+    """Says through pytest's terminal reporter that the session is waiting for boxes.
+
+    Nothing for waits under :attr:`AFTER` seconds or under ``-qq``; on a terminal one line that
+    updates every second, elsewhere one line when the wait starts to show and one when it ends.
+    """
+
+    AFTER = 2.0
+
+    def __init__(self, config: pytest.Config, what: str) -> None:
+        tr = config.pluginmanager.get_plugin("terminalreporter")
+        self.tr: Any = tr if tr is not None and config.option.verbose > -2 else None
+        self.what = what
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start = time.monotonic()
+        self._shown = False
+
+    def __enter__(self) -> WaitNotice:
+        if self.tr is not None:
+            self._thread = threading.Thread(target=self._run, name="boxlite-wait-notice", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        if self._done.wait(self.AFTER):
+            return
+        self._shown = True
+        self.tr.ensure_newline()
+        if not getattr(self.tr, "isatty", False):
+            self.tr.write_line(f"boxlite: {self.what}...")
+            return
+        while not self._done.wait(1.0):
+            self.tr.rewrite(f"boxlite: {self.what}... {time.monotonic() - self._start:.0f}s")
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._shown:
+            line = f"boxlite: {self.what}: done after {time.monotonic() - self._start:.1f}s"
+            if getattr(self.tr, "isatty", False):
+                self.tr.rewrite(line, erase=True)
+                self.tr.write("\n")
+            else:
+                self.tr.write_line(line)
+
+
 class BoxedExecutor:
     """Runs boxed items: per test in a box forked from a warm interpreter (its "fork parent"),
     per test in a leased box, or per module in one box."""
@@ -24,12 +74,15 @@ class BoxedExecutor:
     KEEP_PROPERTY = "boxlite_box"
 
     def __init__(self, runner: RemoteRunner, session: BoxliteSession) -> None:
+        self.config = runner.config
         self.runner = runner
         self.session = session
         self._held: tuple[str, BoxSpec, Lease] | None = None  # module scope: (module path, spec, lease)
         self._held_failed = False
         #: Warm interpreters that fresh boxes are forked from, one per spec (fork mode).
         self._fork_parents: dict[BoxSpec, Lease] = {}
+        #: Why a box could not be had, and the first test that said so in full.
+        self._lease_errors: dict[str, str] = {}
 
     def run_protocol(
         self, item: pytest.Item, plan: BoxPlan, nextitem: pytest.Item | None, next_plan: BoxPlan | None
@@ -51,7 +104,7 @@ class BoxedExecutor:
         try:
             lease = self._fork_parent(plan) if self.session.fork_boxes else self._lease(module, plan)
         except BoxliteError as exc:
-            out = reports.failed_phase(item, "setup", f"could not get a box: {exc}", None, 0.0)
+            out = reports.failed_phase(item, "setup", self._lease_error(item, str(exc)), None, 0.0)
         else:
             box_name = lease.handle.name
         if lease is not None and self.session.fork_boxes:
@@ -79,13 +132,24 @@ class BoxedExecutor:
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
 
+    def _lease_error(self, item: pytest.Item, why: str) -> str:
+        """The failure text for a test that got no box: in full once, then a pointer to it.
+
+        A failed ``--boxlite-setup`` fails every boxed test; its whole output belongs in one report.
+        """
+        first = self._lease_errors.setdefault(why, item.nodeid)
+        if first == item.nodeid:
+            return f"could not get a box: {why}"
+        return f"could not get a box: {why.splitlines()[0][:300]} (the whole error is in the report of {first})"
+
     def _lease(self, module: str, plan: BoxPlan) -> Lease:
         if self._held is not None:
             held_module, held_spec, lease = self._held
             if held_module == module and held_spec == plan.spec:
                 return lease
             self._drop(keep=self._held_failed and self.session.settings.keep)
-        lease = self.session.pool().lease(plan.spec)
+        with WaitNotice(self.config, self._waiting_for()):
+            lease = self.session.pool().lease(plan.spec)
         self._held = (module, plan.spec, lease)
         return lease
 
@@ -102,9 +166,15 @@ class BoxedExecutor:
         # The fork parent is held for the session: no spare box of this spec is needed (a warm or
         # booting one is still taken by the lease below).
         pool.prewarm(plan.spec, 0)
-        lease = pool.lease(plan.spec)
+        with WaitNotice(self.config, self._waiting_for()):
+            lease = pool.lease(plan.spec)
         self._fork_parents[plan.spec] = lease
         return lease
+
+    def _waiting_for(self) -> str:
+        if self.session.settings.setup:
+            return "waiting for a box (the --boxlite-setup template is built once, then cached)"
+        return "waiting for a box (booting, then collecting the session in it)"
 
     def release_template(self, wanted: BoxSpec) -> bool:
         """Pool pressure callback: give back the oldest fork parent not of ``wanted``'s spec."""
