@@ -1,4 +1,15 @@
-"""pytest hooks of pytest-boxlite.  Thin: the logic lives in the modules it calls."""
+"""pytest hooks of pytest-boxlite: options, then one plugin object per role.
+
+``pytest_configure`` decides the role once and registers exactly one object, the way pytest-xdist
+registers its ``DSession`` only where it distributes:
+
+- :class:`HostPlugin` (``boxlite-host``): a plain run or an xdist worker; owns the session's boxes
+  (pool, warm interpreters, boxed items);
+- :class:`ControllerPlugin` (``boxlite-controller``): the xdist controller; runs no pool, hands its
+  session id to the workers, reconciles before they start and reaps after they end;
+- :class:`GuestRole` (``boxlite-guest``): inside a box's pytest, where the host does the boxing;
+- nothing for runs that only list or collect (``--collect-only``, ``--fixtures``, ``--help``, ...).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +18,7 @@ import os
 import signal
 import sys
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,30 +32,43 @@ from pytest_boxlite.fixtures import (  # noqa: F401 - fixtures are found as attr
     boxlite_pool,
     boxlite_sandbox,
 )
+from pytest_boxlite.marker_registration import MARKER_HELP
 from pytest_boxlite.markers import BoxPlan, plan_for
-from pytest_boxlite.remote import BoxedExecutor, RemoteRunner, in_guest
+from pytest_boxlite.pool import NoLifecycle
+from pytest_boxlite.remote import BoxedExecutor, RemoteRunner, in_guest, worker_mounts
+from pytest_boxlite.runtimes import BoxHandle
 from pytest_boxlite.session import BoxliteSession
-from pytest_boxlite.settings import add_options, resolve
+from pytest_boxlite.settings import Settings, add_options, resolve
+from pytest_boxlite.spec import BoxSpec
 
 _BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
-_SIGTERM_KEY = pytest.StashKey[dict[str, Any]]()
 _PLAN_KEY = pytest.StashKey[BoxPlan]()
-_EXECUTOR_KEY = pytest.StashKey[BoxedExecutor]()
-_SHUT_DOWN_KEY = pytest.StashKey[bool]()
-_MARKER_HELP = (
-    "boxlite(image=None, cpus=None, memory=None, env=None, network=None, timeout=None): "
-    "run this test inside a throw-away box"
-)
+#: The registered role object of this process (``HostPlugin`` or ``ControllerPlugin``).
+ROLE_KEY = pytest.StashKey["_SessionRole"]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
 
+def _boots_nothing(config: pytest.Config) -> bool:
+    """Runs that only list or collect (--collect-only, --fixtures, --markers, --help, ...)."""
+    opt = config.option
+    names = ("collectonly", "showfixtures", "show_fixtures_per_test", "markers", "help", "version")
+    return any(getattr(opt, n, False) for n in names)
+
+
+def _is_controller(config: pytest.Config) -> bool:
+    """True for the xdist controller (it runs no pool); False for workers and plain runs."""
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "dist", "no") != "no")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
     """``--boxlite-scope=worker`` without ``-n``: run the whole session again inside one box."""
     if in_guest() or hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None):
+        return None
+    if _boots_nothing(config):
         return None
     settings = resolve(config)
     if settings.scope != "worker":
@@ -55,172 +80,242 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", _MARKER_HELP)
+    config.addinivalue_line("markers", MARKER_HELP)
     if in_guest():
-        return  # inside a box's test worker: the host does the boxing
+        config.pluginmanager.register(GuestRole(), "boxlite-guest")
+        return
+    if _boots_nothing(config):
+        return
     settings = resolve(config)
     workerinput = getattr(config, "workerinput", None)
-    session_id = workerinput.get("boxlite_session") if workerinput else None
-    worker_id = workerinput.get("workerid") if workerinput else None
+    session_id = (workerinput.get("boxlite_session") if workerinput else None) or ledger.new_session_id()
+    role: _SessionRole
     try:
-        session = BoxliteSession(settings, session_id=session_id or ledger.new_session_id(), worker_id=worker_id)
+        if _is_controller(config):
+            session = BoxliteSession(
+                settings, session_id=session_id, worker_id=None, worker_mounts=worker_mounts(config)
+            )
+            role = ControllerPlugin(config, session)
+        else:
+            worker_id = workerinput.get("workerid") if workerinput else None
+            role = HostPlugin(config, settings, session_id, worker_id)
     except BoxliteError as exc:
         raise pytest.UsageError(str(exc)) from None
-    config.stash[SESSION_KEY] = session
-    runner = RemoteRunner(config, boot_timeout=settings.boot_timeout)
-    session.worker_mounts = runner.mounts()
-    session.on_boot = runner.start_worker
-    session.on_destroy = runner.stop_worker
-    executor = BoxedExecutor(runner, session)
-    session.on_pressure = executor.release_template
-    config.stash[_EXECUTOR_KEY] = executor
-    if config.pluginmanager.hasplugin("xdist"):
-        from pytest_boxlite.xdist_support import XdistHooks, box_worker_specs
-
-        config.pluginmanager.register(XdistHooks(session), "boxlite-xdist")
-        if settings.scope == "worker" and _is_controller(config):
-            box_worker_specs(session, config)
-    _install_sigterm(config)
+    config.stash[SESSION_KEY] = role.session
+    config.stash[ROLE_KEY] = role
+    config.pluginmanager.register(role, role.NAME)
 
 
-def _install_sigterm(config: pytest.Config) -> None:
-    """Turn SIGTERM into an orderly interruption, so boxes are reaped; re-raised after cleanup."""
-    state: dict[str, Any] = {"received": False, "previous": None}
-    config.stash[_SIGTERM_KEY] = state
-    try:
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return  # someone else handles SIGTERM: leave it to them
-    except ValueError:
-        return
+class GuestRole:
+    """Inside a box's pytest (boxed tests, ``--boxlite-scope=worker``): the host does the boxing."""
 
-    def on_sigterm(signum: int, frame: object) -> None:
-        state["received"] = True
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        # A --basetemp the host chose (or xdist's per-worker one) lies under the host's /tmp, which
+        # the box does not share: make its parent, so tmp_path works as it does on the host.
+        basetemp = item.config.option.basetemp
+        if basetemp:
+            Path(basetemp).resolve().parent.mkdir(parents=True, exist_ok=True)
+
+
+class SigtermGuard:
+    """Turns SIGTERM into an orderly interruption, so boxes are reaped; re-raised after cleanup."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous: Any = None
+        try:
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+                return  # someone else handles SIGTERM: leave it to them
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:
+            pass  # not the main thread: signals are not ours to handle
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self.received = True
         raise KeyboardInterrupt("SIGTERM")
 
-    with contextlib.suppress(ValueError):  # not the main thread
-        state["previous"] = signal.signal(signal.SIGTERM, on_sigterm)
+    def restore(self) -> None:
+        """Put the previous handler back; if SIGTERM came, die by it as pytest would have."""
+        if self._previous is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+        if self.received:
+            sys.stdout.flush()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _is_controller(config: pytest.Config) -> bool:
-    """True for the xdist controller (it runs no pool); False for workers and plain runs."""
-    return not hasattr(config, "workerinput") and bool(getattr(config.option, "dist", "no") != "no")
+class _SessionRole:
+    """What the host and the controller share: home, reconcile, header, summary, shutdown once."""
 
+    NAME = "boxlite-role"
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    config = session.config
-    box = config.stash.get(SESSION_KEY, None)
-    if box is None:
-        return
-    try:
-        box.prepare_home()
-    except (ConfigError, BoxliteError) as exc:
-        if box.settings.sources["home"] != "default":
-            raise pytest.UsageError(str(exc)) from None
-        box.defer_error(exc)
-        return
-    if not hasattr(config, "workerinput"):
-        box.reconcile()
+    def __init__(self, config: pytest.Config, session: BoxliteSession) -> None:
+        self.config = config
+        self.session = session
+        self._sigterm = SigtermGuard()
+        self._shut_down = False
 
-
-def pytest_itemcollected(item: pytest.Item) -> None:
-    box = item.config.stash.get(SESSION_KEY, None)
-    if box is None or _is_controller(item.config):
-        return
-    # Start booting while collection goes on; bad marker arguments are reported after collection.
-    # Only the session's default specs are kept warm: a test with its own image, cpus, ... boots
-    # its box on demand instead of evicting the boxes everyone else is waiting for.
-    with contextlib.suppress(pytest.UsageError):
-        plan = plan_for(item, box)
-        if plan is not None:
-            if plan.spec == box.default_worker_spec:
-                box.want(plan.spec)
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        try:
+            self.session.prepare_home()
+        except (ConfigError, BoxliteError) as exc:
+            if self.session.settings.sources["home"] != "default":
+                raise pytest.UsageError(str(exc)) from None
+            self.session.defer_error(exc)
             return
-    if _BOX_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-        box.want(box.default_spec)
+        if not hasattr(self.config, "workerinput"):
+            self.session.reconcile()
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        lines = reporting.header(self.session, controller=isinstance(self, ControllerPlugin))
+        if config.option.usepdb:
+            lines.append(
+                "boxlite: --pdb does not enter boxed tests (they run in a box without this terminal); "
+                "to debug one here, run it with -p no:boxlite"
+            )
+        return lines
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+        reporting.summary(terminalreporter, self.session)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.shutdown()
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.shutdown()
+        self._sigterm.restore()
+
+    def shutdown(self) -> None:
+        """Reap everything (at session finish, or at unconfigure if the session never finished)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self.session.shutdown()
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    box = config.stash.get(SESSION_KEY, None)
-    if box is None or _is_controller(config):
-        return
-    has_timeout = config.pluginmanager.hasplugin("timeout")
-    for item in items:
-        plan = plan_for(item, box)
-        if plan is None:
-            continue
-        item.stash[_PLAN_KEY] = plan
-        if has_timeout:
-            # pytest-timeout acts inside the box; on the host it could only kill the whole session.
-            item.add_marker(pytest.mark.timeout(0), append=False)
+class ControllerPlugin(_SessionRole):
+    """The xdist controller: no pool of its own; its workers each own theirs."""
 
+    NAME = "boxlite-controller"
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-    plan = item.stash.get(_PLAN_KEY, None)
-    if plan is None:
-        return None
-    next_plan = nextitem.stash.get(_PLAN_KEY, None) if nextitem is not None else None
-    return item.config.stash[_EXECUTOR_KEY].run_protocol(item, plan, nextitem, next_plan)
+    def __init__(self, config: pytest.Config, session: BoxliteSession) -> None:
+        super().__init__(config, session)
+        if session.settings.scope == "worker":
+            from pytest_boxlite.xdist_support import box_worker_specs
 
+            box_worker_specs(session, config)
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
-    report = yield
-    if report.when == "call" and report.failed:
-        item.stash[CALL_FAILED_KEY] = True
-    return report
+    def pytest_configure_node(self, node: Any) -> None:
+        node.workerinput["boxlite_session"] = self.session.session_id
 
-
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    box = config.stash.get(SESSION_KEY, None)
-    return reporting.header(box, controller=_is_controller(config)) if box is not None else []
-
-
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    box = config.stash.get(SESSION_KEY, None)
-    if box is not None:
-        reporting.summary(terminalreporter, box)
-
-
-def _shutdown(config: pytest.Config) -> None:
-    """Reap everything (at session finish, or at unconfigure if the session never finished).  Once."""
-    box = config.stash.get(SESSION_KEY, None)
-    if box is None or config.stash.get(_SHUT_DOWN_KEY, False):
-        return
-    config.stash[_SHUT_DOWN_KEY] = True
-    executor = config.stash[_EXECUTOR_KEY]
-    executor.close()
-    box.shutdown()
-    executor.runner.shutdown()
-    if executor.runner.forks:
-        box.report.stats.update(forked=executor.runner.forks, fork_waits=list(executor.runner.fork_waits))
-    if _is_controller(config):
-        box.reap_workers()
-    workeroutput = getattr(config, "workeroutput", None)
-    if workeroutput is not None:
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
         from pytest_boxlite.xdist_support import WORKEROUTPUT_KEY
 
-        rep = box.report
-        workeroutput[WORKEROUTPUT_KEY] = {"stats": rep.stats, "leaked": rep.leaked, "kept": rep.kept}
+        data = getattr(node, "workeroutput", {}).get(WORKEROUTPUT_KEY)
+        if data:
+            report = self.session.report
+            report.worker_stats.append(data["stats"])
+            report.leaked += data["leaked"]
+            report.kept += data["kept"]
+
+    def _shutdown(self) -> None:
+        self.session.shutdown()
+        self.session.reap_workers()
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    _shutdown(session.config)
+class HostPlugin(_SessionRole, NoLifecycle):
+    """A plain run or an xdist worker: its boxes, the warm interpreters in them and boxed items.
 
+    It is also the pool's lifecycle: a warm interpreter in every ``worker`` box, and fork parents
+    that give way when a lease of another spec is blocked at the cap.
+    """
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    _shutdown(config)
-    state = config.stash.get(_SIGTERM_KEY, None)
-    if state is None:
-        return
-    if state["previous"] is not None:
-        with contextlib.suppress(ValueError):
-            signal.signal(signal.SIGTERM, state["previous"])
-    if state["received"]:
-        # Die by SIGTERM as pytest would have without us, now that the boxes are gone.
-        sys.stdout.flush()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+    NAME = "boxlite-host"
+
+    def __init__(self, config: pytest.Config, settings: Settings, session_id: str, worker_id: str | None) -> None:
+        self.runner = RemoteRunner(config, boot_timeout=settings.boot_timeout)
+        try:
+            session = BoxliteSession(
+                settings,
+                session_id=session_id,
+                worker_id=worker_id,
+                lifecycle=self,
+                worker_mounts=self.runner.mounts(),
+            )
+        except BaseException:
+            self.runner.shutdown()
+            raise
+        super().__init__(config, session)
+        self.executor = BoxedExecutor(self.runner, session)
+
+    # -- the pool's lifecycle ---------------------------------------------------------------
+    def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
+        self.runner.start_worker(handle, spec)
+
+    def before_destroy(self, handle: BoxHandle) -> None:
+        self.runner.stop_worker(handle)
+
+    def relieve(self, spec: BoxSpec) -> bool:
+        return self.executor.release_template(spec)
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        # Start booting while collection goes on; bad marker arguments are reported after collection.
+        # Only the session's default specs are kept warm: a test with its own image, cpus, ... boots
+        # its box on demand instead of evicting the boxes everyone else is waiting for.
+        with contextlib.suppress(pytest.UsageError):
+            plan = plan_for(item, self.session)
+            if plan is not None:
+                if plan.spec == self.session.default_worker_spec:
+                    self.session.want(plan.spec)
+                return
+        if _BOX_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            self.session.want(self.session.default_spec)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        has_timeout = config.pluginmanager.hasplugin("timeout")
+        for item in items:
+            plan = plan_for(item, self.session)
+            if plan is None:
+                continue
+            item.stash[_PLAN_KEY] = plan
+            if has_timeout:
+                # pytest-timeout acts inside the box; on the host it could only kill the whole session.
+                item.add_marker(pytest.mark.timeout(0), append=False)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        plan = item.stash.get(_PLAN_KEY, None)
+        if plan is None:
+            return None
+        next_plan = nextitem.stash.get(_PLAN_KEY, None) if nextitem is not None else None
+        return self.executor.run_protocol(item, plan, nextitem, next_plan)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+        report = yield
+        if report.when == "call" and report.failed:
+            item.stash[CALL_FAILED_KEY] = True
+        return report
+
+    def _shutdown(self) -> None:
+        self.executor.close()
+        self.session.shutdown()
+        self.runner.shutdown()
+        if self.runner.forks:
+            self.session.report.stats.update(forked=self.runner.forks, fork_waits=list(self.runner.fork_waits))
+        workeroutput = getattr(self.config, "workeroutput", None)
+        if workeroutput is not None:
+            from pytest_boxlite.xdist_support import WORKEROUTPUT_KEY
+
+            rep = self.session.report
+            workeroutput[WORKEROUTPUT_KEY] = {"stats": rep.stats, "leaked": rep.leaked, "kept": rep.kept}

@@ -24,6 +24,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from pytest_boxlite.errors import BoxliteError, LeaseTimeoutError
 from pytest_boxlite.runtimes.base import BoxHandle, Runtime
@@ -58,6 +59,57 @@ class PoolStats:
 
     def wait_max(self) -> float:
         return max(self.lease_waits, default=0.0)
+
+    def asdict(self) -> dict[str, Any]:
+        """A plain-data copy (lists copied too), e.g. to send from an xdist worker to the controller."""
+        return dataclasses.asdict(self)
+
+
+class BoxLifecycle(Protocol):
+    """What the pool's owner does at each step of a box's life; one object, given at construction.
+
+    The pool calls these from its own threads, never while it holds its lock.  Subclass
+    :class:`NoLifecycle` to override only the steps you need.
+    """
+
+    def prepare(self, spec: BoxSpec) -> BoxSpec:
+        """The spec to boot for a requested ``spec`` (e.g. one starting from a provisioned template).
+
+        Called before every boot; may take long the first time.  Raising fails that boot.
+        """
+        ...
+
+    def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
+        """Called once a box of (prepared) ``spec`` accepts commands, before it is warm or leased.
+
+        Raising fails the boot: the box is destroyed and the error goes to the lease.
+        """
+        ...
+
+    def before_destroy(self, handle: BoxHandle) -> None:
+        """Called before every destroy of a booted box (never for a kept one)."""
+        ...
+
+    def relieve(self, spec: BoxSpec) -> bool:
+        """A lease of ``spec`` is blocked at the cap with nothing idle to evict: release a box held
+        for the owner itself (a fork parent) if there is one.  Returns whether one was released."""
+        ...
+
+
+class NoLifecycle:
+    """The lifecycle that does nothing: boxes are booted as asked and destroyed as they are."""
+
+    def prepare(self, spec: BoxSpec) -> BoxSpec:
+        return spec
+
+    def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
+        return None
+
+    def before_destroy(self, handle: BoxHandle) -> None:
+        return None
+
+    def relieve(self, spec: BoxSpec) -> bool:
+        return False
 
 
 @dataclasses.dataclass
@@ -109,10 +161,7 @@ class BoxPool:
         idle_timeout: float = 600.0,
         command_timeout: float = DEFAULT_TIMEOUT,
         health_timeout: float = 5.0,
-        on_boot: Callable[[BoxHandle, BoxSpec], None] | None = None,
-        on_destroy: Callable[[BoxHandle], None] | None = None,
-        prepare: Callable[[BoxSpec], BoxSpec] | None = None,
-        on_pressure: Callable[[BoxSpec], bool] | None = None,
+        lifecycle: BoxLifecycle | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
@@ -125,14 +174,8 @@ class BoxPool:
         self.health_timeout = health_timeout
         self.stats = PoolStats()
         self._namer = namer
-        #: Called after every box boots (e.g. to start a warm interpreter), and before any destroy.
-        self._on_boot = on_boot
-        self._on_destroy = on_destroy
-        #: Maps a requested spec to the one booted (e.g. with a provisioned template); may take long once.
-        self._prepare = prepare
-        #: Asked to give back a leased box it holds for itself (a fork template) when a lease of
-        #: another spec is blocked at the cap; returns whether it released one.
-        self._on_pressure = on_pressure
+        #: The owner's steps around each boot and destroy (see :class:`BoxLifecycle`).
+        self._lifecycle: BoxLifecycle = NoLifecycle() if lifecycle is None else lifecycle
         self._cond = threading.Condition()
         self._warm: dict[BoxSpec, collections.deque[_Warm]] = collections.defaultdict(collections.deque)
         self._booting: collections.Counter[BoxSpec] = collections.Counter()
@@ -281,11 +324,11 @@ class BoxPool:
                                 self.stats.evicted += 1
                                 self._booting[spec] += 1
                                 return None, "cold", w.handle
-                if self._on_pressure is not None and self._booting[spec] == 0:
+                if self._booting[spec] == 0:
                     # Nothing idle to evict: ask the holder of long-lived leases to let one go.
                     self._cond.release()
                     try:
-                        freed = self._on_pressure(spec)
+                        freed = self._lifecycle.relieve(spec)
                     finally:
                         self._cond.acquire()
                     if freed:
@@ -342,10 +385,9 @@ class BoxPool:
         t0 = time.monotonic()
         handle: BoxHandle | None = None
         try:
-            booted = self._prepare(spec) if self._prepare is not None else spec
+            booted = self._lifecycle.prepare(spec)
             handle = self.runtime.create_box(booted, self._namer(), timeout=self.boot_timeout)
-            if self._on_boot is not None:
-                self._on_boot(handle, booted)
+            self._lifecycle.after_boot(handle, booted)
         except BaseException:
             if handle is not None:
                 with contextlib.suppress(Exception):
@@ -390,8 +432,7 @@ class BoxPool:
     def _destroy(self, handle: BoxHandle, refill: bool, release: bool = True) -> None:
         """Destroy a box; ``release=False`` hands its capacity to the caller instead of the pool."""
         try:
-            if self._on_destroy is not None:
-                self._on_destroy(handle)
+            self._lifecycle.before_destroy(handle)
             handle.destroy()
         except Exception as exc:  # noqa: BLE001 - recorded; the session's final scan counts what is left
             self.destroy_errors.append(f"{handle.name}: {exc}")

@@ -15,7 +15,7 @@ from typing import Any
 
 from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError, BoxStartError, ConfigError
-from pytest_boxlite.pool import BoxPool, PoolStats, make_namer
+from pytest_boxlite.pool import BoxLifecycle, BoxPool, NoLifecycle, make_namer
 from pytest_boxlite.runtimes import BoxHandle, Choice, Runtime, choose, open_runtime
 from pytest_boxlite.settings import Settings
 from pytest_boxlite.spec import BoxSpec
@@ -33,25 +33,45 @@ class SessionReport:
     worker_stats: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
-def stats_dict(stats: PoolStats) -> dict[str, Any]:
-    return {
-        "booted": stats.booted,
-        "leased": stats.leased,
-        "warm_hits": stats.warm_hits,
-        "reused": stats.reused,
-        "evicted": stats.evicted,
-        "idle_reaped": stats.idle_reaped,
-        "unhealthy": stats.unhealthy,
-        "boot_failures": stats.boot_failures,
-        "max_live": stats.max_live,
-        "lease_waits": list(stats.lease_waits),
-    }
+class _Provisioning:
+    """The pool's lifecycle: the session's own provisioning (``--boxlite-setup``) around the owner's steps."""
+
+    def __init__(self, session: BoxliteSession, inner: BoxLifecycle) -> None:
+        self.session = session
+        self.inner = inner
+
+    def prepare(self, spec: BoxSpec) -> BoxSpec:
+        spec = self.inner.prepare(spec)
+        return self.session._provisioned(spec) if self.session.settings.setup else spec
+
+    def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
+        self.session._setup_box(handle)
+        self.inner.after_boot(handle, spec)
+
+    def before_destroy(self, handle: BoxHandle) -> None:
+        self.inner.before_destroy(handle)
+
+    def relieve(self, spec: BoxSpec) -> bool:
+        return self.inner.relieve(spec)
 
 
 class BoxliteSession:
-    """Everything one pytest process knows about its boxes."""
+    """Everything one pytest process knows about its boxes.
 
-    def __init__(self, settings: Settings, *, session_id: str, worker_id: str | None) -> None:
+    ``lifecycle`` is the owner's part of each box's life (e.g. a warm test interpreter in
+    ``worker`` boxes); ``worker_mounts`` are the host directories a test worker must see at the
+    same paths as the host.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        session_id: str,
+        worker_id: str | None,
+        lifecycle: BoxLifecycle | None = None,
+        worker_mounts: tuple[str, ...] = (),
+    ) -> None:
         self.settings = settings
         self.session_id = session_id
         self.worker_id = worker_id
@@ -68,18 +88,15 @@ class BoxliteSession:
         self._owner_lock: ledger.OwnerLock | None = None
         self._starter: threading.Thread | None = None
         self._closed = False
-        #: Pool callbacks that give ``worker`` boxes a warm test interpreter (set by the plugin).
-        self.on_boot: Any = None
-        self.on_destroy: Any = None
-        self.on_pressure: Any = None
+        self._lifecycle = _Provisioning(self, NoLifecycle() if lifecycle is None else lifecycle)
         self._wanted: set[BoxSpec] = set()
         self._namer = make_namer(self.owner)
         self._templated: dict[BoxSpec, BoxSpec] = {}
         self._template_lock = threading.Lock()
         #: Where the setup command runs and relative paths in it resolve: the invocation directory.
         self.cwd = Path.cwd()
-        #: What a test worker must see at the same paths as the host: set by the plugin.
-        self.worker_mounts: tuple[str, ...] = ()
+        #: What a test worker must see at the same paths as the host.
+        self.worker_mounts = worker_mounts
 
     @property
     def fork_boxes(self) -> bool:
@@ -181,10 +198,7 @@ class BoxliteSession:
                 lease_timeout=s.lease_timeout,
                 idle_timeout=s.idle_timeout,
                 command_timeout=s.timeout,
-                on_boot=self._on_boot,
-                on_destroy=self.on_destroy,
-                prepare=self._prepare if s.setup else None,
-                on_pressure=self.on_pressure,
+                lifecycle=self._lifecycle,
             )
             with self._lock:
                 self._runtime, self._pool = runtime, pool
@@ -198,7 +212,7 @@ class BoxliteSession:
         finally:
             self._ready.set()
 
-    def _prepare(self, spec: BoxSpec) -> BoxSpec:
+    def _provisioned(self, spec: BoxSpec) -> BoxSpec:
         """With ``--boxlite-setup``: the spec that starts from the provisioned template (built once)."""
         from pytest_boxlite.templates import ensure_template
 
@@ -216,7 +230,7 @@ class BoxliteSession:
                 )
             return self._templated[spec]
 
-    def _on_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
+    def _setup_box(self, handle: BoxHandle) -> None:
         setup = self.settings.setup
         if setup and self.choice.kind == "vm":
             # No template to start from: each VM runs the setup once, in the background, before it is leased.
@@ -224,8 +238,6 @@ class BoxliteSession:
             if raw.exit_code != 0 or raw.timed_out:
                 err = (raw.stdout + raw.stderr).decode("utf-8", "replace")[-3000:]
                 raise BoxStartError(f"--boxlite-setup {setup!r} failed in box {handle.name}:\n{err}")
-        if self.on_boot is not None:
-            self.on_boot(handle, spec)
 
     def pool(self, timeout: float | None = None) -> BoxPool:
         """The warm pool, starting it if needed; raises the start error if the runtime could not open."""
@@ -259,7 +271,7 @@ class BoxliteSession:
         try:
             if pool is not None:
                 pool.shutdown()
-                self.report.stats = stats_dict(pool.stats)
+                self.report.stats = pool.stats.asdict()
                 self.report.kept = list(pool.stats.kept)
             if runtime is not None:
                 # Anything of ours still listed after the pool shut down is a leak: report it, then reap it.

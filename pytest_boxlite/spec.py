@@ -15,13 +15,9 @@ GUEST_ENV = "PYTEST_BOXLITE_GUEST"
 #: Host variables that describe the host process itself, not the environment tests expect.
 #: PYTEST_DEBUG_TEMPROOT names a host directory (pytester sets it under /tmp), which a box's
 #: private /tmp does not have: the guest's tmp_path must come from the guest's own temp root.
-_HOST_ONLY_ENV = (
-    "PYTEST_CURRENT_TEST",
-    "PYTEST_XDIST_WORKER",
-    "PYTEST_XDIST_WORKER_COUNT",
-    "PYTEST_XDIST_TESTRUNUID",
-    "PYTEST_DEBUG_TEMPROOT",
-)
+# The box's pytest sets PYTEST_CURRENT_TEST itself; the host's temporary root is not in the box.
+# (xdist's PYTEST_XDIST_* stay: a test in a box of worker gw0 sees what it would see locally.)
+_HOST_ONLY_ENV = ("PYTEST_CURRENT_TEST", "PYTEST_DEBUG_TEMPROOT")
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -1,10 +1,10 @@
-"""pytest-xdist integration, registered only when xdist is active.
+"""pytest-xdist integration (the controller's hooks are on :class:`pytest_boxlite.plugin.ControllerPlugin`).
 
 * The controller hands its session id to every worker (``workerinput``), so
   all box names of one run carry it; each worker is its own owner
   (``<session>-<workerid>``) with its own pool and BoxLite home.
-* Workers send their pool counters back (``workeroutput``) for the summary.
-* ``--boxlite-scope=worker`` starts each worker inside a box of its own.
+* Workers send their pool counters back (``workeroutput``, :data:`WORKEROUTPUT_KEY`) for the summary.
+* ``--boxlite-scope=worker`` starts each worker inside a box of its own (:func:`box_worker_specs`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -60,20 +59,3 @@ def box_worker_specs(box: BoxliteSession, config: pytest.Config) -> None:
     )
     python = shlex.join([*cmd, "--", sys.executable])
     config.option.tx = [f"popen//python={python}" if t == "popen" else t for t in tx]
-
-
-class XdistHooks:
-    """Controller-side and worker-side xdist hooks."""
-
-    def __init__(self, box: BoxliteSession) -> None:
-        self.box = box
-
-    def pytest_configure_node(self, node: Any) -> None:
-        node.workerinput["boxlite_session"] = self.box.session_id
-
-    def pytest_testnodedown(self, node: Any, error: Any) -> None:
-        data = getattr(node, "workeroutput", {}).get(WORKEROUTPUT_KEY)
-        if data:
-            self.box.report.worker_stats.append(data["stats"])
-            self.box.report.leaked += data["leaked"]
-            self.box.report.kept += data["kept"]

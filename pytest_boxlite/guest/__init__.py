@@ -4,7 +4,8 @@ Every module here is standard-library only (plus pytest for :mod:`worker`) and i
 the package: it is shipped into a box as source or run by path under ``python -I -S``.  The host
 reaches these files only through :func:`path` and :func:`source`.
 
-- ``worker``: the warm pytest interpreter in a box (execnet channel to ``remote.py``).
+- ``worker``: the warm pytest interpreter in a box (execnet channel to :mod:`pytest_boxlite.remote`).
+- ``messages``: the vocabulary both ends of that channel use (the host imports it too).
 - ``fresh``: the per-test fork's new namespaces and pristine layers (namespace runtime).
 - ``files``: the file-operation helper behind :class:`~pytest_boxlite.sandbox.Sandbox`.
 - ``agent``: the in-box agent of a namespace box (pid 2 under bwrap).
@@ -17,7 +18,7 @@ import functools
 from pathlib import Path
 
 _HERE = Path(__file__).parent
-NAMES = ("worker", "fresh", "files", "agent", "attach")
+NAMES = ("messages", "worker", "fresh", "files", "agent", "attach")
 
 
 def path(name: str) -> Path:

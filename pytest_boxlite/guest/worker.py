@@ -1,39 +1,157 @@
-"""Guest side of boxed test execution.  Imports nothing but pytest and the standard library.
+"""Guest side of boxed test execution: the box's pytest, run the way pytest-xdist runs a worker.
 
-Sent to a box's interpreter with execnet ``remote_exec`` and started when the
-box is booted, so a leased box already has pytest imported and configured.
-Protocol on the channel:
-
-* host -> guest: ``{"args": [...], "cwd": ..., "sys_path": [...], "env": {...}}``
-* guest -> host: ``("ready", pid)`` once ``pytest.main`` reached its run loop
-* host -> guest: ``(nodeid, arg, next_nodeid, next_arg)``; ``None`` ends the worker
-* guest -> host: ``("report", data)`` per report, streamed as they happen
-  (so a crash leaves the phases that finished), then ``("done", None)`` or
-  ``("error", text)`` when the item could not be collected.
+Sent to a box's interpreter with execnet ``remote_exec`` (after the sources of
+:mod:`pytest_boxlite.guest.messages` and :mod:`pytest_boxlite.guest.fresh`) and started when the box
+boots.  It runs ``pytest.main`` with the host's own command line (so every option, of pytest, of
+other plugins and of the project's conftest files, means what it means on the host), collects the
+session ONCE, indexes every collected item by node id, and then runs the items the host asks for,
+by id, with the right ``nextitem``, so fixture scopes behave as in a local run.  In fork mode each
+forked box inherits that one collection.  The messages are listed in
+:mod:`pytest_boxlite.guest.messages`.  Imports nothing of the package: standard library and pytest.
 """
 
 import os
+import signal
 import sys
 
-SECTION_CAP = 1 << 20
+# Names from guest/messages.py, which the host sends ahead of this file in the same remote_exec.
+# noqa comments below mark them: they are not defined in this file on its own.
+
+#: Signals the init of a forked box passes on to the test process (the rest it ignores, as init does).
+_FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM")
+
+#: Host-only options, reset in the box: the host distributes, debugs and loops; the box only runs.
+_HOST_ONLY_OPTIONS = {
+    "numprocesses": None,
+    "maxprocesses": None,
+    "dist": "no",
+    "tx": [],
+    "looponfail": False,
+    "usepdb": False,
+    "trace": False,
+    # The host selected the items already; re-selecting in the box could drop some of them.
+    "lf": False,
+    "failedfirst": False,
+    "newfirst": False,
+    "stepwise": False,
+    "stepwise_skip": False,
+}
 
 
-def _cap(text):
-    if len(text) <= SECTION_CAP:
-        return text
-    cut = len(text) - SECTION_CAP
-    return text[:SECTION_CAP] + "\n[pytest-boxlite: %d more characters of this section were cut]\n" % cut
+def _init(child):
+    """Be the init of a forked box: forward signals to ``child``, reap orphans, exit as it exits.
+
+    The test process is then never pid 1 of its pid namespace, so signals without a handler kill
+    it and ``getppid()`` is not 0, as locally.  A child killed by signal N makes this process exit
+    with 128+N (pid 1 cannot die by a signal it sends itself); the host reads it back that way.
+    """
+
+    def forward(signum, frame):
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+
+    for name in _FORWARDED:
+        signal.signal(getattr(signal, name), forward)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(70)
+        if pid == child:
+            code = os.waitstatus_to_exitcode(status)
+            os._exit(code if code >= 0 else 128 - code)
 
 
-def _tag(obj):
-    """JSON has no tuples, and pytest's reports need theirs back: mark them (see remote._untag)."""
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_tag(x) for x in obj]}
-    if isinstance(obj, list):
-        return [_tag(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _tag(v) for k, v in obj.items()}
-    return obj
+def _forget_cached_host_facts():
+    """State the warm interpreter computed before the fork that is not true in the new box."""
+    import platform
+
+    # platform.uname() is cached: the new box has its own hostname.
+    if hasattr(platform, "_uname_cache"):
+        platform._uname_cache = None
+
+
+def _warning_fields(warning_message, nodeid):
+    category = warning_message.category
+    return {
+        "message": cap(str(warning_message.message), "of this warning"),  # noqa: F821 - messages.py
+        "category": getattr(category, "__qualname__", "UserWarning"),
+        "module": getattr(category, "__module__", "builtins"),
+        "filename": str(warning_message.filename),
+        "lineno": int(warning_message.lineno or 0),
+        "nodeid": nodeid,
+    }
+
+
+class _LiveOutput:
+    """With ``-s``: fds 1 and 2 of the test (and so of its subprocesses) go to the host as it prints.
+
+    Each stream is a pipe drained by a thread that sends ``OUTPUT`` messages; :meth:`close` puts the
+    original descriptors back and waits (bounded) for what is still in the pipes.
+    """
+
+    def __init__(self, send):
+        import codecs
+        import threading
+
+        self.send = send
+        self.saved = []
+        self.threads = []
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            self.saved.append(os.dup(fd))
+            r, w = os.pipe()
+            os.dup2(w, fd)
+            os.close(w)
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            t = threading.Thread(target=self._pump, args=(r, name, decoder), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _pump(self, r, name, decoder):
+        try:
+            while True:
+                chunk = os.read(r, 65536)
+                text = decoder.decode(chunk, final=not chunk)
+                if text:
+                    self.send(OUTPUT, stream=name, text=text)  # noqa: F821 - messages.py
+                if not chunk:
+                    return
+        finally:
+            os.close(r)
+
+    def close(self):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for fd, saved in zip((1, 2), self.saved):  # noqa: B905 - strict= is Python 3.10+, guests may be older
+            os.dup2(saved, fd)
+            os.close(saved)
+        for t in self.threads:
+            t.join(2.0)  # a subprocess that still holds the pipe must not hold up the next test
+
+
+def _coverage_fields():
+    """The coverage data this process gathered so far, if coverage runs here (pytest-cov ``--cov``).
+
+    Plain lines or arcs, never coverage's own serialized form: that is an SQL script, which the
+    host must not run on a box's word.
+    """
+    coverage = sys.modules.get("coverage")
+    cov = coverage.Coverage.current() if coverage is not None else None
+    if cov is None:
+        return None
+    data = cov.get_data()
+    arcs = data.has_arcs()
+    files = {}
+    for name in data.measured_files():
+        found = data.arcs(name) if arcs else data.lines(name)
+        if found:
+            files[name] = [list(a) for a in found] if arcs else sorted(found)
+    return {"arcs": arcs, "files": files} if files else None
 
 
 def serve(channel):
@@ -50,102 +168,189 @@ def serve(channel):
     class GuestPlugin:
         def __init__(self):
             self.items = {}
-            self.config = None
-            self.send = lambda kind, data: channel.send((kind, data))
+            self.collect_errors = {}
+            self.session = None
             self.children = {}
+            self.send = self._locked(lambda name, **fields: channel.send((name, fields)))
+            self.cache_writes = {}
+
+        @staticmethod
+        def _locked(send):
+            """``send`` made safe for the live-output threads (one message at a time)."""
+            import threading
+
+            lock = threading.Lock()
+
+            def locked(name, **fields):
+                with lock:
+                    send(name, **fields)
+
+            return locked
+
+        # -- configuration: the host's invocation, minus what only the host does -------------
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_configure(self, config):
+            for name, value in _HOST_ONLY_OPTIONS.items():
+                if hasattr(config.option, name):
+                    setattr(config.option, name, value)
+            # The box's own terminal report is nobody's to read: the terminal plugin binds it to
+            # sys.stdout in its pytest_configure, so hand it a copy of stderr (the box log) until
+            # the session starts; with -s fd 1 then carries only what the test prints.
+            self.stdout = sys.stdout
+            sys.stdout = os.fdopen(os.dup(2), "w", buffering=1)
 
         @pytest.hookimpl(tryfirst=True)
-        def pytest_collection(self, session):
-            return True  # items are collected on demand, one request at a time
+        def pytest_sessionstart(self, session):
+            if getattr(self, "stdout", None) is not None:
+                sys.stdout, self.stdout = self.stdout, None
 
+        # -- collection: once, every item indexed before any plugin deselects or reorders ------
+        @pytest.hookimpl(wrapper=True, tryfirst=True)
+        def pytest_collection_modifyitems(self, session, config, items):
+            for item in items:
+                self.items.setdefault(item.nodeid, item)
+            return (yield)
+
+        def pytest_collectreport(self, report):
+            if report.failed:
+                self.collect_errors[report.nodeid] = cap(report.longreprtext, "of this error")  # noqa: F821
+
+        # -- the run loop: items by id, as the host asks -------------------------------------
         @pytest.hookimpl(tryfirst=True)
         def pytest_runtestloop(self, session):
-            self.config = session.config
-            channel.send(("ready", os.getpid()))
+            self.session = session
+            self._watch_cache(session.config)
+            channel.send((READY, {"pid": os.getpid(), "collected": len(self.items)}))  # noqa: F821
             while True:
                 msg = channel.receive()
                 if msg is None:
                     return True
-                kind, args = msg[0], msg[1:]
-                if kind == "run":
-                    self.run(session, *args)
-                    self.send("done", None)
-                elif kind == "fork":
-                    self.fork(session, *args)
-                elif kind == "wait":
-                    channel.send(("status", self.wait(*args)))
-                elif kind == "poll":
-                    channel.send(("status", self.wait(args[0], timeout=0)))
-                elif kind == "kill":
+                name, fields = msg
+                if name == RUN:  # noqa: F821
+                    self.run(fields["nodeid"], fields.get("next"))
+                    self.send(DONE)  # noqa: F821
+                elif name == FORK:  # noqa: F821
+                    self.fork(**fields)
+                elif name in (WAIT, POLL):  # noqa: F821
+                    code = self.wait(fields["pid"], timeout=0 if name == POLL else 5.0)  # noqa: F821
+                    channel.send((STATUS, {"code": code}))  # noqa: F821
+                elif name == KILL:  # noqa: F821
                     try:
-                        os.kill(args[0], 9)
+                        os.kill(fields["pid"], 9)
                     except ProcessLookupError:
                         pass
-                    channel.send(("status", self.wait(args[0])))
+                    channel.send((STATUS, {"code": self.wait(fields["pid"])}))  # noqa: F821
+
+        def _watch_cache(self, config):
+            """Keep what tests store in ``config.cache``: the host stores it in its own cache."""
+            cache = getattr(config, "cache", None)
+            if cache is None:
+                return
+            store = cache.set
+
+            def set_and_keep(key, value):
+                store(key, value)
+                self.cache_writes[key] = value
+
+            cache.set = set_and_keep
+
+        def _send_side_data(self):
+            """What a test left for the host besides its reports: cache values, coverage data."""
+            if self.cache_writes:
+                self.send(CACHE, values=self.cache_writes)  # noqa: F821
+                self.cache_writes = {}
+            coverage = _coverage_fields()
+            if coverage is not None:
+                self.send(COVERAGE, **coverage)  # noqa: F821
 
         def pytest_runtest_logreport(self, report):
-            # A test that prints 100 MB must not make the host hold 100 MB per report.
-            report.sections = [(title, _cap(content)) for title, content in report.sections]
-            data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-            self.send("report", data)
+            # A test that prints (or asserts with) 100 MB must not make the host hold 100 MB.
+            report.sections = [(title, cap(content)) for title, content in report.sections]  # noqa: F821
+            if report.longrepr is not None and len(report.longreprtext) > FIELD_CAP:  # noqa: F821
+                report.longrepr = cap(report.longreprtext, "of this failure")  # noqa: F821
+            config = self.session.config
+            data = config.hook.pytest_report_to_serializable(config=config, report=report)
+            self.send(REPORT, data=data)  # noqa: F821
 
-        def _collect(self, session, pairs):
-            missing = [arg for nodeid, arg in pairs if nodeid and nodeid not in self.items]
-            if missing:
-                for item in session.perform_collect(missing):
-                    self.items[item.nodeid] = item
+        def pytest_warning_recorded(self, warning_message, when, nodeid, location):
+            if when == "runtest" and self.session is not None:
+                self.send(WARNING, **_warning_fields(warning_message, nodeid))  # noqa: F821
 
-        def run(self, session, nodeid, arg, next_nodeid, next_arg):
+        def _item(self, nodeid):
+            item = self.items.get(nodeid)
+            if item is not None:
+                return item, None
+            # Not in the box's collection (the host collected differently): collect it alone.
+            path, sep, rest = nodeid.partition("::")
+            arg = str(self.session.config.rootpath / path) + sep + rest
             try:
-                self._collect(session, [(nodeid, arg), (next_nodeid, next_arg)])
-            except Exception as exc:  # reported to the host as a failed setup
-                self.send("error", "collecting %s in the box failed: %s: %s" % (nodeid, type(exc).__name__, exc))
-                return
+                for found in self.session.perform_collect([arg]):
+                    self.items.setdefault(found.nodeid, found)
+            except Exception as exc:
+                errors = [t for n, t in self.collect_errors.items() if nodeid.startswith(n.split("::")[0])]
+                why = errors[0] if errors else "%s: %s" % (type(exc).__name__, exc)
+                return None, "collecting %s in the box failed: %s" % (nodeid, why)
             item = self.items.get(nodeid)
             if item is None:
-                self.send("error", "the box could not collect %s (collected: %s)" % (nodeid, sorted(self.items)[:5]))
+                return None, "the box did not collect %s" % nodeid
+            return item, None
+
+        def run(self, nodeid, next_nodeid):
+            item, error = self._item(nodeid)
+            if item is None:
+                self.send(ERROR, text=error)  # noqa: F821
                 return
             nextitem = self.items.get(next_nodeid) if next_nodeid else None
-            item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
-            self.items.pop(nodeid, None)
+            live = _LiveOutput(self.send) if item.config.option.capture == "no" else None
+            try:
+                item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+            except pytest.exit.Exception as exc:
+                self.send(EXIT, reason=str(exc.msg), returncode=exc.returncode)  # noqa: F821
+            finally:
+                if live is not None:
+                    live.close()
+            self._send_side_data()
 
-        def fork(self, session, nodeid, arg, token, sock_path, hostname, network):
+        def fork(self, nodeid, token, sock, hostname, network):
             for old, status in list(self.children.items()):  # reap boxes that have ended
                 if status is None:
                     self.wait(old, timeout=0)
                 else:
                     del self.children[old]  # reaped and reported
-            # Collect (import the module) here, once: every box forked later inherits it.
-            try:
-                self._collect(session, [(nodeid, arg)])
-            except Exception as exc:
-                channel.send(("error", "collecting %s in the box failed: %s: %s" % (nodeid, type(exc).__name__, exc)))
+            item, error = self._item(nodeid)
+            if item is None:
+                channel.send((ERROR, {"text": error}))  # noqa: F821
                 return
             try:
                 pid = os.fork()
             except OSError as exc:
-                channel.send(("error", "fork failed: %s" % exc))
+                channel.send((ERROR, {"text": "fork failed: %s" % exc}))  # noqa: F821
                 return
             if pid:
                 self.children[pid] = None
-                channel.send(("forked", pid))
+                channel.send((FORKED, {"pid": pid}))  # noqa: F821
                 return
             code = 0
             try:
                 # Connect first: the fresh box gets a new /run, which hides the socket's directory.
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                conn.connect(sock_path)
+                conn.connect(sock)
                 _fresh_box(hostname, network)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
+                test = os.fork()
+                if test:
+                    conn.close()  # the host sees the stream end when the test process ends
+                    _init(test)
+                _forget_cached_host_facts()
                 out = conn.makefile("wb")
 
-                def send(kind, data):
-                    out.write((json.dumps([kind, _tag(data)]) + "\n").encode())
+                def send(name, **fields):
+                    out.write((json.dumps([name, tag(fields)]) + "\n").encode())  # noqa: F821
                     out.flush()
 
-                send("token", token)
-                self.send = send
-                self.run(session, nodeid, arg, None, None)
-                send("done", None)
+                send(TOKEN, token=token)  # noqa: F821
+                self.send = send = self._locked(send)
+                self.run(nodeid, None)
+                send(DONE)  # noqa: F821
                 out.close()
                 conn.close()
             except BaseException as exc:

@@ -1,0 +1,90 @@
+"""The vocabulary of the boxed-test channel, shared by both ends.  Standard library only.
+
+The host (:mod:`pytest_boxlite.remote`) imports this module; the guest gets its source in the same
+``remote_exec`` as :mod:`pytest_boxlite.guest.worker`, so both ends spell every message the same way.
+Every message is a 2-tuple ``(name, fields)`` with ``fields`` a dict, as in pytest-xdist's
+``sendcommand``/``sendevent``.  Over the execnet channel it travels as is; from a forked box it
+travels as one JSON line ``[name, fields]`` on a Unix socket (tuples tagged, see :func:`tag`).
+
+host -> guest (execnet channel)
+    first message: a dict ``{"args", "cwd", "sys_path", "env"}`` (see :func:`pytest_boxlite.remote`)
+    ``RUN {nodeid, next}``            run one collected item; ``next`` is the item that follows in
+                                      the same box (module fixtures stay up) or ``None``
+    ``FORK {nodeid, token, sock, hostname, network}``
+                                      fork a fresh box that runs ``nodeid`` and streams to ``sock``
+    ``WAIT/POLL/KILL {pid}``          a forked box's exit status (``POLL`` does not wait)
+    ``None``                          end the session
+guest -> host
+    ``READY {pid, collected}``        the session is collected once, items are indexed by node id
+    ``REPORT {data}``                 a serialized ``TestReport`` (``pytest_report_to_serializable``)
+    ``WARNING {message, category, module, filename, lineno, nodeid}``
+                                      a warning recorded while the test ran
+    ``EXIT {reason, returncode}``     the test called ``pytest.exit()``
+    ``OUTPUT {stream, text}``         with ``-s``: what the test (and its subprocesses) printed, as it prints
+    ``CACHE {values}``                what the test stored with ``config.cache.set`` (key -> JSON value)
+    ``COVERAGE {arcs, files}``        the box's coverage data so far, when coverage runs in the box
+                                      (file -> lines, or arcs as ``[a, b]`` pairs)
+    ``ERROR {text}``                  the item could not run in the box (not collected there, ...)
+    ``DONE {}``                       end of one ``RUN`` (or of a forked box's stream)
+    ``FORKED {pid}`` / ``STATUS {code}``
+    ``TOKEN {token}``                 first line of a forked box's stream: which request it answers
+"""
+
+from typing import Any
+
+RUN = "run"
+FORK = "fork"
+WAIT = "wait"
+POLL = "poll"
+KILL = "kill"
+READY = "ready"
+REPORT = "report"
+WARNING = "warning"
+EXIT = "exit"
+CACHE = "cache"
+OUTPUT = "output"
+COVERAGE = "coverage"
+ERROR = "error"
+DONE = "done"
+FORKED = "forked"
+STATUS = "status"
+TOKEN = "token"
+
+#: Messages a test may send while it runs (everything else ends or is foreign to a run).
+RUN_MESSAGES = (REPORT, WARNING, EXIT, OUTPUT, CACHE, COVERAGE, ERROR, DONE)
+
+#: Longest text the guest puts in one report field (a section, the failure's text).
+FIELD_CAP = 1 << 20
+
+#: Longest JSON line the host accepts from a forked box (a report with capped fields fits).
+LINE_CAP = 16 << 20
+
+
+def tag(obj: object) -> object:
+    """JSON has no tuples, and pytest's reports need theirs back: mark them (undone by :func:`untag`)."""
+    if isinstance(obj, tuple):
+        return {"__tuple__": [tag(x) for x in obj]}
+    if isinstance(obj, list):
+        return [tag(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: tag(v) for k, v in obj.items()}
+    return obj
+
+
+def untag(obj: "dict[str, Any]") -> object:
+    """``json.loads`` object hook: tuples tagged by :func:`tag` come back as tuples."""
+    if len(obj) == 1 and "__tuple__" in obj:
+        return tuple(obj["__tuple__"])
+    return obj
+
+
+def cap(text: str, what: str = "of this section") -> str:
+    """``text`` cut to at most :data:`FIELD_CAP` characters, saying how much was cut.
+
+    The note fits in the cap, so capping again (the host re-caps what a box sent) changes nothing.
+    """
+    if len(text) <= FIELD_CAP:
+        return text
+    keep = FIELD_CAP - 200
+    note = "\n[pytest-boxlite: %d more characters %s were cut]\n" % (len(text) - keep, what[:100])
+    return text[:keep] + note

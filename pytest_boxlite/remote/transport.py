@@ -1,0 +1,282 @@
+"""The two ways a boxed test's messages reach the host, and the one loop that reads either.
+
+* :class:`ChannelStream`: the warm interpreter's execnet channel (a test run in a leased box).
+* :class:`ForkStream`: newline-delimited JSON on a Unix socket, from a box forked per test.
+
+Both yield ``(name, fields)`` pairs in the vocabulary of :mod:`pytest_boxlite.guest.messages`.
+Everything from a box is hostile: :func:`drain` bounds what it reads, checks every message's name,
+shape and node id, and turns anything unexpected into a failure of that one test (the session
+goes on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import execnet
+import pytest
+
+from pytest_boxlite.guest import messages as msg
+from pytest_boxlite.remote.reports import PHASES
+
+
+class BoxSpoke(Exception):
+    """A box sent something the host does not accept (malformed, oversized or foreign)."""
+
+
+class Stream(Protocol):
+    def messages(self, deadline: float) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Messages until the sender ends the stream; ``TimeoutError`` at ``deadline``."""
+        ...
+
+
+def _checked(message: object) -> tuple[str, dict[str, Any]]:
+    if (
+        not isinstance(message, (tuple, list))
+        or len(message) != 2
+        or not isinstance(message[0], str)
+        or not isinstance(message[1], dict)
+    ):
+        raise BoxSpoke(f"a message that is not (name, fields): {str(message)[:200]!r}")
+    return message[0], message[1]
+
+
+class ChannelStream:
+    """Messages on a warm interpreter's execnet channel."""
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+
+    def messages(self, deadline: float) -> Iterator[tuple[str, dict[str, Any]]]:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            try:
+                message = self.channel.receive(left)
+            except execnet.TimeoutError:
+                raise TimeoutError from None
+            yield _checked(message)
+
+
+class ForkStream:
+    """JSON lines from a forked box.  The buffer grows linearly and no line exceeds LINE_CAP."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self._buf = bytearray()
+
+    def messages(self, deadline: float) -> Iterator[tuple[str, dict[str, Any]]]:
+        while True:
+            end = self._buf.find(b"\n")
+            while end >= 0:
+                line = bytes(self._buf[:end])
+                del self._buf[: end + 1]
+                try:
+                    message = json.loads(line, object_hook=msg.untag)
+                except ValueError as exc:
+                    raise BoxSpoke(f"a line that is not JSON ({exc}): {line[:200]!r}") from None
+                yield _checked(message)
+                end = self._buf.find(b"\n")
+            if len(self._buf) > msg.LINE_CAP:
+                raise BoxSpoke(f"a message longer than {msg.LINE_CAP} bytes")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self.conn.settimeout(left)
+            chunk = self.conn.recv(1 << 16)
+            if not chunk:
+                return
+            self._buf += chunk
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one test's stream said before it ended."""
+
+    reports: list[pytest.TestReport] = dataclasses.field(default_factory=list)
+    done: bool = False
+    error: str | None = None
+    exit: tuple[str, int] | None = None
+    spoke: str | None = None  # why the stream was refused (BoxSpoke)
+    timed_out: bool = False
+    hung_up: BaseException | None = None  # the channel broke (the box died)
+
+
+def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str) -> Outcome:
+    """Read one test's messages until ``DONE``; never raises for what the box does.
+
+    ``box`` names the box (its coverage data is kept in a file of its own until pytest-cov combines).
+    """
+    out = Outcome()
+    config = item.config
+    try:
+        for name, fields in stream.messages(deadline):
+            if name == msg.REPORT:
+                out.reports.append(_report(config, item, fields.get("data")))
+            elif name == msg.WARNING:
+                _relay_warning(item, fields)
+            elif name == msg.OUTPUT:
+                _relay_output(config, fields)
+            elif name == msg.CACHE:
+                _store_cache(config, fields.get("values"))
+            elif name == msg.COVERAGE:
+                _store_coverage(config, fields, box)
+            elif name == msg.EXIT:
+                out.exit = (str(fields.get("reason", ""))[:1000], _int(fields.get("returncode"), 1))
+            elif name == msg.ERROR:
+                out.error = str(fields.get("text", ""))[: msg.FIELD_CAP]
+            elif name == msg.DONE:
+                out.done = True
+                return out
+            else:
+                raise BoxSpoke(f"an unexpected message {name[:50]!r} while running a test")
+    except BoxSpoke as exc:
+        out.spoke = str(exc)
+    except TimeoutError:
+        out.timed_out = True
+    except (EOFError, OSError, execnet.RemoteError, execnet.HostNotFound) as exc:
+        out.hung_up = exc
+    return out
+
+
+def _int(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _report(config: pytest.Config, item: pytest.Item, data: object) -> pytest.TestReport:
+    if not isinstance(data, dict) or data.get("$report_type") != "TestReport":
+        raise BoxSpoke(f"a report that is not a TestReport: {str(data)[:200]!r}")
+    try:
+        rep = config.hook.pytest_report_from_serializable(config=config, data=data)
+    except Exception as exc:  # noqa: BLE001 - whatever the box's bytes make pytest raise fails this test only
+        raise BoxSpoke(f"a report pytest could not read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(rep, pytest.TestReport) or rep.nodeid != item.nodeid or rep.when not in PHASES:
+        got = getattr(rep, "nodeid", None), getattr(rep, "when", None)
+        raise BoxSpoke(f"a report for {got!r} while it was running {item.nodeid!r}")
+    # The guest caps these; a hostile one may not have: cap again.
+    rep.sections = [(str(t)[:200], msg.cap(str(c))) for t, c in rep.sections]
+    if rep.longrepr is not None and len(rep.longreprtext) > msg.FIELD_CAP:
+        rep.longrepr = msg.cap(rep.longreprtext, "of this failure")
+    return rep
+
+
+def _category(module: object, qualname: object) -> type[Warning]:
+    """The warning class the guest named, if the host already has it; never imports anything."""
+    mod = sys.modules.get(module) if isinstance(module, str) else None
+    obj: object = mod
+    for part in str(qualname).split(".") if mod is not None else ():
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and issubclass(obj, Warning) else UserWarning
+
+
+def _relay_warning(item: pytest.Item, fields: dict[str, Any]) -> None:
+    """Record a warning from the box on the host, as pytest's warnings plugin does for local tests."""
+    category = _category(fields.get("module"), fields.get("category"))
+    text = msg.cap(str(fields.get("message", "")), "of this warning")
+    try:
+        message = category(text)
+    except Exception:  # noqa: BLE001 - a warning class whose constructor wants more than a message
+        message, category = UserWarning(text), UserWarning
+    wm = warnings.WarningMessage(
+        message=message,
+        category=category,
+        filename=str(fields.get("filename", "?"))[:4096],
+        lineno=_int(fields.get("lineno"), 0),
+    )
+    item.ihook.pytest_warning_recorded.call_historic(
+        kwargs=dict(warning_message=wm, when="runtest", nodeid=item.nodeid, location=None)
+    )
+
+
+def _relay_output(config: pytest.Config, fields: dict[str, Any]) -> None:
+    """With ``-s``: print what the boxed test printed, where a local test's output would appear."""
+    text = fields.get("text")
+    if not isinstance(text, str):
+        raise BoxSpoke("live output that is not text")
+    text = text[: 1 << 17]  # the guest sends at most 64 KiB a message
+    if fields.get("stream") == "stderr":
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    else:
+        # Through pytest's terminal writer, so the progress lines around it stay in step.
+        config.get_terminal_writer().write(text, flush=True)
+
+
+_CACHE_KEY = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+def _store_cache(config: pytest.Config, values: object) -> None:
+    """Store a box's ``config.cache`` values in the host's cache, as the test would have locally.
+
+    Keys become paths under the cache directory: only plain relative names are accepted.
+    """
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return
+    if not isinstance(values, dict) or len(values) > 1000:
+        raise BoxSpoke("cache values that are not a small dict")
+    for key, value in values.items():
+        if not isinstance(key, str) or len(key) > 500 or not _CACHE_KEY.match(key) or ".." in key.split("/"):
+            raise BoxSpoke(f"a cache key that is not a plain relative name: {str(key)[:200]!r}")
+        if len(json.dumps(value)) > msg.FIELD_CAP:
+            raise BoxSpoke(f"a cache value over {msg.FIELD_CAP} bytes for {key!r}")
+        cache.set(key, value)
+
+
+def _coverage_roots(config: pytest.Config) -> tuple[str, ...]:
+    """Where measured source files may lie: what the box sees of the host (project, sys.path)."""
+    return tuple(os.path.join(os.path.abspath(p), "") for p in (str(config.rootpath), *sys.path) if p)
+
+
+def _store_coverage(config: pytest.Config, fields: dict[str, Any], box: str) -> None:
+    """Keep a box's coverage data beside the host's, where pytest-cov's combine step finds it.
+
+    Written through coverage's API from plain numbers; file names must be Python files under the
+    host directories the box sees (so a report never quotes another host file on a box's word).
+    """
+    coverage = sys.modules.get("coverage")
+    cov = coverage.Coverage.current() if coverage is not None else None
+    if coverage is None or cov is None:
+        return  # coverage is not measured on the host: nothing to merge into
+    files, arcs = fields.get("files"), fields.get("arcs")
+    if not isinstance(files, dict) or not isinstance(arcs, bool) or len(files) > 100_000:
+        raise BoxSpoke("coverage data that is not {file: lines}")
+    roots = _coverage_roots(config)
+    measured: dict[str, Any] = {}
+    for name, found in files.items():
+        ok_name = (
+            isinstance(name, str) and name.endswith(".py") and os.path.normpath(name) == name and name.startswith(roots)
+        )
+        if not ok_name:
+            raise BoxSpoke(f"coverage for a file outside the project and sys.path: {str(name)[:200]!r}")
+        if not isinstance(found, list) or len(found) > 1_000_000:
+            raise BoxSpoke(f"coverage data for {name!r} that is not a list")
+        if arcs:
+            if not all(isinstance(a, list) and len(a) == 2 and all(_is_int(x) for x in a) for a in found):
+                raise BoxSpoke(f"coverage arcs for {name!r} that are not pairs of numbers")
+            measured[name] = [(a, b) for a, b in found]
+        else:
+            if not all(_is_int(x) for x in found):
+                raise BoxSpoke(f"coverage lines for {name!r} that are not numbers")
+            measured[name] = found
+    suffix = "boxlite." + re.sub(r"[^A-Za-z0-9_.-]", "_", box)[:100]
+    data = coverage.CoverageData(basename=os.path.abspath(cov.config.data_file), suffix=suffix)
+    if arcs:
+        data.add_arcs(measured)
+    else:
+        data.add_lines(measured)
+    data.write()
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,354 @@
+"""Warm pytest interpreters in boxes, hosted over execnet, and the two ways to run an item in one.
+
+Each box made for boxed tests gets a warm interpreter at boot: an execnet gateway through the
+runtime's stdio bridge, running :mod:`pytest_boxlite.guest.worker`, which configures pytest from
+the host's own command line and collects the session once.  A test then costs one request on that
+channel (:meth:`RemoteRunner.run_item`), or one fork of that interpreter into a fresh box
+(:meth:`RemoteRunner.run_item_forked`, namespace runtime).  Both read the test's messages with the
+same loop (:func:`pytest_boxlite.remote.transport.drain`) and complete what a dead or hung box did
+not report with failed reports that say what happened, with the box's log attached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import shlex
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import execnet
+import pytest
+
+from pytest_boxlite import guest
+from pytest_boxlite.errors import BoxliteError
+from pytest_boxlite.guest import messages as msg
+from pytest_boxlite.pool import Lease
+from pytest_boxlite.remote import reports
+from pytest_boxlite.remote.transport import BoxSpoke, ChannelStream, ForkStream, Outcome, drain
+from pytest_boxlite.runtimes.base import BoxHandle
+from pytest_boxlite.spec import BoxSpec, minimal_dirs, worker_env
+
+#: Where a forked box finds the host's listening socket (the box's control directory).
+FORK_SOCKET = "/run/pytest-boxlite/fork.sock"
+
+_OOM = "the test process in the box was killed by the kernel's OOM killer (the box's memory cap)"
+_TIMED_OUT = "timed out after {:.0f}s; the box was killed (--boxlite-timeout or the marker's timeout)"
+
+
+@dataclasses.dataclass
+class _Worker:
+    gateway: Any
+    channel: Any
+    pid: int
+    status_file: Path
+
+
+def guest_args(config: pytest.Config) -> list[str]:
+    """The box's ``pytest.main`` arguments: the host's own command line, as pytest-xdist hands it on.
+
+    Every option (pytest's, other plugins', the project's conftest options) then means in the box
+    what it means on the host; the box resets what only the host does (``guest/worker.py``).
+    """
+    return [str(a) for a in config.invocation_params.args]
+
+
+def worker_mounts(config: pytest.Config) -> tuple[str, ...]:
+    """Host directories a test worker needs at the same paths: the project and ``sys.path``."""
+    paths = [str(config.rootpath), str(config.invocation_params.dir), *sys.path]
+    return minimal_dirs(p for p in paths if p)
+
+
+def startup_env(env: dict[str, str]) -> list[str]:
+    """``NAME=value`` for the variables Python reads at start-up: they must be set before it starts."""
+    return [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("PYTHON")]
+
+
+class RemoteRunner:
+    """Starts warm interpreters in boxes and runs items in them."""
+
+    def __init__(self, config: pytest.Config, boot_timeout: float) -> None:
+        self.config = config
+        self.boot_timeout = boot_timeout
+        self.group = execnet.Group()
+        self._workers: dict[str, _Worker] = {}
+        self._lock = threading.Lock()
+        # The message vocabulary and the per-test fork's set-up travel with the worker: one remote_exec.
+        self._source = "\n".join(guest.source(n) for n in ("messages", "fresh", "worker"))
+        self._args = guest_args(config)
+        self._listeners: dict[str, socket.socket] = {}
+        self._log_since: dict[str, int] = {}
+        #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
+        self.forks = 0
+        self.fork_waits: list[float] = []
+        self._status_tmp = tempfile.TemporaryDirectory(prefix="boxlite-status-")
+        self.status_dir = Path(self._status_tmp.name)
+
+    def mounts(self) -> tuple[str, ...]:
+        """Host directories a test worker needs at the same paths: the project and ``sys.path``."""
+        return worker_mounts(self.config)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start_worker(self, handle: BoxHandle, spec: BoxSpec) -> None:
+        """Start pytest inside a fresh ``worker`` box and wait until it has collected the session."""
+        if not spec.worker:
+            return
+        cwd = str(self.config.invocation_params.dir)
+        status_file = self.status_dir / f"{handle.name}.status"
+        env = worker_env(spec)
+        argv = handle.attach_argv(
+            ["env", *startup_env(env), handle.guest_python], cwd=cwd, status_file=str(status_file)
+        )
+        spec_str = "execmodel=main_thread_only//popen//python=" + shlex.join(argv)
+        gw = self.group.makegateway(spec_str)
+        try:
+            channel = gw.remote_exec(self._source)
+            channel.send({"args": self._args, "cwd": cwd, "sys_path": list(sys.path), "env": env})
+            # Collection of the whole session happens before READY: bounded by the boot timeout.
+            name, fields = channel.receive(self.boot_timeout)
+            if name != msg.READY or not isinstance(fields, dict) or not isinstance(fields.get("pid"), int):
+                raise BoxliteError(f"unexpected first message from the worker in {handle.name}: {name!r}")
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                gw.exit()
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            tail = handle.log_tail()
+            raise BoxliteError(f"pytest did not start inside box {handle.name}: {exc}\n{tail}".rstrip()) from exc
+        with self._lock:
+            self._workers[handle.name] = _Worker(gw, channel, fields["pid"], status_file)
+
+    def stop_worker(self, handle: BoxHandle) -> None:
+        """Drop the gateway; the box is killed right after."""
+        with self._lock:
+            w = self._workers.pop(handle.name, None)
+            listener = self._listeners.pop(handle.name, None)
+        if listener is not None:
+            listener.close()
+        if w is not None:
+            with contextlib.suppress(Exception):
+                w.gateway.exit()
+
+    def live_workers(self) -> set[str]:
+        """Names of boxes whose worker is still usable."""
+        with self._lock:
+            return set(self._workers)
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            self.group.terminate(timeout=5.0)
+        self._status_tmp.cleanup()
+
+    # -- running --------------------------------------------------------------------------
+    def run_item(
+        self, item: pytest.Item, lease: Lease, *, next_nodeid: str | None, timeout: float
+    ) -> tuple[list[pytest.TestReport], tuple[str, int] | None]:
+        """Run ``item`` in the leased box's warm interpreter.
+
+        Returns a complete set of reports, and ``(reason, returncode)`` if the test called
+        ``pytest.exit``.
+        """
+        handle = lease.handle
+        with self._lock:
+            worker = self._workers.get(handle.name)
+        if worker is None:
+            return self._failed(item, f"box {handle.name} has no running test worker", handle, 0.0), None
+        start = time.monotonic()
+        try:
+            worker.channel.send((msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid}))
+        except (EOFError, OSError, execnet.RemoteError) as exc:
+            return self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), None
+        out = drain(ChannelStream(worker.channel), item, start + timeout, box=handle.name)
+        if out.timed_out or out.spoke:
+            self._kill(handle)
+        elif out.hung_up is not None:
+            out.hung_up = BoxSpoke(self._death_reason(handle, worker, out.hung_up))
+        return self._finish(item, out, handle, start, timeout, forked_code=None), out.exit
+
+    def run_item_forked(
+        self, item: pytest.Item, lease: Lease, *, timeout: float, network: bool
+    ) -> tuple[list[pytest.TestReport], str, tuple[str, int] | None]:
+        """Run ``item`` in a fresh box forked from the leased box's warm interpreter (namespace runtime).
+
+        Returns the reports, the forked box's name and ``pytest.exit``'s arguments if it was
+        called.  The fork gets new namespaces and empty writable layers, so it is as pristine as a
+        newly booted box, at the cost of a fork.
+        """
+        handle = lease.handle
+        with self._lock:
+            worker = self._workers.get(handle.name)
+        self.forks += 1
+        name = f"{handle.name}.{self.forks}"
+        if worker is None:
+            return self._failed(item, f"box {handle.name} has no running test worker", handle, 0.0), name, None
+        listener = self._fork_listener(handle)
+        token = secrets.token_hex(8)
+        start = time.monotonic()
+        deadline = start + timeout
+        oom_before = _oom_count(handle)
+        # Failure reports quote only what this fork added to the template's log.
+        size = getattr(handle, "log_size", None)
+        self._log_since[handle.name] = size() if size is not None else 0
+        request = {
+            "nodeid": item.nodeid,
+            "token": token,
+            "sock": FORK_SOCKET,
+            "hostname": name[:63],
+            "network": network,
+        }
+        try:
+            worker.channel.send((msg.FORK, request))
+            kind, fields = worker.channel.receive(min(timeout, 30.0))
+        except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError) as exc:
+            return self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), name, None
+        if kind != msg.FORKED or not isinstance(fields.get("pid"), int):
+            why = f"could not fork a box: {str(fields.get('text', kind))[:2000]}"
+            return self._failed(item, why, handle, 0.0), name, None
+        child = fields["pid"]
+        try:
+            stream = self._accept_fork(worker, listener, token, child, deadline)
+        except TimeoutError:
+            out = Outcome(timed_out=True)
+        else:
+            if stream is None:
+                died = self._fork_status(worker, msg.WAIT, child)
+                why = f"the box died before it could run the test: it {reports.describe_status(died, forked=True)}"
+                return self._failed(item, why, handle, time.monotonic() - start), name, None
+            with stream.conn:
+                out = drain(stream, item, deadline, box=name)
+        code: int | None = None
+        if out.timed_out or out.spoke:
+            self._fork_status(worker, msg.KILL, child)
+        elif not out.done:
+            code = self._fork_status(worker, msg.WAIT, child)
+            if _oom_count(handle) > oom_before:
+                out.hung_up = BoxSpoke(
+                    "the test process in the box was killed by the kernel's OOM killer (the box's memory cap)"
+                )
+        if out.done:
+            self.fork_waits.append(time.monotonic() - start - sum(r.duration for r in out.reports))
+        return self._finish(item, out, handle, start, timeout, forked_code=code), name, out.exit
+
+    def _finish(
+        self,
+        item: pytest.Item,
+        out: Outcome,
+        handle: BoxHandle,
+        start: float,
+        timeout: float,
+        *,
+        forked_code: int | None,
+    ) -> list[pytest.TestReport]:
+        """The complete reports for what ``drain`` saw."""
+        duration = time.monotonic() - start
+        if out.error is not None:
+            return self._failed(item, out.error, handle, duration)
+        if out.done or out.exit is not None:
+            return out.reports
+        if out.timed_out:
+            why = _TIMED_OUT.format(timeout)
+        elif out.spoke is not None:
+            why = f"the box sent {out.spoke}; the box was killed"
+        elif isinstance(out.hung_up, BoxSpoke):
+            why = str(out.hung_up)
+        else:
+            why = f"the test process in the box {reports.describe_status(forked_code, forked=True)}"
+        return reports.complete(item, out.reports, why, self._log(handle), duration)
+
+    def _accept_fork(
+        self, worker: _Worker, listener: socket.socket, token: str, child: int, deadline: float
+    ) -> ForkStream | None:
+        """The forked box's connection, which presents ``token``; ``None`` if the box died first.
+
+        Waits in short slices and asks the warm interpreter between them whether the fork is still
+        alive, so a box that dies before connecting is reported at once, not at the timeout.
+        """
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            listener.settimeout(min(left, 1.0))
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                if self._fork_status(worker, msg.POLL, child) is not None:
+                    return None
+                continue
+            stream = ForkStream(conn)
+            try:
+                first = next(stream.messages(min(deadline, time.monotonic() + 10.0)), None)
+            except (BoxSpoke, TimeoutError, OSError):
+                first = None
+            if first == (msg.TOKEN, {"token": token}):
+                return stream
+            conn.close()  # a stale connection (from an earlier box that timed out): drop it
+
+    def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:
+        try:
+            worker.channel.send((name, {"pid": pid}))
+            kind, fields = worker.channel.receive(10.0)
+        except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError, ValueError, TypeError):
+            return None
+        code = fields.get("code") if kind == msg.STATUS and isinstance(fields, dict) else None
+        return code if isinstance(code, int) else None
+
+    def _fork_listener(self, handle: BoxHandle) -> socket.socket:
+        with self._lock:
+            sock = self._listeners.get(handle.name)
+            if sock is None:
+                path = Path(getattr(handle, "box_dir")) / "fork.sock"  # noqa: B009 - namespace boxes only
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.bind(_short_path(path))
+                sock.listen(4)
+                self._listeners[handle.name] = sock
+            return sock
+
+    def _kill(self, handle: BoxHandle) -> None:
+        with self._lock:
+            w = self._workers.pop(handle.name, None)
+        with contextlib.suppress(Exception):
+            handle.destroy()
+        if w is not None:
+            with contextlib.suppress(Exception):
+                w.channel.close()
+
+    def _death_reason(self, handle: BoxHandle, worker: _Worker, exc: BaseException) -> str:
+        with self._lock:
+            self._workers.pop(handle.name, None)
+        oom = getattr(handle, "oom_killed", None)
+        if oom is not None and oom():
+            return _OOM
+        how = reports.how_it_died(worker.status_file)
+        gone = "" if handle.alive(timeout=1.0) else "; the box itself is gone"
+        return f"the test process in the box {how}{gone} (channel: {type(exc).__name__}: {str(exc)[:500]})"
+
+    def _log(self, handle: BoxHandle) -> tuple[str, str] | None:
+        """The box log's tail as a report section (for a forked box: only what it wrote)."""
+        since = self._log_since.get(handle.name)
+        tail = handle.log_tail() if since is None else handle.log_tail(since=since)  # type: ignore[call-arg]
+        return (f"boxlite log of {handle.name}", tail) if tail.strip() else None
+
+    def _failed(self, item: pytest.Item, why: str, handle: BoxHandle, duration: float) -> list[pytest.TestReport]:
+        return reports.failed_phase(item, "setup", why, self._log(handle), duration)
+
+
+def _short_path(path: Path) -> str:
+    """``sun_path`` holds ~108 bytes: bind long paths through a directory descriptor."""
+    target = str(path)
+    if len(target.encode()) <= 100:
+        return target
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    # The descriptor must stay open while the path is used; it is kept for the process's life.
+    return f"/proc/self/fd/{fd}/{path.name}"
+
+
+def _oom_count(handle: BoxHandle) -> int:
+    counter = getattr(handle, "oom_kills", None)
+    return int(counter()) if counter is not None else 0
