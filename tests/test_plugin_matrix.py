@@ -186,9 +186,7 @@ TIMEOUT_TESTS = """
 """
 
 
-@pytest.mark.parametrize(
-    "mode", [pytest.param(BOXED, id="boxed", marks=xfail11("--timeout is not forwarded; the 5 s test passes"))]
-)
+@pytest.mark.parametrize("mode", [pytest.param(BOXED, id="boxed")])
 def test_pytest_timeout(proj: Project, mode: tuple[str, ...]) -> None:
     """``--timeout=1`` fails a 5 s test plain, and boxed."""
     need("pytest_timeout")
@@ -212,7 +210,7 @@ ASYNC_TESTS = """
 """
 
 
-@pytest.mark.parametrize("mode", [pytest.param(BOXED, id="boxed", marks=xfail11("--asyncio-mode is not forwarded"))])
+@pytest.mark.parametrize("mode", [pytest.param(BOXED, id="boxed")])
 def test_pytest_asyncio_auto_mode(proj: Project, mode: tuple[str, ...]) -> None:
     """``--asyncio-mode=auto`` runs unmarked async tests: one passes, one fails, plain and boxed."""
     need("pytest_asyncio")
@@ -236,7 +234,7 @@ RERUN_TESTS = """
 @pytest.mark.parametrize(
     "mode",
     [
-        pytest.param(BOXED, id="boxed", marks=xfail11("the host protocol is bypassed: no rerun")),
+        pytest.param(BOXED, id="boxed"),
         pytest.param(
             ("--boxlite-scope=worker", "-n", "2"),
             id="worker-n2",
@@ -285,10 +283,8 @@ COV_TOTAL = re.compile(r"^TOTAL\s+\d+\s+\d+\s+(\d+)%", re.M)
 @pytest.mark.parametrize(
     "mode",
     [
-        pytest.param(BOXED, id="boxed", marks=xfail11("coverage data of the box never comes back")),
-        pytest.param(
-            ("--boxlite", "-n", "2"), id="boxed-n2", marks=xfail11("coverage data of the box never comes back")
-        ),
+        pytest.param(BOXED, id="boxed"),
+        pytest.param(("--boxlite", "-n", "2"), id="boxed-n2"),
     ],
 )
 def test_pytest_cov_total(proj: Project, mode: tuple[str, ...]) -> None:
@@ -369,7 +365,14 @@ def test_hypothesis_outcomes(proj: Project, mode: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize(
-    "mode", [pytest.param(BOXED, id="boxed", marks=xfail11("the hypothesis database is discarded with the box"))]
+    "mode",
+    [
+        pytest.param(
+            BOXED,
+            id="boxed",
+            marks=xfail11("the hypothesis database is discarded with the box (README: not carried back)"),
+        )
+    ],
 )
 def test_hypothesis_database(proj: Project, mode: tuple[str, ...]) -> None:
     """The failing example is saved in the project's ``.hypothesis`` database by a boxed run too."""
@@ -402,9 +405,7 @@ RANDOMLY_TESTS = """
 """
 
 
-@pytest.mark.parametrize(
-    "mode", [pytest.param(BOXED, id="boxed", marks=xfail11("--randomly-seed is not forwarded: no reseed in the box"))]
-)
+@pytest.mark.parametrize("mode", [pytest.param(BOXED, id="boxed")])
 def test_pytest_randomly_seed(proj: Project, mode: tuple[str, ...]) -> None:
     """``-p randomly --randomly-seed=1234``: same test order and same ``random.random()`` per test."""
     need("pytest_randomly")
@@ -644,33 +645,31 @@ def core_params(*xfail_modes: tuple[str, str]) -> pytest.MarkDecorator:
     )
 
 
-@core_params(("boxed", "conftest options are not forwarded"), ("module", "conftest options are not forwarded"))
+@core_params()
 def test_conftest_option_reaches_boxed_test(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """``--myopt=given`` (a conftest ``addoption``) is what a boxed test's ``getoption`` returns."""
     core_check(core_runs, mode, "test_myopt")
 
 
-@core_params(
-    ("boxed", "start-up variables are applied too late"), ("module", "start-up variables are applied too late")
-)
+@core_params()
 def test_pythonhashseed_acts(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """``PYTHONHASHSEED=123`` gives a boxed test the same ``hash()`` as a local one."""
     core_check(core_runs, mode, "test_hashseed")
 
 
-@core_params(("boxed", "platform.node() cached before the fork"))
+@core_params()
 def test_platform_node_is_hostname(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """``platform.node() == socket.gethostname()`` inside a box."""
     core_check(core_runs, mode, "test_node")
 
 
-@core_params(("boxed", "the forked test is pid 1 of its namespace"))
+@core_params()
 def test_test_process_is_not_pid1(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """A boxed test's process is not pid 1 and has a parent."""
     core_check(core_runs, mode, "test_not_pid1")
 
 
-@core_params(("boxed", "the cache fixture is not found in the box"), ("module", "the cache fixture is not found"))
+@core_params()
 def test_cache_fixture_and_merge(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """The ``cache`` fixture works in a box and what it sets reaches the host's ``.pytest_cache``."""
     core_check(core_runs, mode, "test_cache")
@@ -679,7 +678,7 @@ def test_cache_fixture_and_merge(core_runs: dict[str, tuple[Run, Path]], mode: s
     assert (mode_dir / ".pytest_cache" / "v" / "pbx" / "written").read_text().strip() == "42"
 
 
-@core_params(("boxed", "warnings recorded in the box are not relayed"), ("module", "warnings are not relayed"))
+@core_params()
 def test_warnings_summary(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """A boxed test's ``warnings.warn`` appears in the warnings summary, as locally."""
     plain = core_check(core_runs, "plain", "test_warns")
@@ -688,17 +687,14 @@ def test_warnings_summary(core_runs: dict[str, tuple[Run, Path]], mode: str) -> 
     assert "warnings summary" in run.output and "pbx-warning-marker" in run.output, run.tail()
 
 
-@core_params(
-    ("boxed", "a generator passed to parametrize is used up by the first collection"),
-    ("module", "a generator passed to parametrize is used up by the first collection"),
-)
+@core_params()
 def test_generator_parametrize(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """``parametrize("x", <generator>)``: all three cases pass boxed."""
     for i in range(3):
         core_check(core_runs, mode, f"test_generator_param[{i}]")
 
 
-@core_params(("boxed", "subdirectory conftest fixtures attach to the first directory node only"))
+@core_params()
 def test_subdirectory_conftest_fixture(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """A fixture of ``sub/conftest.py`` is found by the tests of both ``sub/`` modules."""
     run = core_runs[mode][0]
@@ -708,14 +704,13 @@ def test_subdirectory_conftest_fixture(core_runs: dict[str, tuple[Run, Path]], m
     assert {k: run.cases.get(k) for k in subs} == {k: ["passed"] for k in subs}, [run.messages.get(k) for k in subs]
 
 
-@xfail11("a test that SIGKILLs itself is pid 1: the signal is ignored and the test passes")
 def test_sigkill_self_is_a_crash(core_runs: dict[str, tuple[Run, Path]]) -> None:
     """``os.kill(os.getpid(), SIGKILL)`` in a boxed test: reported failed (crashed), the session goes on."""
     run = core_check(core_runs, "boxed", "test_sigkill_self", want="failed")
     assert re.search(r"crash|signal|SIGKILL|-9", run.messages[CRASH.replace(".py", "").replace("/", ".")]), run.tail()
 
 
-@core_params(("module", "module-scoped fixtures are set up again for nearly every test"))
+@core_params()
 def test_module_fixture_set_up_once(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """A module-scoped fixture has one value for the module's three tests (plain; module scope shares a box)."""
     plain = core_runs["plain"][0]
@@ -728,7 +723,7 @@ def test_module_fixture_set_up_once(core_runs: dict[str, tuple[Run, Path]], mode
         assert len(values) == 3, values
 
 
-@core_params(("boxed", "see the checks above"), ("module", "see the checks above"))
+@core_params()
 def test_core_outcomes_match_plain(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """Every core test has the same outcome boxed as plain (the self-killing test aside: plain cannot run it)."""
     plain, run = core_runs["plain"][0], core_runs[mode][0]
@@ -750,9 +745,7 @@ EXIT_TESTS = """
 """
 
 
-@pytest.mark.parametrize(
-    "mode", [pytest.param(BOXED, id="boxed", marks=xfail11("pytest.exit gives 'exited with status 70'"))]
-)
+@pytest.mark.parametrize("mode", [pytest.param(BOXED, id="boxed")])
 def test_pytest_exit_returncode(proj: Project, mode: tuple[str, ...]) -> None:
     """``pytest.exit(returncode=7)`` in a test ends the session with status 7; the next test never runs."""
     proj.files(test_exit=EXIT_TESTS)
@@ -767,7 +760,7 @@ def test_pytest_exit_returncode(proj: Project, mode: tuple[str, ...]) -> None:
     "args",
     [
         pytest.param(("--collect-only",), id="collect-only"),
-        pytest.param(("--fixtures",), id="fixtures", marks=xfail11("--fixtures boots boxes")),
+        pytest.param(("--fixtures",), id="fixtures"),
     ],
 )
 def test_collect_only_and_fixtures_boot_nothing(proj: Project, args: tuple[str, ...]) -> None:
@@ -780,7 +773,6 @@ def test_collect_only_and_fixtures_boot_nothing(proj: Project, args: tuple[str, 
     assert marker in run.output, run.tail()
 
 
-@xfail11("with -p no:boxlite the boxlite marker is unknown to --strict-markers")
 def test_no_boxlite_keeps_marker_registered(proj: Project) -> None:
     """``-p no:boxlite --strict-markers``: a ``@pytest.mark.boxlite`` test runs, unboxed."""
     proj.files(test_m="import pytest\n\n@pytest.mark.boxlite\ndef test_marked():\n    pass\n")
@@ -798,7 +790,6 @@ TMP_TESTS = """
 """
 
 
-@xfail11("worker basetemp is made under the host's /tmp, which the box does not see")
 def test_tmp_path_in_worker_scope_n2(proj: Project) -> None:
     """``--boxlite-scope=worker -n 2``: ``tmp_path`` works in every test (default temp root)."""
     need("xdist")
@@ -806,3 +797,141 @@ def test_tmp_path_in_worker_scope_n2(proj: Project) -> None:
     plain = proj.run("-n", "2", *NO_RERUNS)
     assert plain.summary() == {"passed": 4}, plain.tail()
     same_outcomes(plain, proj.run("--boxlite-scope=worker", "-n", "2", *NO_RERUNS))
+
+
+# --------------------------------------------------------------------------
+# options of pytest itself, one project run plain and boxed with all of them
+
+OPTS_MODULE = '''
+    """A module with doctests."""
+
+    def double(x):
+        """
+        >>> double(2)
+        4
+        """
+        return 2 * x
+
+    def wrong(x):
+        """
+        >>> wrong(2)
+        5
+        """
+        return x
+'''
+OPTS_TESTS = """
+    import logging
+    import sys
+    import unittest
+
+    import pytest
+
+    @pytest.mark.xfail(reason="expected")
+    def test_xfail_runs_with_runxfail():
+        assert False
+
+    def test_info_log_captured(caplog):
+        logging.getLogger("pbx").info("pbx-info-record")
+        assert "pbx-info-record" in caplog.text
+
+    def test_live_output():
+        print("pbx-live-output-line")
+
+    def test_devmode():
+        assert sys.flags.dev_mode
+
+    class TestUnit(unittest.TestCase):
+        def test_ok(self):
+            self.assertEqual(1 + 1, 2)
+
+        def test_fails(self):
+            self.assertEqual(1 + 1, 3)
+
+        @unittest.skip("not today")
+        def test_skipped(self):
+            pass
+"""
+OPTS_ARGS = ("--doctest-modules", "--runxfail", "--log-level=INFO", "-s")
+
+
+@pytest.fixture(scope="module")
+def opts_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+    """The options project run plain and ``--boxlite`` with ``OPTS_ARGS`` and ``PYTHONDEVMODE=1``."""
+    mp = pytest.MonkeyPatch()
+    mp.delenv("PYTEST_DEBUG_TEMPROOT", raising=False)
+    out: dict[str, Run] = {}
+    try:
+        for mode, args in (("plain", ()), ("boxed", BOXED)):
+            p = Project(tmp_path_factory.mktemp(f"opts-{mode}"), tmp_path_factory.mktemp("bxh"))
+            p.files(mymod=OPTS_MODULE, test_opts=OPTS_TESTS)
+            out[mode] = p.run(*OPTS_ARGS, *args, env={"PYTHONDEVMODE": "1"})
+        yield out
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        "double",  # doctest items: ids end with ::mymod.double
+        "wrong",
+        "test_xfail_runs_with_runxfail",
+        "test_info_log_captured",
+        "test_devmode",
+        "test_ok",
+        "test_fails",
+        "test_skipped",
+    ],
+)
+def test_pytest_options_and_items_boxed(opts_runs: dict[str, Run], test: str) -> None:
+    """``--doctest-modules``, ``--runxfail``, ``--log-level=INFO``, ``PYTHONDEVMODE`` and unittest items:
+    each test's outcome boxed is the plain one (which is checked against what the option means)."""
+    want = {
+        "double": "passed",
+        "wrong": "failed",
+        "test_xfail_runs_with_runxfail": "failed",
+        "test_info_log_captured": "passed",
+        "test_devmode": "passed",
+        "test_ok": "passed",
+        "test_fails": "failed",
+        "test_skipped": "skipped",
+    }[test]
+    plain, boxed = opts_runs["plain"], opts_runs["boxed"]
+    name = f"mymod.{test}" if test in ("double", "wrong") else test
+    assert plain.outcome(name) == [want], plain.tail()
+    assert boxed.outcome(name) == [want], boxed.messages.get(next((k for k in boxed.cases if k.endswith(name)), ""))
+
+
+def test_live_output_with_s(opts_runs: dict[str, Run]) -> None:
+    """Under ``-s`` a boxed test's print reaches the host's terminal."""
+    assert "pbx-live-output-line" in opts_runs["plain"].output
+    assert "pbx-live-output-line" in opts_runs["boxed"].output, opts_runs["boxed"].tail()
+
+
+LF_TESTS = """
+    def test_pass():
+        pass
+
+    def test_fail():
+        assert 0
+"""
+
+
+@pytest.mark.parametrize("mode", [pytest.param(BOXED, id="boxed")])
+def test_last_failed_after_boxed_run(proj: Project, mode: tuple[str, ...]) -> None:
+    """``--lf`` after a boxed run re-runs only the test that failed in the box."""
+    proj.files(test_lf=LF_TESTS)
+    first = proj.run(*mode)
+    assert first.summary() == {"passed": 1, "failed": 1}, first.tail()
+    again = proj.run("--lf", *mode)
+    assert list(again.cases) == ["test_lf::test_fail"], again.tail()
+    assert again.summary() == {"failed": 1}, again.tail()
+
+
+def test_pdb_says_why_in_one_line(proj: Project) -> None:
+    """``--boxlite --pdb``: no hang, the failure is reported, and the output says why no debugger comes."""
+    proj.files(test_pdb="def test_bad():\n    assert 0\n")
+    run = proj.run("--boxlite", "--pdb", timeout=90)
+    assert run.outcome("test_bad") == ["failed"], run.tail()
+    lines = [ln for ln in run.output.splitlines() if "pdb" in ln.lower() and "box" in ln.lower()]
+    assert len(lines) == 1, run.tail()
