@@ -1,8 +1,12 @@
 """Plugin matrix and fidelity core (issue 11): the same small projects run plain and boxed must agree.
 
-Tier marker ``plugins``; run it with ``python -m pytest -m plugins -p no:randomly`` in an environment
-with ``pip install -e '.[test,matrix]'`` (the plugins of the ``matrix`` extra are each skipped, with the
-install hint, where they are missing).
+Tier marker ``plugins``; run it in a virtual environment of its own with ``pip install -e '.[test,matrix]'``::
+
+    python -m pytest tests/test_plugin_matrix.py -m plugins -p no:randomly -p no:asyncio
+
+(in this project's own session pytest-randomly would reorder it, and pytest-asyncio's start-up deprecation
+warning is an error under our ``filterwarnings``; the sub-runs get both plugins as a user would).  Checks
+of a plugin of the ``matrix`` extra skip, with the install hint, where it is missing.
 
 Every check is a real ``python -m pytest`` subprocess in a ``pytester`` directory: once plain (the plugin
 installed, not asked to box) and once per boxed mode (``--boxlite``, where cheap also
@@ -192,9 +196,10 @@ def test_pytest_timeout(proj: Project, mode: tuple[str, ...]) -> None:
     need("pytest_timeout")
     proj.files(test_t=TIMEOUT_TESTS)
     plain = proj.run("--timeout=1")
-    assert plain.outcome("test_slow") == ["failed"] and "Timeout" in plain.messages[plain.order[0]], plain.tail()
+    assert plain.outcome("test_slow") == ["failed"] and "Timeout" in plain.messages["test_t::test_slow"], plain.tail()
     boxed = proj.run("--timeout=1", *mode)
     same_outcomes(plain, boxed)
+    assert "Timeout" in boxed.messages["test_t::test_slow"], boxed.tail()
 
 
 ASYNC_TESTS = """
@@ -223,8 +228,15 @@ def test_pytest_asyncio_auto_mode(proj: Project, mode: tuple[str, ...]) -> None:
 
 
 RERUN_TESTS = """
+    CALLS = {"flaky": 0}
+
     def test_always_fails():
         assert False, "fails every time"
+
+    def test_flaky():
+        # State of the test process, as in the usual flaky test: passes the second time it runs there.
+        CALLS["flaky"] += 1
+        assert CALLS["flaky"] >= 2
 
     def test_ok():
         pass
@@ -235,6 +247,7 @@ RERUN_TESTS = """
     "mode",
     [
         pytest.param(BOXED, id="boxed"),
+        pytest.param(MODULE, id="module"),
         pytest.param(
             ("--boxlite-scope=worker", "-n", "2"),
             id="worker-n2",
@@ -246,18 +259,19 @@ RERUN_TESTS = """
     ],
 )
 def test_pytest_rerunfailures(proj: Project, mode: tuple[str, ...]) -> None:
-    """``--reruns 2``: a failing test is run three times, the summary says ``2 rerun``, plain and boxed.
+    """``--reruns 2``: a failing test runs three times, a flaky one passes on its rerun, plain and boxed.
 
-    With ``-n`` installed, pytest-rerunfailures' workers open a TCP connection to the controller at
+    With pytest-xdist active, pytest-rerunfailures' workers open a TCP connection to the controller at
     start-up, whether or not ``--reruns`` is given: in worker scope that connection starts in the box.
     """
     need("pytest_rerunfailures")
     proj.files(test_r=RERUN_TESTS)
     plain = proj.run("--reruns", "2", *(("-n", "2") if "-n" in mode else ()))
-    assert plain.summary() == {"failed": 1, "passed": 1, "rerun": 2}, plain.tail()
+    assert plain.summary() == {"failed": 1, "passed": 2, "rerun": 3}, plain.tail()
     boxed = proj.run("--reruns", "2", *mode)
     assert boxed.summary() == plain.summary(), boxed.tail()
     assert boxed.outcome("test_always_fails")[-1] == "failed", boxed.tail()
+    assert boxed.outcome("test_flaky")[-1] == "passed", boxed.tail()
 
 
 COV_PKG = """
@@ -935,3 +949,54 @@ def test_pdb_says_why_in_one_line(proj: Project) -> None:
     assert run.outcome("test_bad") == ["failed"], run.tail()
     lines = [ln for ln in run.output.splitlines() if "pdb" in ln.lower() and "box" in ln.lower()]
     assert len(lines) == 1, run.tail()
+
+
+SUBTEST_TESTS = """
+    import unittest
+
+    class TestSub(unittest.TestCase):
+        def test_sub_all_pass(self):
+            for i in range(3):
+                with self.subTest(i=i):
+                    self.assertLess(i, 3)
+
+        def test_sub_one_fails(self):
+            for i in range(3):
+                with self.subTest(i=i):
+                    self.assertNotEqual(i, 1)
+
+    def test_subtests_fixture(subtests):
+        for i in range(2):
+            with subtests.test(msg="sub", i=i):
+                assert i == 0
+"""
+
+
+def final_line(run: Run) -> str:
+    """The last summary line without its timing: ``3 failed, 2 passed``."""
+    for line in reversed(run.output.splitlines()):
+        if re.search(r"\d+ (passed|failed)", line):
+            return re.sub(r" in [\d.]+s.*", "", line).strip("= ")
+    return ""
+
+
+@pytest.mark.skipif(not hasattr(pytest, "Subtests"), reason="subtests are part of pytest from 9.0")
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(BOXED, id="boxed", marks=xfail11("a SubtestReport is refused: 'not a TestReport', box killed")),
+        pytest.param(MODULE, id="module", marks=xfail11("a SubtestReport is refused: 'not a TestReport', box killed")),
+    ],
+)
+def test_subtests_boxed(proj: Project, mode: tuple[str, ...]) -> None:
+    """unittest ``subTest`` and pytest's ``subtests`` fixture: same per-test outcomes and summary as plain."""
+    proj.files(test_sub=SUBTEST_TESTS)
+    plain = proj.run()
+    assert plain.outcome("test_sub_all_pass")[-1] == "passed", plain.tail()
+    assert "failed" in plain.outcome("test_sub_one_fails"), plain.tail()
+    subfailed = sorted(ln for ln in plain.output.splitlines() if ln.startswith("SUBFAILED"))
+    assert len(subfailed) == 2, plain.tail()
+    boxed = proj.run(*mode)
+    same_outcomes(plain, boxed)
+    assert final_line(boxed) == final_line(plain), boxed.tail()
+    assert sorted(ln for ln in boxed.output.splitlines() if ln.startswith("SUBFAILED")) == subfailed, boxed.tail()
