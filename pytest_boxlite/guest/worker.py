@@ -301,7 +301,7 @@ def serve(channel):
                 self.send(ERROR, text=error)  # noqa: F821
                 return
             nextitem = self.items.get(next_nodeid) if next_nodeid else None
-            live = _LiveOutput(self.send) if item.config.option.capture == "no" else None
+            live = _LiveOutput(self.send) if item.config.option.capture in ("no", "tee-sys") else None
             try:
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
             except pytest.exit.Exception as exc:

@@ -154,8 +154,10 @@ def _int(value: object, default: int) -> int:
 
 
 def _report(config: pytest.Config, item: pytest.Item, data: object) -> pytest.TestReport:
-    if not isinstance(data, dict) or data.get("$report_type") != "TestReport":
-        raise BoxSpoke(f"a report that is not a TestReport: {str(data)[:200]!r}")
+    # Any report kind the host's plugins can rebuild is fine (pytest's subtests send their own);
+    # what comes back must be a TestReport of the running item.
+    if not isinstance(data, dict):
+        raise BoxSpoke(f"a report that is not a mapping: {str(data)[:200]!r}")
     try:
         rep = config.hook.pytest_report_from_serializable(config=config, data=data)
     except Exception as exc:  # noqa: BLE001 - whatever the box's bytes make pytest raise fails this test only

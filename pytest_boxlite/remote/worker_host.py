@@ -222,7 +222,7 @@ class RemoteRunner:
                 why = f"the box died before it could run the test: it {reports.describe_status(died, forked=True)}"
                 return self._failed(item, why, handle, time.monotonic() - start), name, None
             with stream.conn:
-                out = drain(stream, item, deadline, box=name)
+                out = drain(stream, item, deadline, box=handle.name)  # one coverage file per fork parent
         code: int | None = None
         if out.timed_out or out.spoke:
             self._fork_status(worker, msg.KILL, child)
