@@ -211,6 +211,15 @@ class ControllerPlugin(_SessionRole):
         if session.settings.scope == "worker":
             from pytest_boxlite.xdist_support import box_worker_specs
 
+            if config.pluginmanager.hasplugin("rerunfailures") and not session.settings.network:
+                # Its xdist workers report to the controller over 127.0.0.1: fail now, not in every worker.
+                raise pytest.UsageError(
+                    "--boxlite-scope=worker: pytest-rerunfailures is installed, and its xdist workers connect "
+                    "to the controller over 127.0.0.1, which a worker box without network cannot reach. "
+                    "Add --boxlite-network=on (worker boxes then share the host's network), "
+                    "or -p no:rerunfailures."
+                )
+
             box_worker_specs(session, config)
 
     def pytest_configure_node(self, node: Any) -> None:

@@ -38,6 +38,27 @@ _HOST_ONLY_OPTIONS = {
 }
 
 
+def _xdist_identity(workerid, testrunuid):
+    """Fixtures that tell a boxed test which xdist worker its host is, as ``worker_id`` does locally.
+
+    pytest-xdist's own ``worker_id``/``testrun_uid`` read ``config.workerinput``, which the box's
+    pytest has not (it is no xdist worker: it must not act as one towards other plugins).  This
+    plugin is registered after xdist's, so its fixtures are the ones found.
+    """
+    import pytest
+
+    class XdistIdentity:
+        @pytest.fixture(scope="session")
+        def worker_id(self):
+            return workerid
+
+        @pytest.fixture(scope="session")
+        def testrun_uid(self):
+            return testrunuid
+
+    return XdistIdentity()
+
+
 def _init(child):
     """Be the init of a forked box: forward signals to ``child``, reap orphans, exit as it exits.
 
@@ -193,6 +214,15 @@ def serve(channel):
             for name, value in _HOST_ONLY_OPTIONS.items():
                 if hasattr(config.option, name):
                     setattr(config.option, name, value)
+            # Values the host resolved at random (pytest-randomly's seed): the box uses the same.
+            for name, value in cfg.get("resolved", {}).items():
+                if hasattr(config.option, name):
+                    setattr(config.option, name, value)
+            xdist = cfg.get("xdist")
+            if xdist:
+                config.pluginmanager.register(
+                    _xdist_identity(xdist["workerid"], xdist["testrunuid"]), "boxlite-xdist-id"
+                )
             # The box's own terminal report is nobody's to read: the terminal plugin binds it to
             # sys.stdout in its pytest_configure, so hand it a copy of stderr (the box log) until
             # the session starts; with -s fd 1 then carries only what the test prints.

@@ -66,6 +66,28 @@ def worker_mounts(config: pytest.Config) -> tuple[str, ...]:
     return minimal_dirs(p for p in paths if p)
 
 
+#: Options whose value the host resolves at random when not given (the box must use the same).
+RESOLVED_OPTIONS = ("randomly_seed",)
+
+
+def resolved_options(config: pytest.Config) -> dict[str, object]:
+    """The host's final value of each :data:`RESOLVED_OPTIONS` entry its plugins define."""
+    out: dict[str, object] = {}
+    for name in RESOLVED_OPTIONS:
+        value = getattr(config.option, name, None)
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            out[name] = value
+    return out
+
+
+def xdist_identity(config: pytest.Config) -> dict[str, str] | None:
+    """Which xdist worker this host is (for the box's ``worker_id`` fixture), if it is one."""
+    workerinput = getattr(config, "workerinput", None)
+    if not workerinput:
+        return None
+    return {"workerid": str(workerinput.get("workerid", "")), "testrunuid": str(workerinput.get("testrunuid", ""))}
+
+
 def startup_env(env: dict[str, str]) -> list[str]:
     """``NAME=value`` for the variables Python reads at start-up: they must be set before it starts."""
     return [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("PYTHON")]
@@ -110,7 +132,16 @@ class RemoteRunner:
         gw = self.group.makegateway(spec_str)
         try:
             channel = gw.remote_exec(self._source)
-            channel.send({"args": self._args, "cwd": cwd, "sys_path": list(sys.path), "env": env})
+            channel.send(
+                {
+                    "args": self._args,
+                    "cwd": cwd,
+                    "sys_path": list(sys.path),
+                    "env": env,
+                    "resolved": resolved_options(self.config),
+                    "xdist": xdist_identity(self.config),
+                }
+            )
             # Collection of the whole session happens before READY: bounded by the boot timeout.
             name, fields = channel.receive(self.boot_timeout)
             if name != msg.READY or not isinstance(fields, dict) or not isinstance(fields.get("pid"), int):
