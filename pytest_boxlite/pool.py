@@ -9,6 +9,9 @@
   a box goes to a second lease only when both leases opt in (``reuse=True``)
   and it passes a health check.
 * An idle reaper stops warm boxes nobody asked for within ``idle_timeout``.
+* The pool's owner takes part in each box's life through one :class:`BoxLifecycle`
+  given at construction (provision the spec, start something in a new box, stop it
+  before the box goes, give back a box it holds when a lease is blocked at the cap).
 
 No pytest import: this layer is driven by fixtures and the plugin.
 """

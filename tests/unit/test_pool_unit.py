@@ -125,7 +125,7 @@ def test_lease_at_cap_times_out_with_a_clear_error(make_pool: PoolFactory, lifec
     t0 = time.monotonic()
     with pytest.raises(errors.LeaseTimeoutError):
         pool.lease(SPEC, timeout=0.05)
-    assert time.monotonic() - t0 < 0.25
+    assert time.monotonic() - t0 < 1.0, "the per-call timeout was not used"  # the pool's is 5 s
     assert pool.live == 1
     assert pool.stats.leased == 1
     held.release()
@@ -314,12 +314,12 @@ def test_after_boot_failure_destroys_the_box_and_fails_the_lease(
 def test_boot_slower_than_the_boot_timeout_fails_and_returns_the_capacity(
     make_pool: PoolFactory, fake_runtime: FakeRuntime
 ) -> None:
-    fake_runtime.boot_delay = 0.5
+    fake_runtime.boot_delay = 3.0
     pool = make_pool(replicas=1, boot_timeout=0.05)
     t0 = time.monotonic()
     with pytest.raises(errors.BoxStartError, match="did not start within"):
         pool.lease(SPEC)
-    assert time.monotonic() - t0 < 0.4, "the pool did not bound the boot by its boot timeout"
+    assert time.monotonic() - t0 < 1.5, "the pool did not bound the boot by its boot timeout"
     assert pool.live == 0
     assert pool.stats.boot_failures == 1
 
