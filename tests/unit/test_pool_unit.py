@@ -431,22 +431,20 @@ def test_a_leased_box_is_never_reaped(make_pool: PoolFactory) -> None:
 # -- the lifecycle ------------------------------------------------------------------------
 
 
-def test_lifecycle_steps_wrap_every_box(
-    make_pool: PoolFactory, fake_runtime: FakeRuntime, lifecycle: RecordingLifecycle
-) -> None:
-    provisioned = BoxSpec(env=(("PROVISIONED", "1"),))
-    lifecycle.prepared[SPEC] = provisioned
+def test_lifecycle_steps_wrap_every_box(make_pool: PoolFactory, fake_runtime: FakeRuntime) -> None:
     seen_alive: list[bool] = []
 
     class Checking(RecordingLifecycle):
+        """Also notes whether the box still existed when ``before_destroy`` ran."""
+
         def before_destroy(self, handle: BoxHandle) -> None:
             seen_alive.append(handle.name in fake_runtime.boxes)
-            lifecycle.before_destroy(handle)
+            super().before_destroy(handle)
 
-    checking = Checking()
-    checking.prepare = lifecycle.prepare  # type: ignore[method-assign] # delegate to the recorder
-    checking.after_boot = lifecycle.after_boot  # type: ignore[method-assign] # delegate to the recorder
-    pool = make_pool(replicas=1, lifecycle=checking)
+    lifecycle = Checking()
+    provisioned = BoxSpec(env=(("PROVISIONED", "1"),))
+    lifecycle.prepared[SPEC] = provisioned
+    pool = make_pool(replicas=1, lifecycle=lifecycle)
     lease = pool.lease(SPEC)
     assert fake(lease).spec == provisioned, "the box was not booted from the prepared spec"
     assert lease.spec == SPEC, "the lease must keep the spec that was asked for"
