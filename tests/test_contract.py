@@ -13,7 +13,7 @@ import posixpath
 import shlex
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
 import pytest
@@ -755,7 +755,7 @@ def test_reading_a_directory_raises_is_a_directory(sandbox: Sandbox) -> None:
 def test_errors_are_exceptions_not_strings(sandbox: Sandbox) -> None:
     sandbox.write_file("Error: not an error.txt", "Error: this is content\n")
     assert sandbox.read_file("Error: not an error.txt") == "Error: this is content\n"
-    failing = [
+    failing: list[Callable[[], object]] = [
         lambda: sandbox.read_file("nope"),
         lambda: sandbox.list_dir("nope"),
         lambda: sandbox.glob("nope", "*"),

@@ -209,7 +209,7 @@ def test_probe_matches_this_host() -> None:
 
 
 def test_probe_is_fast() -> None:
-    uncached = probe.__wrapped__  # type: ignore[attr-defined]
+    uncached = probe.__wrapped__
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
