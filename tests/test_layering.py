@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "pytest glue: fixtures, boxed-test execution, xdist, the terminal report",
         ("fixtures", "remote", "remote.*", "reporting", "xdist_support"),
     ),
-    ("test plans: markers to box specs", ("markers",)),
+    ("test plans: markers to box specs, and the marker's registration", ("markers", "marker_registration")),
     ("the per-process session", ("session",)),
     ("the warm pool, provisioning and leftover bookkeeping", ("pool", "templates", "ledger")),
     ("the box API and settings", ("sandbox", "settings")),
