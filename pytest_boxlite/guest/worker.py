@@ -175,6 +175,29 @@ def _coverage_fields():
     return {"arcs": arcs, "files": files} if files else None
 
 
+def _new_files(since):
+    """Files written under WRITE_BACK since ``since`` (bounded), as relative path -> base64."""
+    import base64
+    import stat
+
+    out, total = {}, 0
+    cwd = os.getcwd()
+    for rel in WRITE_BACK:  # noqa: F821 - messages.py
+        for dirpath, _dirs, files in os.walk(os.path.join(cwd, rel)):  # never follows links
+            for name in files:
+                path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode) or st.st_mtime < since:
+                    continue
+                if len(out) >= WRITE_BACK_FILES or total + st.st_size > WRITE_BACK_BYTES:  # noqa: F821
+                    return out
+                with open(path, "rb") as fh:
+                    data = fh.read(st.st_size + 1)
+                total += len(data)
+                out[os.path.relpath(path, cwd)] = base64.b64encode(data).decode("ascii")
+    return out
+
+
 def serve(channel):
     cfg = channel.receive()
     os.chdir(cfg["cwd"])
@@ -284,8 +307,11 @@ def serve(channel):
 
             cache.set = set_and_keep
 
-        def _send_side_data(self):
-            """What a test left for the host besides its reports: cache values, coverage data."""
+        def _send_side_data(self, since):
+            """What a test left for the host besides its reports: cache values, coverage, files."""
+            files = _new_files(since)
+            if files:
+                self.send(FILES, files=files)  # noqa: F821
             if self.cache_writes:
                 self.send(CACHE, values=self.cache_writes)  # noqa: F821
                 self.cache_writes = {}
@@ -331,6 +357,9 @@ def serve(channel):
                 self.send(ERROR, text=error)  # noqa: F821
                 return
             nextitem = self.items.get(next_nodeid) if next_nodeid else None
+            import time
+
+            since = time.time() - 1.0  # file systems keep mtimes coarser than the clock
             live = _LiveOutput(self.send) if item.config.option.capture in ("no", "tee-sys") else None
             try:
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
@@ -339,7 +368,7 @@ def serve(channel):
             finally:
                 if live is not None:
                     live.close()
-            self._send_side_data()
+            self._send_side_data(since)
 
         def fork(self, nodeid, token, sock, hostname, network):
             for old, status in list(self.children.items()):  # reap boxes that have ended

@@ -11,15 +11,18 @@ goes on).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
 import re
 import socket
+import stat
 import sys
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import execnet
@@ -131,6 +134,8 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str) -> Ou
                 _store_cache(config, fields.get("values"))
             elif name == msg.COVERAGE:
                 _store_coverage(config, fields, box)
+            elif name == msg.FILES:
+                _store_files(config, fields.get("files"))
             elif name == msg.EXIT:
                 out.exit = (str(fields.get("reason", ""))[:1000], _int(fields.get("returncode"), 1))
             elif name == msg.ERROR:
@@ -282,3 +287,52 @@ def _store_coverage(config: pytest.Config, fields: dict[str, Any], box: str) -> 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+_FILE_PART = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def _store_files(config: pytest.Config, files: object) -> None:
+    """Write files a box handed back (see ``messages.WRITE_BACK``) under the invocation directory.
+
+    Only plain names below a WRITE_BACK directory, at most WRITE_BACK_FILES / _BYTES; every
+    directory on the way must be a real directory (a link there is refused, never followed) and
+    the file is opened with O_NOFOLLOW.
+    """
+    if not isinstance(files, dict) or len(files) > msg.WRITE_BACK_FILES:
+        raise BoxSpoke("handed-back files that are not a small {path: data} mapping")
+    total = 0
+    base = Path(config.invocation_params.dir)
+    for rel, encoded in files.items():
+        parts = rel.split("/") if isinstance(rel, str) else []
+        under = any(rel.startswith(top + "/") for top in msg.WRITE_BACK) if isinstance(rel, str) else False
+        if not under or len(parts) > 8 or not all(_FILE_PART.match(p) and p not in (".", "..") for p in parts):
+            raise BoxSpoke(f"a handed-back file outside {msg.WRITE_BACK}: {str(rel)[:200]!r}")
+        try:
+            data = base64.b64decode(str(encoded), validate=True)
+        except ValueError:
+            raise BoxSpoke(f"handed-back data for {rel!r} that is not base64") from None
+        total += len(data)
+        if total > msg.WRITE_BACK_BYTES:
+            raise BoxSpoke(f"more than {msg.WRITE_BACK_BYTES} bytes of handed-back files")
+        try:
+            _write_below(base, parts, data)
+        except OSError as exc:
+            raise BoxSpoke(f"a handed-back file the host could not write ({rel!r}: {exc})") from None
+
+
+def _write_below(base: Path, parts: list[str], data: bytes) -> None:
+    """``base/parts...`` = data, creating real directories; refuses links on the way."""
+    where = base
+    for part in parts[:-1]:
+        where = where / part
+        try:
+            st = os.lstat(where)
+        except FileNotFoundError:
+            os.mkdir(where, 0o755)
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise BoxSpoke(f"a handed-back file below {str(where)!r}, which is not a plain directory")
+    fd = os.open(where / parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
