@@ -573,7 +573,9 @@ class ExecResult:
 class Execution:
     """``boxlite.Execution``: one command in a box."""
 
-    def __init__(self, box: _BoxState, conn: socket.socket, fds: tuple[int, int, int], loop: Any, eid: str) -> None:
+    def __init__(
+        self, box: _BoxState, conn: socket.socket, fds: tuple[int, int, int], rest: bytes, loop: Any, eid: str
+    ) -> None:
         self._id = eid
         self._box = box
         self._conn = conn
@@ -582,13 +584,21 @@ class Execution:
         self._err: _HostStream | None = _HostStream("stderr", fds[2], loop)
         self._done: asyncio.Future[ExecResult] = loop.create_future()
         err = self._err
-        threading.Thread(target=self._watch, args=(loop, conn, self._done, err), daemon=True).start()
+        threading.Thread(target=self._watch, args=(loop, conn, rest, self._done, err), daemon=True).start()
 
     @staticmethod
-    def _watch(loop: Any, conn: socket.socket, done: asyncio.Future[ExecResult], err: _HostStream) -> None:
-        buf = b""
+    def _watch(
+        loop: Any, conn: socket.socket, buf: bytes, done: asyncio.Future[ExecResult], err: _HostStream
+    ) -> None:
         code: int | None = None
-        while code is None:
+        while True:
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = json.loads(line.decode())
+                if "exit" in msg:
+                    code = int(msg["exit"])
+            if code is not None:
+                break
             try:
                 chunk = conn.recv(4096)
             except OSError:
@@ -596,11 +606,7 @@ class Execution:
             if not chunk:
                 break
             buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                msg = json.loads(line.decode())
-                if "exit" in msg:
-                    code = int(msg["exit"])
+        conn.close()
         if code is None:
             # The box went away under the command: the host SDK's synthetic line, and -1.
             err.put("Attach stream error: the exec stream ended without an exit status\n")
@@ -811,9 +817,8 @@ class _BoxState:
             sock.close()
             # Unverified: how the real guest reports a failed spawn (this shape is a plausible guess).
             raise ExecutionError(f"failed to spawn {argv[0]!r}: {msg['error']}")
-        if rest:
-            raise InternalError("sdk double: unexpected data after the pid message")
-        return sock, (in_w, out_r, err_r)
+        # The exit message may have come with the pid message: the watcher starts from it.
+        return sock, (in_w, out_r, err_r), rest
 
 
 def _connect(path: Path) -> socket.socket:
@@ -894,8 +899,8 @@ class Box:
             merged.update(env or [])
             argv = [str(command), *(str(a) for a in (args or []))]
             loop = asyncio.get_running_loop()
-            sock, fds = await _in_thread(state.exec_blocking, argv, merged, cwd, user)
-            return Execution(state, sock, fds, loop, secrets.token_hex(8))
+            sock, fds, rest = await _in_thread(state.exec_blocking, argv, merged, cwd, user)
+            return Execution(state, sock, fds, rest, loop, secrets.token_hex(8))
 
         return _awaitable(run())
 
