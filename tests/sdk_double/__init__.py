@@ -129,6 +129,9 @@ _GUEST_SOURCE = (Path(__file__).with_name("_guest.py")).read_text()
 _CTL = "/run/boxlite-double"
 _IMAGE_TOPS = {"bin", "boot", "etc", "lib", "lib32", "lib64", "libx32", "opt", "sbin", "usr", "var", "srv"}
 _throttle_bps = float(os.environ.get("BOXLITE_DOUBLE_THROTTLE_BPS") or 0)
+#: Whether the container runtime creates a missing ``working_dir`` is unverified (review #13): by
+#: default the double does not, so the plugin must not rely on it; set this to model the other answer.
+CREATE_WORKING_DIR = os.environ.get("BOXLITE_DOUBLE_CREATE_WORKING_DIR") == "1"
 
 
 def set_throttle(bytes_per_second: float | None) -> None:
@@ -587,9 +590,7 @@ class Execution:
         threading.Thread(target=self._watch, args=(loop, conn, rest, self._done, err), daemon=True).start()
 
     @staticmethod
-    def _watch(
-        loop: Any, conn: socket.socket, buf: bytes, done: asyncio.Future[ExecResult], err: _HostStream
-    ) -> None:
+    def _watch(loop: Any, conn: socket.socket, buf: bytes, done: asyncio.Future[ExecResult], err: _HostStream) -> None:
         code: int | None = None
         while True:
             while b"\n" in buf:
@@ -720,6 +721,8 @@ class _BoxState:
                 argv += ["--overlay-src", path, "--tmp-overlay", path]
         argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
         argv += ["--dir", "/root", "--dir", "/home"]
+        if CREATE_WORKING_DIR and self.opts.working_dir:
+            argv += ["--dir", self.opts.working_dir]
         # The image's interpreter: the host's base Python, at its own path, copy-on-write.
         argv += ["--overlay-src", sys.base_prefix, "--tmp-overlay", sys.base_prefix]
         for host, guest, ro in self.opts.volumes:
