@@ -222,3 +222,18 @@ def test_19_bridge_lost_channel_is_not_a_sighup(vm: VmRuntime, box: VmBox, tmp_p
     assert not status.exists() or status.read_text().strip() != "-1", "a lost channel was reported as SIGHUP"
     assert p.returncode != 129
     assert b"lost" in err
+
+
+def test_bridge_socket_under_a_long_home(tmp_path: Path) -> None:
+    """A bridge socket path longer than sun_path (deep homes, long owner ids) still binds and serves."""
+    home = tmp_path / ("h" * 60) / ("o" * 60)
+    rt = VmRuntime(home, sdk=sdk_double)
+    try:
+        handle = rt.create_box(BoxSpec(), new_box_name(), timeout=CREATE_TIMEOUT)
+        try:
+            r = attach(handle, ["echo", "long"], timeout=30)
+            assert r.stdout == b"long\n", r.stderr
+        finally:
+            handle.destroy()
+    finally:
+        rt.close()

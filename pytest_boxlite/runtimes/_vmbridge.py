@@ -54,6 +54,8 @@ WORKDIR = "/workspace"
 CALL_TIMEOUT = 30.0
 #: After the command's stdout ends, how long stderr may stay open (children that escaped the group).
 STDERR_GRACE = 2.0
+#: Lines the SDK itself writes into a command's stderr when the channel to the guest fails.
+_SDK_STREAM_ERRORS = ("Attach failed:", "Attach stream error:")
 
 FRAMING_SHIM = """
 import base64, os, signal, subprocess, sys
@@ -82,6 +84,10 @@ sys.stdout.flush()
 
 class BridgeStreamError(Exception):
     """The framed stdout from the guest is not what the shim wrote (dropped or injected bytes)."""
+
+
+class BoxGoneError(Exception):
+    """The box was destroyed while the command ran (an expected end: the client is told nothing)."""
 
 
 class FrameDecoder:
@@ -128,7 +134,7 @@ class VmBridge:
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
         self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._srv.bind(str(sock_path))
+        _bind(self._srv, sock_path)
         self._srv.listen(16)
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name=f"boxlite-vmbridge-{sock_path.stem}", daemon=True)
@@ -182,6 +188,8 @@ class VmBridge:
                 return
             code = _Connection(self, req, fds, conn).run()
             conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+        except BoxGoneError:
+            pass  # hanging up without an exit message is how a box's end looks to the client
         except Exception as exc:  # noqa: BLE001 - reported to the client, which fails the caller
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps({"error": f"vm bridge: {exc}", "errno": 0}).encode() + b"\n")
@@ -247,6 +255,8 @@ class _Connection:
         if self.decoder.exit_code is not None:
             return self.decoder.exit_code
         code = int(result.exit_code)
+        if code == -1 and not getattr(result, "error_message", None) and self.bridge._closed:
+            raise BoxGoneError  # destroyed under the command: the client sees the box go, silently
         if code == -1 and not getattr(result, "error_message", None):
             # No trailer and -1: the SDK's value for a lost channel (the shim itself was not SIGHUPed:
             # it forwards that signal).
@@ -297,6 +307,8 @@ class _Connection:
 
     def _pump_err(self, q: queue.SimpleQueue[str | None]) -> None:
         while (text := q.get()) is not None:
+            if self.bridge._closed and text.startswith(_SDK_STREAM_ERRORS):
+                continue  # the box is being destroyed: its channels ending is expected, not news
             _write_all(self.fds[2], text.encode("utf-8", "replace"), quiet=True)
 
     def _watch_client(self) -> None:
@@ -317,6 +329,18 @@ class _Connection:
                 with contextlib.suppress(Exception):
                     sig = int(json.loads(line)["signal"])
                     self.bridge._call(lambda s=sig: self.execution.signal(s), 5)  # type: ignore[misc]
+
+
+def _bind(sock: socket.socket, path: Path) -> None:
+    """Bind to ``path``, through a descriptor of its directory when it is longer than ``sun_path`` allows."""
+    if len(str(path).encode()) <= 100:
+        sock.bind(str(path))
+        return
+    dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sock.bind(f"/proc/self/fd/{dirfd}/{path.name}")
+    finally:
+        os.close(dirfd)
 
 
 async def _drain(stream: Any, q: queue.SimpleQueue[str | None]) -> None:
