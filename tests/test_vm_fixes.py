@@ -237,3 +237,15 @@ def test_bridge_socket_under_a_long_home(tmp_path: Path) -> None:
             handle.destroy()
     finally:
         rt.close()
+
+
+def test_close_removes_an_empty_home_and_keeps_one_with_records(tmp_path: Path) -> None:
+    empty = VmRuntime(tmp_path / "empty", sdk=sdk_double)
+    handle = empty.create_box(BoxSpec(), new_box_name(), timeout=CREATE_TIMEOUT)
+    handle.destroy()
+    empty.close()
+    assert not (tmp_path / "empty").exists(), "an owner's empty vm home was left for the ledger to call a leak"
+    kept = VmRuntime(tmp_path / "kept", sdk=sdk_double)
+    kept.register_box(BoxSpec(), new_box_name())
+    kept.close()
+    assert (tmp_path / "kept" / "db").is_dir()

@@ -92,3 +92,24 @@ def test_boxed_tests_on_vm(tmp_path: Path, scope: str) -> None:
         assert "boxlite SDK double" in out  # the report header names the runtime and why
     assert not (proj / "written-by-guest").exists()
     assert ledger.scan(home) == [], f"boxes left behind:\n{out}"
+
+
+def test_xdist_workers_on_vm(tmp_path: Path) -> None:
+    """``--boxlite -n 2``: each xdist worker runs boxed tests on its own vm home; nothing leaks."""
+    import subprocess
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "test_x.py").write_text(
+        "import os, pytest\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_x(i):\n"
+        "    assert os.environ.get('PYTEST_BOXLITE_GUEST') == '1' and os.path.isdir('/run/boxlite-double')\n"
+    )
+    home = tmp_path / "home"
+    argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", "--boxlite-runtime=vm"]
+    argv += ["--boxlite", "-n", "2", "test_x.py"]
+    r = subprocess.run(argv, cwd=proj, env=double_env(), capture_output=True, text=True, timeout=200)
+    out = r.stdout + r.stderr
+    assert "6 passed" in out and "leaked 0" in out, out
+    assert ledger.scan(home) == []

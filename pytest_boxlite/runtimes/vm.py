@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import errno
 import secrets
+import shutil
 import sys
 import threading
 import time
@@ -453,12 +454,18 @@ class VmRuntime:
             return
         self._closed = True
 
-        async def shutdown() -> None:
+        async def shutdown() -> int:
             with contextlib.suppress(Exception):
                 await self._rt.shutdown()
+            return len(await self._rt.list_info())
 
-        with contextlib.suppress(BoxTimeoutError):
-            self.loop.call(shutdown, BOOKKEEPING_TIMEOUT, "shutdown")
+        remaining: int | None = None
+        with contextlib.suppress(Exception):
+            remaining = self.loop.call(shutdown, BOOKKEEPING_TIMEOUT, "shutdown")
         # Dropping the runtime (and every Box handle) releases BoxLite's home lock.
         self._rt = None
         self.loop.close()
+        if remaining == 0:
+            # The home is this owner's alone and holds no box any more: leave nothing for the
+            # ledger to count as a leftover (the shared image store is only linked from here).
+            shutil.rmtree(self.home, ignore_errors=True)
