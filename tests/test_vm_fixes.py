@@ -187,8 +187,9 @@ def test_16_dropped_output_ends_the_stream_loudly(vm: VmRuntime, box: VmBox, tmp
 
 def test_21_signals_reach_the_command_through_the_shim(box: VmBox, tmp_path: Path) -> None:
     prog = (
-        "import signal, sys, time\n"
-        "signal.signal(signal.SIGTERM, lambda *a: (print('term', flush=True), sys.exit(5)))\n"
+        "import os, signal, sys, time\n"
+        # os.write, not print: the signal may land while print('ready') still holds stdout's lock
+        "signal.signal(signal.SIGTERM, lambda *a: (os.write(1, b'term\\n'), sys.exit(5)))\n"
         "print('ready', flush=True)\n"
         "time.sleep(60)\n"
     )
