@@ -14,6 +14,14 @@ through it): the guest holds a command's stdin open until the host closes it
 and ``signal`` reach the command's leader only (#20), ``cwd=None`` means ``/``
 (#12), ``wait()`` gives ``-1`` both for SIGHUP and for a lost channel (#19).
 
+One difference from namespace boxes is deliberate and documented rather than
+hidden: the project and ``sys.path`` directories are BoxLite volumes
+(virtio-fs) mounted **read-only** at their host paths, not copy-on-write
+(BoxLite volumes have no overlay option, review #30), so a guest write under
+the rootdir fails with EROFS.  A copy-on-write view would need an overlay
+mounted inside the guest, which needs privileges the container may not have;
+that is unverified, so it is not attempted.
+
 Still to confirm on a host that boots VMs (none here can): whether the OCI
 runtime creates a missing working directory (#13: sidestepped, the box gets
 ``mkdir -p /workspace`` from ``/`` once it is up), whether an oversized
