@@ -440,9 +440,10 @@ class _Ring:
 class _HostStream:
     """Host side: the transport moves ring contents into an unbounded queue of ``str`` chunks."""
 
-    def __init__(self, name: str, fd: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, name: str, fd: int, loop: asyncio.AbstractEventLoop, outcome: _Outcome | None = None) -> None:
         self.name = name
         self.loop = loop
+        self.outcome = outcome
         self.q: asyncio.Queue[str | None] = asyncio.Queue()
         self.ring = _Ring()
         self.taken = False
@@ -469,7 +470,18 @@ class _HostStream:
         tail = decoder.decode(b"", final=True)
         if tail:
             self.put(tail)
+        if self.outcome is not None and self.outcome.settled.wait(2.0) and self.outcome.lost:
+            # The host SDK's own line, in the stream, before it ends.
+            self.put("Attach stream error: the exec stream ended without an exit status\n")
         self.put(None)
+
+
+class _Outcome:
+    """How an exec ended, as its streams learn it: normally, or with the channel lost."""
+
+    def __init__(self) -> None:
+        self.settled = threading.Event()
+        self.lost = False
 
 
 class _StreamIter:
@@ -583,14 +595,14 @@ class Execution:
         self._box = box
         self._conn = conn
         self._stdin_pipe: _StdinPipe | None = _StdinPipe(fds[0], box.dir / "shim.stderr")
+        outcome = _Outcome()
         self._out: _HostStream | None = _HostStream("stdout", fds[1], loop)
-        self._err: _HostStream | None = _HostStream("stderr", fds[2], loop)
+        self._err: _HostStream | None = _HostStream("stderr", fds[2], loop, outcome)
         self._done: asyncio.Future[ExecResult] = loop.create_future()
-        err = self._err
-        threading.Thread(target=self._watch, args=(loop, conn, rest, self._done, err), daemon=True).start()
+        threading.Thread(target=self._watch, args=(loop, conn, rest, self._done, outcome), daemon=True).start()
 
     @staticmethod
-    def _watch(loop: Any, conn: socket.socket, buf: bytes, done: asyncio.Future[ExecResult], err: _HostStream) -> None:
+    def _watch(loop: Any, conn: socket.socket, buf: bytes, done: asyncio.Future[ExecResult], outcome: _Outcome) -> None:
         code: int | None = None
         while True:
             while b"\n" in buf:
@@ -608,12 +620,10 @@ class Execution:
                 break
             buf += chunk
         conn.close()
-        if code is None:
-            # The box went away under the command: the host SDK's synthetic line, and -1.
-            err.put("Attach stream error: the exec stream ended without an exit status\n")
-            result = ExecResult(-1, None)
-        else:
-            result = ExecResult(code, None)
+        # The box going away under the command gives -1 (and the synthetic stderr line).
+        outcome.lost = code is None
+        outcome.settled.set()
+        result = ExecResult(-1 if code is None else code, None)
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
 
