@@ -29,11 +29,11 @@ pytestmark = pytest.mark.timeout(60)
 #: Every member of the SDK the plugin (and the double's users) touch, by class.
 SURFACE: dict[str, list[str]] = {
     "Options": ["__init__"],
-    "Boxlite": ["__init__", "create", "list_info", "get", "get_info", "remove", "shutdown", "close"],
+    "Boxlite": ["__init__", "create", "list_info", "get", "get_info", "remove", "shutdown", "close", "import_box"],
     "BoxOptions": ["__init__"],
     "NetworkSpec": ["__init__"],
     "OutboundNetworkSpec": ["__init__"],
-    "Box": ["id", "name", "start", "stop", "info", "exec", "clone_box"],
+    "Box": ["id", "name", "start", "stop", "info", "exec", "clone_box", "export"],
     "Execution": ["id", "stdin", "stdout", "stderr", "wait", "kill", "signal", "resize_tty"],
     "ExecStdin": ["send_input", "close", "is_closed"],
     "ExecStdout": ["__aiter__", "__anext__"],

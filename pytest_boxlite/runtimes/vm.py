@@ -35,7 +35,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
+import fcntl
+import hashlib
+import os
 import secrets
 import shutil
 import sys
@@ -71,6 +75,8 @@ INPUT_CHUNK = 1024 * 1024
 EXEC_TAG = "PYTEST_BOXLITE_EXEC"
 #: Lines the SDK itself writes into a command's stderr when the channel to the guest fails.
 _SDK_STREAM_ERRORS = ("Attach failed:", "Attach stream error:")
+#: ``BoxSpec.template`` of a vm box cloned from a provisioned template (see VmRuntime.ensure_template).
+TEMPLATE_PREFIX = "vm-template:"
 #: Run in the box (``python -I -S -c``) to SIGKILL every process carrying one tag in its environment.
 KILL_TAGGED = """
 import os, sys
@@ -352,6 +358,9 @@ class VmRuntime:
                 raise
             raise RuntimeUnavailableError(f"boxlite cannot open home {self.home}: {exc}") from None
         self._closed = False
+        #: Provisioned templates of this home: key -> the (stopped) SDK box that pool boxes are cloned from.
+        self._templates: dict[str, Any] = {}
+        self._template_mutex = threading.Lock()
 
     def wrap_exec_error(self, exc: Exception, box: VmBox, program: str) -> BoxliteError:
         """The plugin's error for an SDK failure of ``exec`` (a missing program or cwd is a file error)."""
@@ -402,8 +411,89 @@ class VmRuntime:
         except Exception as exc:  # OverflowError for cpus > 255 too: a bad spec, not a crash
             raise BoxStartError(f"boxlite could not create box {name} ({spec.describe()}): {exc}") from exc
 
+    def ensure_template(
+        self, spec: BoxSpec, setup: str, *, key: str, store: Path, cwd: Path, timeout: float
+    ) -> BoxSpec:
+        """``--boxlite-setup`` on vm: run ``setup`` once, then clone every box from the result.
+
+        The first session on the machine builds the template (a box that ran the setup, then
+        stopped) and exports it to ``store/<key>.boxlite``; every home, this session's, an xdist
+        worker's, a later session's, imports that archive once and clones its pool boxes from it
+        with ``Box.clone_box`` (a copy of the disk; the clone boots cold: BoxLite has no memory fork).
+        ``key`` must identify the spec and the setup (``templates.template_key``); the volumes are
+        part of a box's record, so their paths are added here.  Returns the spec that uses it.
+        """
+        key = f"{key}-{hashlib.sha256(repr(spec.mounts).encode()).hexdigest()[:8]}"
+        with self._template_mutex:
+            if key not in self._templates:
+                self._templates[key] = self._load_template(spec, setup, key, store, cwd, timeout)
+        return dataclasses.replace(spec, template=TEMPLATE_PREFIX + key)
+
+    def _load_template(self, spec: BoxSpec, setup: str, key: str, store: Path, cwd: Path, timeout: float) -> Any:
+        store.mkdir(parents=True, exist_ok=True)
+        archive = store / f"{key}.boxlite"
+        name = f"tpl-{key}"  # no owner in the name: never one session's box, removed at close
+        deadline = time.monotonic() + timeout
+        with open(store / f"{key}.lock", "w") as lock:
+            # Another session or worker may be building this very template: wait for it, bounded.
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise BoxStartError(
+                            f"template {key} is being built elsewhere for over {timeout:.0f}s"
+                        ) from None
+                    time.sleep(0.1)
+            if not archive.exists():
+                self._build_template(spec, setup, name, archive, cwd, timeout)
+
+            async def load() -> Any:
+                return await self._rt.import_box(str(archive), name=name)
+
+            try:
+                return self.loop.call(load, BOOKKEEPING_TIMEOUT, f"import template {key}")
+            except BoxliteError:
+                raise
+            except Exception as exc:
+                raise BoxStartError(f"boxlite could not import template {archive}: {exc}") from exc
+
+    def _build_template(self, spec: BoxSpec, setup: str, name: str, archive: Path, cwd: Path, timeout: float) -> None:
+        started = time.monotonic()
+        handle = self.create_box(dataclasses.replace(spec, worker=False, template=None), name, timeout=timeout)
+        try:
+            left = max(1.0, timeout - (time.monotonic() - started))
+            raw = handle.exec(["/bin/sh", "-c", setup], cwd=str(cwd), timeout=left)
+            if raw.exit_code != 0 or raw.timed_out:
+                out = (raw.stdout + raw.stderr).decode("utf-8", "replace")[-3000:]
+                what = "timed out" if raw.timed_out else f"exited with status {raw.exit_code}"
+                raise BoxStartError(f"--boxlite-setup {setup!r} {what} in the template box:\n{out}")
+            box = handle._box
+            tmp = archive.with_name(f"{archive.name}.{os.getpid()}.tmp")
+
+            async def export() -> None:
+                await box.stop()
+                await box.export(dest=str(tmp))
+
+            try:
+                self.loop.call(export, max(BOOKKEEPING_TIMEOUT, left), f"export template {name}")
+                os.replace(tmp, archive)  # atomic: a reader sees a whole archive or none
+            except BoxliteError:
+                raise
+            except Exception as exc:
+                raise BoxStartError(f"boxlite could not export the template box {name}: {exc}") from exc
+            finally:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+        finally:
+            handle.destroy()
+
     def create_box(self, spec: BoxSpec, name: str, *, timeout: float) -> VmBox:
-        box = self.register_box(spec, name)
+        if spec.template is not None and spec.template.startswith(TEMPLATE_PREFIX):
+            box = self._clone_template(spec.template[len(TEMPLATE_PREFIX) :], name)
+        else:
+            box = self.register_box(spec, name)
         deadline = time.monotonic() + timeout
 
         async def start() -> None:
@@ -426,6 +516,22 @@ class VmRuntime:
                 raise BoxStartError(f"box {name} did not boot within {timeout:.0f}s\n{tail}".rstrip()) from exc
             raise BoxStartError(f"box {name} ({spec.describe()}) failed to boot: {exc}\n{tail}".rstrip()) from exc
         return VmBox(self, box, name)
+
+    def _clone_template(self, key: str, name: str) -> Any:
+        with self._template_mutex:
+            tpl = self._templates.get(key)
+        if tpl is None:
+            raise ConfigError(f"no vm template {key!r} in this runtime: call ensure_template first")
+
+        async def clone() -> Any:
+            return await tpl.clone_box(name=name)
+
+        try:
+            return self.loop.call(clone, BOOKKEEPING_TIMEOUT, f"clone template {key} as {name}")
+        except BoxTimeoutError:
+            raise
+        except Exception as exc:
+            raise BoxStartError(f"boxlite could not clone template {key} as {name}: {exc}") from exc
 
     def list_boxes(self) -> list[BoxRecord]:
         async def listing() -> Any:
@@ -462,7 +568,13 @@ class VmRuntime:
             return
         self._closed = True
 
+        templates = [str(t.name) for t in self._templates.values()]
+        self._templates.clear()
+
         async def shutdown() -> int:
+            for name in templates:  # the archives stay in the shared store; this home's copies go
+                with contextlib.suppress(Exception):
+                    await self._rt.remove(name, force=True)
             with contextlib.suppress(Exception):
                 await self._rt.shutdown()
             return len(await self._rt.list_info())

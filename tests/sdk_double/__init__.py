@@ -348,6 +348,10 @@ def _pid_alive(pid: int | None, start: str | None) -> bool:
     return fields[0] not in ("Z", "X") and fields[19] == start
 
 
+def _ignore_work(directory: str, names: list[str]) -> list[str]:
+    return ["work"] if os.path.basename(directory) == "disk" else []
+
+
 def _kill_tree(root: int) -> None:
     """SIGKILL ``root`` and every descendant (children first found, then killed top-down)."""
     children: dict[int, list[int]] = {}
@@ -728,13 +732,18 @@ class _BoxState:
             elif kind == "ro":
                 argv += ["--ro-bind", path, path]
             else:
-                argv += ["--overlay-src", path, "--tmp-overlay", path]
+                argv += self._disk_layer(path)
         argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
-        argv += ["--dir", "/root", "--dir", "/home"]
+        # The box's disk: what the guest writes outside /tmp and /run persists across stop and start
+        # (and is what clone_box and export copy), as a VM's disk image does.
+        for d in ("root", "home", "workspace"):
+            (self.dir / "disk" / "dirs" / d).mkdir(parents=True, exist_ok=True)
+        argv += ["--bind", str(self.dir / "disk" / "dirs" / "root"), "/root"]
+        argv += ["--bind", str(self.dir / "disk" / "dirs" / "home"), "/home"]
         if CREATE_WORKING_DIR and self.opts.working_dir:
             argv += ["--dir", self.opts.working_dir]
         # The image's interpreter: the host's base Python, at its own path, copy-on-write.
-        argv += ["--overlay-src", sys.base_prefix, "--tmp-overlay", sys.base_prefix]
+        argv += self._disk_layer(sys.base_prefix)
         for host, guest, ro in self.opts.volumes:
             argv += ["--ro-bind" if ro else "--bind", host, guest]
         argv += ["--bind", str(ctl), _CTL]
@@ -776,6 +785,14 @@ class _BoxState:
         with open(self.dir / "logs" / "console.log", "a") as fh:
             fh.write(f"[double] box {self.rec['id']} booted, agent pid {proc.pid}\n")
         self.rt.update(self.rec, status="running", pid=proc.pid, pid_start=_start_time(proc.pid), started=time.time())
+
+    def _disk_layer(self, path: str) -> list[str]:
+        layer = path.strip("/").replace("/", "%")
+        upper = self.dir / "disk" / "upper" / layer
+        work = self.dir / "disk" / "work" / layer
+        upper.mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
+        return ["--overlay-src", path, "--overlay", str(upper), str(work), path]
 
     def stop_blocking(self) -> None:
         with self.lock:
@@ -918,10 +935,22 @@ class Box:
         return _awaitable(run())
 
     def clone_box(self, /, *, options=None, name=None):  # type: ignore[no-untyped-def]
+        """A copy of this box's disk as a new, stopped box (the real one quiesces a running box first)."""
+
         async def clone() -> Box:
-            raise UnsupportedError("sdk double: clone_box is not modelled")
+            state = self._state
+            state.rt.check_open()
+            return Box(await _in_thread(state.rt.clone, state, name, None))
 
         return _awaitable(clone())
+
+    def export(self, /, *, options=None, dest):  # type: ignore[no-untyped-def]
+        """Write the box (its record and disk) to the archive ``dest``."""
+
+        async def export() -> None:
+            await _in_thread(self._state.rt.export, self._state, Path(dest))
+
+        return _awaitable(export())
 
 
 # -- runtime -------------------------------------------------------------------------------------
@@ -1008,6 +1037,67 @@ class _RuntimeState:
             if len(hits) == 1:
                 return hits[0]
         raise NotFoundError(f"not found: {id_or_name}")
+
+    def new_record(self, base: dict[str, Any], name: str | None) -> dict[str, Any]:
+        with self.mutex:
+            if name is not None and any(b.rec["name"] == name for b in self.boxes.values()):
+                raise InvalidArgumentError(f"box with name '{name}' already exists")
+            bid = "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
+            return dict(base, id=bid, name=name, status="stopped", pid=None, created=time.time())
+
+    def clone(self, src: _BoxState, name: str | None, disk: Path | None) -> _BoxState:
+        import shutil
+
+        rec = self.new_record(src.rec, name)
+        state = _BoxState(self, rec, src.opts)
+        state.dir.mkdir(parents=True)
+        (state.dir / "logs").mkdir()
+        if (src.dir / "disk").is_dir():
+            # Overlay work directories are scratch space: only the upper layers and dirs are the disk.
+            shutil.copytree(src.dir / "disk", state.dir / "disk", symlinks=True, ignore=_ignore_work)
+        with self.mutex:
+            self.boxes[rec["id"]] = state
+            self._save()
+        return state
+
+    def export(self, src: _BoxState, dest: Path) -> None:
+        import io
+        import pickle
+        import tarfile
+
+        with tarfile.open(dest, "w") as tar:
+            meta = json.dumps({"rec": src.rec}).encode()
+            info = tarfile.TarInfo("record.json")
+            info.size = len(meta)
+            tar.addfile(info, io.BytesIO(meta))
+            opts = pickle.dumps(src.opts)
+            info = tarfile.TarInfo("options.pickle")
+            info.size = len(opts)
+            tar.addfile(info, io.BytesIO(opts))
+            if (src.dir / "disk").is_dir():
+                tar.add(src.dir / "disk", "disk", filter=lambda t: None if "/work/" in f"/{t.name}/" else t)
+
+    def import_box(self, archive: Path, name: str | None) -> _BoxState:
+        import pickle
+        import tarfile
+
+        with tarfile.open(archive) as tar:
+            meta = tar.extractfile("record.json")
+            opts_f = tar.extractfile("options.pickle")
+            if meta is None or opts_f is None:
+                raise InvalidArgumentError(f"{archive} is not a box archive")
+            base = json.loads(meta.read())["rec"]
+            opts = pickle.loads(opts_f.read())  # the double's own archives only
+            rec = self.new_record(base, name)
+            state = _BoxState(self, rec, opts)
+            state.dir.mkdir(parents=True)
+            (state.dir / "logs").mkdir()
+            members = [m for m in tar.getmembers() if m.name.startswith("disk")]
+            tar.extractall(state.dir, members=members, filter="tar" if hasattr(tarfile, "tar_filter") else None)
+        with self.mutex:
+            self.boxes[rec["id"]] = state
+            self._save()
+        return state
 
     def after_stop(self, state: _BoxState) -> None:
         if state.rec["auto_delete"]:
@@ -1118,6 +1208,15 @@ class Boxlite:
                     rt.after_stop(state)
 
         return _awaitable(shutdown())
+
+    def import_box(self, /, archive_path, name=None, *, untrusted=False):  # type: ignore[no-untyped-def]
+        """A new, stopped box from an archive :meth:`Box.export` wrote."""
+
+        async def import_box() -> Box:
+            self._rt.check_open()
+            return Box(await _in_thread(self._rt.import_box, Path(archive_path), name))
+
+        return _awaitable(import_box())
 
     def close(self, /):  # type: ignore[no-untyped-def]
         return None
