@@ -1,7 +1,10 @@
 """The sandbox contract: what every runtime's box offers through :class:`Sandbox`.
 
-Every test here runs once per runtime kind (``namespace``, ``vm``); the vm
-variants skip with the probe's reason on hosts that cannot boot a micro-VM.
+Every test here runs once per runtime kind (``namespace``, ``vm``).  Where no
+micro-VM can boot (every machine of this project's CI), the vm variants run the
+vm runtime's real code (exec, file helpers, stdio bridge) on the boxlite SDK
+double of ``tests/sdk_double``: bubblewrap sandboxes behind the SDK's exact
+surface and quirks.  On a KVM host they run on real micro-VMs.
 """
 
 from __future__ import annotations
