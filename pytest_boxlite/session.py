@@ -17,7 +17,7 @@ from typing import Any
 from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError, BoxStartError, ConfigError
 from pytest_boxlite.pool import BoxLifecycle, BoxPool, NoLifecycle, make_namer
-from pytest_boxlite.runtimes import BoxHandle, Choice, Runtime, choose, open_runtime
+from pytest_boxlite.runtimes import BoxHandle, Choice, Runtime, choose, open_choice
 from pytest_boxlite.settings import Settings
 from pytest_boxlite.spec import BoxSpec
 
@@ -61,8 +61,8 @@ class BoxliteSession:
 
     ``lifecycle`` is the owner's part of each box's life (e.g. a warm test interpreter in
     ``worker`` boxes); ``worker_mounts`` are the host directories a test worker must see at the
-    same paths as the host; ``opener`` opens the runtime (kind, home, owner): the unit tests give
-    a fake one.
+    same paths as the host; ``opener`` opens the runtime (kind, home, owner) instead of
+    :func:`~pytest_boxlite.runtimes.open_choice`: the unit tests give a fake one.
     """
 
     def __init__(
@@ -73,7 +73,7 @@ class BoxliteSession:
         worker_id: str | None,
         lifecycle: BoxLifecycle | None = None,
         worker_mounts: tuple[str, ...] = (),
-        opener: Callable[[str, Path, str], Runtime] = open_runtime,
+        opener: Callable[[str, Path, str], Runtime] | None = None,
     ) -> None:
         self.settings = settings
         self.session_id = session_id
@@ -192,7 +192,11 @@ class BoxliteSession:
 
     def _start(self) -> None:
         try:
-            runtime = self._opener(self.choice.kind, self.home, self.owner)
+            if self._opener is not None:
+                runtime = self._opener(self.choice.kind, self.home, self.owner)
+            else:
+                # Under auto, a VM runtime that will not open falls back to namespace, saying why.
+                runtime, self.choice = open_choice(self.choice, self.home, self.owner)
             s = self.settings
             pool = BoxPool(
                 runtime,

@@ -7,7 +7,7 @@ Every message is a 2-tuple ``(name, fields)`` with ``fields`` a dict, as in pyte
 travels as one JSON line ``[name, fields]`` on a Unix socket (tuples tagged, see :func:`tag`).
 
 host -> guest (execnet channel)
-    first message: a dict ``{"args", "cwd", "sys_path", "env", "resolved", "xdist"}``
+    first message: a dict ``{"args", "cwd", "sys_path", "env", "resolved", "prefix", "xdist"}``
                                       (see ``RemoteRunner.start_worker`` in pytest_boxlite.remote)
     ``RUN {nodeid, next}``            run one collected item; ``next`` is the item that follows in
                                       the same box (module fixtures stay up) or ``None``

@@ -203,6 +203,14 @@ def serve(channel):
     os.chdir(cfg["cwd"])
     # The guest sees the host's project and packages at the same paths.
     sys.path[:] = cfg["sys_path"]
+    if cfg.get("prefix") not in (None, sys.prefix):
+        # Another interpreter than the host's (a VM image's): it never read the host environment's
+        # .pth files (editable installs' import hooks), so read them now.
+        import site
+
+        for entry in list(cfg["sys_path"]):
+            if entry.endswith(("site-packages", "dist-packages")) and os.path.isdir(entry):
+                site.addsitedir(entry)
     os.environ.update(cfg["env"])
     import json
     import socket

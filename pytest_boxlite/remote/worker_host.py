@@ -61,9 +61,32 @@ def guest_args(config: pytest.Config) -> list[str]:
 
 
 def worker_mounts(config: pytest.Config) -> tuple[str, ...]:
-    """Host directories a test worker needs at the same paths: the project and ``sys.path``."""
+    """Host directories a test worker needs at the same paths: the project, ``sys.path``, this
+    plugin's own directory and the source trees of editable installs (which are on no path)."""
     paths = [str(config.rootpath), str(config.invocation_params.dir), *sys.path]
+    paths.append(str(Path(__file__).resolve().parents[2]))
+    paths += _editable_roots()
     return minimal_dirs(p for p in paths if p)
+
+
+def _editable_roots() -> list[str]:
+    """Source directories of installed editable distributions (PEP 610 ``direct_url.json``)."""
+    import importlib.metadata
+    import json
+    from urllib.parse import unquote, urlparse
+
+    roots = []
+    for dist in importlib.metadata.distributions():
+        try:
+            info = json.loads(dist.read_text("direct_url.json") or "{}")
+        except ValueError:
+            continue
+        url = info.get("url", "") if isinstance(info, dict) else ""
+        if info.get("dir_info", {}).get("editable") and url.startswith("file://"):
+            path = unquote(urlparse(url).path)
+            if os.path.isdir(path):
+                roots.append(path)
+    return roots
 
 
 #: Options whose value the host resolves at random when not given (the box must use the same).
@@ -129,7 +152,7 @@ class RemoteRunner:
             ["env", *startup_env(env), handle.guest_python], cwd=cwd, status_file=str(status_file)
         )
         spec_str = "execmodel=main_thread_only//popen//python=" + shlex.join(argv)
-        gw = self.group.makegateway(spec_str)
+        gw = self._make_gateway(spec_str, handle)
         try:
             channel = gw.remote_exec(self._source)
             channel.send(
@@ -139,6 +162,7 @@ class RemoteRunner:
                     "sys_path": list(sys.path),
                     "env": env,
                     "resolved": resolved_options(self.config),
+                    "prefix": sys.prefix,
                     "xdist": xdist_identity(self.config),
                 }
             )
@@ -155,6 +179,29 @@ class RemoteRunner:
             raise BoxliteError(f"pytest did not start inside box {handle.name}: {exc}\n{tail}".rstrip()) from exc
         with self._lock:
             self._workers[handle.name] = _Worker(gw, channel, fields["pid"], status_file)
+
+    def _make_gateway(self, spec_str: str, handle: BoxHandle) -> Any:
+        """``makegateway``, bounded by the boot timeout (execnet's own call has no timeout)."""
+        made: dict[str, Any] = {}
+
+        def make() -> None:
+            try:
+                made["gateway"] = self.group.makegateway(spec_str)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                made["error"] = exc
+
+        thread = threading.Thread(target=make, name=f"boxlite-gateway-{handle.name}", daemon=True)
+        thread.start()
+        thread.join(self.boot_timeout)
+        if thread.is_alive():
+            # Ending the box ends its bridge, which lets makegateway fail instead of hanging on.
+            with contextlib.suppress(Exception):
+                handle.destroy()
+            thread.join(5.0)
+            raise BoxliteError(f"box {handle.name}: no interpreter answered within {self.boot_timeout:.0f}s")
+        if "error" in made:
+            raise made["error"]
+        return made["gateway"]
 
     def stop_worker(self, handle: BoxHandle) -> None:
         """Drop the gateway; the box is killed right after."""
