@@ -85,6 +85,23 @@ def _init(child):
             os._exit(code if code >= 0 else 128 - code)
 
 
+def _cut_channel(channel):
+    """In a forked box: point the warm interpreter's execnet pipes at /dev/null.
+
+    The fork inherits them; the test it runs must not be able to speak (or listen) on the warm
+    interpreter's channel.  dup2 rather than close, so no later file can take those numbers.
+    """
+    io = getattr(channel.gateway, "_io", None)
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in ("infile", "outfile"):
+            f = getattr(io, name, None)
+            if f is not None:
+                os.dup2(null, f.fileno())
+    finally:
+        os.close(null)
+
+
 def _forget_cached_host_facts():
     """State the warm interpreter computed before the fork that is not true in the new box."""
     import platform
@@ -223,17 +240,20 @@ def serve(channel):
             self.collect_errors = {}
             self.session = None
             self.children = {}
+            self.seq = None
             self.send = self._locked(lambda name, **fields: channel.send((name, fields)))
             self.cache_writes = {}
 
-        @staticmethod
-        def _locked(send):
+        def _locked(self, send):
             """``send`` made safe for the live-output threads (one message at a time)."""
             import threading
 
             lock = threading.Lock()
 
             def locked(name, **fields):
+                # Every message of a run carries the run's number: the host drops what an
+                # earlier test left behind (a thread still printing, say) instead of misreading it.
+                fields["seq"] = self.seq
                 with lock:
                     send(name, **fields)
 
@@ -288,6 +308,7 @@ def serve(channel):
                     return True
                 name, fields = msg
                 if name == RUN:  # noqa: F821
+                    self.seq = fields.get("seq")
                     self.run(fields["nodeid"], fields.get("next"))
                     self.send(DONE)  # noqa: F821
                 elif name == FORK:  # noqa: F821
@@ -378,7 +399,7 @@ def serve(channel):
                     live.close()
             self._send_side_data(since)
 
-        def fork(self, nodeid, token, sock, hostname, network):
+        def fork(self, nodeid, token, sock, hostname, network, seq=None):
             for old, status in list(self.children.items()):  # reap boxes that have ended
                 if status is None:
                     self.wait(old, timeout=0)
@@ -402,6 +423,7 @@ def serve(channel):
                 # Connect first: the fresh box gets a new /run, which hides the socket's directory.
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.connect(sock)
+                _cut_channel(channel)
                 _fresh_box(hostname, network)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
                 test = os.fork()
                 if test:
@@ -415,6 +437,7 @@ def serve(channel):
                     out.flush()
 
                 send(TOKEN, token=token)  # noqa: F821
+                self.seq = seq
                 self.send = send = self._locked(send)
                 self.run(nodeid, None)
                 send(DONE)  # noqa: F821

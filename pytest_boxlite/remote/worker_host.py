@@ -130,6 +130,7 @@ class RemoteRunner:
         self._args = guest_args(config)
         self._listeners: dict[str, socket.socket] = {}
         self._log_since: dict[str, int] = {}
+        self._seq = 0  # every run's number: its messages carry it (see transport.drain)
         #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
         self.forks = 0
         self.fork_waits: list[float] = []
@@ -239,11 +240,13 @@ class RemoteRunner:
         if worker is None:
             return self._failed(item, f"box {handle.name} has no running test worker", handle, 0.0), None
         start = time.monotonic()
+        self._seq += 1
+        seq = self._seq
         try:
-            worker.channel.send((msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid}))
+            worker.channel.send((msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq}))
         except (EOFError, OSError, execnet.RemoteError) as exc:
             return self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), None
-        out = drain(ChannelStream(worker.channel), item, start + timeout, box=handle.name)
+        out = drain(ChannelStream(worker.channel), item, start + timeout, box=handle.name, seq=seq)
         if out.timed_out or out.spoke:
             self._kill(handle)
         elif out.hung_up is not None:
@@ -274,8 +277,11 @@ class RemoteRunner:
         # Failure reports quote only what this fork added to the template's log.
         size = getattr(handle, "log_size", None)
         self._log_since[handle.name] = size() if size is not None else 0
+        self._seq += 1
+        seq = self._seq
         request = {
             "nodeid": item.nodeid,
+            "seq": seq,
             "token": token,
             "sock": FORK_SOCKET,
             "hostname": name[:63],
@@ -300,7 +306,7 @@ class RemoteRunner:
                 why = f"the box died before it could run the test: it {reports.describe_status(died, forked=True)}"
                 return self._failed(item, why, handle, time.monotonic() - start), name, None
             with stream.conn:
-                out = drain(stream, item, deadline, box=handle.name)  # one coverage file per fork parent
+                out = drain(stream, item, deadline, box=handle.name, seq=seq)  # one coverage file per fork parent
         code: int | None = None
         if out.timed_out or out.spoke:
             self._fork_status(worker, msg.KILL, child)
@@ -312,6 +318,7 @@ class RemoteRunner:
                 )
         if out.done:
             self.fork_waits.append(time.monotonic() - start - sum(r.duration for r in out.reports))
+            self._end_fork(worker, child)
         return self._finish(item, out, handle, start, timeout, forked_code=code), name, out.exit
 
     def _finish(
@@ -367,6 +374,16 @@ class RemoteRunner:
             if first == (msg.TOKEN, {"token": token}):
                 return stream
             conn.close()  # a stale connection (from an earlier box that timed out): drop it
+
+    def _end_fork(self, worker: _Worker, child: int, grace: float = 2.0) -> None:
+        """A forked box that said DONE must end: one that lingers (a test that goes on after its
+        report) is killed after ``grace`` seconds, so nothing outlives its test."""
+        deadline = time.monotonic() + grace
+        while self._fork_status(worker, msg.POLL, child) is None:
+            if time.monotonic() > deadline:
+                self._fork_status(worker, msg.KILL, child)
+                return
+            time.sleep(0.005)
 
     def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:
         try:
