@@ -6,6 +6,7 @@ Each script stays runnable on its own (``python benchmarks/<name>.py``): this di
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,36 @@ def log(msg: str) -> None:
 
 def _raise_interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def positive(text: str) -> int:
+    """``argparse`` type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def cli(
+    parse_args: Callable[[list[str] | None], argparse.Namespace],
+    run: Callable[[argparse.Namespace], int],
+    *,
+    interrupted: str,
+    argv: list[str] | None = None,
+) -> int:
+    """Every script's ``main``: parse, run; SIGTERM/SIGHUP/Ctrl-C end the run as an interruption.
+
+    ``run`` cleans up in its ``finally`` blocks (under :func:`deferred_signals`); then this logs
+    ``interrupted: <interrupted>`` and returns 130, as a shell does for SIGINT.
+    """
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGHUP, _raise_interrupt)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        log(f"interrupted: {interrupted}")
+        return 130
 
 
 @contextlib.contextmanager

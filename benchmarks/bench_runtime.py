@@ -30,7 +30,6 @@ import os
 import platform
 import secrets
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from _bench import _raise_interrupt, deferred_signals, log
+from _bench import cli, deferred_signals, log, positive
 
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -310,12 +309,6 @@ def render(report: dict[str, Any]) -> str:
 
 # -- main -------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    def positive(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-        return value
-
     def seconds(text: str) -> float:
         value = float(text)
         if not value > 0:
@@ -336,14 +329,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGHUP, _raise_interrupt)
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        log("interrupted: the boxes made so far were destroyed and the temporary home removed")
-        return 130
+    return cli(
+        parse_args, run, interrupted="the boxes made so far were destroyed and the temporary home removed", argv=argv
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,6 +73,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import bench_marker as bm  # noqa: E402
+from _bench import RunFailed, clean_env, cli, deferred_signals, leak_check, log, positive, run_bounded  # noqa: E402
 
 from pytest_boxlite.runtimes import open_runtime  # noqa: E402
 from pytest_boxlite.spec import BoxSpec  # noqa: E402
@@ -130,7 +131,6 @@ class Skipped(Exception):
 
 
 # -- helpers ----------------------------------------------------------------
-log = bm.log
 
 
 def fmt_time(seconds: float | None) -> str:
@@ -172,12 +172,12 @@ def run_script(script: str, args: list[str], root: Path, timeout: float, verbose
     out = root / f"{Path(script).stem}.json"
     cmd = [sys.executable, str(HERE / script), *args, "--json", str(out)]
     log(f"{script} {shlex.join(args)}")
-    rc, text, wall, timed_out = bm.run_bounded(cmd, cwd=HERE, env=bm.clean_env(), timeout=timeout)
+    rc, text, wall, timed_out = run_bounded(cmd, cwd=HERE, env=clean_env(), timeout=timeout)
     if verbose:
         log(text.rstrip())
     if timed_out or rc != 0 or not out.exists():
         why = f"timed out after {timeout:.0f} s" if timed_out else f"exit status {rc}"
-        raise bm.RunFailed(script, cmd, why, text)
+        raise RunFailed(script, cmd, why, text)
     log(f"  {script}: {wall:.1f} s")
     data: dict[str, Any] = json.loads(out.read_text())
     data["_command"] = shlex.join([Path(sys.executable).name, f"benchmarks/{script}", *args])
@@ -188,7 +188,7 @@ def with_retry(what: str, fn: Callable[[], T], retries: list[dict[str, str]]) ->
     """``fn()``; a failed run is logged, recorded (the table lists it) and run once more."""
     try:
         return fn()
-    except bm.RunFailed as exc:
+    except RunFailed as exc:
         boxlite = [ln.strip() for ln in exc.output.splitlines() if "[boxlite]" in ln]
         reason = exc.detail + (f"; {boxlite[0][:200]}" if boxlite else "")
         log(f"warning: {what} failed ({reason}); running it once more")
@@ -205,8 +205,8 @@ def timed_pytest(
     what: str, cmd: list[str], cwd: Path, want: int, timeout: float, timing: Path, **env: str
 ) -> dict[str, Any]:
     """One pytest run of a generated suite (bench_marker's conftest times each test on the host)."""
-    rc, out, wall, timed_out = bm.run_bounded(
-        cmd, cwd=cwd, env=bm.clean_env(BENCH_TIMING_FILE=str(timing), **env), timeout=timeout
+    rc, out, wall, timed_out = run_bounded(
+        cmd, cwd=cwd, env=clean_env(BENCH_TIMING_FILE=str(timing), **env), timeout=timeout
     )
     bm.check_passed(what, cmd, rc, out, timed_out, want, timeout)
     times = json.loads(timing.read_text())
@@ -224,7 +224,7 @@ def ensure_isolate(retry: bool, timeout: float) -> tuple[dict[str, str], str]:
     probe = "import importlib.metadata as m; print('pytest-isolate', m.version('pytest-isolate'))"
 
     def version() -> str | None:
-        rc, out, _, _ = bm.run_bounded([str(py), "-c", probe], cwd=HERE, env=bm.clean_env(**env), timeout=60)
+        rc, out, _, _ = run_bounded([str(py), "-c", probe], cwd=HERE, env=clean_env(**env), timeout=60)
         return out.strip() if rc == 0 else None
 
     found = version() if ISOLATE_SITE.is_dir() else None
@@ -236,7 +236,7 @@ def ensure_isolate(retry: bool, timeout: float) -> tuple[dict[str, str], str]:
     shutil.rmtree(ISOLATE_SITE, ignore_errors=True)
     cmd = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps"]
     cmd += ["--target", str(ISOLATE_SITE), *ISOLATE_PACKAGES]
-    rc, out, _, timed_out = bm.run_bounded(cmd, cwd=HERE, env=bm.clean_env(), timeout=timeout)
+    rc, out, _, timed_out = run_bounded(cmd, cwd=HERE, env=clean_env(), timeout=timeout)
     found = version() if rc == 0 and not timed_out else None
     if not found:
         why = "timed out" if timed_out else f"exit {rc}"
@@ -257,7 +257,7 @@ def bench_isolate(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     (probe_dir / "pytest.ini").write_text("[pytest]\n")
     (probe_dir / "test_probe.py").write_text(ISOLATE_PROBE)
     cmd = pytest_cmd(py, *ISOLATE_ARGS, "--isolate")
-    rc, out, _, timed_out = bm.run_bounded(cmd, cwd=probe_dir, env=bm.clean_env(**env), timeout=120)
+    rc, out, _, timed_out = run_bounded(cmd, cwd=probe_dir, env=clean_env(**env), timeout=120)
     if timed_out or rc != 0:
         tail = " ".join(out.strip().splitlines()[-1:]) if out.strip() else "no output"
         raise Skipped(f"{desc}: a test run with --isolate failed (exit {rc}): {tail[-200:]}")
@@ -280,7 +280,7 @@ def bench_isolate(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     f"  {'--isolate' if key == 'isolate' else 'unmarked'} (pytest 8 venv + pytest-isolate): "
                     f"{res['wall']:.2f} s"
                 )
-    except bm.RunFailed as exc:
+    except RunFailed as exc:
         log(f"output tail:\n{exc.output[-bm.TAIL :]}")
         raise Skipped(f"{desc}: {exc}") from exc
     n = len(nodeids)
@@ -333,7 +333,7 @@ def bench_scaling(
                 homes.append(home)
                 cmd = pytest_cmd(py, "--boxlite-replicas", str(r), "--boxlite-home", str(home))
                 res = timed_pytest(label, cmd, marked, n, args.timeout, timing)
-                res["leak_check"] = bm.leak_check(label, home)
+                res["leak_check"] = leak_check(label, home)
                 res["command"] = shlex.join(cmd)
                 shutil.rmtree(home, ignore_errors=True)
                 return res
@@ -481,7 +481,7 @@ def bench_memory_plain(args: argparse.Namespace, root: Path, homes: list[Path]) 
         log(f"  {len(boxes)} plain boxes: PSS " + ", ".join(fmt_mib(b["pss_kb"]) for b in boxes) + " MiB")
         return boxes
     finally:
-        with bm.deferred_signals():
+        with deferred_signals():
             for name in attempted:
                 try:
                     rt.remove_box(name)
@@ -501,7 +501,7 @@ def bench_memory_worker(args: argparse.Namespace, root: Path, homes: list[Path])
     (work / "pytest.ini").write_text("[pytest]\n")
     (work / "test_hold.py").write_text(HOLD_SUITE)
     cmd = pytest_cmd(sys.executable, "--boxlite-home", str(home))
-    env = bm.clean_env(BENCH_MEM_DIR=str(flags), BENCH_MEM_HOLD="120")
+    env = clean_env(BENCH_MEM_DIR=str(flags), BENCH_MEM_HOLD="120")
     with tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(
             cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -531,7 +531,7 @@ def bench_memory_worker(args: argparse.Namespace, root: Path, homes: list[Path])
             out.seek(0)
             text = out.read().decode(errors="replace")
         bm.check_passed("memory: pytest run with a warm worker box", cmd, proc.returncode, text, False, 2, 120)
-    bm.leak_check("memory: pytest run", home)
+    leak_check("memory: pytest run", home)
     if not boxes:
         raise Skipped("the pytest run had no box while its host test waited")
     log(
@@ -597,7 +597,7 @@ def measure(args: argparse.Namespace, root: Path, homes: list[Path]) -> dict[str
     for script, data in (("bench_pool.py", pool), ("bench_runtime.py", runtime)):
         why = data["runtimes"]["namespace"].get("skipped")
         if why:
-            raise bm.RunFailed(script, [script], f"the namespace runtime was skipped: {why}", "")
+            raise RunFailed(script, [script], f"the namespace runtime was skipped: {why}", "")
     res["host_io"] = host_file_io(20 * MIB, 3, root)
     marker_args = ["--tests", str(args.tests), "--per-module", str(args.per_module), "--repeat", str(args.repeat)]
     marker_args += ["--timeout", f"{args.timeout:g}"]
@@ -619,7 +619,7 @@ def measure(args: argparse.Namespace, root: Path, homes: list[Path]) -> dict[str
         res["skipped"]["memory_worker"] = str(exc)
     for home in homes:
         if home.exists():
-            bm.leak_check(f"home {home.name}", home)
+            leak_check(f"home {home.name}", home)
     res["leak_checks"] = {home.name: "no boxes" for home in homes}
     return res
 
@@ -871,12 +871,6 @@ def render(report: dict[str, Any]) -> str:
 
 # -- main -----------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    def positive(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-        return value
-
     def replicas(text: str) -> list[int]:
         return [positive(x) for x in text.split(",")]
 
@@ -899,14 +893,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    signal.signal(signal.SIGTERM, bm._raise_interrupt)
-    signal.signal(signal.SIGHUP, bm._raise_interrupt)
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        log("interrupted: the boxes made so far were removed and the temporary directory deleted")
-        return 130
+    return cli(
+        parse_args, run, interrupted="the boxes made so far were removed and the temporary directory deleted", argv=argv
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -936,19 +925,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             res = measure(args, root, homes)
-        except bm.RunFailed as exc:
+        except RunFailed as exc:
             log(f"error: {exc}")
             log(f"command: {shlex.join(exc.cmd)}")
             log(f"output tail:\n{exc.output[-bm.TAIL :]}")
             return 1
     finally:
-        with bm.deferred_signals():
+        with deferred_signals():
             for home in homes:
                 if home.exists():
                     # Only a run stopped half-way leaves anything here: reap it before removal.
                     with contextlib.suppress(Exception):
                         cmd = [sys.executable, "-m", "pytest_boxlite", "--home", str(home), "clean"]
-                        bm.run_bounded(cmd, cwd=HERE, env=bm.clean_env(), timeout=60)
+                        run_bounded(cmd, cwd=HERE, env=clean_env(), timeout=60)
             shutil.rmtree(root, ignore_errors=True)
     meta["loadavg_end"] = loadavg()
     meta["elapsed"] = time.monotonic() - started

@@ -35,14 +35,13 @@ import platform
 import re
 import shlex
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from _bench import RunFailed, _raise_interrupt, clean_env, deferred_signals, leak_check, log, run_bounded
+from _bench import RunFailed, clean_env, cli, deferred_signals, leak_check, log, positive, run_bounded
 
 HERE = Path(__file__).resolve().parent
 BASE_ARGS = ("-q", "-p", "no:cacheprovider")
@@ -176,12 +175,6 @@ def render(report: dict[str, Any]) -> str:
 
 # -- main -------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    def positive(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-        return value
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tests", type=positive, default=200, help="trivial tests in the suite (default: 200)")
     p.add_argument("--per-module", type=positive, default=10, help="tests per module (default: 10)")
@@ -198,14 +191,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGHUP, _raise_interrupt)
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        log("interrupted: the temporary directory was removed")
-        return 130
+    return cli(parse_args, run, interrupted="the temporary directory was removed", argv=argv)
 
 
 def run(args: argparse.Namespace) -> int:

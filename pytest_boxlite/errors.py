@@ -8,10 +8,7 @@ FileNotFoundError`` works on a sandbox exactly as it does locally.
 from __future__ import annotations
 
 import errno as _errno
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pytest_boxlite.sandbox import ExecResult
+from typing import Protocol
 
 __all__ = [
     "BoxDeadError",
@@ -24,6 +21,7 @@ __all__ = [
     "BoxTimeoutError",
     "BoxliteError",
     "CommandError",
+    "CommandOutcome",
     "ConfigError",
     "GuestToolError",
     "InvalidPathError",
@@ -70,10 +68,41 @@ class InvalidPathError(BoxliteError, ValueError):
     """A guest path is unusable (empty, contains NUL, ...)."""
 
 
+class CommandOutcome(Protocol):
+    """What :attr:`CommandError.result` provides: :class:`pytest_boxlite.sandbox.ExecResult` implements it.
+
+    A protocol (not an import of the sandbox module) keeps this module at the bottom of the
+    package: it imports nothing of pytest-boxlite.
+    """
+
+    @property
+    def command(self) -> str: ...
+    @property
+    def exit_code(self) -> int | None: ...
+    @property
+    def stdout_bytes(self) -> bytes: ...
+    @property
+    def stderr_bytes(self) -> bytes: ...
+    @property
+    def timed_out(self) -> bool: ...
+    @property
+    def duration(self) -> float: ...
+    @property
+    def stdout_truncated(self) -> bool: ...
+    @property
+    def stderr_truncated(self) -> bool: ...
+    @property
+    def stdout(self) -> str: ...
+    @property
+    def stderr(self) -> str: ...
+    @property
+    def ok(self) -> bool: ...
+
+
 class CommandError(BoxliteError):
     """A command run with ``check=True`` exited non-zero or timed out."""
 
-    def __init__(self, result: ExecResult) -> None:
+    def __init__(self, result: CommandOutcome) -> None:
         self.result = result
         what = "timed out" if result.timed_out else f"exited with status {result.exit_code}"
         out = _tail(result.stdout)

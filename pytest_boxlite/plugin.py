@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from pytest_boxlite.marker_registration import MARKER_HELP
 from pytest_boxlite.markers import BoxPlan, plan_for
 from pytest_boxlite.pool import NoLifecycle
 from pytest_boxlite.remote import BoxedExecutor, RemoteRunner, in_guest, worker_mounts
-from pytest_boxlite.runtimes import BoxHandle
+from pytest_boxlite.runtimes import BoxHandle, kind_notes
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.settings import Settings, add_options, resolve
 from pytest_boxlite.spec import BoxSpec
@@ -211,6 +212,15 @@ class ControllerPlugin(_SessionRole):
         if session.settings.scope == "worker":
             from pytest_boxlite.xdist_support import box_worker_specs
 
+            if config.pluginmanager.hasplugin("rerunfailures") and not session.settings.network:
+                # Its xdist workers report to the controller over 127.0.0.1: fail now, not in every worker.
+                raise pytest.UsageError(
+                    "--boxlite-scope=worker: pytest-rerunfailures is installed, and its xdist workers connect "
+                    "to the controller over 127.0.0.1, which a worker box without network cannot reach. "
+                    "Add --boxlite-network=on (worker boxes then share the host's network), "
+                    "or -p no:rerunfailures."
+                )
+
             box_worker_specs(session, config)
 
     def pytest_configure_node(self, node: Any) -> None:
@@ -283,11 +293,28 @@ class HostPlugin(_SessionRole, NoLifecycle):
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         has_timeout = config.pluginmanager.hasplugin("timeout")
+        _, unused_image = kind_notes(self.session.choice.kind)
+        warned: set[str] = set()
         for item in items:
             plan = plan_for(item, self.session)
             if plan is None:
                 continue
             item.stash[_PLAN_KEY] = plan
+            image = plan.spec.image
+            if unused_image and image != self.session.settings.image and image not in warned:
+                # One warning per image: the test would otherwise run on the host's distribution unawares.
+                warned.add(image)
+                lineno = item.location[1]
+                warnings.warn_explicit(
+                    pytest.PytestWarning(
+                        f"{item.nodeid}: @pytest.mark.boxlite(image={image!r}) has no effect on the "
+                        f"{self.session.choice.kind} runtime ({unused_image}); it runs on this host's files. "
+                        "Use --boxlite-runtime=vm for a real image."
+                    ),
+                    category=pytest.PytestWarning,
+                    filename=str(item.path),
+                    lineno=(lineno or 0) + 1,
+                )
             if has_timeout:
                 # pytest-timeout acts inside the box; on the host it could only kill the whole session.
                 item.add_marker(pytest.mark.timeout(0), append=False)

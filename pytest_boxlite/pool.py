@@ -9,6 +9,9 @@
   a box goes to a second lease only when both leases opt in (``reuse=True``)
   and it passes a health check.
 * An idle reaper stops warm boxes nobody asked for within ``idle_timeout``.
+* The pool's owner takes part in each box's life through one :class:`BoxLifecycle`
+  given at construction (provision the spec, start something in a new box, stop it
+  before the box goes, give back a box it holds when a lease is blocked at the cap).
 
 No pytest import: this layer is driven by fixtures and the plugin.
 """
@@ -92,7 +95,8 @@ class BoxLifecycle(Protocol):
 
     def relieve(self, spec: BoxSpec) -> bool:
         """A lease of ``spec`` is blocked at the cap with nothing idle to evict: release a box held
-        for the owner itself (a fork parent) if there is one.  Returns whether one was released."""
+        for the owner itself (a fork parent) if there is one.  Returns whether one was released
+        (the pool looks again either way, and asks again only after its next wake-up)."""
         ...
 
 
@@ -241,15 +245,22 @@ class BoxPool:
                 continue
             waited = time.monotonic() - start
             with self._cond:
-                self._leased[handle.name] = handle
-                self.stats.leased += 1
-                self.stats.lease_waits.append(waited)
-                if kind == "warm":
-                    self.stats.warm_hits += 1
-                elif kind == "reused":
-                    self.stats.reused += 1
-                # Refill what this lease took, for prewarmed specs (others boot on demand).
-                self._fill_locked()
+                closed = self._closed
+                if not closed:
+                    self._leased[handle.name] = handle
+                    self.stats.leased += 1
+                    self.stats.lease_waits.append(waited)
+                    if kind == "warm":
+                        self.stats.warm_hits += 1
+                    elif kind == "reused":
+                        self.stats.reused += 1
+                    # Refill what this lease took, for prewarmed specs (others boot on demand).
+                    self._fill_locked()
+            if closed:
+                # shutdown() ran while this box booted or was health-checked: it saw the box in
+                # no queue, so it is destroyed here rather than handed out after the pool closed.
+                self._destroy(handle, refill=False)
+                raise BoxliteError("the box pool has been shut down")
             sandbox = Sandbox(handle, default_timeout=self.command_timeout)
             return Lease(self, spec, handle, sandbox, waited, reuse)
 
@@ -285,6 +296,7 @@ class BoxPool:
     ) -> tuple[BoxHandle | None, str, BoxHandle | None]:
         """Take a warm box, or reserve capacity for a cold boot (``None``, maybe with a box to evict)."""
         waited = False  # a box that arrives while we wait is not a warm hit
+        asked = False  # the owner was asked for relief since the last wake-up
         with self._cond:
             while True:
                 if self._closed:
@@ -324,15 +336,17 @@ class BoxPool:
                                 self.stats.evicted += 1
                                 self._booting[spec] += 1
                                 return None, "cold", w.handle
-                if self._booting[spec] == 0:
+                if self._booting[spec] == 0 and not asked:
                     # Nothing idle to evict: ask the holder of long-lived leases to let one go.
                     self._cond.release()
                     try:
-                        freed = self._lifecycle.relieve(spec)
+                        self._lifecycle.relieve(spec)
                     finally:
                         self._cond.acquire()
-                    if freed:
-                        continue
+                    # Whether or not it freed a box, look again before waiting: the lock was
+                    # dropped, so a box freed meanwhile sent its notification to nobody.
+                    asked = True
+                    continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise LeaseTimeoutError(
@@ -343,6 +357,7 @@ class BoxPool:
                     )
                 self._cond.wait(left)
                 waited = True
+                asked = False
 
     def _reserve_locked(self, spec: BoxSpec) -> None:
         self._live += 1

@@ -6,23 +6,23 @@ import shlex
 import statistics
 from typing import Any
 
+import pytest
+
+from pytest_boxlite.runtimes import kind_notes
 from pytest_boxlite.session import BoxliteSession
 
 
-def header(box: BoxliteSession, *, controller: bool = False) -> list[str]:
+def header(session: BoxliteSession, *, controller: bool = False) -> list[str]:
     """``boxlite: runtime=... (why) image=... replicas=...``."""
-    c = box.choice
-    why = c.reason
-    if c.kind == "namespace":
-        why += "; namespace isolation shares the host kernel, weaker than a VM"
+    c = session.choice
+    caveat, unused_image = kind_notes(c.kind)
+    why = c.reason + (f"; {caveat}" if caveat else "")
     per = " per worker" if controller else ""
-    s = box.settings
-    image = s.image
-    if c.kind == "namespace":
-        image += " (unused: namespace boxes show the host's filesystem)"
+    s = session.settings
+    image = s.image + (f" (unused: {unused_image})" if unused_image else "")
     return [
         f"boxlite: runtime={c.kind} ({why})",
-        f"boxlite: image={image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={box.home}",
+        f"boxlite: image={image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={session.home}",
     ]
 
 
@@ -57,9 +57,9 @@ def summary_line(stats: dict[str, Any], leaked: int) -> str:
     )
 
 
-def summary(terminalreporter: Any, box: BoxliteSession) -> None:
+def summary(terminalreporter: pytest.TerminalReporter, session: BoxliteSession) -> None:
     """The ``boxlite`` section at the end of the run (only when boxes were used)."""
-    rep = box.report
+    rep = session.report
     stats = merge_stats([rep.stats, *rep.worker_stats]) if rep.worker_stats else rep.stats
     used = bool(stats.get("booted") or stats.get("leased") or stats.get("forked"))
     if not used and not rep.leaked and not rep.reconciled and not rep.kept:
@@ -72,7 +72,7 @@ def summary(terminalreporter: Any, box: BoxliteSession) -> None:
         tr.write_line(f"LEAKED boxes (removed at exit): {', '.join(rep.leaked)}", red=True)
     if rep.reconciled:
         tr.write_line(f"removed {len(rep.reconciled)} leftover box(es) of dead sessions: {', '.join(rep.reconciled)}")
-    home = "" if box.settings.sources.get("home") == "default" else f" --home {shlex.quote(str(box.home))}"
+    home = "" if session.settings.sources.get("home") == "default" else f" --home {shlex.quote(str(session.home))}"
     for name in rep.kept:
         tr.write_line(
             f"kept box {name} (failed test): enter it with `python -m pytest_boxlite{home} shell {name}`, "

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError, BoxStartError, ConfigError
 from pytest_boxlite.pool import BoxLifecycle, BoxPool, NoLifecycle, make_namer
-from pytest_boxlite.runtimes import BoxHandle, Choice, Runtime, choose, open_runtime
+from pytest_boxlite.runtimes import BoxHandle, Choice, Runtime, choose, open_choice
 from pytest_boxlite.settings import Settings
 from pytest_boxlite.spec import BoxSpec
 
@@ -60,7 +61,8 @@ class BoxliteSession:
 
     ``lifecycle`` is the owner's part of each box's life (e.g. a warm test interpreter in
     ``worker`` boxes); ``worker_mounts`` are the host directories a test worker must see at the
-    same paths as the host.
+    same paths as the host; ``opener`` opens the runtime (kind, home, owner) instead of
+    :func:`~pytest_boxlite.runtimes.open_choice`: the unit tests give a fake one.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class BoxliteSession:
         worker_id: str | None,
         lifecycle: BoxLifecycle | None = None,
         worker_mounts: tuple[str, ...] = (),
+        opener: Callable[[str, Path, str], Runtime] | None = None,
     ) -> None:
         self.settings = settings
         self.session_id = session_id
@@ -88,6 +91,7 @@ class BoxliteSession:
         self._owner_lock: ledger.OwnerLock | None = None
         self._starter: threading.Thread | None = None
         self._closed = False
+        self._opener = opener
         self._lifecycle = _Provisioning(self, NoLifecycle() if lifecycle is None else lifecycle)
         self._wanted: set[BoxSpec] = set()
         self._namer = make_namer(self.owner)
@@ -188,7 +192,11 @@ class BoxliteSession:
 
     def _start(self) -> None:
         try:
-            runtime = open_runtime(self.choice.kind, self.home, self.owner)
+            if self._opener is not None:
+                runtime = self._opener(self.choice.kind, self.home, self.owner)
+            else:
+                # Under auto, a VM runtime that will not open falls back to namespace, saying why.
+                runtime, self.choice = open_choice(self.choice, self.home, self.owner)
             s = self.settings
             pool = BoxPool(
                 runtime,

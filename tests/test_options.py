@@ -12,16 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from subruns import QUIET
 
 from pytest_boxlite.runtimes import probe
 from pytest_boxlite.settings import OPTIONS, default_home
 from pytest_boxlite.spec import default_image
-
-#: Where boxlite's wheel unpacked its bwrap; pytester points $HOME elsewhere, so keep this reachable.
-REAL_DATA_HOME = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-
-#: Every sub-run leaves out plugins unrelated to boxlite: hypothesis's alone costs seconds per in-process run.
-QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark")
 
 SHOW_SETTINGS = """
 import dataclasses, json
@@ -58,15 +53,6 @@ LAYERS: dict[str, tuple[str, str, list[str], Any, Any, Any]] = {
     "lease_timeout": ("41", "42", ["--boxlite-lease-timeout", "43"], 41.0, 42.0, 43.0),
 }
 # home is set per test, under tmp_path: see home_layers().
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No PYTEST_BOXLITE_* from the outer environment leaks into a sub-run."""
-    for key in list(os.environ):
-        if key.startswith("PYTEST_BOXLITE_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("XDG_DATA_HOME", REAL_DATA_HOME)
 
 
 def home_layers(tmp_path: Path) -> tuple[str, str, str]:

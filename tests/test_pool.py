@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from subruns import wait_until
 
 from pytest_boxlite import errors
 from pytest_boxlite.pool import BoxPool, make_namer
@@ -26,17 +27,6 @@ OTHER_SPEC = BoxSpec(env=(("POOL_TEST_SPEC", "other"),))
 POOL_THREAD_PREFIXES = ("boxlite-pool", "boxlite-idle-reaper")
 
 PoolFactory = Callable[..., BoxPool]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.02) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout`` passes; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return bool(predicate())
-        time.sleep(interval)
 
 
 def box_names(rt: NamespaceRuntime) -> set[str]:

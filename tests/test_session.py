@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from subruns import QUIET, REAL_DATA_HOME, process_gone, sub_env, wait_until
+from subruns import QUIET, process_gone, sub_env, wait_until
 
 from pytest_boxlite import ledger
 from pytest_boxlite.runtimes import choose, probe
@@ -105,23 +105,6 @@ class Holder:
             self.proc.kill()
             self.proc.wait(30)
         self._log.close()
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("PYTEST_BOXLITE_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("XDG_DATA_HOME", REAL_DATA_HOME)
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Iterator[Path]:
-    """A private boxlite home; whatever a failing test leaves there is removed afterwards."""
-    h = tmp_path / "boxhome"
-    yield h
-    if h.exists():
-        ledger.reconcile(h, include_kept=True)
 
 
 @pytest.fixture

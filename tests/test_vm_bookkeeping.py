@@ -149,8 +149,9 @@ def test_box_options_mapping(vm_runtime: VmRuntime) -> None:
     assert off.cpus == 2
     assert off.memory_mib == 512
     assert sorted(off.env) == [("A", "1"), ("B", "2")]
-    assert off.working_dir == "/workspace"
-    assert not off.auto_delete
+    # No working_dir (whether the OCI runtime creates it is unverified, #13): the box makes it.
+    assert off.working_dir is None
+    assert off.auto_delete == 0  # keep the record after a stop
     assert off.network is not None
     assert "disabled" in repr(off.network)
 
@@ -209,7 +210,7 @@ def test_probe_matches_this_host() -> None:
 
 
 def test_probe_is_fast() -> None:
-    uncached = probe.__wrapped__  # type: ignore[attr-defined]
+    uncached = probe.__wrapped__
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()

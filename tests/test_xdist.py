@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import subruns
-from subruns import REAL_DATA_HOME, pids_with, process_gone, sub_env, wait_until
+from subruns import pids_with, process_gone, sub_env, wait_until
 
 from pytest_boxlite import ledger
 from pytest_boxlite.runtimes.vm import prepare_home
@@ -85,32 +85,6 @@ def junit_props(path: Path) -> dict[str, dict[str, str]]:
         props["outcome"] = "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
         out[tc.get("name", "")] = props
     return out
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("PYTEST_BOXLITE_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("XDG_DATA_HOME", REAL_DATA_HOME)
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Iterator[Path]:
-    """A private boxlite home; whatever a failing test left there is removed afterwards."""
-    h = tmp_path / "bxh"
-    yield h
-    if h.exists():
-        ledger.reconcile(h, include_kept=True)
-
-
-@pytest.fixture
-def subruns(home: Path) -> Iterator[list[SubRun]]:
-    """Sub-runs of a test, killed at teardown (before ``home`` is swept) if a failure left them running."""
-    started: list[SubRun] = []
-    yield started
-    for s in started:
-        s.kill()
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ Every message is a 2-tuple ``(name, fields)`` with ``fields`` a dict, as in pyte
 travels as one JSON line ``[name, fields]`` on a Unix socket (tuples tagged, see :func:`tag`).
 
 host -> guest (execnet channel)
-    first message: a dict ``{"args", "cwd", "sys_path", "env"}`` (see :func:`pytest_boxlite.remote`)
+    first message: a dict ``{"args", "cwd", "sys_path", "env", "resolved", "prefix", "xdist"}``
+                                      (see ``RemoteRunner.start_worker`` in pytest_boxlite.remote)
     ``RUN {nodeid, next}``            run one collected item; ``next`` is the item that follows in
                                       the same box (module fixtures stay up) or ``None``
     ``FORK {nodeid, token, sock, hostname, network}``
@@ -24,6 +25,8 @@ guest -> host
     ``CACHE {values}``                what the test stored with ``config.cache.set`` (key -> JSON value)
     ``COVERAGE {arcs, files}``        the box's coverage data so far, when coverage runs in the box
                                       (file -> lines, or arcs as ``[a, b]`` pairs)
+    ``FILES {files}``                 files the test wrote under :data:`WRITE_BACK` (relative path ->
+                                      base64), e.g. the hypothesis example database
     ``ERROR {text}``                  the item could not run in the box (not collected there, ...)
     ``DONE {}``                       end of one ``RUN`` (or of a forked box's stream)
     ``FORKED {pid}`` / ``STATUS {code}``
@@ -44,6 +47,7 @@ EXIT = "exit"
 CACHE = "cache"
 OUTPUT = "output"
 COVERAGE = "coverage"
+FILES = "files"
 ERROR = "error"
 DONE = "done"
 FORKED = "forked"
@@ -51,10 +55,18 @@ STATUS = "status"
 TOKEN = "token"
 
 #: Messages a test may send while it runs (everything else ends or is foreign to a run).
-RUN_MESSAGES = (REPORT, WARNING, EXIT, OUTPUT, CACHE, COVERAGE, ERROR, DONE)
+RUN_MESSAGES = (REPORT, WARNING, EXIT, OUTPUT, CACHE, COVERAGE, FILES, ERROR, DONE)
 
 #: Longest text the guest puts in one report field (a section, the failure's text).
 FIELD_CAP = 1 << 20
+
+#: Directories (relative to the invocation directory) whose new files a box hands back to the
+#: host after each test: the hypothesis example database, so a failure found in a box replays.
+WRITE_BACK = (".hypothesis/examples",)
+
+#: At most this many files and bytes come back per test.
+WRITE_BACK_FILES = 1000
+WRITE_BACK_BYTES = 16 << 20
 
 #: Longest JSON line the host accepts from a forked box (a report with capped fields fits).
 LINE_CAP = 16 << 20

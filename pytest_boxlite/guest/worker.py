@@ -38,6 +38,27 @@ _HOST_ONLY_OPTIONS = {
 }
 
 
+def _xdist_identity(workerid, testrunuid):
+    """Fixtures that tell a boxed test which xdist worker its host is, as ``worker_id`` does locally.
+
+    pytest-xdist's own ``worker_id``/``testrun_uid`` read ``config.workerinput``, which the box's
+    pytest has not (it is no xdist worker: it must not act as one towards other plugins).  This
+    plugin is registered after xdist's, so its fixtures are the ones found.
+    """
+    import pytest
+
+    class XdistIdentity:
+        @pytest.fixture(scope="session")
+        def worker_id(self):
+            return workerid
+
+        @pytest.fixture(scope="session")
+        def testrun_uid(self):
+            return testrunuid
+
+    return XdistIdentity()
+
+
 def _init(child):
     """Be the init of a forked box: forward signals to ``child``, reap orphans, exit as it exits.
 
@@ -62,6 +83,23 @@ def _init(child):
         if pid == child:
             code = os.waitstatus_to_exitcode(status)
             os._exit(code if code >= 0 else 128 - code)
+
+
+def _cut_channel(channel):
+    """In a forked box: point the warm interpreter's execnet pipes at /dev/null.
+
+    The fork inherits them; the test it runs must not be able to speak (or listen) on the warm
+    interpreter's channel.  dup2 rather than close, so no later file can take those numbers.
+    """
+    io = getattr(channel.gateway, "_io", None)
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in ("infile", "outfile"):
+            f = getattr(io, name, None)
+            if f is not None:
+                os.dup2(null, f.fileno())
+    finally:
+        os.close(null)
 
 
 def _forget_cached_host_facts():
@@ -154,11 +192,42 @@ def _coverage_fields():
     return {"arcs": arcs, "files": files} if files else None
 
 
+def _new_files(since):
+    """Files written under WRITE_BACK since ``since`` (bounded), as relative path -> base64."""
+    import base64
+    import stat
+
+    out, total = {}, 0
+    cwd = os.getcwd()
+    for rel in WRITE_BACK:  # noqa: F821 - messages.py
+        for dirpath, _dirs, files in os.walk(os.path.join(cwd, rel)):  # never follows links
+            for name in files:
+                path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode) or st.st_mtime < since:
+                    continue
+                if len(out) >= WRITE_BACK_FILES or total + st.st_size > WRITE_BACK_BYTES:  # noqa: F821
+                    return out
+                with open(path, "rb") as fh:
+                    data = fh.read(st.st_size + 1)
+                total += len(data)
+                out[os.path.relpath(path, cwd)] = base64.b64encode(data).decode("ascii")
+    return out
+
+
 def serve(channel):
     cfg = channel.receive()
     os.chdir(cfg["cwd"])
     # The guest sees the host's project and packages at the same paths.
     sys.path[:] = cfg["sys_path"]
+    if cfg.get("prefix") not in (None, sys.prefix):
+        # Another interpreter than the host's (a VM image's): it never read the host environment's
+        # .pth files (editable installs' import hooks), so read them now.
+        import site
+
+        for entry in list(cfg["sys_path"]):
+            if entry.endswith(("site-packages", "dist-packages")) and os.path.isdir(entry):
+                site.addsitedir(entry)
     os.environ.update(cfg["env"])
     import json
     import socket
@@ -171,17 +240,20 @@ def serve(channel):
             self.collect_errors = {}
             self.session = None
             self.children = {}
+            self.seq = None
             self.send = self._locked(lambda name, **fields: channel.send((name, fields)))
             self.cache_writes = {}
 
-        @staticmethod
-        def _locked(send):
+        def _locked(self, send):
             """``send`` made safe for the live-output threads (one message at a time)."""
             import threading
 
             lock = threading.Lock()
 
             def locked(name, **fields):
+                # Every message of a run carries the run's number: the host drops what an
+                # earlier test left behind (a thread still printing, say) instead of misreading it.
+                fields["seq"] = self.seq
                 with lock:
                     send(name, **fields)
 
@@ -193,6 +265,15 @@ def serve(channel):
             for name, value in _HOST_ONLY_OPTIONS.items():
                 if hasattr(config.option, name):
                     setattr(config.option, name, value)
+            # Values the host resolved at random (pytest-randomly's seed): the box uses the same.
+            for name, value in cfg.get("resolved", {}).items():
+                if hasattr(config.option, name):
+                    setattr(config.option, name, value)
+            xdist = cfg.get("xdist")
+            if xdist:
+                config.pluginmanager.register(
+                    _xdist_identity(xdist["workerid"], xdist["testrunuid"]), "boxlite-xdist-id"
+                )
             # The box's own terminal report is nobody's to read: the terminal plugin binds it to
             # sys.stdout in its pytest_configure, so hand it a copy of stderr (the box log) until
             # the session starts; with -s fd 1 then carries only what the test prints.
@@ -227,6 +308,7 @@ def serve(channel):
                     return True
                 name, fields = msg
                 if name == RUN:  # noqa: F821
+                    self.seq = fields.get("seq")
                     self.run(fields["nodeid"], fields.get("next"))
                     self.send(DONE)  # noqa: F821
                 elif name == FORK:  # noqa: F821
@@ -254,8 +336,11 @@ def serve(channel):
 
             cache.set = set_and_keep
 
-        def _send_side_data(self):
-            """What a test left for the host besides its reports: cache values, coverage data."""
+        def _send_side_data(self, since):
+            """What a test left for the host besides its reports: cache values, coverage, files."""
+            files = _new_files(since)
+            if files:
+                self.send(FILES, files=files)  # noqa: F821
             if self.cache_writes:
                 self.send(CACHE, values=self.cache_writes)  # noqa: F821
                 self.cache_writes = {}
@@ -301,7 +386,10 @@ def serve(channel):
                 self.send(ERROR, text=error)  # noqa: F821
                 return
             nextitem = self.items.get(next_nodeid) if next_nodeid else None
-            live = _LiveOutput(self.send) if item.config.option.capture == "no" else None
+            import time
+
+            since = time.time() - 1.0  # file systems keep mtimes coarser than the clock
+            live = _LiveOutput(self.send) if item.config.option.capture in ("no", "tee-sys") else None
             try:
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
             except pytest.exit.Exception as exc:
@@ -309,9 +397,9 @@ def serve(channel):
             finally:
                 if live is not None:
                     live.close()
-            self._send_side_data()
+            self._send_side_data(since)
 
-        def fork(self, nodeid, token, sock, hostname, network):
+        def fork(self, nodeid, token, sock, hostname, network, seq=None):
             for old, status in list(self.children.items()):  # reap boxes that have ended
                 if status is None:
                     self.wait(old, timeout=0)
@@ -335,6 +423,7 @@ def serve(channel):
                 # Connect first: the fresh box gets a new /run, which hides the socket's directory.
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.connect(sock)
+                _cut_channel(channel)
                 _fresh_box(hostname, network)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
                 test = os.fork()
                 if test:
@@ -348,6 +437,7 @@ def serve(channel):
                     out.flush()
 
                 send(TOKEN, token=token)  # noqa: F821
+                self.seq = seq
                 self.send = send = self._locked(send)
                 self.run(nodeid, None)
                 send(DONE)  # noqa: F821

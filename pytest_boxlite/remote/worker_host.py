@@ -61,9 +61,54 @@ def guest_args(config: pytest.Config) -> list[str]:
 
 
 def worker_mounts(config: pytest.Config) -> tuple[str, ...]:
-    """Host directories a test worker needs at the same paths: the project and ``sys.path``."""
+    """Host directories a test worker needs at the same paths: the project, ``sys.path``, this
+    plugin's own directory and the source trees of editable installs (which are on no path)."""
     paths = [str(config.rootpath), str(config.invocation_params.dir), *sys.path]
+    paths.append(str(Path(__file__).resolve().parents[2]))
+    paths += _editable_roots()
     return minimal_dirs(p for p in paths if p)
+
+
+def _editable_roots() -> list[str]:
+    """Source directories of installed editable distributions (PEP 610 ``direct_url.json``)."""
+    import importlib.metadata
+    import json
+    from urllib.parse import unquote, urlparse
+
+    roots = []
+    for dist in importlib.metadata.distributions():
+        try:
+            info = json.loads(dist.read_text("direct_url.json") or "{}")
+        except ValueError:
+            continue
+        url = info.get("url", "") if isinstance(info, dict) else ""
+        if info.get("dir_info", {}).get("editable") and url.startswith("file://"):
+            path = unquote(urlparse(url).path)
+            if os.path.isdir(path):
+                roots.append(path)
+    return roots
+
+
+#: Options whose value the host resolves at random when not given (the box must use the same).
+RESOLVED_OPTIONS = ("randomly_seed",)
+
+
+def resolved_options(config: pytest.Config) -> dict[str, object]:
+    """The host's final value of each :data:`RESOLVED_OPTIONS` entry its plugins define."""
+    out: dict[str, object] = {}
+    for name in RESOLVED_OPTIONS:
+        value = getattr(config.option, name, None)
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            out[name] = value
+    return out
+
+
+def xdist_identity(config: pytest.Config) -> dict[str, str] | None:
+    """Which xdist worker this host is (for the box's ``worker_id`` fixture), if it is one."""
+    workerinput = getattr(config, "workerinput", None)
+    if not workerinput:
+        return None
+    return {"workerid": str(workerinput.get("workerid", "")), "testrunuid": str(workerinput.get("testrunuid", ""))}
 
 
 def startup_env(env: dict[str, str]) -> list[str]:
@@ -85,6 +130,7 @@ class RemoteRunner:
         self._args = guest_args(config)
         self._listeners: dict[str, socket.socket] = {}
         self._log_since: dict[str, int] = {}
+        self._seq = 0  # every run's number: its messages carry it (see transport.drain)
         #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
         self.forks = 0
         self.fork_waits: list[float] = []
@@ -107,10 +153,20 @@ class RemoteRunner:
             ["env", *startup_env(env), handle.guest_python], cwd=cwd, status_file=str(status_file)
         )
         spec_str = "execmodel=main_thread_only//popen//python=" + shlex.join(argv)
-        gw = self.group.makegateway(spec_str)
+        gw = self._make_gateway(spec_str, handle)
         try:
             channel = gw.remote_exec(self._source)
-            channel.send({"args": self._args, "cwd": cwd, "sys_path": list(sys.path), "env": env})
+            channel.send(
+                {
+                    "args": self._args,
+                    "cwd": cwd,
+                    "sys_path": list(sys.path),
+                    "env": env,
+                    "resolved": resolved_options(self.config),
+                    "prefix": sys.prefix,
+                    "xdist": xdist_identity(self.config),
+                }
+            )
             # Collection of the whole session happens before READY: bounded by the boot timeout.
             name, fields = channel.receive(self.boot_timeout)
             if name != msg.READY or not isinstance(fields, dict) or not isinstance(fields.get("pid"), int):
@@ -124,6 +180,29 @@ class RemoteRunner:
             raise BoxliteError(f"pytest did not start inside box {handle.name}: {exc}\n{tail}".rstrip()) from exc
         with self._lock:
             self._workers[handle.name] = _Worker(gw, channel, fields["pid"], status_file)
+
+    def _make_gateway(self, spec_str: str, handle: BoxHandle) -> Any:
+        """``makegateway``, bounded by the boot timeout (execnet's own call has no timeout)."""
+        made: dict[str, Any] = {}
+
+        def make() -> None:
+            try:
+                made["gateway"] = self.group.makegateway(spec_str)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                made["error"] = exc
+
+        thread = threading.Thread(target=make, name=f"boxlite-gateway-{handle.name}", daemon=True)
+        thread.start()
+        thread.join(self.boot_timeout)
+        if thread.is_alive():
+            # Ending the box ends its bridge, which lets makegateway fail instead of hanging on.
+            with contextlib.suppress(Exception):
+                handle.destroy()
+            thread.join(5.0)
+            raise BoxliteError(f"box {handle.name}: no interpreter answered within {self.boot_timeout:.0f}s")
+        if "error" in made:
+            raise made["error"]
+        return made["gateway"]
 
     def stop_worker(self, handle: BoxHandle) -> None:
         """Drop the gateway; the box is killed right after."""
@@ -161,11 +240,13 @@ class RemoteRunner:
         if worker is None:
             return self._failed(item, f"box {handle.name} has no running test worker", handle, 0.0), None
         start = time.monotonic()
+        self._seq += 1
+        seq = self._seq
         try:
-            worker.channel.send((msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid}))
+            worker.channel.send((msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq}))
         except (EOFError, OSError, execnet.RemoteError) as exc:
             return self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), None
-        out = drain(ChannelStream(worker.channel), item, start + timeout, box=handle.name)
+        out = drain(ChannelStream(worker.channel), item, start + timeout, box=handle.name, seq=seq)
         if out.timed_out or out.spoke:
             self._kill(handle)
         elif out.hung_up is not None:
@@ -196,8 +277,11 @@ class RemoteRunner:
         # Failure reports quote only what this fork added to the template's log.
         size = getattr(handle, "log_size", None)
         self._log_since[handle.name] = size() if size is not None else 0
+        self._seq += 1
+        seq = self._seq
         request = {
             "nodeid": item.nodeid,
+            "seq": seq,
             "token": token,
             "sock": FORK_SOCKET,
             "hostname": name[:63],
@@ -222,7 +306,7 @@ class RemoteRunner:
                 why = f"the box died before it could run the test: it {reports.describe_status(died, forked=True)}"
                 return self._failed(item, why, handle, time.monotonic() - start), name, None
             with stream.conn:
-                out = drain(stream, item, deadline, box=name)
+                out = drain(stream, item, deadline, box=handle.name, seq=seq)  # one coverage file per fork parent
         code: int | None = None
         if out.timed_out or out.spoke:
             self._fork_status(worker, msg.KILL, child)
@@ -234,6 +318,7 @@ class RemoteRunner:
                 )
         if out.done:
             self.fork_waits.append(time.monotonic() - start - sum(r.duration for r in out.reports))
+            self._end_fork(worker, child)
         return self._finish(item, out, handle, start, timeout, forked_code=code), name, out.exit
 
     def _finish(
@@ -289,6 +374,16 @@ class RemoteRunner:
             if first == (msg.TOKEN, {"token": token}):
                 return stream
             conn.close()  # a stale connection (from an earlier box that timed out): drop it
+
+    def _end_fork(self, worker: _Worker, child: int, grace: float = 2.0) -> None:
+        """A forked box that said DONE must end: one that lingers (a test that goes on after its
+        report) is killed after ``grace`` seconds, so nothing outlives its test."""
+        deadline = time.monotonic() + grace
+        while self._fork_status(worker, msg.POLL, child) is None:
+            if time.monotonic() > deadline:
+                self._fork_status(worker, msg.KILL, child)
+                return
+            time.sleep(0.005)
 
     def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:
         try:

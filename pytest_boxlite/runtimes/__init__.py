@@ -18,6 +18,7 @@ __all__ = [
     "RawResult",
     "Runtime",
     "choose",
+    "open_choice",
     "open_runtime",
     "probe",
 ]
@@ -31,6 +32,8 @@ class Choice:
 
     kind: str
     reason: str
+    #: The runtime to use instead when ``kind`` cannot open after all (``auto`` only).
+    fallback: str | None = None
 
 
 def choose(requested: str) -> Choice:
@@ -45,8 +48,37 @@ def choose(requested: str) -> Choice:
             raise RuntimeUnavailableError(f"runtime=vm was requested but micro-VMs cannot boot here: {p.reason}")
         return Choice("vm", p.reason)
     if p.vm_ok:
-        return Choice("vm", p.reason)
+        return Choice("vm", p.reason, fallback="namespace")
     return Choice("namespace", p.reason)
+
+
+def kind_notes(kind: str) -> tuple[str | None, str | None]:
+    """What the report says of runtime ``kind``: ``(isolation caveat, why images are unused)``.
+
+    Kept here so that code outside ``runtimes/`` never branches on a runtime's name.
+    """
+    if kind == "namespace":
+        return (
+            "namespace isolation shares the host kernel, weaker than a VM",
+            "namespace boxes show the host's filesystem",
+        )
+    return None, None
+
+
+def open_choice(choice: Choice, home: Path, owner: str) -> tuple[Runtime, Choice]:
+    """Open the chosen runtime; under ``auto``, fall back to namespace when the VM runtime cannot open.
+
+    The probe answers in milliseconds from the host's state; opening BoxLite can still fail (its
+    own KVM check, a broken install).  Returns the runtime and the choice that holds, whose reason
+    says why the fallback happened.
+    """
+    try:
+        return open_runtime(choice.kind, home, owner), choice
+    except RuntimeUnavailableError as exc:
+        if choice.fallback is None:
+            raise
+        reason = f"the {choice.kind} runtime could not open ({exc}); using {choice.fallback}"
+        return open_runtime(choice.fallback, home, owner), Choice(choice.fallback, reason)
 
 
 def open_runtime(kind: str, home: Path, owner: str) -> Runtime:

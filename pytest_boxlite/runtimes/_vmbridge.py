@@ -9,25 +9,67 @@ allows one runtime per home per process.
 
 The VM's exec stdout arrives as lossily decoded text, so the guest command is
 wrapped in :data:`FRAMING_SHIM`, which base64-encodes stdout one line per
-chunk; this side decodes it back to the exact bytes.  Stdin is binary-safe
-as it is; stderr (diagnostics) is passed through as text.
+chunk and ends with a ``!exit N`` trailer (the command's own status, which
+the SDK cannot tell apart from a lost channel when it is -1); this side
+decodes it back to the exact bytes and refuses anything else: the SDK
+injects ``[boxlite] stdout output dropped N bytes`` into the stream when the
+guest's output ring overflows, and a corrupted execnet stream must end the
+connection loudly, never be passed on.  Stdin is binary-safe as it is;
+stderr (diagnostics) is passed through as text.
+
+The SDK's ``signal`` and ``kill`` reach the shim only (the leader), so the
+shim runs the command in a session of its own and forwards SIGINT, SIGTERM
+and SIGHUP to that process group; SIGUSR1 asks it to SIGKILL the group (the
+client hung up).
+
+Every blocking read and write runs on threads owned by one connection, never
+on the event loop's shared default executor: that pool has ``cpu + 4``
+threads, and two permanently busy ones per attached worker deadlocked the
+third worker on a 2-CPU host (review #22).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
+import concurrent.futures
 import contextlib
 import json
 import os
+import queue
+import select
+import signal
 import socket
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+#: Where commands run when the client names no cwd: the box's workdir, as on namespace boxes
+#: (the SDK would run them in "/").
+WORKDIR = "/workspace"
+#: Bound on one SDK call made for a connection (creating the exec, one send, one signal).
+CALL_TIMEOUT = 30.0
+#: After the command's stdout ends, how long stderr may stay open (children that escaped the group).
+STDERR_GRACE = 2.0
+#: Lines the SDK itself writes into a command's stderr when the channel to the guest fails.
+_SDK_STREAM_ERRORS = ("Attach failed:", "Attach stream error:")
 
 FRAMING_SHIM = """
 import base64, os, signal, subprocess, sys
-p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE)
+p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, start_new_session=True)
+def forward(sig, frame):
+    try:
+        os.killpg(p.pid, sig)
+    except OSError:
+        pass
+def kill_group(sig, frame):
+    forward(signal.SIGKILL, frame)
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, forward)
+signal.signal(signal.SIGUSR1, kill_group)
 fd = p.stdout.fileno()
 while True:
     chunk = os.read(fd, 48 * 1024)
@@ -35,12 +77,49 @@ while True:
         break
     sys.stdout.write(base64.b64encode(chunk).decode("ascii") + "\\n")
     sys.stdout.flush()
-code = p.wait()
-if code < 0:
-    signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-sys.exit(code)
+sys.stdout.write("!exit %d\\n" % p.wait())
+sys.stdout.flush()
 """
+
+
+class BridgeStreamError(Exception):
+    """The framed stdout from the guest is not what the shim wrote (dropped or injected bytes)."""
+
+
+class BoxGoneError(Exception):
+    """The box was destroyed while the command ran (an expected end: the client is told nothing)."""
+
+
+class FrameDecoder:
+    """Decodes the shim's framing strictly: base64 lines, then one ``!exit N`` trailer."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+        self.exit_code: int | None = None
+
+    def feed(self, text: str) -> list[bytes]:
+        """The payload bytes in ``text``; raises :class:`BridgeStreamError` on anything else."""
+        self.pending += text
+        out: list[bytes] = []
+        while "\n" in self.pending:
+            line, self.pending = self.pending.split("\n", 1)
+            if "[boxlite]" in line:
+                raise BridgeStreamError(f"boxlite lost part of the command's output: {line.strip()[:200]}")
+            if self.exit_code is not None:
+                raise BridgeStreamError("output after the command's exit trailer")
+            if line.startswith("!exit "):
+                try:
+                    self.exit_code = int(line[6:])
+                except ValueError:
+                    raise BridgeStreamError(f"bad exit trailer {line[:40]!r}") from None
+                continue
+            try:
+                out.append(base64.b64decode(line, validate=True))
+            except (binascii.Error, ValueError):
+                raise BridgeStreamError(f"corrupted output frame ({len(line)} characters)") from None
+        if len(self.pending) > 1 << 20:
+            raise BridgeStreamError("an output frame longer than 1 MiB")
+        return out
 
 
 class VmBridge:
@@ -55,7 +134,7 @@ class VmBridge:
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
         self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._srv.bind(str(sock_path))
+        _bind(self._srv, sock_path)
         self._srv.listen(16)
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name=f"boxlite-vmbridge-{sock_path.stem}", daemon=True)
@@ -75,7 +154,20 @@ class VmBridge:
                 conn, _ = self._srv.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="boxlite-vmbridge-conn").start()
+
+    def _call(self, factory: Callable[[], Awaitable[T]], timeout: float = CALL_TIMEOUT) -> T:
+        """Run one SDK call on the loop from a connection thread, bounded."""
+
+        async def runner() -> T:
+            return await factory()
+
+        fut = asyncio.run_coroutine_threadsafe(runner(), self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"a boxlite call did not finish within {timeout:.0f}s") from None
 
     def _serve(self, conn: socket.socket) -> None:
         fds: list[int] = []
@@ -94,9 +186,10 @@ class VmBridge:
             if len(fds) != 3:
                 conn.sendall(json.dumps({"error": "exec needs 3 descriptors", "errno": 22}).encode() + b"\n")
                 return
-            fut = asyncio.run_coroutine_threadsafe(self._run(req, fds, conn), self._loop)
-            code = fut.result()
+            code = _Connection(self, req, fds, conn).run()
             conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+        except BoxGoneError:
+            pass  # hanging up without an exit message is how a box's end looks to the client
         except Exception as exc:  # noqa: BLE001 - reported to the client, which fails the caller
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps({"error": f"vm bridge: {exc}", "errno": 0}).encode() + b"\n")
@@ -107,62 +200,165 @@ class VmBridge:
             with contextlib.suppress(OSError):
                 conn.close()
 
-    async def _run(self, req: dict[str, Any], fds: list[int], conn: socket.socket) -> int:
-        argv = [self._python, "-I", "-S", "-c", FRAMING_SHIM, *req["argv"]]
-        env = list((req.get("env") or {}).items()) or None
-        execution = await self._box.exec(argv[0], argv[1:], env, False, None, None, req.get("cwd"))
-        loop = asyncio.get_running_loop()
-        stdin = execution.stdin()
 
-        async def pump_in() -> None:
-            while True:
-                chunk = await loop.run_in_executor(None, os.read, fds[0], 65536)
+class _Connection:
+    """One attached command: its SDK execution and the threads that pump its stdio."""
+
+    def __init__(self, bridge: VmBridge, req: dict[str, Any], fds: list[int], conn: socket.socket) -> None:
+        self.bridge = bridge
+        self.req = req
+        self.fds = fds
+        self.conn = conn
+        self.done = threading.Event()
+        self.error: str | None = None
+        self.decoder = FrameDecoder()
+
+    def run(self) -> int:
+        b = self.bridge
+        argv = [b._python, "-I", "-S", "-c", FRAMING_SHIM, *self.req["argv"]]
+        env = list((self.req.get("env") or {}).items()) or None
+        cwd = self.req.get("cwd") or WORKDIR
+
+        async def start() -> tuple[Any, Any, Any, Any]:
+            ex = await b._box.exec(argv[0], argv[1:], env, False, None, None, cwd)
+            return ex, ex.stdin(), ex.stdout(), ex.stderr()
+
+        self.execution, stdin, stdout, stderr = b._call(start)
+        out_q: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        err_q: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        drains = [
+            asyncio.run_coroutine_threadsafe(_drain(stdout, out_q), b._loop),
+            asyncio.run_coroutine_threadsafe(_drain(stderr, err_q), b._loop),
+        ]
+        threads = {
+            "in": threading.Thread(target=self._pump_in, args=(stdin,), daemon=True),
+            "out": threading.Thread(target=self._pump_out, args=(out_q,), daemon=True),
+            "err": threading.Thread(target=self._pump_err, args=(err_q,), daemon=True),
+            "client": threading.Thread(target=self._watch_client, daemon=True),
+        }
+        for t in threads.values():
+            t.start()
+        try:
+            threads["out"].join()
+            if self.error is None:
+                result = b._call(lambda: self.execution.wait(), CALL_TIMEOUT)
+            else:
+                self._kill()
+                result = None
+            threads["err"].join(STDERR_GRACE)
+        finally:
+            self.done.set()
+            for d in drains:
+                d.cancel()
+        if self.error is not None:
+            raise BridgeStreamError(self.error)
+        if self.decoder.exit_code is not None:
+            return self.decoder.exit_code
+        code = int(result.exit_code)
+        if code == -1 and not getattr(result, "error_message", None) and self.bridge._closed:
+            raise BoxGoneError  # destroyed under the command: the client sees the box go, silently
+        if code == -1 and not getattr(result, "error_message", None):
+            # No trailer and -1: the SDK's value for a lost channel (the shim itself was not SIGHUPed:
+            # it forwards that signal).
+            raise BridgeStreamError("the exec channel to the box was lost before the command finished")
+        return code
+
+    def _kill(self) -> None:
+        with contextlib.suppress(Exception):
+            self.bridge._call(lambda: self.execution.signal(int(signal.SIGUSR1)), 5)
+        with contextlib.suppress(Exception):
+            self.bridge._call(lambda: asyncio.wait_for(self.execution.wait(), 2), 3)
+            return
+        with contextlib.suppress(Exception):
+            self.bridge._call(lambda: self.execution.kill(), 5)
+
+    def _pump_in(self, stdin: Any) -> None:
+        fd = self.fds[0]
+        try:
+            while not self.done.is_set():
+                ready, _, _ = select.select([fd], [], [], 0.2)
+                if not ready:
+                    continue
+                chunk = os.read(fd, 65536)
                 if not chunk:
                     break
-                await stdin.send_input(chunk)
-            await stdin.close()
-
-        async def pump_out() -> None:
-            pending = ""
-            async for text in execution.stdout():
-                pending += text
-                while "\n" in pending:
-                    line, pending = pending.split("\n", 1)
-                    if line:
-                        await loop.run_in_executor(None, _write_all, fds[1], base64.b64decode(line))
-
-        async def pump_err() -> None:
-            async for text in execution.stderr():
-                await loop.run_in_executor(None, _write_all, fds[2], text.encode("utf-8", "replace"))
-
-        async def watch_client() -> None:
-            # A signal message is relayed; the client hanging up kills the command.
-            buf = b""
-            while True:
-                chunk = await loop.run_in_executor(None, conn.recv, 4096)
-                if not chunk:
-                    with contextlib.suppress(Exception):
-                        await execution.kill()
-                    return
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    with contextlib.suppress(Exception):
-                        await execution.signal(int(json.loads(line)["signal"]))
-
-        watcher = asyncio.ensure_future(watch_client())
-        feeder = asyncio.ensure_future(pump_in())
-        try:
-            await asyncio.gather(pump_out(), pump_err())
-            result = await execution.wait()
-            return int(result.exit_code)
+                self.bridge._call(lambda c=chunk: stdin.send_input(c))  # type: ignore[misc]
+        except (OSError, ValueError, TimeoutError):
+            pass
         finally:
-            feeder.cancel()
-            watcher.cancel()
+            with contextlib.suppress(Exception):
+                self.bridge._call(lambda: stdin.close(), 5)
+
+    def _pump_out(self, q: queue.SimpleQueue[str | None]) -> None:
+        writable = True
+        while (text := q.get()) is not None:
+            if self.error is not None:
+                continue
+            try:
+                payload = self.decoder.feed(text)
+            except BridgeStreamError as exc:
+                self.error = str(exc)
+                _write_all(self.fds[2], f"boxlite vm bridge: {exc}\n".encode(), quiet=True)
+                self._kill()
+                continue
+            for data in payload:
+                if writable and not _write_all(self.fds[1], data, quiet=True):
+                    writable = False  # the client is gone; keep draining so the command can finish
+
+    def _pump_err(self, q: queue.SimpleQueue[str | None]) -> None:
+        while (text := q.get()) is not None:
+            if self.bridge._closed and text.startswith(_SDK_STREAM_ERRORS):
+                continue  # the box is being destroyed: its channels ending is expected, not news
+            _write_all(self.fds[2], text.encode("utf-8", "replace"), quiet=True)
+
+    def _watch_client(self) -> None:
+        # A signal message is relayed to the command's group (via the shim); hanging up kills it.
+        buf = b""
+        while not self.done.is_set():
+            try:
+                chunk = self.conn.recv(4096)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                if not self.done.is_set():
+                    self._kill()
+                return
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                with contextlib.suppress(Exception):
+                    sig = int(json.loads(line)["signal"])
+                    self.bridge._call(lambda s=sig: self.execution.signal(s), 5)  # type: ignore[misc]
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _bind(sock: socket.socket, path: Path) -> None:
+    """Bind to ``path``, through a descriptor of its directory when it is longer than ``sun_path`` allows."""
+    if len(str(path).encode()) <= 100:
+        sock.bind(str(path))
+        return
+    dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sock.bind(f"/proc/self/fd/{dirfd}/{path.name}")
+    finally:
+        os.close(dirfd)
+
+
+async def _drain(stream: Any, q: queue.SimpleQueue[str | None]) -> None:
+    try:
+        async for text in stream:
+            q.put(text)
+    finally:
+        q.put(None)
+
+
+def _write_all(fd: int, data: bytes, *, quiet: bool = False) -> bool:
     view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+    try:
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+    except OSError:
+        if not quiet:
+            raise
+        return False
+    return True

@@ -6,6 +6,28 @@ private event-loop thread per runtime runs them; callers block on
 cancelled and its box is treated as dead.  The runtime is always opened on
 an explicit home (``Boxlite(Options(home_dir=...))``): ``Boxlite.default()``
 would install its own SIGINT/SIGTERM handler and lose pytest's exit code.
+
+What the SDK does that the code below works around (``reviews/vm-sdk-review.md``;
+each is reproduced by the SDK double in ``tests/sdk_double`` and tested
+through it): the guest holds a command's stdin open until the host closes it
+(#18), one ``send_input`` is one gRPC message capped at 4 MiB (#17), ``kill``
+and ``signal`` reach the command's leader only (#20), ``cwd=None`` means ``/``
+(#12), ``wait()`` gives ``-1`` both for SIGHUP and for a lost channel (#19).
+
+One difference from namespace boxes is deliberate and documented rather than
+hidden: the project and ``sys.path`` directories are BoxLite volumes
+(virtio-fs) mounted **read-only** at their host paths, not copy-on-write
+(BoxLite volumes have no overlay option, review #30), so a guest write under
+the rootdir fails with EROFS.  A copy-on-write view would need an overlay
+mounted inside the guest, which needs privileges the container may not have;
+that is unverified, so it is not attempted.
+
+Still to confirm on a host that boots VMs (none here can): whether the OCI
+runtime creates a missing working directory (#13: sidestepped, the box gets
+``mkdir -p /workspace`` from ``/`` once it is up), whether an oversized
+``send_input`` raises on the host or only fails the guest's stream (either
+way chunks stay under the cap), and the guest memory growth per retained
+exec (#32).
 """
 
 from __future__ import annotations
@@ -13,6 +35,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import os
+import secrets
+import shutil
 import sys
 import threading
 import time
@@ -21,7 +50,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pytest_boxlite import guest
-from pytest_boxlite.errors import BoxDeadError, BoxStartError, BoxTimeoutError, ConfigError, RuntimeUnavailableError
+from pytest_boxlite.errors import (
+    BoxDeadError,
+    BoxliteError,
+    BoxStartError,
+    BoxTimeoutError,
+    ConfigError,
+    RuntimeUnavailableError,
+    file_error,
+)
 from pytest_boxlite.runtimes._vmbridge import VmBridge
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxRecord, RawResult
 from pytest_boxlite.spec import BoxSpec
@@ -31,6 +68,35 @@ ATTACH = guest.path("attach")
 WORKDIR = "/workspace"
 #: Bound on bookkeeping calls (create, list, remove) that never boot anything.
 BOOKKEEPING_TIMEOUT = 30.0
+#: Largest piece handed to one ``send_input`` (one gRPC message; tonic refuses more than 4 MiB).
+INPUT_CHUNK = 1024 * 1024
+#: Every command carries this variable (a fresh value each), so its whole process tree can be found
+#: and killed from inside the box: the SDK's kill reaches the leader only.
+EXEC_TAG = "PYTEST_BOXLITE_EXEC"
+#: Lines the SDK itself writes into a command's stderr when the channel to the guest fails.
+_SDK_STREAM_ERRORS = ("Attach failed:", "Attach stream error:")
+#: ``BoxSpec.template`` of a vm box cloned from a provisioned template (see VmRuntime.ensure_template).
+TEMPLATE_PREFIX = "vm-template:"
+#: Run in the box (``python -I -S -c``) to SIGKILL every process carrying one tag in its environment.
+KILL_TAGGED = """
+import os, sys
+needle = ("%s=" % sys.argv[1]).encode() + sys.argv[2].encode() + b"\\0"
+me = os.getpid()
+for _ in range(3):
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            with open("/proc/%s/environ" % pid, "rb") as fh:
+                env = fh.read() + b"\\0"
+        except OSError:
+            continue
+        if b"\\0" + needle in b"\\0" + env:
+            try:
+                os.kill(int(pid), 9)
+            except OSError:
+                pass
+"""
 
 
 class EventLoopThread:
@@ -69,6 +135,13 @@ def _import_boxlite() -> Any:
     except ImportError as exc:  # pragma: no cover - boxlite is a hard dependency
         raise RuntimeUnavailableError(f"the boxlite SDK cannot be imported: {exc}") from exc
     return boxlite
+
+
+async def send_input(stdin: Any, data: bytes) -> None:
+    """Send ``data`` in pieces: one ``send_input`` is one gRPC message, and the guest refuses > 4 MiB."""
+    view = memoryview(data)
+    for off in range(0, len(view), INPUT_CHUNK):
+        await stdin.send_input(bytes(view[off : off + INPUT_CHUNK]))
 
 
 class VmBox:
@@ -116,15 +189,18 @@ class VmBox:
         if not argv:
             raise ConfigError("exec needs a non-empty argv")
         start = time.monotonic()
+        tag = secrets.token_hex(8)
+        env_items = [*dict(env or {}).items(), (EXEC_TAG, tag)]
 
         async def run() -> RawResult:
-            execution = await self._box.exec(
-                argv[0], list(argv[1:]), list((env or {}).items()) or None, False, user, None, cwd or WORKDIR
-            )
-            if input is not None:
-                stdin = execution.stdin()
-                await stdin.send_input(input)
-                await stdin.close()
+            # cwd=None would run in "/" (the guest's default), not in the box's working directory.
+            execution = await self._box.exec(argv[0], list(argv[1:]), env_items, False, user, None, cwd or WORKDIR)
+            # The guest holds stdin open until the host closes it: always close it, or a command
+            # that reads stdin waits for the timeout (namespace boxes give /dev/null).
+            stdin = execution.stdin()
+            if input:
+                await send_input(stdin, input)
+            await stdin.close()
             bufs = [bytearray(), bytearray()]
             dropped = [0, 0]
 
@@ -146,7 +222,9 @@ class VmBox:
                 error = getattr(result, "error_message", None)
             except asyncio.TimeoutError:
                 timed_out = True
-                # Cancelling the wait leaves the guest process running: kill it explicitly.
+                # The SDK's kill reaches the leader only: end the command's whole tree from inside.
+                await self._kill_tagged(tag)
+                # Cancelling the wait leaves the guest process running: kill it explicitly too.
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(execution.kill(), 5)
                 with contextlib.suppress(Exception):
@@ -155,6 +233,14 @@ class VmBox:
                 await asyncio.wait_for(readers, 2)
             except asyncio.TimeoutError:
                 readers.cancel()
+                # Children that outlived their leader hold the pipes: they must not leak into the next use.
+                await self._kill_tagged(tag)
+            if exit_code == -1 and not error:
+                err_text = bytes(bufs[1]).decode("utf-8", "replace")
+                if any(marker in err_text for marker in _SDK_STREAM_ERRORS) or not await self._answers():
+                    # -1 is also what wait() gives for a lost channel: not a SIGHUP.
+                    exit_code = None
+                    error = f"the channel to box {self.name} was lost (boxlite reported exit -1 with no status)"
             return RawResult(
                 exit_code=exit_code,
                 stdout=bytes(bufs[0]),
@@ -167,10 +253,34 @@ class VmBox:
             )
 
         try:
-            return self._rt.loop.call(run, timeout + 15, f"exec {argv[0]!r} in {self.name}")
+            return self._rt.loop.call(run, timeout + 30, f"exec {argv[0]!r} in {self.name}")
         except BoxTimeoutError:
             self._dead = True
             raise
+        except BoxliteError:
+            raise
+        except Exception as exc:
+            raise self._rt.wrap_exec_error(exc, self, argv[0]) from exc
+
+    async def _kill_tagged(self, tag: str) -> None:
+        """SIGKILL every process in the box whose environment carries ``tag``; bounded, best effort."""
+        with contextlib.suppress(Exception):
+            ex = await asyncio.wait_for(
+                self._box.exec(
+                    self.guest_python, ["-I", "-S", "-c", KILL_TAGGED, EXEC_TAG, tag], None, False, None, None, "/"
+                ),
+                5,
+            )
+            await ex.stdin().close()
+            await asyncio.wait_for(ex.wait(), 5)
+
+    async def _answers(self) -> bool:
+        try:
+            ex = await asyncio.wait_for(self._box.exec("true", [], None, False, None, None, "/"), 5)
+            await ex.stdin().close()
+            return int((await asyncio.wait_for(ex.wait(), 5)).exit_code) == 0
+        except Exception:  # noqa: BLE001 - any failure means the box does not answer
+            return False
 
     def alive(self, timeout: float = 2.0) -> bool:
         if self._dead:
@@ -183,12 +293,14 @@ class VmBox:
             return False
 
     def log_tail(self, max_bytes: int = 4000) -> str:
-        logs = sorted((self._rt.home / "boxes" / self.id).glob("**/*.log"))
+        """The tails of the box's console log and of its shim's stderr (where boot failures land)."""
+        box_dir = self._rt.home / "boxes" / self.id
+        logs = [*sorted(box_dir.glob("**/*.log"))[-2:], box_dir / "shim.stderr"]
         tail = b""
-        for log in logs[-2:]:
+        for log in logs:
             with contextlib.suppress(OSError), open(log, "rb") as fh:
                 fh.seek(0, 2)
-                fh.seek(max(0, fh.tell() - max_bytes // 2))
+                fh.seek(max(0, fh.tell() - max_bytes // len(logs)))
                 tail += f"--- {log.name} ---\n".encode() + fh.read()
         return tail.decode("utf-8", "replace")
 
@@ -226,12 +338,14 @@ class VmRuntime:
     name = "vm"
     isolation = "BoxLite micro-VM (KVM / Hypervisor.framework): own kernel, own filesystem, hardware isolation"
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, *, sdk: Any | None = None) -> None:
+        """Open BoxLite on ``home``.  ``sdk`` replaces the ``boxlite`` module (the tests' SDK double)."""
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
-        self._boxlite = _import_boxlite()
+        self.sdk = sdk if sdk is not None else _import_boxlite()
+        self._boxlite = self.sdk
         self.loop = EventLoopThread()
-        bl = self._boxlite
+        bl = self.sdk
 
         async def open_runtime() -> Any:
             return bl.Boxlite(bl.Options(home_dir=str(self.home)))
@@ -244,18 +358,37 @@ class VmRuntime:
                 raise
             raise RuntimeUnavailableError(f"boxlite cannot open home {self.home}: {exc}") from None
         self._closed = False
+        #: Provisioned templates of this home: key -> the (stopped) SDK box that pool boxes are cloned from.
+        self._templates: dict[str, Any] = {}
+        self._template_mutex = threading.Lock()
+
+    def wrap_exec_error(self, exc: Exception, box: VmBox, program: str) -> BoxliteError:
+        """The plugin's error for an SDK failure of ``exec`` (a missing program or cwd is a file error)."""
+        if isinstance(exc, (self.sdk.NotFoundError, self.sdk.StoppedError)):
+            box._dead = True
+            return BoxDeadError(f"box {box.name} is gone: {exc}")
+        text = str(exc)
+        # Unverified on a real guest: the spawn error's text is the only place the cause is given.
+        for needle, code in (("No such file or directory", errno.ENOENT), ("Not a directory", errno.ENOTDIR)):
+            if needle in text:
+                return file_error(code, f"box {box.name}: cannot run {program!r}: {text}", program)
+        if "Permission denied" in text:
+            return file_error(errno.EACCES, f"box {box.name}: cannot run {program!r}: {text}", program)
+        return BoxDeadError(f"box {box.name}: exec of {program!r} failed: {exc}")
 
     def box_options(self, spec: BoxSpec) -> Any:
-        bl = self._boxlite
+        bl = self.sdk
         kwargs: dict[str, Any] = {
             "image": spec.image,
             "env": list(spec.env),
-            "working_dir": WORKDIR,
-            # Keep the record after a stop so a dead session's boxes can be found and removed.
-            "auto_delete": False,
+            # No working_dir: whether the OCI runtime creates a missing one is unverified (#13); the
+            # box makes /workspace itself once it is up, and every exec names its cwd.
+            # 0 = keep the record after a stop, so a dead session's boxes can be found and removed.
+            "auto_delete": 0,
         }
         if spec.mounts:
             # Same paths as on the host, read-only: nothing the guest writes may reach the host.
+            # (Unlike namespace boxes these are not copy-on-write: writes there fail with EROFS.)
             kwargs["volumes"] = [(m, m, True) for m in spec.mounts]
         if spec.cpus:
             kwargs["cpus"] = spec.cpus
@@ -267,33 +400,138 @@ class VmRuntime:
 
     def register_box(self, spec: BoxSpec, name: str) -> Any:
         """Create the box record without booting it (works without KVM)."""
-        opts = self.box_options(spec)
 
         async def create() -> Any:
-            return await self._rt.create(opts, name=name)
+            return await self._rt.create(self.box_options(spec), name=name)
 
         try:
             return self.loop.call(create, BOOKKEEPING_TIMEOUT, f"create {name}")
         except BoxTimeoutError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # OverflowError for cpus > 255 too: a bad spec, not a crash
             raise BoxStartError(f"boxlite could not create box {name} ({spec.describe()}): {exc}") from exc
 
+    def ensure_template(
+        self, spec: BoxSpec, setup: str, *, key: str, store: Path, cwd: Path, timeout: float
+    ) -> BoxSpec:
+        """``--boxlite-setup`` on vm: run ``setup`` once, then clone every box from the result.
+
+        The first session on the machine builds the template (a box that ran the setup, then
+        stopped) and exports it to ``store/<key>.boxlite``; every home, this session's, an xdist
+        worker's, a later session's, imports that archive once and clones its pool boxes from it
+        with ``Box.clone_box`` (a copy of the disk; the clone boots cold: BoxLite has no memory fork).
+        ``key`` must identify the spec and the setup (``templates.template_key``); the volumes are
+        part of a box's record, so their paths are added here.  Returns the spec that uses it.
+        """
+        key = f"{key}-{hashlib.sha256(repr(spec.mounts).encode()).hexdigest()[:8]}"
+        with self._template_mutex:
+            if key not in self._templates:
+                self._templates[key] = self._load_template(spec, setup, key, store, cwd, timeout)
+        return dataclasses.replace(spec, template=TEMPLATE_PREFIX + key)
+
+    def _load_template(self, spec: BoxSpec, setup: str, key: str, store: Path, cwd: Path, timeout: float) -> Any:
+        store.mkdir(parents=True, exist_ok=True)
+        archive = store / f"{key}.boxlite"
+        name = f"tpl-{key}"  # no owner in the name: never one session's box, removed at close
+        deadline = time.monotonic() + timeout
+        with open(store / f"{key}.lock", "w") as lock:
+            # Another session or worker may be building this very template: wait for it, bounded.
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise BoxStartError(
+                            f"template {key} is being built elsewhere for over {timeout:.0f}s"
+                        ) from None
+                    time.sleep(0.1)
+            if not archive.exists():
+                self._build_template(spec, setup, name, archive, cwd, timeout)
+
+            async def load() -> Any:
+                return await self._rt.import_box(str(archive), name=name)
+
+            try:
+                return self.loop.call(load, BOOKKEEPING_TIMEOUT, f"import template {key}")
+            except BoxliteError:
+                raise
+            except Exception as exc:
+                raise BoxStartError(f"boxlite could not import template {archive}: {exc}") from exc
+
+    def _build_template(self, spec: BoxSpec, setup: str, name: str, archive: Path, cwd: Path, timeout: float) -> None:
+        started = time.monotonic()
+        handle = self.create_box(dataclasses.replace(spec, worker=False, template=None), name, timeout=timeout)
+        try:
+            left = max(1.0, timeout - (time.monotonic() - started))
+            raw = handle.exec(["/bin/sh", "-c", setup], cwd=str(cwd), timeout=left)
+            if raw.exit_code != 0 or raw.timed_out:
+                out = (raw.stdout + raw.stderr).decode("utf-8", "replace")[-3000:]
+                what = "timed out" if raw.timed_out else f"exited with status {raw.exit_code}"
+                raise BoxStartError(f"--boxlite-setup {setup!r} {what} in the template box:\n{out}")
+            box = handle._box
+            tmp = archive.with_name(f"{archive.name}.{os.getpid()}.tmp")
+
+            async def export() -> None:
+                await box.stop()
+                await box.export(dest=str(tmp))
+
+            try:
+                self.loop.call(export, max(BOOKKEEPING_TIMEOUT, left), f"export template {name}")
+                os.replace(tmp, archive)  # atomic: a reader sees a whole archive or none
+            except BoxliteError:
+                raise
+            except Exception as exc:
+                raise BoxStartError(f"boxlite could not export the template box {name}: {exc}") from exc
+            finally:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+        finally:
+            handle.destroy()
+
     def create_box(self, spec: BoxSpec, name: str, *, timeout: float) -> VmBox:
-        box = self.register_box(spec, name)
+        if spec.template is not None and spec.template.startswith(TEMPLATE_PREFIX):
+            box = self._clone_template(spec.template[len(TEMPLATE_PREFIX) :], name)
+        else:
+            box = self.register_box(spec, name)
+        deadline = time.monotonic() + timeout
 
         async def start() -> None:
             await box.start()
+            # The first exec is the readiness check too; it runs from "/" so it needs no workdir.
+            ex = await box.exec("mkdir", ["-p", WORKDIR], None, False, None, None, "/")
+            await ex.stdin().close()
+            result = await ex.wait()
+            if int(result.exit_code) != 0:
+                raise BoxStartError(f"mkdir -p {WORKDIR} exited with {result.exit_code}")
 
         try:
-            self.loop.call(start, timeout, f"start {name}")
+            self.loop.call(start, max(1.0, deadline - time.monotonic()), f"start {name}")
         except Exception as exc:
+            handle = VmBox(self, box, name)
+            tail = handle.log_tail()
             with contextlib.suppress(Exception):
                 self.remove_box(name)
             if isinstance(exc, BoxTimeoutError):
-                raise BoxStartError(f"box {name} did not boot within {timeout:.0f}s") from exc
-            raise BoxStartError(f"box {name} ({spec.describe()}) failed to boot: {exc}") from exc
+                raise BoxStartError(f"box {name} did not boot within {timeout:.0f}s\n{tail}".rstrip()) from exc
+            raise BoxStartError(f"box {name} ({spec.describe()}) failed to boot: {exc}\n{tail}".rstrip()) from exc
         return VmBox(self, box, name)
+
+    def _clone_template(self, key: str, name: str) -> Any:
+        with self._template_mutex:
+            tpl = self._templates.get(key)
+        if tpl is None:
+            raise ConfigError(f"no vm template {key!r} in this runtime: call ensure_template first")
+
+        async def clone() -> Any:
+            return await tpl.clone_box(name=name)
+
+        try:
+            return self.loop.call(clone, BOOKKEEPING_TIMEOUT, f"clone template {key} as {name}")
+        except BoxTimeoutError:
+            raise
+        except Exception as exc:
+            raise BoxStartError(f"boxlite could not clone template {key} as {name}: {exc}") from exc
 
     def list_boxes(self) -> list[BoxRecord]:
         async def listing() -> Any:
@@ -312,26 +550,42 @@ class VmRuntime:
         ]
 
     def remove_box(self, name: str) -> None:
-        async def remove() -> None:
-            try:
-                await self._rt.remove(name, force=True)
-            except Exception as exc:  # a box that is already gone is not an error
-                if "not found" not in str(exc).lower():
-                    raise
+        not_found = self.sdk.NotFoundError
 
-        self.loop.call(remove, BOOKKEEPING_TIMEOUT, f"remove {name}")
+        async def remove() -> None:
+            with contextlib.suppress(not_found):  # already gone is not an error
+                await self._rt.remove(name, force=True)
+
+        try:
+            self.loop.call(remove, BOOKKEEPING_TIMEOUT, f"remove {name}")
+        except BoxliteError:
+            raise
+        except Exception as exc:  # a raw SDK error must not escape to callers that catch BoxliteError
+            raise BoxDeadError(f"boxlite could not remove box {name} in {self.home}: {exc}") from exc
 
     def close(self) -> None:
         if getattr(self, "_closed", True):
             return
         self._closed = True
 
-        async def shutdown() -> None:
+        templates = [str(t.name) for t in self._templates.values()]
+        self._templates.clear()
+
+        async def shutdown() -> int:
+            for name in templates:  # the archives stay in the shared store; this home's copies go
+                with contextlib.suppress(Exception):
+                    await self._rt.remove(name, force=True)
             with contextlib.suppress(Exception):
                 await self._rt.shutdown()
+            return len(await self._rt.list_info())
 
-        with contextlib.suppress(BoxTimeoutError):
-            self.loop.call(shutdown, BOOKKEEPING_TIMEOUT, "shutdown")
+        remaining: int | None = None
+        with contextlib.suppress(Exception):
+            remaining = self.loop.call(shutdown, BOOKKEEPING_TIMEOUT, "shutdown")
         # Dropping the runtime (and every Box handle) releases BoxLite's home lock.
         self._rt = None
         self.loop.close()
+        if remaining == 0:
+            # The home is this owner's alone and holds no box any more: leave nothing for the
+            # ledger to count as a leftover (the shared image store is only linked from here).
+            shutil.rmtree(self.home, ignore_errors=True)

@@ -1,0 +1,424 @@
+"""The package's structure, checked from its source: layers, import cycles and the runtime boundary.
+
+Every module of ``pytest_boxlite`` is parsed (``ast``, nothing is imported) and checked against
+three rules:
+
+1. **No import cycle.** Run-time imports (module level and lazy imports inside functions) must
+   form no cycle; imports under ``if TYPE_CHECKING:`` are checked separately, together with the
+   run-time ones, and listed in the failure message.
+2. **No upward import.** :data:`LAYERS` lists the layers from the top (entry points) to the
+   bottom (errors); a module may import from its own layer or any layer below, never above.
+   A module that is in no layer fails the test: place it in :data:`LAYERS`.
+3. **Runtime-specific code stays in ``runtimes/``.** Outside ``pytest_boxlite/runtimes/``, no
+   module may name a runtime kind (a ``"namespace"`` or ``"vm"`` string other than a
+   docstring: comparisons with ``choice.kind``, on-disk layouts such as ``home / "vm"``), import
+   a concrete runtime module (``runtimes.namespace``, ``runtimes.vm``), use ``isinstance`` on a
+   runtime's class, or import a runtime's private name (``_cgroups``, ``_alive``, ...).
+
+The violations that exist today are listed, each with its reason, in :data:`ALLOWED`. That list
+may only shrink: the test fails on any violation not in it, and on any entry of it that no
+longer occurs (delete the entry: the list stays honest). Guest scripts (``guest/``) are checked
+too: they run in a box without the package, so they may import only each other.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import dataclasses
+import fnmatch
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "pytest_boxlite"
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+
+#: The layers, top first. Names are relative to the package ("" is its ``__init__``); a pattern
+#: may end in ``.*`` for a sub-package's modules. A module may import from its own layer or a
+#: lower one.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "entry points: pytest hooks, the CLI, the public API, processes run by name",
+        ("", "__main__", "plugin", "boxproc", "session_in_box", "selftest"),
+    ),
+    (
+        "pytest glue: fixtures, boxed-test execution, xdist, the terminal report",
+        ("fixtures", "remote", "remote.*", "reporting", "xdist_support"),
+    ),
+    ("test plans: markers to box specs, and the marker's registration", ("markers", "marker_registration")),
+    ("the per-process session", ("session",)),
+    ("the warm pool, provisioning and leftover bookkeeping", ("pool", "templates", "ledger")),
+    ("the box API and settings", ("sandbox", "settings")),
+    ("runtime choice", ("runtimes",)),
+    ("the runtimes", ("runtimes.namespace", "runtimes.namespace.*", "runtimes.vm", "runtimes.vm.*")),
+    ("runtime parts: protocol, host probe, private helpers", ("runtimes.base", "runtimes.probe", "runtimes._*")),
+    ("shared vocabulary: box specs; guest scripts and their loader", ("spec", "guest", "guest.*")),
+    ("errors", ("errors",)),
+]
+
+#: Runtime kinds: naming one outside runtimes/ ties that code to a runtime.
+KINDS = frozenset({"namespace", "vm"})
+#: Concrete runtime modules (relative names, as patterns).
+CONCRETE_RUNTIMES = ("runtimes.namespace", "runtimes.namespace.*", "runtimes.vm", "runtimes.vm.*")
+
+#: Violations that exist today, as ``(rule, module, where, what)`` with their count. Fix one,
+#: then delete its line here. ``where`` is the enclosing function or class (``<module>`` at the
+#: top level). Every entry below is a part of the runtime boundary that issue 10 moves into
+#: ``runtimes/`` (see shared/reviews/architecture-review.md, change 1).
+ALLOWED: collections.Counter[tuple[str, str, str, str]] = collections.Counter(
+    {
+        # --- selftest.py (doctor --selftest) boots the vm runtime on purpose: it checks that runtime.
+        ("concrete-runtime-import", "selftest", "<module>", "runtimes.vm"): 3,
+        # --- ledger.py re-implements both runtimes' on-disk layouts and uses the namespace
+        # runtime's private helpers: each runtime should list and remove its own leftovers.
+        ("private-import", "ledger", "<module>", "runtimes._cgroups"): 1,
+        ("private-import", "ledger", "<module>", "runtimes.namespace._alive"): 1,
+        ("private-import", "ledger", "<module>", "runtimes.namespace._read_info"): 1,
+        ("concrete-runtime-import", "ledger", "<module>", "runtimes.namespace"): 1,  # keep_marker
+        ("concrete-runtime-import", "ledger", "_vm_records", "runtimes.vm"): 1,
+        ("concrete-runtime-import", "ledger", "remove_vm_home", "runtimes.vm"): 1,
+        ("kind-literal", "ledger", "_namespace_boxes", "namespace"): 2,  # home / "namespace", runtime=
+        ("kind-literal", "ledger", "_vm_homes", "vm"): 1,  # home / "vm"
+        ("kind-literal", "ledger", "scan", "vm"): 2,
+        ("kind-literal", "ledger", "remove_namespace_box", "namespace"): 1,
+        # --- session.py: fork mode and per-VM setup branch on the kind, and it writes the VM
+        # runtime's keep file itself (a runtime capability and `keep()` would replace these).
+        ("kind-literal", "session", "BoxliteSession.fork_boxes", "namespace"): 1,
+        ("kind-literal", "session", "BoxliteSession._setup_box", "vm"): 1,
+        ("kind-literal", "session", "BoxliteSession.shutdown", "vm"): 2,
+        # --- templates.py provisions namespace boxes only, found by isinstance.
+        ("concrete-runtime-import", "templates", "ensure_template", "runtimes.namespace"): 1,
+        ("concrete-runtime-import", "templates", "_build", "runtimes.namespace"): 1,
+        ("isinstance-runtime", "templates", "ensure_template", "NamespaceRuntime"): 1,
+        ("isinstance-runtime", "templates", "_build", "NamespaceRuntime"): 1,
+        # --- boxproc.py (the host process of a worker-scope box) assumes the namespace runtime.
+        ("concrete-runtime-import", "boxproc", "<module>", "runtimes.namespace"): 2,  # NamespaceBox, attach
+        ("isinstance-runtime", "boxproc", "main", "NamespaceBox"): 1,
+        ("kind-literal", "boxproc", "main", "namespace"): 1,  # --runtime default
+        # --- __main__.py (the CLI): doctor, shell and clean read the namespace runtime directly.
+        ("private-import", "__main__", "cmd_doctor", "runtimes._cgroups"): 1,
+        ("concrete-runtime-import", "__main__", "cmd_doctor", "runtimes.namespace"): 2,  # find_bwrap, mount_plan
+        ("concrete-runtime-import", "__main__", "cmd_shell", "runtimes.namespace"): 1,  # attach
+        ("kind-literal", "__main__", "cmd_clean", "namespace"): 1,
+        ("kind-literal", "__main__", "cmd_shell", "namespace"): 1,
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+    """One import of a package module by another."""
+
+    source: str  # relative module names ("" for the package itself)
+    target: str
+    name: str | None  # the imported name, for ``from m import name`` where ``name`` is no module
+    where: str
+    type_only: bool
+    line: int
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES: dict[str, Path] = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+TREES: dict[str, ast.Module] = {m: ast.parse(p.read_text(), str(p)) for m, p in MODULES.items()}
+
+
+def relative(absolute: str) -> str | None:
+    """``pytest_boxlite.x.y`` -> ``x.y`` (``""`` for the package); None outside the package."""
+    if absolute == PACKAGE:
+        return ""
+    if absolute.startswith(PACKAGE + "."):
+        return absolute[len(PACKAGE) + 1 :]
+    return None
+
+
+def nearest_module(name: str) -> str:
+    """The module a dotted name lives in: itself, or its closest parent that is a module."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def walk(tree: ast.AST) -> Iterator[tuple[ast.AST, str, bool]]:
+    """Every node with its enclosing function/class qualname and whether it is under TYPE_CHECKING."""
+
+    def visit(node: ast.AST, where: list[str], type_only: bool) -> Iterator[tuple[ast.AST, str, bool]]:
+        for child in ast.iter_child_nodes(node):
+            yield child, ".".join(where) or "<module>", type_only
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                yield from visit(child, [*where, child.name], type_only)
+            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+                for stmt in child.body:
+                    yield stmt, ".".join(where) or "<module>", True
+                    yield from visit(stmt, where, True)
+                for stmt in child.orelse:
+                    yield stmt, ".".join(where) or "<module>", type_only
+                    yield from visit(stmt, where, type_only)
+            else:
+                yield from visit(child, where, type_only)
+
+    yield from visit(tree, [], False)
+
+
+def imports_of(source: str) -> list[Import]:
+    out: list[Import] = []
+    is_package = MODULES[source].name == "__init__.py"
+    for node, where, type_only in walk(TREES[source]):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                rel = relative(alias.name)
+                if rel is not None:
+                    out.append(Import(source, nearest_module(rel), None, where, type_only, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = source.split(".") if source else []
+                if not is_package:
+                    base_parts = base_parts[:-1]
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join([*base_parts, *([node.module] if node.module else [])])
+            else:
+                rel_base = relative(node.module or "")
+                if rel_base is None:
+                    continue
+                base = rel_base
+            for alias in node.names:
+                sub = f"{base}.{alias.name}" if base else alias.name
+                if sub in MODULES:
+                    out.append(Import(source, sub, None, where, type_only, node.lineno))
+                else:
+                    out.append(Import(source, nearest_module(base), alias.name, where, type_only, node.lineno))
+    return [i for i in out if i.target != source]
+
+
+IMPORTS: list[Import] = [i for m in MODULES for i in imports_of(m)]
+
+
+def layer_of(module: str) -> int | None:
+    found = [i for i, (_, patterns) in enumerate(LAYERS) if any(fnmatch.fnmatchcase(module, p) for p in patterns)]
+    assert len(found) <= 1, f"module {module!r} matches more than one layer: {found}"
+    return found[0] if found else None
+
+
+def in_runtimes(module: str) -> bool:
+    return module == "runtimes" or module.startswith("runtimes.")
+
+
+def is_concrete_runtime(module: str) -> bool:
+    return any(fnmatch.fnmatchcase(module, p) for p in CONCRETE_RUNTIMES)
+
+
+def shown(module: str) -> str:
+    return module or "pytest_boxlite (the package)"
+
+
+def cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for a, b in edges:
+        graph[a].add(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(MODULES):
+        if v not in index:
+            strongconnect(v)
+    return found
+
+
+def boundary_violations() -> collections.Counter[tuple[str, str, str, str]]:
+    """Rule 3, for every module outside runtimes/."""
+    found: collections.Counter[tuple[str, str, str, str]] = collections.Counter()
+    for imp in IMPORTS:
+        if in_runtimes(imp.source) or not in_runtimes(imp.target):
+            continue
+        names = [*imp.target.split("."), *([imp.name] if imp.name else [])]
+        if any(part.startswith("_") for part in names):
+            detail = ".".join(names)
+            found["private-import", imp.source, imp.where, detail] += 1
+        elif is_concrete_runtime(imp.target):
+            found["concrete-runtime-import", imp.source, imp.where, imp.target] += 1
+    for module, tree in TREES.items():
+        if in_runtimes(module):
+            continue
+        runtime_classes = {
+            alias.asname or alias.name
+            for imp_node, _, _ in walk(tree)
+            if isinstance(imp_node, ast.ImportFrom) and imp_node.module
+            for rel in [relative(imp_node.module)]
+            if rel is not None and is_concrete_runtime(rel)
+            for alias in imp_node.names
+        }
+        docstrings = {
+            id(body[0].value)
+            for node in [tree, *ast.walk(tree)]
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            for body in [node.body]
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+        }
+        for node, where, _ in walk(tree):
+            if isinstance(node, ast.Constant) and node.value in KINDS and id(node) not in docstrings:
+                found["kind-literal", module, where, node.value] += 1
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass")
+                and len(node.args) == 2
+            ):
+                classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                for cls in classes:
+                    name = cls.id if isinstance(cls, ast.Name) else cls.attr if isinstance(cls, ast.Attribute) else ""
+                    if name in runtime_classes:
+                        found["isinstance-runtime", module, where, name] += 1
+    return found
+
+
+def describe(entries: collections.Counter[tuple[str, str, str, str]]) -> str:
+    return "\n".join(f"  {key!r}: {n}," for key, n in sorted(entries.items()))
+
+
+# -- the tests ---------------------------------------------------------------------------------
+
+
+def test_the_parser_sees_the_package() -> None:
+    """Guards the checks below against passing vacuously (no modules found, no imports parsed)."""
+    assert {"", "plugin", "pool", "session", "errors", "runtimes.base"} <= set(MODULES)
+    assert Import("pool", "sandbox", "Sandbox", "<module>", False, 0) in [
+        dataclasses.replace(i, line=0) for i in IMPORTS
+    ]
+    assert any(i.where != "<module>" for i in IMPORTS), "lazy imports inside functions were not seen"
+
+
+def test_every_module_is_in_a_layer() -> None:
+    missing = sorted(shown(m) for m in MODULES if layer_of(m) is None)
+    assert missing == [], f"modules in no layer of tests/test_layering.py LAYERS (add them): {missing}"
+
+
+def test_no_run_time_import_cycle() -> None:
+    edges = {(i.source, i.target) for i in IMPORTS if not i.type_only}
+    found = cycles(edges)
+    assert found == [], "import cycles (run-time imports): " + "; ".join(
+        " <-> ".join(shown(m) for m in c) for c in found
+    )
+
+
+def test_no_cycle_even_with_type_only_imports() -> None:
+    """``if TYPE_CHECKING:`` imports do not run, but a cycle through one is still a layering knot."""
+    type_only = sorted({(i.source, i.target) for i in IMPORTS if i.type_only})
+    found = cycles({(i.source, i.target) for i in IMPORTS})
+    listing = ", ".join(f"{shown(a)} -> {shown(b)}" for a, b in type_only) or "none"
+    assert found == [], f"import cycles through type-only imports ({listing}): {found}"
+
+
+def test_no_import_from_a_higher_layer() -> None:
+    upward = []
+    for i in IMPORTS:
+        src, dst = layer_of(i.source), layer_of(i.target)
+        if src is not None and dst is not None and dst < src:
+            kind = "type-only import" if i.type_only else "import"
+            upward.append(
+                f"{shown(i.source)} (layer {src}: {LAYERS[src][0]}) line {i.line}: {kind} of {shown(i.target)} "
+                f"(layer {dst}: {LAYERS[dst][0]})"
+            )
+    assert upward == [], "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_guest_scripts_import_nothing_of_the_package_but_each_other() -> None:
+    """Guest scripts run in a box, under ``python -I -S`` or execnet, where the package is absent."""
+    bad = [
+        f"{i.source} line {i.line} imports {shown(i.target)}"
+        for i in IMPORTS
+        if i.source.startswith("guest") and not (i.target == "guest" or i.target.startswith("guest."))
+    ]
+    assert bad == []
+
+
+def test_runtime_specific_code_stays_in_runtimes() -> None:
+    found = boundary_violations()
+    new = found - ALLOWED
+    gone = ALLOWED - found
+    message = []
+    if new:
+        message.append(
+            "runtime-specific code outside pytest_boxlite/runtimes/ (move it behind the runtime protocol):\n"
+            + describe(new)
+        )
+    if gone:
+        message.append(
+            "fixed, so delete these entries (or lower their counts) in ALLOWED of tests/test_layering.py:\n"
+            + describe(gone)
+        )
+    assert not message, "\n\n".join(message)
+
+
+_CGROUPS = "from pytest_boxlite.runtimes._cgroups import Cgroups"
+_ALIVE = "from pytest_boxlite.runtimes.namespace import _alive"
+_ISINSTANCE = "from pytest_boxlite.runtimes.namespace import NamespaceRuntime\nok = isinstance(rt, NamespaceRuntime)"
+_DOCSTRING = 'def f():\n    """Docstrings may say "vm"."""\n    return "namespace"'
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ('x = kind == "vm"', [("kind-literal", "mod", "<module>", "vm")]),
+        (_DOCSTRING, [("kind-literal", "mod", "f", "namespace")]),
+        (_CGROUPS, [("private-import", "mod", "<module>", "runtimes._cgroups.Cgroups")]),
+        (_ALIVE, [("private-import", "mod", "<module>", "runtimes.namespace._alive")]),
+        (
+            _ISINSTANCE,
+            [
+                ("concrete-runtime-import", "mod", "<module>", "runtimes.namespace"),
+                ("isinstance-runtime", "mod", "<module>", "NamespaceRuntime"),
+            ],
+        ),
+        ("from pytest_boxlite.runtimes import BoxHandle\nok = isinstance(h, BoxHandle)", []),
+    ],
+)
+def test_the_boundary_check_catches_each_kind_of_violation(
+    source: str, expected: list[tuple[str, str, str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule-3 detector on small made-up modules, so a broken detector cannot pass silently."""
+    path = ROOT / "mod.py"  # never written: only its name is used
+    monkeypatch.setitem(MODULES, "mod", path)
+    monkeypatch.setitem(TREES, "mod", ast.parse(source))
+    monkeypatch.setattr(sys.modules[__name__], "IMPORTS", [*IMPORTS, *imports_of("mod")])
+    found = boundary_violations()
+    mine = collections.Counter({k: n for k, n in found.items() if k[1] == "mod"})
+    assert mine == collections.Counter(expected)
