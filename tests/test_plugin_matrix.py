@@ -1011,3 +1011,42 @@ def test_subtests_boxed(proj: Project, mode: tuple[str, ...]) -> None:
     assert final_line(boxed) == final_line(plain), boxed.tail()
     assert subfailed_lines(boxed) == subfailed, (subfailed, boxed.tail())
     assert boxed.messages == plain.messages
+
+
+MANY_SUBTESTS = """
+    import unittest
+
+    class TestMany(unittest.TestCase):
+        def test_many_pass(self):
+            for i in range(150):
+                with self.subTest(i=i):
+                    self.assertGreaterEqual(i, 0)
+
+        def test_last_of_many_fails(self):
+            for i in range(150):
+                with self.subTest(i=i):
+                    self.assertLess(i, 149)
+"""
+
+
+@pytest.mark.skipif(not hasattr(pytest, "Subtests"), reason="subtests are part of pytest from 9.0")
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(
+            BOXED,
+            id="boxed",
+            marks=xfail11("over 100 reports for one test: the test's outcome is dropped, its failure lost"),
+        )
+    ],
+)
+def test_many_subtests_boxed(proj: Project, mode: tuple[str, ...]) -> None:
+    """150 subtests in one test: the test is still reported, and a failure in the 150th is not lost."""
+    proj.files(test_many=MANY_SUBTESTS)
+    plain = proj.run()
+    # pytest 9.2 counts the failed subtest as the failure and both tests as passed: "1 failed, 2 passed".
+    assert "1 failed" in final_line(plain) and "SUBFAILED(i=149)" in plain.output, plain.tail()
+    boxed = proj.run(*mode)
+    assert final_line(boxed) == final_line(plain), boxed.tail()
+    assert subfailed_lines(boxed) == subfailed_lines(plain), boxed.tail()
+    same_outcomes(plain, boxed)
