@@ -276,6 +276,21 @@ def summary_line(output: str) -> str:
     return ""
 
 
+#: Terminal summary words compared between runs; ``deselected`` is left out (xdist's controller does not
+#: count it), ``warnings`` too (a boxed run may see fewer start-up warnings of plugins it loads once).
+COUNTED = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "rerun")
+
+
+def summary_counts(summary: str) -> dict[str, int]:
+    """``12 passed, 1 failed in 3.2s`` -> ``{"passed": 12, "failed": 1}`` (only the :data:`COUNTED` words)."""
+    out: dict[str, int] = {}
+    for n, word in re.findall(r"(\d+) (\w+)", summary.split(" in ")[0]):
+        word = "error" if word == "errors" else word
+        if word in COUNTED:
+            out[word] = int(n)
+    return out
+
+
 # --------------------------------------------------------------------------
 # running
 
@@ -381,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
                 r["mismatches"] = None
             else:
                 r["mismatches"] = compare(base, r["outcomes"]) if mode != "plain" else []
+                # junit lists a test whose call report never came as passed: the terminal's counts must agree too.
+                want, got = summary_counts(entry["runs"]["plain"]["summary"]), summary_counts(r["summary"])
+                if mode != "plain" and want != got:
+                    r["mismatches"].append(
+                        {"test": "(terminal summary)", "plain": [str(want)], "mode": [str(got)], "message": ""}
+                    )
             r["tests"] = len(r["outcomes"]) if r["outcomes"] is not None else None
             r["outcome_counts"] = (
                 dict(Counter(o for outs in r["outcomes"].values() for o, _ in outs))
