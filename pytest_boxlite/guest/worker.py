@@ -399,7 +399,9 @@ def serve(channel):
                     live.close()
             self._send_side_data(since)
 
-        def fork(self, nodeid, token, sock, hostname, network, seq=None):
+        def fork(self, nodeid, token, sock, hostname, network, seq=None, next=None):
+            """Fork a fresh box that runs ``nodeid`` first, then each ``RUN`` the host sends on its
+            stream (module scope), until the stream ends."""
             for old, status in list(self.children.items()):  # reap boxes that have ended
                 if status is None:
                     self.wait(old, timeout=0)
@@ -439,8 +441,19 @@ def serve(channel):
                 send(TOKEN, token=token)  # noqa: F821
                 self.seq = seq
                 self.send = send = self._locked(send)
-                self.run(nodeid, None)
+                self.run(nodeid, next)
                 send(DONE)  # noqa: F821
+                commands = conn.makefile("rb")
+                while True:
+                    line = commands.readline(1 << 20)
+                    if not line:
+                        break  # the host is done with this box
+                    name, fields = json.loads(line)
+                    if name != RUN:  # noqa: F821
+                        break
+                    self.seq = fields.get("seq")
+                    self.run(fields["nodeid"], fields.get("next"))
+                    send(DONE)  # noqa: F821
                 out.close()
                 conn.close()
             except BaseException as exc:
