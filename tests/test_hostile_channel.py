@@ -130,6 +130,13 @@ def raw(data):
         t["channel"].send(data)
 
 
+def xdist_worker():
+    """--boxlite-scope=worker -n N: pytest-xdist's worker end, which holds the channel to the controller."""
+    found = [o for o in gc.get_objects() if type(o).__name__ == "WorkerInteractor"]
+    assert len(found) == 1, found
+    return found[0]
+
+
 def report(request, **changes):
     """This test's own report, serialized by pytest, with ``changes``."""
     rep = pytest.TestReport(
@@ -257,6 +264,11 @@ ATTACKS: dict[str, tuple[str, str]] = {
         channel.send("not a reply")
         """,
     ),
+    "xdist_foreign_nodeid": (
+        "request",
+        "xdist_worker().sendevent('testreport', data=report(request, nodeid='test_hostile.py::test_ghost'))",
+    ),
+    "xdist_unknown_event": ("", "xdist_worker().channel.send(('bogus-event', {}))"),
     "cache_key_file_and_dir": ("", "send(m.CACHE, values={'hostile/f': 1, 'hostile/f/g': 2})"),
     "json_tuple_tag": ("", "raw(b'{\"__tuple__\": 5}\\n' if fork_mode() else ('report', {'data': 5}))"),
     "sections_not_pairs": ("request", "send(m.REPORT, data=report(request, sections=[1]))"),
@@ -587,6 +599,22 @@ def test_fork_cannot_speak_for_the_warm_interpreter(tmp_path: Path) -> None:
     assert "INTERNALERROR" not in run.output, run.tail()
     assert run.returncode in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED), run.tail()
     assert run.case("test_warm_channel_from_fork_next").outcome == "passed", run.tail()
+
+
+@xfail(
+    "--boxlite-scope=worker -n N puts xdist workers in boxes and leaves their channel to xdist, which "
+    "trusts its workers: a report for a node id never sent is logged as PASSED, an unknown event is "
+    "an INTERNALERROR (xdist replaces the worker, then KeyError in its bookkeeping)"
+)
+def test_worker_scope_xdist_channel_is_checked(tmp_path: Path) -> None:
+    pytest.importorskip("xdist")
+    run = run_attacks(
+        tmp_path / "xdist", ["xdist_foreign_nodeid", "xdist_unknown_event"], "--boxlite-scope=worker", "-n", "2"
+    )
+    assert "test_ghost" not in run.cases, "a report for a test the host never ran was accepted"
+    run.session_went_on()
+    run.contained("xdist_foreign_nodeid", "test_ghost")
+    run.contained("xdist_unknown_event", "bogus-event")
 
 
 @xfail(
