@@ -7,7 +7,10 @@ and writes straight onto the stream the host reads:
   host; the attack writes raw bytes on its descriptor, or well-formed messages through the
   ``GuestPlugin`` instance's ``send`` (found with ``gc.get_objects()``);
 * module scope (``--boxlite-scope=module``): the test runs in the warm interpreter that holds the
-  execnet channel; the attack sends any object on that channel, or messages through ``send``.
+  execnet channel; the attack sends any object on that channel, or messages through ``send``;
+* worker scope with xdist (``--boxlite-scope=worker -n 2``): the test runs in an xdist worker in a
+  box; the attack speaks on pytest-xdist's own channel (``WorkerInteractor``).  Worker scope without
+  xdist has no channel to attack: the whole session runs in the box and the host reads its exit status.
 
 The host must bound what it reads, parse it defensively and never follow it as a path: a
 malformed, oversized or foreign message fails that one test with a clear report, the session goes
@@ -16,8 +19,10 @@ sends writes outside the host's intended places.  The host's peak RSS (``VmHWM``
 sub-run's own conftest in ``pytest_unconfigure``) shows whether memory stayed bounded.
 
 Where the host is wrong today the test is ``xfail(strict=True)`` with the reason; the lead fixes
-the package and flips it.  Sub-runs are grouped (one per scope, plus one for each attack that
-stops the whole session today) so the file stays within a few minutes.
+the package and flips it.  The fork-mode checks need a working per-test fork (as root here; as an
+ordinary user forks currently fail with ``unshare: Operation not permitted``).  Sub-runs are
+grouped (one per scope, plus one for each attack that stops the whole session today) so the file
+stays within a few minutes.
 """
 
 from __future__ import annotations
@@ -314,7 +319,7 @@ ATTACKS: dict[str, tuple[str, str]] = {
     ),
     "warning_flood": (
         "",
-        "for i in range(300):\n    send(m.WARNING, message='w' * (MB - 300), category='UserWarning', "
+        "for i in range(150):\n    send(m.WARNING, message='w' * (MB - 300), category='UserWarning', "
         "module='builtins', filename='x.py', lineno=i, nodeid='')",
     ),
 }
@@ -548,9 +553,10 @@ def test_fork_done_before_any_report_fails_the_test(fork_run: Run) -> None:
 # --------------------------------------------------------------------------------------------
 # module scope: the test runs in the warm interpreter holding the execnet channel
 
+#: What differs from fork mode: the channel (objects, not lines; shared by the tests of a module).
 MODULE_ATTACKS = [
-    "garbage", "unknown_name", "foreign_nodeid", "not_a_testreport", "when_not_a_phase", "cache_dotdot",
-    "cache_100mb", "output_not_text", "line_300mb", "after_done", "done_early", "exit_not_int",
+    "garbage", "unknown_name", "foreign_nodeid", "not_a_testreport", "cache_100mb", "line_300mb",
+    "done_early", "after_done", "exit_not_int",
 ]  # fmt: skip
 
 MODULE_EXPECT: dict[str, str | None] = {
@@ -558,10 +564,7 @@ MODULE_EXPECT: dict[str, str | None] = {
     "unknown_name": "unexpected message 'bogus-message'",
     "foreign_nodeid": "test_ghost",
     "not_a_testreport": "not a TestReport",
-    "when_not_a_phase": "'collect'",
-    "cache_dotdot": "not a plain relative name",
     "cache_100mb": "cache value over",
-    "output_not_text": "not text",
     "line_300mb": "not (name, fields)",
 }
 
@@ -794,7 +797,7 @@ def test_fork_coverage_huge_line_number_fails_that_test_only(tmp_path: Path) -> 
 
 
 @xfail(
-    "nothing bounds how many messages one test sends: 300 warnings of 1 MiB (each under LINE_CAP "
+    "nothing bounds how many messages one test sends: 150 warnings of 1 MiB (each under LINE_CAP "
     "and FIELD_CAP) are all kept by the host's terminal reporter"
 )
 def test_fork_message_flood_keeps_host_memory_bounded(tmp_path: Path) -> None:
