@@ -456,20 +456,21 @@ def run_attacks(
         "--tb=short", "-rA", f"--junitxml={junit}", *args,
     ]  # fmt: skip
     environ = sub_env(HOSTILE_HWM=str(hwm), XDG_DATA_HOME=REAL_DATA_HOME, **env)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=work, env=environ, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            pytest.fail(f"the sub-run did not finish within {timeout:.0f}s:\n{log.read_text(errors='replace')[-4000:]}")
     try:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, cwd=work, env=environ, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            try:
+                rc = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+                tail = log.read_text(errors="replace")[-4000:]
+                pytest.fail(f"the sub-run did not finish within {timeout:.0f}s:\n{tail}")
         leftovers = ledger.scan(home)
     finally:
-        if home.exists():
+        if home.exists():  # whatever a failed sub-run left is removed
             ledger.reconcile(home, include_kept=True)
     text = log.read_text(errors="replace")
     rss = int(hwm.read_text()) if hwm.exists() else -1
