@@ -172,8 +172,9 @@ class _LiveOutput:
             t.join(2.0)  # a subprocess that still holds the pipe must not hold up the next test
 
 
-def _coverage_fields():
-    """The coverage data this process gathered so far, if coverage runs here (pytest-cov ``--cov``).
+def _coverage_fields(sent):
+    """The coverage data this process gathered since the last call, if coverage runs here
+    (pytest-cov ``--cov``); ``sent`` remembers what was sent (file -> set of lines or arcs).
 
     Plain lines or arcs, never coverage's own serialized form: that is an SQL script, which the
     host must not run on a box's word.
@@ -186,9 +187,11 @@ def _coverage_fields():
     arcs = data.has_arcs()
     files = {}
     for name in data.measured_files():
-        found = data.arcs(name) if arcs else data.lines(name)
-        if found:
-            files[name] = [list(a) for a in found] if arcs else sorted(found)
+        found = set(data.arcs(name) or ()) if arcs else set(data.lines(name) or ())
+        new = found - sent.get(name, set())
+        if new:
+            sent.setdefault(name, set()).update(new)
+            files[name] = [list(a) for a in new] if arcs else sorted(new)
     return {"arcs": arcs, "files": files} if files else None
 
 
@@ -243,6 +246,7 @@ def serve(channel):
             self.seq = None
             self.send = self._locked(lambda name, **fields: channel.send((name, fields)))
             self.cache_writes = {}
+            self.coverage_sent = {}
 
         def _locked(self, send):
             """``send`` made safe for the live-output threads (one message at a time)."""
@@ -344,7 +348,7 @@ def serve(channel):
             if self.cache_writes:
                 self.send(CACHE, values=self.cache_writes)  # noqa: F821
                 self.cache_writes = {}
-            coverage = _coverage_fields()
+            coverage = _coverage_fields(self.coverage_sent)
             if coverage is not None:
                 self.send(COVERAGE, **coverage)  # noqa: F821
 
@@ -399,7 +403,9 @@ def serve(channel):
                     live.close()
             self._send_side_data(since)
 
-        def fork(self, nodeid, token, sock, hostname, network, seq=None):
+        def fork(self, nodeid, token, sock, hostname, network, seq=None, next=None):
+            """Fork a fresh box that runs ``nodeid`` first, then each ``RUN`` the host sends on its
+            stream (module scope), until the stream ends."""
             for old, status in list(self.children.items()):  # reap boxes that have ended
                 if status is None:
                     self.wait(old, timeout=0)
@@ -439,8 +445,19 @@ def serve(channel):
                 send(TOKEN, token=token)  # noqa: F821
                 self.seq = seq
                 self.send = send = self._locked(send)
-                self.run(nodeid, None)
+                self.run(nodeid, next)
                 send(DONE)  # noqa: F821
+                commands = conn.makefile("rb")
+                while True:
+                    line = commands.readline(1 << 20)
+                    if not line:
+                        break  # the host is done with this box
+                    name, fields = json.loads(line)
+                    if name != RUN:  # noqa: F821
+                        break
+                    self.seq = fields.get("seq")
+                    self.run(fields["nodeid"], fields.get("next"))
+                    send(DONE)  # noqa: F821
                 out.close()
                 conn.close()
             except BaseException as exc:

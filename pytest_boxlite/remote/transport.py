@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -80,17 +81,20 @@ class ForkStream:
         self._buf = bytearray()
 
     def messages(self, deadline: float) -> Iterator[tuple[str, dict[str, Any]]]:
+        scanned = 0  # bytes of the buffer known to hold no newline: each byte is scanned once
         while True:
-            end = self._buf.find(b"\n")
+            end = self._buf.find(b"\n", scanned)
             while end >= 0:
                 line = bytes(self._buf[:end])
                 del self._buf[: end + 1]
+                scanned = 0
                 try:
                     message = json.loads(line, object_hook=msg.untag)
                 except (ValueError, TypeError, RecursionError) as exc:
                     raise BoxSpoke(f"a line that is not JSON ({type(exc).__name__}): {line[:200]!r}") from None
                 yield _checked(message)
                 end = self._buf.find(b"\n")
+            scanned = len(self._buf)
             if len(self._buf) > msg.LINE_CAP:
                 raise BoxSpoke(f"a message longer than {msg.LINE_CAP} bytes")
             left = deadline - time.monotonic()
@@ -116,6 +120,7 @@ class Outcome:
     hung_up: BaseException | None = None  # the channel broke (the box died)
     warnings: int = 0
     warning_bytes: int = 0
+    side_messages: int = 0
 
 
 #: Warnings of one boxed test the host keeps (the terminal reporter holds every one); the rest
@@ -190,12 +195,17 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
             _relay_warning(item, fields)
     elif name == msg.OUTPUT:
         _relay_output(config, fields)
-    elif name == msg.CACHE:
-        _store_cache(config, fields.get("values"))
-    elif name == msg.COVERAGE:
-        _store_coverage(config, fields, box)
-    elif name == msg.FILES:
-        _store_files(config, fields.get("files"))
+    elif name in (msg.CACHE, msg.COVERAGE, msg.FILES):
+        # The guest sends each at most once per test: more is a flood (of the host's disk).
+        out.side_messages += 1
+        if out.side_messages > 10:
+            raise BoxSpoke("more than 10 cache/coverage/file messages for one test")
+        if name == msg.CACHE:
+            _store_cache(config, fields.get("values"))
+        elif name == msg.COVERAGE:
+            _store_coverage(config, fields, box)
+        else:
+            _store_files(config, fields.get("files"))
     elif name == msg.EXIT:
         code = fields.get("returncode")
         if not isinstance(code, int) or isinstance(code, bool):
@@ -272,7 +282,8 @@ def _category(module: object, qualname: object) -> type[Warning]:
     mod = sys.modules.get(module) if isinstance(module, str) else None
     obj: object = mod
     for part in str(qualname).split(".") if mod is not None else ():
-        obj = getattr(obj, part, None)
+        # getattr_static: a module's __getattr__ (a lazy import) must not run on a box's word.
+        obj = inspect.getattr_static(obj, part, None)
     return obj if isinstance(obj, type) and issubclass(obj, Warning) else UserWarning
 
 
