@@ -21,8 +21,11 @@ removed with the fix.
 
 from __future__ import annotations
 
+import html
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -380,13 +383,7 @@ def test_hypothesis_outcomes(proj: Project, mode: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize(
     "mode",
-    [
-        pytest.param(
-            BOXED,
-            id="boxed",
-            marks=xfail11("the hypothesis database is discarded with the box (README: not carried back)"),
-        )
-    ],
+    [pytest.param(BOXED, id="boxed")],
 )
 def test_hypothesis_database(proj: Project, mode: tuple[str, ...]) -> None:
     """The failing example is saved in the project's ``.hypothesis`` database by a boxed run too."""
@@ -394,8 +391,6 @@ def test_hypothesis_database(proj: Project, mode: tuple[str, ...]) -> None:
     proj.files(test_h=HYPOTHESIS_TESTS)
     plain = proj.run("-k", "counterexample")
     assert hypothesis_examples(proj.path), f"plain run saved no example\n{plain.tail()}"
-    import shutil
-
     shutil.rmtree(proj.path / ".hypothesis")
     boxed = proj.run("-k", "counterexample", *mode)
     assert boxed.outcome("test_finds_counterexample") == ["failed"], boxed.tail()
@@ -454,9 +449,6 @@ def test_pytest_html_report(proj: Project, mode: tuple[str, ...]) -> None:
         text = report.read_text()
         data = re.search(r'data-jsonblob="([^"]*)"', text)
         assert data, f"no data blob in {report}\n{run.tail()}"
-        import html
-        import json
-
         blob = json.loads(html.unescape(data.group(1)))
         tests = {k.split("::")[-1]: [r["result"] for r in v] for k, v in blob["tests"].items()}
         return {
