@@ -96,10 +96,10 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
 def cmd_shell(args: argparse.Namespace) -> int:
     """Open a shell (or run a command) in a running namespace box, e.g. one kept after a failure."""
-    from pytest_boxlite.runtimes.namespace import attach
+    from pytest_boxlite.runtimes.namespace import attach, ctl_dir
 
     box_dir = _home(args) / "namespace" / args.name
-    if not (box_dir / "agent.sock").exists():
+    if "/" in args.name or not (ctl_dir(box_dir) / "agent.sock").exists():
         print(f"no running namespace box named {args.name} under {_home(args)}", file=sys.stderr)
         return 1
     return attach(box_dir, args.command or ["/bin/sh", "-i"])

@@ -65,7 +65,8 @@ def box_pids(home: Path) -> dict[str, int]:
     state = home / "namespace"
     for d in sorted(state.iterdir()) if state.is_dir() else []:
         with contextlib.suppress(OSError, ValueError, KeyError):
-            out[d.name] = int(json.loads((d / "info.json").read_text())["pid"])
+            # A box's host-private record lives in <name>.ctl/, out of the guest's reach.
+            out[d.name] = int(json.loads((d.with_name(d.name + ".ctl") / "info.json").read_text())["pid"])
     return out
 
 

@@ -8,17 +8,30 @@ of the package.
 import os
 
 # --- a fresh box for one test, forked from this warm interpreter (namespace runtime) -------------
-# The child gets new mount, uts, ipc, network and pid namespaces; every overlay the box has gets a
-# new, empty upper layer, and /tmp, /workspace and /dev/shm new tmpfs, so the test sees the box as
-# it was when this interpreter started, and nothing it does reaches this interpreter or the host.
+# The child gets new user, mount, uts, ipc, network and pid namespaces; every overlay the box has
+# gets a new, empty upper layer, and /tmp, /workspace and /dev/shm new tmpfs, so the test sees the
+# box as it was when this interpreter started, and nothing it does reaches this interpreter or the
+# host.  Because the namespaces are owned by a new user namespace, every mount of the warm box
+# (its layers, masks, /sys, the control directory) is locked beneath the test: it can neither
+# unmount nor remount them.  And once the fresh layers are in place the test keeps no
+# CAP_SYS_ADMIN (root keeps Docker's default set, anyone else nothing), so it cannot peel its own
+# fresh layers off either to reach the template's.
 
+_CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUTS = 0x04000000
 _CLONE_NEWIPC = 0x08000000
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWPID = 0x20000000
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
+_MS_REC, _MS_PRIVATE = 16384, 1 << 18
 _PR_SET_PDEATHSIG = 1
+_PR_CAPBSET_DROP = 24
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+#: What a test running as root keeps (Docker's default set); see guest/agent.py.
+_DOCKER_CAPS = (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31)
+#: Parts of /proc a box must not write (host-wide sysctls...): read-only, as bubblewrap does.
+_PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus")
 
 
 def _libc():
@@ -60,6 +73,98 @@ def _overlay(libc, lower, target, stage, n):
     _mount(libc, "overlay", target, "overlay", 0, opts)
 
 
+def _write(path, data):
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, data.encode())
+    finally:
+        os.close(fd)
+
+
+def _id_maps():
+    """The id maps for the new user namespace: the ids of this one, one to one.
+
+    Root (with CAP_SETUID here) maps every id this namespace has, written by a helper that stays
+    in this namespace; anyone else maps their own uid and gid, written by themselves.
+    """
+    lines = {}
+    for which in ("uid", "gid"):
+        with open("/proc/self/%s_map" % which) as fh:
+            rows = [line.split() for line in fh if line.strip()]
+        lines[which] = "".join("%s %s %s\n" % (r[0], r[0], r[2]) for r in rows)
+    return lines
+
+
+def _enter_user_namespace(libc, flags):
+    """unshare(CLONE_NEWUSER | flags) with this process's ids mapped one to one."""
+    if os.geteuid() != 0:
+        uid, gid = os.geteuid(), os.getegid()
+        _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
+        _write("/proc/self/uid_map", "%d %d 1\n" % (uid, uid))
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
+        return
+    maps = _id_maps()
+    me = os.getpid()
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    helper = os.fork()
+    if helper == 0:
+        code = 1
+        try:
+            os.close(ready_w)
+            os.close(done_r)
+            if os.read(ready_r, 1) == b"u":
+                _write("/proc/%d/uid_map" % me, maps["uid"])
+                _write("/proc/%d/gid_map" % me, maps["gid"])
+                os.write(done_w, b"m")
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(ready_r)
+    os.close(done_w)
+    try:
+        _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
+        os.write(ready_w, b"u")
+        if os.read(done_r, 1) != b"m":
+            raise OSError(1, "could not map ids into the fresh box's user namespace")
+        # Become root of the new namespace for real (ids were unmapped until now).
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+    finally:
+        os.close(ready_w)
+        os.close(done_r)
+        os.waitpid(helper, 0)
+
+
+def _limit_caps(libc, keep):
+    """Keep only ``keep``: bounding, effective and permitted sets; no ambient ones."""
+    import ctypes
+
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as fh:
+            last = int(fh.read())
+    except (OSError, ValueError):
+        last = 40
+    for cap in range(last + 1):
+        if cap not in keep and libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
+            _check(-1, "dropping capability %d" % cap)
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    mask = 0
+    for cap in keep:
+        mask |= 1 << cap
+    lo, hi = mask & 0xFFFFFFFF, mask >> 32
+    data = (Data * 2)(Data(lo, lo, 0), Data(hi, hi, 0))
+    _check(libc.capset(ctypes.byref(Header(0x20080522, 0)), data), "capset")
+
+
 def _under(path, top):
     return path.startswith(top.rstrip("/") + "/")
 
@@ -75,7 +180,8 @@ def _fresh_box(hostname, network):
     flags = _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID
     if not network:
         flags |= _CLONE_NEWNET
-    _check(libc.unshare(flags), "unshare")
+    uid, gid = os.geteuid(), os.getegid()
+    _enter_user_namespace(libc, flags)
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
     stage = "/run/.boxlite-fresh"
     os.makedirs(stage, exist_ok=True)
@@ -136,6 +242,11 @@ def _fresh_box(hostname, network):
 
     _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
     _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+    for name in _PROC_COVERS:
+        cover = "/proc/" + name
+        if os.path.exists(cover):
+            _mount(libc, cover, cover, None, _MS_BIND | _MS_REC, None)
+            _mount(libc, None, cover, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None)
     socket.sethostname(hostname)
     try:
         import fcntl
@@ -147,3 +258,8 @@ def _fresh_box(hostname, network):
         pass
     with open("/proc/self/oom_score_adj", "w") as fh:
         fh.write("1000")  # under memory pressure the test dies, not the warm interpreter
+    if (uid, gid) != (0, 0):
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    # Last: the test keeps no CAP_SYS_ADMIN over the mounts just made (root: Docker's default set).
+    _limit_caps(libc, _DOCKER_CAPS if uid == 0 else ())
