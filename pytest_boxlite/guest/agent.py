@@ -1,9 +1,12 @@
 """In-box agent of the namespace runtime.  Standard library only.
 
-Runs as the first process inside a bubblewrap sandbox (uid 0 of the box's own
-user namespace) and serves requests on a listening Unix socket that the host
-created and handed over as a descriptor: the socket's path lives in the host's
-private control directory, which no guest can see.  One connection is one request:
+Runs as process 1 of the box's pid namespace (``bwrap --as-pid-1``; uid 0 of the
+box's own user namespace): no guest can kill it (the kernel ignores signals sent
+to a namespace's pid 1 from inside it), and when it exits the kernel kills every
+process of the box, so nothing outlives it.  It reaps orphans like an init.  It
+serves requests on a listening Unix socket that the host created and handed over
+as a descriptor: the socket's path lives in the host's private control directory,
+which no guest can see.  One connection is one request:
 
 * ``{"op": "ping"}`` -> ``{"pong": pid}``
 * ``{"op": "helper"}`` with three descriptors: like ``exec``, but the file
@@ -23,14 +26,17 @@ user namespace (never of the host's).  Before it serves anything the agent
 
 1. makes itself non-dumpable, so no guest process (even uid 0 of the box) can
    ptrace it or open ``/proc/<agent>/fd/*`` (the watchdog pipe, the socket);
-2. mounts a spare ``/proc`` where no path reaches it (under a tmpfs stacked
+2. binds /proc/sys, /proc/sysrq-trigger, /proc/irq, /proc/bus and /proc/fs over themselves
+   read-only (as Docker does: on a root host, the box's uid 0 passes the kernel's sysctl
+   permission checks);
+3. mounts a spare ``/proc`` where no path reaches it (under a tmpfs stacked
    on its mount point): the kernel lets a process in a *nested* user namespace
    mount a new procfs only when a fully visible one exists, and bubblewrap's
    own ``/proc`` has read-only covers on ``/proc/sys`` & co.  This is what lets
    the per-test fork (and a guest's own sandbox) have a ``/proc`` of its own;
-3. sets the per-box process limit (``RLIMIT_NPROC``, counted per user
+4. sets the per-box process limit (``RLIMIT_NPROC``, counted per user
    namespace) when the host asks for one (no pids cgroup);
-4. drops its capabilities to Docker's default set (no CAP_SYS_ADMIN, so no
+5. drops its capabilities to Docker's default set (no CAP_SYS_ADMIN, so no
    guest can unmount or remount anything the runtime mounted), clears the
    ambient set, and keeps ``no_new_privs`` (set by bubblewrap).
 
@@ -66,7 +72,10 @@ _PR_CAPBSET_DROP = 24
 _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _CLONE_NEWUSER = 0x10000000
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+#: Parts of /proc no box may write, read-only as in Docker: on a root host uid 0 of the box is
+#: uid 0 to the kernel's sysctl permission checks (core_pattern, sysrq-trigger...).
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 #: Docker's default capability set: chown, dac_override, fowner, fsetid, kill, setgid, setuid,
 #: setpcap, net_bind_service, net_raw, sys_chroot, mknod, audit_write, setfcap.
 DOCKER_CAPS = (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31)
@@ -113,6 +122,16 @@ def limit_caps(keep):
 def _mount(src, target, fstype, flags, data=None):
     enc = lambda v: v.encode() if v is not None else None  # noqa: E731
     _check(_libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)
+
+
+def _seal_proc():
+    """Bind the dangerous parts of /proc over themselves read-only (bubblewrap covers only some)."""
+    for name in PROC_READ_ONLY:
+        path = "/proc/" + name
+        if not os.path.exists(path):
+            continue
+        _mount(path, path, None, _MS_BIND | _MS_REC)
+        _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
 
 
 def _hide_spare_proc():
@@ -333,6 +352,46 @@ def _cwd(req):
 
 
 _HELPER = {}
+#: Children the agent waits for itself (their exit status is reported); the reaper leaves them alone.
+_TRACKED = set()
+_TRACKED_LOCK = threading.Lock()
+
+
+def _untrack(pid):
+    with _TRACKED_LOCK:
+        _TRACKED.discard(pid)
+
+
+def _reap_orphans():
+    """As the box's pid 1, collect orphaned zombies (never a child whose status a request waits for)."""
+    import time
+
+    while True:
+        time.sleep(0.5)
+        try:
+            entries = os.listdir("/proc")
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.isdigit():
+                continue
+            pid = int(entry)
+            try:
+                with open("/proc/%d/stat" % pid) as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z" or fields[1] != "1":
+                continue
+            with _TRACKED_LOCK:
+                if pid in _TRACKED:
+                    continue
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
 #: Descriptors only the agent may hold (the watchdog pipe, the listening socket): closed in forks.
 _PRIVATE_FDS = []
 
@@ -424,10 +483,13 @@ def _serve(conn, base_env, default_user):
             _send(conn, {"error": str(exc), "errno": 22})
             return
         try:
-            if op == "helper":
-                proc = _ForkedHelper(fds, _cwd(req), uid, gid)
-            else:
-                proc = spawn(req["argv"], fds, env, _cwd(req), uid, gid)
+            # Under the lock: the reaper must not collect the child before it is tracked.
+            with _TRACKED_LOCK:
+                if op == "helper":
+                    proc = _ForkedHelper(fds, _cwd(req), uid, gid)
+                else:
+                    proc = spawn(req["argv"], fds, env, _cwd(req), uid, gid)
+                _TRACKED.add(proc.pid)
         except OSError as exc:
             _send(conn, {"error": exc.strerror or str(exc), "errno": exc.errno or 0, "filename": exc.filename})
             return
@@ -437,7 +499,10 @@ def _serve(conn, base_env, default_user):
         _send(conn, {"pid": proc.pid})
         watcher = threading.Thread(target=_watch_client, args=(conn, proc), daemon=True)
         watcher.start()
-        code = proc.wait()
+        try:
+            code = proc.wait()
+        finally:
+            _untrack(proc.pid)
         try:
             _send(conn, {"exit": code})
         except OSError:
@@ -489,6 +554,7 @@ def main():
     _PRIVATE_FDS.extend([listen_fd, watchdog_fd])
     for fd in _PRIVATE_FDS:
         os.set_inheritable(fd, False)
+    _seal_proc()
     _hide_spare_proc()
     if cfg.get("nproc"):
         import resource
@@ -497,6 +563,7 @@ def main():
     limit_caps(DOCKER_CAPS)
     _load_helper(cfg["helper"])
     threading.Thread(target=_watchdog, args=(watchdog_fd,), daemon=True).start()
+    threading.Thread(target=_reap_orphans, daemon=True).start()
     srv = socket.socket(fileno=listen_fd)
     default_user = tuple(cfg["user"])
     base_env = cfg["env"]

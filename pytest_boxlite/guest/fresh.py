@@ -31,7 +31,7 @@ _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 #: What a test running as root keeps (Docker's default set); see guest/agent.py.
 _DOCKER_CAPS = (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31)
 #: Parts of /proc a box must not write (host-wide sysctls...): read-only, as bubblewrap does.
-_PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus")
+_PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 
 
 def _libc():
@@ -246,7 +246,8 @@ def _fresh_box(hostname, network):
         cover = "/proc/" + name
         if os.path.exists(cover):
             _mount(libc, cover, cover, None, _MS_BIND | _MS_REC, None)
-            _mount(libc, None, cover, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None)
+            ro = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+            _mount(libc, None, cover, None, ro, None)
     socket.sethostname(hostname)
     try:
         import fcntl

@@ -1149,7 +1149,9 @@ class NamespaceRuntime:
             # Every capability of the box's own user namespace, for the agent's set-up only: it drops
             # to Docker's default set before it runs anything (see guest/agent.py).
             "--cap-add", "ALL",
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            # The agent is the pid namespace's first process: unkillable from inside, and its end
+            # (the host's watchdog pipe closing) ends every process of the box.
+            "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--new-session",
             "--hostname", name[:63],
             *_layer_args(self.bwrap, spec.template, persist, masks),
