@@ -326,7 +326,7 @@ class Sandbox:
         if src.is_dir():
             buf = io.BytesIO()
             with tarfile.open(fileobj=buf, mode="w") as tar:
-                tar.add(src, arcname=".")
+                tar.add(src, arcname=".", filter=_owned_by_root)
             self._helper("tar_in", {"path": dest}, buf.getvalue(), timeout=timeout)
         elif src.exists():
             self._write(dest, src.read_bytes(), False, timeout)
@@ -417,6 +417,14 @@ class Sandbox:
             timeout=timeout,
         )
         return SearchResult([GrepMatch(p, int(n), line) for p, n, line in meta["matches"]], bool(meta["truncated"]))
+
+
+def _owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """Uploaded files belong to root in the box: a box may map no other id (non-root host), and
+    tarfile skips a member's mode when its chown fails."""
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
 
 
 def _inside(rel: str) -> bool:
