@@ -228,6 +228,7 @@ record("no_new_privs off", fields.get("NoNewPrivs", "0").strip() != "1", fields.
 # 9. dangerous system calls (seccomp, in the spirit of Docker's default profile).
 SECCOMP = os.environ.get("EXPECT_SECCOMP") == "1"
 if SECCOMP:
+    record("seccomp filter not in force", fields.get("Seccomp", "0").strip() != "2", fields.get("Seccomp"))
     import fcntl
     import termios
 

@@ -598,9 +598,68 @@ def _write_id_maps(pid: int) -> None:
 # --------------------------------------------------------------------------
 
 
+#: System calls no box needs, refused with EPERM, after Docker's default profile: kernel keyrings,
+#: eBPF, perf events, userfaultfd, kexec and module loading, file handles (open_by_handle_at was
+#: the "shocker" container escape), the clock, swap, reboot, accounting, the kernel log.
+SECCOMP_DENIED = (
+    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "kexec_load",
+    "kexec_file_load", "init_module", "finit_module", "delete_module", "create_module", "open_by_handle_at",
+    "reboot", "swapon", "swapoff", "acct", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "iopl", "ioperm", "lookup_dcookie", "quotactl", "syslog", "uselib", "vhangup", "nfsservctl", "_sysctl",
+    "get_kernel_syms", "query_module",
+)  # fmt: skip
+#: ioctl requests refused: typing into the controlling terminal (TIOCSTI), console tricks (TIOCLINUX).
+SECCOMP_DENIED_IOCTLS = {"TIOCSTI": 0x5412, "TIOCLINUX": 0x541C}
+
+
+@lru_cache(maxsize=1)
+def _seccomp_bpf() -> tuple[bytes | None, str]:
+    """The compiled filter (libseccomp through ``pyseccomp``) and a one-line status for doctor."""
+    try:
+        import errno as _errno
+        import tempfile
+
+        import pyseccomp as sc
+
+        flt = sc.SyscallFilter(sc.ALLOW)
+        native = sc.system_arch()
+        # Other ABIs the CPU runs must be filtered too, not let through or killed.
+        for arch in {sc.Arch.X86_64: (sc.Arch.X86, sc.Arch.X32), sc.Arch.AARCH64: (sc.Arch.ARM,)}.get(native, ()):
+            with contextlib.suppress(Exception):
+                flt.add_arch(arch)
+        denied = []
+        for name in SECCOMP_DENIED:
+            try:
+                flt.add_rule(sc.ERRNO(_errno.EPERM), name)
+                denied.append(name)
+            except (RuntimeError, OSError, ValueError):
+                continue  # no such system call on this architecture
+        for request in SECCOMP_DENIED_IOCTLS.values():
+            flt.add_rule(sc.ERRNO(_errno.EPERM), "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
+        with tempfile.TemporaryFile() as fh:
+            flt.export_bpf(fh)
+            fh.seek(0)
+            program = fh.read()
+    except Exception as exc:  # noqa: BLE001 - the filter is defence in depth: say why it is off
+        return None, f"inactive ({type(exc).__name__}: {exc}; install libseccomp2 and pyseccomp)"
+    ioctls = ", ".join(f"ioctl({k})" for k in SECCOMP_DENIED_IOCTLS)
+    return program, f"active (libseccomp via pyseccomp): EPERM for {len(denied)} system calls and {ioctls}"
+
+
+def seccomp_status() -> str:
+    """One line for doctor and the report header: whether boxes get the seccomp filter."""
+    return _seccomp_bpf()[1]
+
+
 def seccomp_program_fd() -> int | None:
     """A descriptor holding the box's seccomp BPF program for ``bwrap --seccomp``, or ``None``."""
-    return None
+    program, _ = _seccomp_bpf()
+    if program is None:
+        return None
+    fd = os.memfd_create("pytest-boxlite-seccomp", os.MFD_CLOEXEC)
+    os.write(fd, program)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _guest_path_env() -> str:
