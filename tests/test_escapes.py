@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.escapes, pytest.mark.timeout(120)]
 
 #: The attacks, run in the guest.  Standard library only; prints one JSON list of
 #: ``{"attack", "escaped", "detail"}``.  ``SECRET_HOME`` and ``SECRET`` come from the environment.
-ATTACKS = r'''
+ATTACKS = r"""
 import ctypes, errno, json, os, socket, struct, sys
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -255,7 +255,7 @@ if SECCOMP:
             record("syscall " + name, not (rc == -1 and err == errno.EPERM), detail)
 
 print("ESCAPE-RESULTS " + json.dumps(results))
-'''
+"""
 
 
 def parse(output: str) -> list[dict[str, object]]:
@@ -423,9 +423,7 @@ def test_forged_info_cannot_redirect_cleanup(namespace_runtime: Runtime, tmp_pat
     try:
         assert isinstance(handle, NamespaceBox)
         sb = Sandbox(handle)
-        r = sb.execute_command(
-            "echo '{\"pid\": 1, \"start_time\": \"0\"}' > /run/pytest-boxlite/info.json", timeout=20
-        )
+        r = sb.execute_command('echo \'{"pid": 1, "start_time": "0"}\' > /run/pytest-boxlite/info.json', timeout=20)
         assert r.exit_code != 0
         info = json.loads((handle.ctl_dir / "info.json").read_text())
         assert info["pid"] != 1 and info["init_pid"] > 1
@@ -434,7 +432,7 @@ def test_forged_info_cannot_redirect_cleanup(namespace_runtime: Runtime, tmp_pat
     assert not handle.ctl_dir.exists() and not handle.box_dir.exists()
 
 
-BOXED_ATTACKS = '''
+BOXED_ATTACKS = """
 import os
 import subprocess
 import sys
@@ -467,7 +465,7 @@ def test_a_writes_the_template_layer():
 @pytest.mark.boxlite
 def test_b_sees_a_pristine_box():
     assert not os.path.exists("/etc/pbx-escape-marker")
-'''
+"""
 
 
 def test_boxed_test_as_host_user_cannot_undo_its_box(

@@ -570,16 +570,17 @@ def plan_limits(cg: _cgroups.CgroupSet, *, memory_mib: int | None, cpus: int | N
     per process and breaks runtimes that reserve address space), so they are reported missing;
     every command and test stays bounded by its timeout.
     """
-    holding = [f"{c} (cgroup)" for c in cg.applied]
+    wanted = {"memory": f"memory {memory_mib or DEFAULT_MEMORY_MIB} MiB", "cpu": f"cpu {cpus}", "pids": f"pids {pids}"}
+    holding = [f"{wanted.get(c, c)} (cgroup)" for c in cg.applied]
     missing: list[str] = []
     nproc = None
     for entry in cg.missing:
-        controller = entry.split(" ", 1)[0]
+        controller, _, why = entry.partition(" ")
         if controller == "pids" and pids:
             nproc = pids
-            holding.append(f"pids {pids} (RLIMIT_NPROC per box user namespace)")
+            holding.append(f"pids {pids} (RLIMIT_NPROC, counted per box user namespace)")
         else:
-            missing.append(f"{entry}")
+            missing.append(f"{wanted.get(controller, controller)} (no cgroup: {why.strip('()') or 'unavailable'})")
     return Limits(tuple(holding), tuple(missing), nproc)
 
 
@@ -1428,12 +1429,14 @@ def _bind(sock: socket.socket, path: Path) -> None:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    """Create a host-private file (never through a link)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """Create a host-private file atomically (a reader never sees half of it), never through a link."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, data)
     finally:
         os.close(fd)
+    os.replace(tmp, path)
 
 
 def _read_child_pid(fd: int, deadline: float) -> int | None:
