@@ -516,3 +516,27 @@ def test_box_dies_with_its_sigkilled_host_process(tmp_path: Path) -> None:
             child.stdout.close()
         rt.remove_box(name)
         rt.close()
+
+
+def test_template_layers_come_back_in_every_box_and_never_reach_the_host(namespace_runtime: Runtime) -> None:
+    """``--boxlite-setup``'s template: built in a box (root in the box), stacked under later boxes."""
+    from pytest_boxlite.templates import ensure_template
+
+    rt = namespace_runtime
+    assert isinstance(rt, NamespaceRuntime)
+    marker = Path.home() / f".{unique('pbx-template')}"
+    setup = f"echo provisioned > {marker} && id -u > {marker}.uid"
+    with host_cleanup(marker, Path(f"{marker}.uid")):
+        spec = ensure_template(rt, BoxSpec(), setup, home=rt.home, cwd=Path("/"), timeout=60, name=new_box_name())
+        assert spec.template is not None
+        assert not marker.exists(), "the template's write reached the host"
+        for _ in range(2):
+            box = rt.create_box(spec, new_box_name(), timeout=30)
+            try:
+                sb = Sandbox(box)
+                assert sb.read_file(str(marker)) == "provisioned\n"
+                assert sb.read_file(f"{marker}.uid") == "0\n"
+                sb.write_file(str(marker), "changed\n")
+            finally:
+                box.destroy()
+        assert not marker.exists()
