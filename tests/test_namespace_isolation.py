@@ -540,3 +540,33 @@ def test_template_layers_come_back_in_every_box_and_never_reach_the_host(namespa
             finally:
                 box.destroy()
         assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("sysctl", "value", "named"),
+    [
+        ("user.max_user_namespaces", "0", "sysctl -w user.max_user_namespaces="),
+        ("kernel.unprivileged_userns_clone", "0", "sysctl -w kernel.unprivileged_userns_clone=1"),
+        ("kernel.apparmor_restrict_unprivileged_userns", "1", "AppArmor profile granting `userns,`"),
+    ],
+)
+def test_a_host_forbidding_user_namespaces_is_named_with_its_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sysctl: str, value: str, named: str
+) -> None:
+    """Fault injection: ``/bin/false`` stands in for a bwrap the policy stops, and the sysctl is read
+    from a fake (changing the real one would change the whole machine)."""
+    from pytest_boxlite.runtimes import namespace as ns
+
+    monkeypatch.setattr(ns, "_read_sysctl", lambda name: value if name == sysctl else None)
+    monkeypatch.setattr(ns.os, "getuid", lambda: 1001)
+    problem = ns.userns_problem.__wrapped__("/bin/false")
+    assert problem is not None and named in problem
+    monkeypatch.setattr(ns, "userns_problem", lambda bwrap: problem)
+    with pytest.raises(errors.RuntimeUnavailableError, match="namespace boxes need user namespaces"):
+        NamespaceRuntime(tmp_path / "home")
+
+
+def test_a_working_bwrap_reports_no_user_namespace_problem(namespace_runtime: Runtime) -> None:
+    from pytest_boxlite.runtimes.namespace import userns_problem
+
+    assert userns_problem(namespace_runtime.bwrap) is None  # type: ignore[attr-defined]
