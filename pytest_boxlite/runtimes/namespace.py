@@ -435,7 +435,11 @@ def _mask_plan(home: Path, tops: Sequence[str]) -> tuple[dict[str, str], list[st
         by_top.setdefault(top, []).append((path, kind))
     if not entries:
         return {}, mounts
-    layers, failed = _mask_plan_cached(tuple(sorted(entries)))
+    key = tuple(sorted(entries))
+    layers, failed = _mask_plan_cached(key)
+    if not all(os.path.isdir(layer) for _, layer in layers):  # /tmp was cleaned meanwhile: build again
+        _mask_plan_cached.cache_clear()
+        layers, failed = _mask_plan_cached(key)
     for top in failed:
         for path, kind in by_top.get(top, []):
             mounts += ["--tmpfs", str(path)] if kind == "dir" else ["--ro-bind", "/dev/null", str(path)]
