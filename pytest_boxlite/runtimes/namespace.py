@@ -312,6 +312,7 @@ def _readable(path: Path, want_dir: bool) -> Path | None:
     of this user can read them either.
     """
     try:
+        os.lstat(path)  # most candidates do not exist: fail fast, before resolving links
         real = Path(os.path.realpath(path))
         st = os.stat(real)
     except (OSError, ValueError):
