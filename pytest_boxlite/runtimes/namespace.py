@@ -504,6 +504,17 @@ def userns_problem(bwrap: str) -> str | None:
     return f"bubblewrap cannot create a user namespace here ({detail})"
 
 
+def preflight() -> str | None:
+    """Why namespace boxes cannot work on this host (no usable bubblewrap, user namespaces
+    forbidden, with the fix), or ``None``.  Cached, milliseconds after the first call: meant for the
+    session to stop with a usage error before any test runs."""
+    bwrap, why = find_bwrap()
+    if bwrap is None:
+        return why
+    problem = userns_problem(bwrap)
+    return None if problem is None else f"namespace boxes need user namespaces: {problem}"
+
+
 def _host_root() -> bool:
     return os.geteuid() == 0
 
