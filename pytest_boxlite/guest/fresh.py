@@ -13,9 +13,10 @@ import os
 # box as it was when this interpreter started, and nothing it does reaches this interpreter or the
 # host.  Because the namespaces are owned by a new user namespace, every mount of the warm box
 # (its layers, masks, /sys, the control directory) is locked beneath the test: it can neither
-# unmount nor remount them.  And once the fresh layers are in place the test keeps no
-# CAP_SYS_ADMIN (root keeps Docker's default set, anyone else nothing), so it cannot peel its own
-# fresh layers off either to reach the template's.
+# unmount nor remount them.  Once the fresh layers are in place, a root test moves one more user
+# namespace down (so its own fresh layers are locked beneath it too, and it cannot peel them off
+# to reach the template's), where it is root of its own mount, uts and network namespaces; any
+# other test keeps no capability at all.
 
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNS = 0x00020000
@@ -28,8 +29,6 @@ _MS_REC, _MS_PRIVATE = 16384, 1 << 18
 _PR_SET_PDEATHSIG = 1
 _PR_CAPBSET_DROP = 24
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
-#: What a test running as root keeps (Docker's default set); see guest/agent.py.
-_DOCKER_CAPS = (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31)
 #: Parts of /proc a box must not write (host-wide sysctls...): read-only, as bubblewrap does.
 _PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 
@@ -177,10 +176,10 @@ def _fresh_box(hostname, network):
     /tmp, /workspace, /dev/shm and /run are new tmpfs.
     """
     libc = _libc()
-    flags = _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID
-    if not network:
-        flags |= _CLONE_NEWNET
     uid, gid = os.geteuid(), os.getegid()
+    flags = _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID
+    if not network and uid != 0:
+        flags |= _CLONE_NEWNET  # root gets its network namespace one level down (see the end)
     _enter_user_namespace(libc, flags)
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
     stage = "/run/.boxlite-fresh"
@@ -249,18 +248,29 @@ def _fresh_box(hostname, network):
             ro = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
             _mount(libc, None, cover, None, ro, None)
     socket.sethostname(hostname)
-    try:
-        import fcntl
-        import struct
+    with open("/proc/self/oom_score_adj", "w") as fh:
+        fh.write("1000")  # under memory pressure the test dies, not the warm interpreter
+    if uid == 0:
+        # Root runs one user namespace further down, as root of it: every mount made so far (the
+        # fresh layers included) is locked beneath it, while the hostname, its own mounts and its
+        # network namespace (low ports, loopback) are its own to change, as on a machine of its own.
+        _enter_user_namespace(libc, _CLONE_NEWNS | _CLONE_NEWUTS | (0 if network else _CLONE_NEWNET))
+    if not network:
+        _loopback_up()
+    if uid != 0:
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        # Anyone but root keeps no capability, as locally.
+        _limit_caps(libc, ())
 
+
+def _loopback_up():
+    import fcntl
+    import socket
+    import struct
+
+    try:
         with socket.socket() as s:  # bring loopback up, as a new machine has it
             fcntl.ioctl(s.fileno(), 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
     except OSError:
         pass
-    with open("/proc/self/oom_score_adj", "w") as fh:
-        fh.write("1000")  # under memory pressure the test dies, not the warm interpreter
-    if (uid, gid) != (0, 0):
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-    # Last: the test keeps no CAP_SYS_ADMIN over the mounts just made (root: Docker's default set).
-    _limit_caps(libc, _DOCKER_CAPS if uid == 0 else ())
