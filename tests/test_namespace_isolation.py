@@ -558,7 +558,7 @@ def test_a_host_forbidding_user_namespaces_is_named_with_its_fix(
     from pytest_boxlite.runtimes import namespace as ns
 
     monkeypatch.setattr(ns, "_read_sysctl", lambda name: value if name == sysctl else None)
-    monkeypatch.setattr(ns.os, "getuid", lambda: 1001)
+    monkeypatch.setattr(os, "getuid", lambda: 1001)
     problem = ns.userns_problem.__wrapped__("/bin/false")
     assert problem is not None and named in problem
     monkeypatch.setattr(ns, "userns_problem", lambda bwrap: problem)

@@ -558,7 +558,7 @@ def box_identity(spec: BoxSpec) -> tuple[int, int]:
     ``/usr/local``.  A ``user`` attribute on the spec (``"uid[:gid]"`` or a name) overrides both.
     """
     default = (os.getuid(), os.getgid()) if spec.worker else (0, 0)
-    return parse_user(getattr(spec, "user", None), default)
+    return parse_user(spec.user, default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -661,6 +661,18 @@ def _seccomp_bpf() -> tuple[bytes | None, str]:
         return None, f"inactive ({type(exc).__name__}: {exc}; install libseccomp2 and pyseccomp)"
     ioctls = ", ".join(f"ioctl({k})" for k in SECCOMP_DENIED_IOCTLS)
     return program, f"active (libseccomp via pyseccomp): EPERM for {len(denied)} system calls and {ioctls}"
+
+
+def limits_for(spec: BoxSpec) -> Limits:
+    """Which of ``spec``'s caps would hold on this host (a probe cgroup is made and removed)."""
+    cg = _cgroups.create(
+        f"probe-{os.getpid()}",
+        memory_mib=spec.memory_mib or DEFAULT_MEMORY_MIB,
+        cpus=spec.cpus,
+        pids=spec.pids_limit,
+    )
+    cg.remove()
+    return plan_limits(cg, memory_mib=spec.memory_mib, cpus=spec.cpus, pids=spec.pids_limit)
 
 
 def seccomp_status() -> str:
@@ -1199,14 +1211,7 @@ class NamespaceRuntime:
 
     def limits_for(self, spec: BoxSpec) -> Limits:
         """Which of ``spec``'s caps would hold on this host (a probe cgroup is made and removed)."""
-        cg = _cgroups.create(
-            f"probe-{os.getpid()}",
-            memory_mib=spec.memory_mib or DEFAULT_MEMORY_MIB,
-            cpus=spec.cpus,
-            pids=spec.pids_limit,
-        )
-        cg.remove()
-        return plan_limits(cg, memory_mib=spec.memory_mib, cpus=spec.cpus, pids=spec.pids_limit)
+        return limits_for(spec)
 
     def limits_header(self, spec: BoxSpec) -> str | None:
         """The report-header line for ``spec`` when a requested cap cannot hold here, else ``None``."""
