@@ -10,9 +10,10 @@ the BoxLite source, ``src/boxlite/src/rest/``):
   are only supported by the local runtime"): a path names the *server's* filesystem.  So what a box
   needs from this host (the project, the ``sys.path`` directories of a boxed test's worker) is
   uploaded with ``Box.copy_in`` once per box, right after boot, and is then a writable copy in the
-  box (closer to namespace boxes' copy-on-write than local vm boxes' read-only volumes).  The
-  upload is fingerprinted by content (paths, sizes, modification times) once per session; a box
-  that already holds a fingerprint is not uploaded to again.
+  box (closer to namespace boxes' copy-on-write than local vm boxes' read-only volumes).  This
+  interpreter's own standard library is left out (the image has its own).  The upload is
+  fingerprinted by content (paths, sizes, modification times) once per session; a box that already
+  holds a fingerprint is not uploaded to again.
 * **No local lock says who is alive.** Box names carry the owner (``pbx-<session>[-<worker>]-<n>``),
   and liveness is a lease: every box is created with ``auto_stop`` (idle seconds before the server
   stops it) and ``auto_delete`` (seconds stopped before the server deletes it; the client requires
@@ -43,6 +44,7 @@ import hashlib
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 import urllib.parse
@@ -205,6 +207,13 @@ def fingerprint(paths: Sequence[str]) -> str:
     return h.hexdigest()[:24]
 
 
+def _own_stdlib(path: str) -> bool:
+    """Whether ``path`` is this interpreter's standard library: the image brings its own, it is not uploaded."""
+    base = os.path.realpath(sys.base_prefix)
+    real = os.path.realpath(path)
+    return (real == base or real.startswith(base + os.sep)) and "site-packages" not in real.split(os.sep)
+
+
 class RemoteVmBox(VmBox):
     """A micro-VM on a remote server: a :class:`VmBox` whose logs stay on the server."""
 
@@ -269,8 +278,9 @@ class RestRuntime(VmRuntime):
         )
         return isinstance(exc, BoxTimeoutError) or (bool(kinds) and isinstance(exc, kinds))
 
-    def _call(self, factory: Callable[[], Awaitable[T]], what: str, *, timeout: float = CALL_TIMEOUT) -> T:
+    def _call(self, factory: Callable[[], Awaitable[T]], what: str, *, timeout: float | None = None) -> T:
         """One SDK call, each attempt bounded by ``timeout``, retried on transport errors with backoff."""
+        timeout = CALL_TIMEOUT if timeout is None else timeout
         delay = 0.5
         for attempt in range(1, ATTEMPTS + 1):
             try:
@@ -351,7 +361,7 @@ class RestRuntime(VmRuntime):
 
     def _upload(self, box: RemoteVmBox, mounts: Sequence[str], timeout: float) -> None:
         """Copy the host directories ``mounts`` into the box at the same paths (no volumes remotely)."""
-        dirs = tuple(sorted(m for m in mounts if os.path.isdir(m)))
+        dirs = tuple(sorted(m for m in mounts if os.path.isdir(m) and not _own_stdlib(m)))
         if not dirs:
             return
         if dirs not in self._fingerprints:
