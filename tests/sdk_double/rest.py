@@ -23,8 +23,9 @@ it reproduces of the real REST runtime (0.10.8 wheel, ``src/boxlite/src/rest/`` 
    interpreter.
 
 Faults are injected through ``<home>/faults.json``, read on every request (see :func:`set_faults`):
-``{"drop": N, "delay": SECONDS, "ops": [...]}`` drops the next N connections of those ops
-without an answer (a reset the client reports as a network error) and delays every answer.
+``{"drop": N, "every": M, "delay": SECONDS, "ops": [...]}`` drops the next N connections of those
+ops, then every M-th, without an answer (a reset the client reports as a network error), and
+delays every answer.
 
 Data plane: an exec's stdio go straight to the box's agent socket in the server's home (the same
 machine), not through the server; the real SDK tunnels them over HTTP/gRPC.  So exec semantics are
@@ -106,10 +107,11 @@ def _error(code: str, message: str) -> BoxliteError:
     return cls(_PREFIX.get(cls, "") + message)
 
 
-def set_faults(home: Path, *, drop: int = 0, delay: float = 0.0, ops: list[str] | None = None) -> None:
-    """Make the server at ``home`` drop the next ``drop`` requests (of ``ops``) and answer after ``delay``."""
+def set_faults(home: Path, *, drop: int = 0, every: int = 0, delay: float = 0.0, ops: list[str] | None = None) -> None:
+    """Make the server at ``home`` drop the next ``drop`` requests (of ``ops``), and every ``every``-th
+    one after that, and answer after ``delay`` seconds."""
     tmp = home / "faults.json.tmp"
-    tmp.write_text(json.dumps({"drop": drop, "delay": delay, "ops": ops}))
+    tmp.write_text(json.dumps({"drop": drop, "every": every, "delay": delay, "ops": ops}))
     os.replace(tmp, home / "faults.json")
 
 
@@ -406,6 +408,7 @@ class Server:
         self.rt = self._run(self._open)
         self.mutex = threading.RLock()
         self.timers: dict[str, dict[str, Any]] = {}
+        self.matched = 0
         self.log = open(home / "server.log", "a", buffering=1)  # noqa: SIM115 - the server's whole life
 
     async def _open(self) -> local.Boxlite:
@@ -518,6 +521,10 @@ class Server:
         if ops is not None and op not in ops:
             return False, float(f.get("delay") or 0)
         drop = int(f.get("drop") or 0)
+        every = int(f.get("every") or 0)
+        if drop <= 0 and every > 0:
+            self.matched += 1
+            return self.matched % every == 0, float(f.get("delay") or 0)
         if drop > 0:
             f["drop"] = drop - 1
             tmp = path.with_suffix(".tmp")
