@@ -339,3 +339,17 @@ def test_timers_remove_a_dead_runtimes_boxes_and_the_next_one_reaps(server: Serv
     finally:
         dead2.close()
         live.close()
+
+
+def test_a_credential_file_is_never_uploaded(server: ServerProcess, tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / ".boxlite-key").write_text(KEY)
+    target = remote_target(server.url, credential_file=str(project / ".boxlite-key"), max_boxes=1, environ={})
+    rt = RestRuntime(target, tmp_path / "scratch", "cred1", sdk=double)
+    try:
+        with pytest.raises(ConfigError, match="keep the server's key outside the project"):
+            rt.create_box(BoxSpec(mounts=(str(project),)), "pbx-cred1-1", timeout=60)
+        assert server.boxes() == []  # the box it had booted is gone again
+    finally:
+        rt.close()

@@ -114,6 +114,8 @@ class RemoteTarget:
     lease: int
     max_boxes: int
     credential: Secret | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: The credential file, if the key came from one (it must never be uploaded into a box).
+    credential_path: str | None = None
 
     @property
     def reason(self) -> str:
@@ -180,6 +182,7 @@ def remote_target(
         lease=lease,
         max_boxes=max_boxes,
         credential=credential,
+        credential_path=str(Path(credential_file).expanduser().resolve()) if credential_file else None,
     )
 
 
@@ -364,6 +367,13 @@ class RestRuntime(VmRuntime):
         dirs = tuple(sorted(m for m in mounts if os.path.isdir(m) and not _own_stdlib(m)))
         if not dirs:
             return
+        cred = self.target.credential_path
+        for d in dirs:
+            if cred is not None and (cred + os.sep).startswith(os.path.realpath(d) + os.sep):
+                raise ConfigError(
+                    f"--boxlite-credential-file {cred} is inside {d}, which is uploaded into every box: "
+                    "keep the server's key outside the project and sys.path directories"
+                )
         if dirs not in self._fingerprints:
             self._fingerprints[dirs] = fingerprint(dirs)
         mark = f"{UPLOAD_MARKS}/{self._fingerprints[dirs]}"
