@@ -250,4 +250,14 @@ def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Set
             value, source = _parse(opt, cli, f"the command line ({opt.flag})"), f"command line {opt.flag}"
         values[opt.name] = value
         sources[opt.name] = source
+    if values["url"] is not None and values["scope"] == "worker":
+        raise pytest.UsageError(
+            "--boxlite-scope=worker cannot run on a --boxlite-url server yet (the worker's box is opened "
+            "by a helper process on this host): use --boxlite-scope=test or module with --boxlite-url"
+        )
+    if values["credential_file"] is not None and values["url"] is None:
+        raise pytest.UsageError(
+            f"--boxlite-credential-file (from {sources['credential_file']}) is only used with --boxlite-url: "
+            "give the server's URL too, or drop the credential file"
+        )
     return Settings(**values, sources=sources)

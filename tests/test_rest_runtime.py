@@ -34,7 +34,7 @@ import sdk_double as double
 from sdk_double.rest import RestBox, RestBoxlite, ServerProcess, set_faults
 from subruns import wait_until
 
-from pytest_boxlite.errors import BoxTimeoutError, ConfigError, RuntimeUnavailableError
+from pytest_boxlite.errors import BoxStartError, BoxTimeoutError, ConfigError, RuntimeUnavailableError
 from pytest_boxlite.runtimes import choose
 from pytest_boxlite.runtimes import rest as rest_mod
 from pytest_boxlite.runtimes.rest import RestRuntime, Secret, remote_target
@@ -272,10 +272,23 @@ def test_dropped_connections_are_retried_and_slow_calls_bounded(
         box = rt.create_box(BoxSpec(), "pbx-net1-1", timeout=60)
         assert [r.name for r in rt.list_boxes()] == ["pbx-net1-1"]
         assert server.log().count("dropped") == 2
-        # A create whose connection drops is retried; the name is not created twice.
         set_faults(server.home, drop=3, ops=["remove"])
         box.destroy()
         assert server.boxes() == []
+        # A create the server carried out but whose answer was lost: the retry finds the box by name
+        # (the server says "already exists"), it is not created twice nor reported as a failure.
+        set_faults(server.home, lose=1, ops=["create"])
+        box = rt.create_box(BoxSpec(), "pbx-net1-2", timeout=60)
+        assert "lost the answer to create" in server.log()
+        assert [b["name"] for b in server.boxes()] == ["pbx-net1-2"]
+        assert box.exec(["true"], timeout=10).exit_code == 0
+        box.destroy()
+        # A name that really exists already is an error, not silently someone else's box.
+        set_faults(server.home)
+        other = rt.create_box(BoxSpec(), "pbx-net1-3", timeout=60)
+        with pytest.raises(BoxStartError, match="already exists"):
+            rt.create_box(BoxSpec(), "pbx-net1-3", timeout=60)
+        other.destroy()
         # More drops than attempts: the error says what failed (a network error), after bounded tries.
         set_faults(server.home, drop=10, ops=["list"])
         with pytest.raises(double.NetworkError):
@@ -351,5 +364,19 @@ def test_a_credential_file_is_never_uploaded(server: ServerProcess, tmp_path: Pa
         with pytest.raises(ConfigError, match="keep the server's key outside the project"):
             rt.create_box(BoxSpec(mounts=(str(project),)), "pbx-cred1-1", timeout=60)
         assert server.boxes() == []  # the box it had booted is gone again
+    finally:
+        rt.close()
+
+
+def test_ls_shows_other_peoples_box_names_safely(server: ServerProcess, tmp_path: Path) -> None:
+    """Box names on a shared server are anyone's: ``ls`` never prints control characters from them."""
+    rt = _runtime(server, tmp_path, "ls1")
+    try:
+        hostile = "evil\x1b]0;pwned\x07\x1b[2J" + "x" * 200
+        box = rt.create_box(BoxSpec(), hostile, timeout=60)
+        rows = rest_mod.server_boxes(rt.target, tmp_path, sdk=double)
+        (row, owner) = next((r, o) for r, o in rows if r.name.startswith("evil"))
+        assert owner is None and row.name.isprintable() and len(row.name) <= 80 and "\x1b" not in row.name
+        box.destroy()
     finally:
         rt.close()

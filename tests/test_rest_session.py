@@ -139,3 +139,25 @@ def test_a_killed_sessions_boxes_die_on_the_server(server: ServerProcess, tmp_pa
     clean = _cli(home, server.url, "clean", BOXLITE_API_KEY=KEY)
     assert clean.returncode == 0 and "removed 0 box(es)" in clean.stdout, clean.stdout + clean.stderr
     assert KEY not in clean.stdout + clean.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--boxlite-url=http://127.0.0.1:9", "--boxlite-scope=worker"], {}, "cannot run on a --boxlite-url server"),
+        (["--boxlite-credential-file=/nonexistent"], {}, "is only used with --boxlite-url"),
+        (["--boxlite-url=http://me:blk_inurl_55@127.0.0.1:9", "--boxlite"], {}, "must not carry credentials"),
+        (["--boxlite-url=http://127.0.0.1:9", "--boxlite-runtime=namespace", "--boxlite"], {}, "cannot be combined"),
+        (["--boxlite"], {"PYTEST_BOXLITE_URL": "http://127.0.0.1:9", "BOXLITE_API_KEY": KEY}, "cannot be used"),
+    ],
+    ids=["worker-scope", "credential-without-url", "key-in-url", "namespace", "unreachable"],
+)
+def test_bad_remote_settings_are_clear_errors(
+    tmp_path: Path, args: list[str], env: dict[str, str], message: str
+) -> None:
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
+    argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={tmp_path / 'home'}", *args, "test_one.py"]
+    r = subprocess.run(argv, cwd=tmp_path, env=_env(**env), capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and message in out, out
+    assert KEY not in out and "blk_inurl_55" not in out

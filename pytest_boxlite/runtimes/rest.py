@@ -192,6 +192,12 @@ def owner_of(name: str) -> str | None:
     return m.group("owner") if m else None
 
 
+def _printable(text: str, limit: int = 80) -> str:
+    """``text`` safe for a terminal: control characters escaped, at most ``limit`` characters."""
+    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
 def fingerprint(paths: Sequence[str]) -> str:
     """A digest of what is under ``paths`` (relative names, sizes, modes, modification times)."""
     h = hashlib.sha256()
@@ -480,11 +486,15 @@ def open_remote(target: RemoteTarget, home: Path, owner: str) -> RestRuntime:
     return RestRuntime(target, Path(home) / "rest" / owner, owner)
 
 
-def server_boxes(target: RemoteTarget, home: Path) -> list[tuple[BoxRecord, str | None]]:
+def server_boxes(target: RemoteTarget, home: Path, *, sdk: Any | None = None) -> list[tuple[BoxRecord, str | None]]:
     """Every box on the server, with its owner (``python -m pytest_boxlite ls --url``)."""
-    rt = RestRuntime(target, Path(home) / "rest" / f"cli-{os.getpid()}", f"cli{os.getpid()}")
+    rt = RestRuntime(target, Path(home) / "rest" / f"cli-{os.getpid()}", f"cli{os.getpid()}", sdk=sdk)
     try:
-        return [(r, owner_of(r.name)) for r in rt.list_boxes()]
+        # Names and states come from a shared server (anyone's boxes): printable, bounded text only.
+        return [
+            (dataclasses.replace(r, name=_printable(r.name), state=_printable(r.state)), owner_of(r.name))
+            for r in rt.list_boxes()
+        ]
     finally:
         rt.close()
 

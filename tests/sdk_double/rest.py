@@ -23,8 +23,9 @@ it reproduces of the real REST runtime (0.10.8 wheel, ``src/boxlite/src/rest/`` 
    interpreter.
 
 Faults are injected through ``<home>/faults.json``, read on every request (see :func:`set_faults`):
-``{"drop": N, "every": M, "delay": SECONDS, "ops": [...]}`` drops the next N connections of those
-ops, then every M-th, without an answer (a reset the client reports as a network error), and
+``{"drop": N, "every": M, "lose": L, "delay": SECONDS, "ops": [...]}`` drops the next N connections
+of those ops, then every M-th, without an answer (a reset the client reports as a network error),
+carries out the next L but resets the connection instead of answering (the answer is lost), and
 delays every answer.
 
 Data plane: an exec's stdio go straight to the box's agent socket in the server's home (the same
@@ -107,11 +108,13 @@ def _error(code: str, message: str) -> BoxliteError:
     return cls(_PREFIX.get(cls, "") + message)
 
 
-def set_faults(home: Path, *, drop: int = 0, every: int = 0, delay: float = 0.0, ops: list[str] | None = None) -> None:
+def set_faults(
+    home: Path, *, drop: int = 0, every: int = 0, lose: int = 0, delay: float = 0.0, ops: list[str] | None = None
+) -> None:
     """Make the server at ``home`` drop the next ``drop`` requests (of ``ops``), and every ``every``-th
-    one after that, and answer after ``delay`` seconds."""
+    one after that; carry out the next ``lose`` ones but drop their answers; answer after ``delay`` s."""
     tmp = home / "faults.json.tmp"
-    tmp.write_text(json.dumps({"drop": drop, "every": every, "delay": delay, "ops": ops}))
+    tmp.write_text(json.dumps({"drop": drop, "every": every, "lose": lose, "delay": delay, "ops": ops}))
     os.replace(tmp, home / "faults.json")
 
 
@@ -511,6 +514,23 @@ class Server:
                             self.rt._rt.forget(state)
                             self.timers.pop(bid, None)
 
+    def _lose(self, op: str) -> bool:
+        """Whether the answer to this (carried out) request is to be lost."""
+        path = self.home / "faults.json"
+        try:
+            f = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+        ops = f.get("ops")
+        lose = int(f.get("lose") or 0)
+        if lose <= 0 or (ops is not None and op not in ops):
+            return False
+        f["lose"] = lose - 1
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(f))
+        os.replace(tmp, path)
+        return True
+
     def _faults(self, op: str) -> tuple[bool, float]:
         path = self.home / "faults.json"
         try:
@@ -555,6 +575,11 @@ class Server:
                 try:
                     with self.mutex:
                         reply = {"ok": self.handle(req)}
+                        lost = self._lose(req.get("op", ""))
+                    if lost:
+                        self.log.write(f"lost the answer to {req.get('op')}\n")
+                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+                        return
                 except BoxliteError as exc:
                     reply = {"error": {"code": exc.code, "message": str(exc).split(": ", 1)[-1]}}
                 except Exception as exc:  # noqa: BLE001 - a server answers 500, it does not die
