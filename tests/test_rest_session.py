@@ -161,3 +161,27 @@ def test_bad_remote_settings_are_clear_errors(
     out = r.stdout + r.stderr
     assert r.returncode != 0 and message in out, out
     assert KEY not in out and "blk_inurl_55" not in out
+
+
+def test_xdist_workers_share_one_server(server: ServerProcess, tmp_path: Path) -> None:
+    """``-n 2 --boxlite-url``: each worker holds its own boxes on the one server; nothing is left there."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "test_x.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.parametrize('i', range(4))\n"
+        "def test_x(boxlite_sandbox, i):\n"
+        "    assert boxlite_sandbox.run(['sh', '-c', 'echo $((6*7))']).stdout == '42\\n'\n"
+    )
+    home = tmp_path / "home"
+    argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", f"--boxlite-url={server.url}"]
+    argv += ["-n", "2", "--boxlite-replicas=1", "test_x.py"]
+    r = subprocess.run(argv, cwd=proj, env=_env(BOXLITE_API_KEY=KEY), capture_output=True, text=True, timeout=280)
+    out = r.stdout + r.stderr
+    assert "4 passed" in out, out
+    assert KEY not in out
+    assert server.boxes() == [], out
+    log = server.log().splitlines()
+    owners = {n.rsplit("-", 1)[0] for n in (line.split()[1] for line in log if line.startswith("created "))}
+    assert len(owners) == 2 and all(o.endswith(("-gw0", "-gw1")) for o in owners), log  # one per worker
+    assert not [line for line in log if line.startswith("auto-")]  # nothing was left for the timers

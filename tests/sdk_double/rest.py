@@ -456,6 +456,7 @@ class Server:
             )
             box = self._run(lambda: self.rt.create(opts, name=req["name"]))
             state = box._state
+            self.log.write(f"created {req['name']}\n")
             self.timers[state.rec["id"]] = {
                 "auto_stop": o["auto_stop"],
                 "auto_delete": o["auto_delete"],
