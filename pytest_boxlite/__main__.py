@@ -48,7 +48,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print("namespace:  unavailable")
     try:
-        c = choose(requested)
+        c = choose(requested, _remote(args))
         print(f"runtime:    {c.kind} (asked: {requested}; {c.reason})")
     except BoxliteError as exc:
         print(f"runtime:    ERROR: {exc}")
@@ -61,7 +61,12 @@ def _remote(args: argparse.Namespace) -> Any:
     """The ``--url`` server (or ``$PYTEST_BOXLITE_URL``), or None for this host's home."""
     url = args.url or os.environ.get(OPTIONS_BY_NAME["url"].env)
     cred = args.credential_file or os.environ.get(OPTIONS_BY_NAME["credential_file"].env)
-    return remote_target(url, credential_file=cred, max_boxes=1)
+    replicas = OPTIONS_BY_NAME["replicas"]
+    try:
+        max_boxes = int(replicas.parse(os.environ.get(replicas.env) or "2"))
+    except ValueError:
+        max_boxes = 2
+    return remote_target(url, credential_file=cred, max_boxes=max_boxes)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
