@@ -128,6 +128,8 @@ def test_a_killed_sessions_boxes_die_on_the_server(server: ServerProcess, tmp_pa
             if with_kill:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+    killed_scratch = list((home / "rest").iterdir())
+    assert len(killed_scratch) == 1  # the killed session's local scratch (bridge sockets)
     names = {b["name"] for b in server.boxes()}
     assert names and all(n.startswith("pbx-") for n in names)
     # Nobody renews their leases: the server stops them, then deletes them, by itself.
@@ -139,6 +141,7 @@ def test_a_killed_sessions_boxes_die_on_the_server(server: ServerProcess, tmp_pa
     clean = _cli(home, server.url, "clean", BOXLITE_API_KEY=KEY)
     assert clean.returncode == 0 and "removed 0 box(es)" in clean.stdout, clean.stdout + clean.stderr
     assert KEY not in clean.stdout + clean.stderr
+    assert not killed_scratch[0].exists()  # and its local leftovers went with it
 
 
 @pytest.mark.parametrize(

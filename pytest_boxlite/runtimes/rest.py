@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import os
 import re
@@ -121,7 +122,8 @@ class RemoteTarget:
     def reason(self) -> str:
         return (
             f"remote BoxLite server {self.display}: up to {self.max_boxes} boxes per pytest process, "
-            f"each leased {self.lease}s and renewed while this session lives; key from {self.credential_source}"
+            f"each leased {self.lease}s and renewed while this session lives; "
+            + ("no API key" if self.credential is None else f"key from {self.credential_source}")
         )
 
 
@@ -223,6 +225,32 @@ def _own_stdlib(path: str) -> bool:
     return (real == base or real.startswith(base + os.sep)) and "site-packages" not in real.split(os.sep)
 
 
+def _hold_scratch(scratch: Path) -> int:
+    """Make ``scratch`` and lock it for this runtime's life; remove siblings whose runtime died.
+
+    The kernel drops the lock with its process, however it dies, so an unlocked sibling is the
+    leftover of a killed session (its bridge sockets): nothing there is still in use.
+    """
+    scratch.mkdir(parents=True, exist_ok=True)
+    fd = os.open(scratch / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    for sibling in scratch.parent.iterdir():
+        if sibling == scratch or not sibling.is_dir() or sibling.is_symlink():
+            continue
+        try:
+            other = os.open(sibling / ".lock", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue  # being made right now, or not ours: leave it
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # alive
+        finally:
+            os.close(other)
+        shutil.rmtree(sibling, ignore_errors=True)
+    return fd
+
+
 class RemoteVmBox(VmBox):
     """A micro-VM on a remote server: a :class:`VmBox` whose logs stay on the server."""
 
@@ -246,7 +274,7 @@ class RestRuntime(VmRuntime):
             "nothing of this host is mounted (the project is uploaded)"
         )
         self.home = Path(home)
-        self.home.mkdir(parents=True, exist_ok=True)
+        self._scratch_lock = _hold_scratch(self.home)
         self.sdk = sdk if sdk is not None else _import_boxlite()
         self._boxlite = self.sdk
         self.loop = EventLoopThread("boxlite-rest")
@@ -270,6 +298,7 @@ class RestRuntime(VmRuntime):
             infos = self._call(lambda: self._rt.list_info(), f"list boxes on {target.display}")
         except BaseException as exc:  # PanicException derives from BaseException
             self.loop.close()
+            self._release_scratch()
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise RuntimeUnavailableError(f"the BoxLite server {target.display} cannot be used: {exc}") from None
@@ -478,7 +507,12 @@ class RestRuntime(VmRuntime):
         # still has were removed by the pool; whatever is left dies by its timers.
         self._rt = None
         self.loop.close()
+        self._release_scratch()
+
+    def _release_scratch(self) -> None:
         shutil.rmtree(self.home, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.close(self._scratch_lock)
 
 
 def open_remote(target: RemoteTarget, home: Path, owner: str) -> RestRuntime:
