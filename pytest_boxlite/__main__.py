@@ -93,6 +93,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except BoxliteError as exc:
         print(f"runtime:    ERROR: {exc}")
     print(f"home:       {home} ({_home_state(home)})")
+    if getattr(args, "selftest", False):
+        # Boots one micro-VM and runs the contract's essentials in it (a KVM host only).
+        from pytest_boxlite.selftest import run_selftest
+
+        print("selftest:   booting one micro-VM ...")
+        return run_selftest()
     return 0
 
 
@@ -175,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="a remote BoxLite server (default: $PYTEST_BOXLITE_URL); key: $BOXLITE_API_KEY")
     parser.add_argument("--credential-file", help="file holding the --url server's API key")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("doctor", help=cmd_doctor.__doc__).set_defaults(fn=cmd_doctor)
+    doctor = sub.add_parser("doctor", help=cmd_doctor.__doc__)
+    doctor.add_argument(
+        "--selftest", action="store_true", help="also boot one micro-VM and check the vm runtime end to end"
+    )
+    doctor.set_defaults(fn=cmd_doctor)
     sub.add_parser("ls", help=cmd_ls.__doc__).set_defaults(fn=cmd_ls)
     clean = sub.add_parser("clean", help=cmd_clean.__doc__)
     clean.add_argument("names", nargs="*", help="box names to remove (default: every leftover of a dead session)")
