@@ -252,7 +252,7 @@ class HostPlugin(_SessionRole, NoLifecycle):
     NAME = "boxlite-host"
 
     def __init__(self, config: pytest.Config, settings: Settings, session_id: str, worker_id: str | None) -> None:
-        self.runner = RemoteRunner(config, boot_timeout=settings.boot_timeout)
+        self.runner = RemoteRunner(config, boot_timeout=settings.boot_timeout, env_deny=settings.env_deny)
         try:
             session = BoxliteSession(
                 settings,

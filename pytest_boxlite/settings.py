@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pytest_boxlite.runtimes import RUNTIME_CHOICES
-from pytest_boxlite.spec import default_image
+from pytest_boxlite.spec import DEFAULT_ENV_DENY, default_image
 
 ENV_PREFIX = "PYTEST_BOXLITE_"
 
@@ -75,6 +75,12 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 def _network(v: str) -> bool:
     return _choice("on", "off")(v.strip().lower()) == "on"
+
+
+def _patterns(v: str) -> tuple[str, ...]:
+    if v.strip().lower() == "none":
+        return ()
+    return tuple(p.strip() for p in v.replace("\n", ",").split(",") if p.strip())
 
 
 def _nonempty(v: str) -> str:
@@ -174,6 +180,14 @@ OPTIONS: tuple[Option, ...] = (
         "FILE",
     ),
     Option(
+        "env_deny",
+        _patterns,
+        lambda: DEFAULT_ENV_DENY,
+        "host variables boxed tests do not see: comma-separated patterns, matched case-insensitively "
+        f"(default: {','.join(DEFAULT_ENV_DENY)}; 'none': the whole host environment, as locally)",
+        "PATTERNS",
+    ),
+    Option(
         "lease_timeout",
         _positive_float,
         lambda: 300.0,
@@ -205,6 +219,7 @@ class Settings:
     lease_timeout: float
     url: str | None = None
     credential_file: str | None = None
+    env_deny: tuple[str, ...] = DEFAULT_ENV_DENY
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 import re
 import sys
@@ -112,9 +113,31 @@ class BoxSpec:
         return " ".join(parts)
 
 
-def worker_env(spec: BoxSpec) -> dict[str, str]:
-    """A test worker's environment: the host's, as a local run would see it, then the box's own."""
-    env = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV}
+#: Host variables a boxed test does not see by default (``--boxlite-env-deny``): names that
+#: carry credentials, as the credential files are masked.  Matched case-insensitively.
+DEFAULT_ENV_DENY = (
+    "*TOKEN*",
+    "*SECRET*",
+    "*PASSWORD*",
+    "*PASSWD*",
+    "*API_KEY*",
+    "*APIKEY*",
+    "*ACCESS_KEY*",
+    "*PRIVATE_KEY*",
+    "*CREDENTIAL*",
+)
+
+
+def denied(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether host variable ``name`` matches one of the ``--boxlite-env-deny`` patterns."""
+    upper = name.upper()
+    return any(fnmatch.fnmatchcase(upper, p.upper()) for p in patterns)
+
+
+def worker_env(spec: BoxSpec, deny: tuple[str, ...] = DEFAULT_ENV_DENY) -> dict[str, str]:
+    """A test worker's environment: the host's, as a local run would see it, minus the variables
+    ``deny`` matches, then the box's own (given explicitly, so never denied)."""
+    env = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV and not denied(k, deny)}
     env.update(dict(spec.env))
     env[GUEST_ENV] = "1"
     return env

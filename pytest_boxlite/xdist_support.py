@@ -43,6 +43,9 @@ def boxproc_argv(
         argv.append("--network")
     for m in mounts:
         argv += ["--mount", m]
+    # An empty pattern still says "deny nothing" (rather than "use the default").
+    for pattern in s.env_deny or ("",):
+        argv += ["--env-deny", pattern]
     return argv
 
 
