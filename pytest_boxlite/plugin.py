@@ -70,6 +70,8 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     """``--boxlite-scope=worker`` without ``-n``: run the whole session again inside one box."""
     if in_guest() or hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None):
         return None
+    if _is_controller(config):
+        return None  # -d/--dist with --tx: each worker is boxed by the controller (or refused, if remote)
     if _boots_nothing(config):
         return None
     settings = resolve(config)
@@ -259,10 +261,10 @@ class ControllerPlugin(_SessionRole):
         reporting.summary(terminalreporter, self.session, remote=self.remote)
 
     def pytest_configure_node(self, node: Any) -> None:
-        from pytest_boxlite.xdist_support import is_remote
+        from pytest_boxlite.xdist_support import is_remote, spec_text
 
         node.workerinput["boxlite_session"] = self.session.session_id
-        spec = str(node.gateway.spec)
+        spec = spec_text(node.gateway.spec)
         if is_remote(spec):
             node.workerinput[REMOTE_KEY] = spec
             self.remote.specs[str(node.gateway.id)] = spec

@@ -116,7 +116,7 @@ def host_line(h: Any) -> str:
 
 
 def _remote_lines(tr: pytest.TerminalReporter, remote: RemoteLedger) -> None:
-    for h in remote.hosts.values():
+    for _, h in sorted(remote.hosts.items()):
         tr.write_line(host_line(h))
         if h.leaked:
             tr.write_line(f"LEAKED boxes on host {h.host} (removed there at exit): {', '.join(h.leaked)}", red=True)

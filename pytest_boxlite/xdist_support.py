@@ -93,6 +93,11 @@ def is_remote(spec: str) -> bool:
     return not (xs.popen and not xs.via)
 
 
+def spec_text(spec: object) -> str:
+    """A gateway spec as the user wrote it: without the ``execmodel=`` that xdist adds to each."""
+    return "//".join(p for p in str(spec).split("//") if not p.startswith("execmodel="))
+
+
 def remote_specs(config: pytest.Config) -> list[str]:
     """The remote gateway specs of this run (empty for ``-n N`` and plain ``popen`` specs)."""
     return [s for s in tx_specs(config) if is_remote(s)]
