@@ -12,7 +12,8 @@ Checks: a boxed suite gives the same outcomes on two remote hosts as with two lo
 host's boxes live in its home and its summary line names it; a worker killed mid-run leaves no box
 on its host after the run (its replacement there reaps it); a controller killed mid-run leaves no
 box on either host (the workers reap when their channel closes) and the hosts' next session runs
-clean; the controller's own home is never created.
+clean, also on host b, whose server ignores SIGINT (as one started with ``&`` from a script does);
+the controller's own home is never created.
 
 Needs root, ``ip netns`` and ``unshare``: skipped with the reason otherwise.  Every wait is bounded;
 servers, namespaces and links are removed by the fixtures' finalizers, also after a failure.
@@ -42,12 +43,16 @@ from pytest_boxlite import ledger
 
 pytestmark = [pytest.mark.xdist_remote, pytest.mark.timeout(240)]
 
-#: A test host: execnet's socket server, one fresh forked process per connection; argv: ADDR:PORT HOSTNAME.
+#: A test host: execnet's socket server, one fresh forked process per connection.
+#: argv: ADDR:PORT HOSTNAME [nosigint]; ``nosigint`` starts it with SIGINT ignored, as ``server &`` in
+#: a script does: execnet's interruption of a worker whose controller vanished then does nothing.
 HOST_SERVER = """
-import os, socket, sys
+import os, signal, socket, sys
 from execnet.gateway_base import get_execmodel
 from execnet.script import socketserver
 
+if sys.argv[3:] == ["nosigint"]:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 socket.sethostname(sys.argv[2])  # this process has a UTS namespace of its own (unshare --uts)
 socketserver.execmodel = get_execmodel("thread")
 sock = socketserver.bind_and_listen(sys.argv[1], socketserver.execmodel)
@@ -152,6 +157,7 @@ class Host:
     ns: str
     addr: str
     root: Path
+    sigint: bool = True
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -174,7 +180,7 @@ class Host:
         argv = ["ip", "netns", "exec", self.ns, "unshare", "--uts", sys.executable, "-c", HOST_SERVER]
         with open(self.log, "ab") as log:
             proc = self.proc = subprocess.Popen(
-                [*argv, f"{self.addr}:{PORT}", self.name],
+                [*argv, f"{self.addr}:{PORT}", self.name, *([] if self.sigint else ["nosigint"])],
                 cwd=self.root,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -226,7 +232,8 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Host]]:
             pytest.skip(f"cannot make network namespaces here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
         base = tmp_path_factory.mktemp("xr")
         for (letter, _), (ns, addr) in zip(specs, nss, strict=True):
-            host = Host(name=f"pbxhost{letter}", ns=ns, addr=addr, root=base / letter)
+            # Host b ignores SIGINT: its workers must not need execnet's SIGINT to clean up.
+            host = Host(name=f"pbxhost{letter}", ns=ns, addr=addr, root=base / letter, sigint=letter == "a")
             made.append(host)
             host.start()
         yield made
@@ -479,7 +486,8 @@ def test_controller_killed_mid_run_workers_reap_their_boxes(
 
     run.proc.kill()  # SIGKILL: the controller gets no chance to say anything
     run.wait(30)
-    # The workers see their channel close and reap at once (execnet ends them 15 s later).
+    # The workers see their channel close and reap at once (execnet ends them 15 s later); on host b,
+    # which ignores SIGINT, that is the only way: execnet's interruption of its main thread does nothing.
     for h in hosts:
         assert wait_until(lambda: h.boxes() == [], 30), f"boxes left on {h.name}: {h.boxes()}"  # noqa: B023
     for name, pid in workers.items():
