@@ -279,13 +279,16 @@ class ControllerPlugin(_SessionRole):
             self.remote.silent.append((worker, remote_spec))
             return
         if isinstance(data, dict):
+            from pytest_boxlite.xdist_support import clean_stats
+
             report = self.session.report
-            stats = data.get("stats")
-            if isinstance(stats, dict):
-                report.worker_stats.append(stats)
-            if remote_spec is None:  # a remote worker's names are reported on its host's line
-                report.leaked += [str(n) for n in data.get("leaked") or ()]
-                report.kept += [str(n) for n in data.get("kept") or ()]
+            if remote_spec is not None:
+                # Another machine's counters: only numbers are added up; its box names are on its host's line.
+                report.worker_stats.append(clean_stats(data.get("stats")))
+                return
+            report.worker_stats.append(data["stats"])
+            report.leaked += data["leaked"]
+            report.kept += data["kept"]
 
     def _shutdown(self) -> None:
         self.session.shutdown()

@@ -83,13 +83,14 @@ def summary(
     rep = session.report
     stats = merge_stats([rep.stats, *rep.worker_stats]) if rep.worker_stats else rep.stats
     used = bool(stats.get("booted") or stats.get("leased") or stats.get("forked"))
-    remote_said = bool(remote and (remote.hosts or remote.silent))
+    remote_said = remote is not None and remote.eventful
     if not used and not rep.leaked and not rep.reconciled and not rep.kept and not remote_said:
         return  # no box was used: nothing to say
     tr = terminalreporter
     tr.section("boxlite", sep="-")
+    leaked = len(rep.leaked) + (sum(len(h.leaked) for h in remote.hosts.values()) if remote is not None else 0)
     if stats:
-        tr.write_line(summary_line(stats, len(rep.leaked)))
+        tr.write_line(summary_line(stats, leaked))
     if rep.leaked:
         tr.write_line(f"LEAKED boxes (removed at exit): {', '.join(rep.leaked)}", red=True)
     if rep.reconciled:

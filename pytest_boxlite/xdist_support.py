@@ -237,6 +237,25 @@ def _count(stats: object, key: str) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
+def clean_stats(stats: object) -> dict[str, Any]:
+    """A remote worker's pool counters, keeping only what the summary can add up.
+
+    Numbers (not booleans) and lists of up to ``_MAX_NAMES`` numbers, under short string keys;
+    anything else from the other machine is dropped rather than trusted.
+    """
+    out: dict[str, Any] = {}
+    if not isinstance(stats, dict):
+        return out
+    for key, value in list(stats.items())[:_MAX_NAMES]:
+        if not isinstance(key, str) or len(key) > 40:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            out[key] = value
+        elif isinstance(value, list):
+            out[key] = [v for v in value[:_MAX_NAMES] if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return out
+
+
 @dataclasses.dataclass
 class HostReport:
     """What the remote workers of one host (host name and home, as the workers said) reported."""
@@ -261,6 +280,11 @@ class RemoteLedger:
     #: ``(worker id, spec)`` of remote workers that went down without a report.
     silent: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
+    @property
+    def eventful(self) -> bool:
+        """Whether there is anything to say: a host booted, leaked, kept or removed boxes, or a worker was silent."""
+        return bool(self.silent) or any(h.booted or h.leaked or h.kept or h.reconciled for h in self.hosts.values())
+
     def add(self, worker: str, data: object) -> HostReport | None:
         """Merge one remote worker's ``workeroutput`` entry, checked field by field; ``None`` if unusable."""
         if not isinstance(data, dict):
@@ -268,7 +292,7 @@ class RemoteLedger:
         host, home = _text(data.get("host", "?")), _text(data.get("home", "?"))
         report = self.hosts.setdefault((host, home), HostReport(host, home, _text(data.get("runtime", "?"))))
         report.workers.append(_text(worker))
-        report.booted += _count(data.get("stats"), "booted")
+        report.booted += _count(clean_stats(data.get("stats")), "booted")
         report.leaked += _names(data.get("leaked"))
         report.kept += _names(data.get("kept"))
         report.reconciled += _names(data.get("reconciled"))

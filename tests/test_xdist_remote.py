@@ -483,6 +483,14 @@ def test_controller_killed_mid_run_workers_reap_their_boxes(
     workers = {p.name: int(p.read_text()) for p in pids.iterdir()}
     for h in hosts:
         assert any(b.owner_alive for b in h.boxes()), f"no box held on {h.name}"
+        # The worker switched TCP keepalive on: a controller whose machine vanishes silently is noticed too.
+        ss = subprocess.run(
+            ["ip", "netns", "exec", h.ns, "ss", "-tnoH", "state", "established", f"( sport = :{PORT} )"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+        assert "keepalive" in ss, f"no TCP keepalive on the worker's connection on {h.name}: {ss!r}"
 
     run.proc.kill()  # SIGKILL: the controller gets no chance to say anything
     run.wait(30)
