@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from pytest_boxlite.marker_registration import MARKER_HELP
 from pytest_boxlite.markers import BoxPlan, plan_for
 from pytest_boxlite.pool import NoLifecycle
 from pytest_boxlite.remote import BoxedExecutor, RemoteRunner, in_guest, worker_mounts
-from pytest_boxlite.runtimes import BoxHandle
+from pytest_boxlite.runtimes import BoxHandle, kind_notes
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.settings import Settings, add_options, resolve
 from pytest_boxlite.spec import BoxSpec
@@ -355,11 +356,28 @@ class HostPlugin(_SessionRole, NoLifecycle):
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         has_timeout = config.pluginmanager.hasplugin("timeout")
+        _, unused_image = kind_notes(self.session.choice.kind)
+        warned: set[str] = set()
         for item in items:
             plan = plan_for(item, self.session)
             if plan is None:
                 continue
             item.stash[_PLAN_KEY] = plan
+            image = plan.spec.image
+            if unused_image and image != self.session.settings.image and image not in warned:
+                # One warning per image: the test would otherwise run on the host's distribution unawares.
+                warned.add(image)
+                lineno = item.location[1]
+                warnings.warn_explicit(
+                    pytest.PytestWarning(
+                        f"{item.nodeid}: @pytest.mark.boxlite(image={image!r}) has no effect on the "
+                        f"{self.session.choice.kind} runtime ({unused_image}); it runs on this host's files. "
+                        "Use --boxlite-runtime=vm for a real image."
+                    ),
+                    category=pytest.PytestWarning,
+                    filename=str(item.path),
+                    lineno=(lineno or 0) + 1,
+                )
             if has_timeout:
                 # pytest-timeout acts inside the box; on the host it could only kill the whole session.
                 item.add_marker(pytest.mark.timeout(0), append=False)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_boxlite.runtimes import kind_notes
 from pytest_boxlite.session import BoxliteSession
 
 if TYPE_CHECKING:
@@ -17,14 +18,11 @@ if TYPE_CHECKING:
 def header(session: BoxliteSession, *, controller: bool = False) -> list[str]:
     """``boxlite: runtime=... (why) image=... replicas=...``."""
     c = session.choice
-    why = c.reason
-    if c.kind == "namespace":
-        why += "; namespace isolation shares the host kernel, weaker than a VM"
+    caveat, unused_image = kind_notes(c.kind)
+    why = c.reason + (f"; {caveat}" if caveat else "")
     per = " per worker" if controller else ""
     s = session.settings
-    image = s.image
-    if c.kind == "namespace":
-        image += " (unused: namespace boxes show the host's filesystem)"
+    image = s.image + (f" (unused: {unused_image})" if unused_image else "")
     return [
         f"boxlite: runtime={c.kind} ({why})",
         f"boxlite: image={image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={session.home}",

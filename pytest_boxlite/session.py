@@ -104,13 +104,14 @@ class BoxliteSession:
 
     @property
     def fork_boxes(self) -> bool:
-        """Boxed tests get boxes forked from a warm interpreter (namespace runtime, per-test scope).
+        """Boxed tests get boxes forked from a warm interpreter (namespace runtime): one per test,
+        or one per module with ``--boxlite-scope=module``.
 
-        Kept boxes (``--boxlite-keep``) must outlive the run, which a fork cannot: then each test
-        gets a booted box of its own instead.
+        Kept boxes (``--boxlite-keep``) must outlive the run, which a fork cannot: then tests get
+        booted boxes of their own instead.
         """
         s = self.settings
-        return self.choice.kind == "namespace" and s.scope == "test" and not s.keep
+        return self.choice.kind == "namespace" and s.scope in ("test", "module") and not s.keep
 
     @property
     def default_worker_spec(self) -> BoxSpec:

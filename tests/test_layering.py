@@ -89,8 +89,6 @@ ALLOWED: collections.Counter[tuple[str, str, str, str]] = collections.Counter(
         ("kind-literal", "session", "BoxliteSession.fork_boxes", "namespace"): 1,
         ("kind-literal", "session", "BoxliteSession._setup_box", "vm"): 1,
         ("kind-literal", "session", "BoxliteSession.shutdown", "vm"): 2,
-        # --- reporting.py words the header by kind ("shows the host's filesystem").
-        ("kind-literal", "reporting", "header", "namespace"): 2,
         # --- templates.py provisions namespace boxes only, found by isinstance.
         ("concrete-runtime-import", "templates", "ensure_template", "runtimes.namespace"): 1,
         ("concrete-runtime-import", "templates", "_build", "runtimes.namespace"): 1,

@@ -85,6 +85,23 @@ def _init(child):
             os._exit(code if code >= 0 else 128 - code)
 
 
+def _cut_channel(channel):
+    """In a forked box: point the warm interpreter's execnet pipes at /dev/null.
+
+    The fork inherits them; the test it runs must not be able to speak (or listen) on the warm
+    interpreter's channel.  dup2 rather than close, so no later file can take those numbers.
+    """
+    io = getattr(channel.gateway, "_io", None)
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in ("infile", "outfile"):
+            f = getattr(io, name, None)
+            if f is not None:
+                os.dup2(null, f.fileno())
+    finally:
+        os.close(null)
+
+
 def _forget_cached_host_facts():
     """State the warm interpreter computed before the fork that is not true in the new box."""
     import platform
@@ -155,8 +172,9 @@ class _LiveOutput:
             t.join(2.0)  # a subprocess that still holds the pipe must not hold up the next test
 
 
-def _coverage_fields():
-    """The coverage data this process gathered so far, if coverage runs here (pytest-cov ``--cov``).
+def _coverage_fields(sent):
+    """The coverage data this process gathered since the last call, if coverage runs here
+    (pytest-cov ``--cov``); ``sent`` remembers what was sent (file -> set of lines or arcs).
 
     Plain lines or arcs, never coverage's own serialized form: that is an SQL script, which the
     host must not run on a box's word.
@@ -169,9 +187,11 @@ def _coverage_fields():
     arcs = data.has_arcs()
     files = {}
     for name in data.measured_files():
-        found = data.arcs(name) if arcs else data.lines(name)
-        if found:
-            files[name] = [list(a) for a in found] if arcs else sorted(found)
+        found = set(data.arcs(name) or ()) if arcs else set(data.lines(name) or ())
+        new = found - sent.get(name, set())
+        if new:
+            sent.setdefault(name, set()).update(new)
+            files[name] = [list(a) for a in new] if arcs else sorted(new)
     return {"arcs": arcs, "files": files} if files else None
 
 
@@ -223,17 +243,21 @@ def serve(channel):
             self.collect_errors = {}
             self.session = None
             self.children = {}
+            self.seq = None
             self.send = self._locked(lambda name, **fields: channel.send((name, fields)))
             self.cache_writes = {}
+            self.coverage_sent = {}
 
-        @staticmethod
-        def _locked(send):
+        def _locked(self, send):
             """``send`` made safe for the live-output threads (one message at a time)."""
             import threading
 
             lock = threading.Lock()
 
             def locked(name, **fields):
+                # Every message of a run carries the run's number: the host drops what an
+                # earlier test left behind (a thread still printing, say) instead of misreading it.
+                fields["seq"] = self.seq
                 with lock:
                     send(name, **fields)
 
@@ -288,6 +312,7 @@ def serve(channel):
                     return True
                 name, fields = msg
                 if name == RUN:  # noqa: F821
+                    self.seq = fields.get("seq")
                     self.run(fields["nodeid"], fields.get("next"))
                     self.send(DONE)  # noqa: F821
                 elif name == FORK:  # noqa: F821
@@ -323,7 +348,7 @@ def serve(channel):
             if self.cache_writes:
                 self.send(CACHE, values=self.cache_writes)  # noqa: F821
                 self.cache_writes = {}
-            coverage = _coverage_fields()
+            coverage = _coverage_fields(self.coverage_sent)
             if coverage is not None:
                 self.send(COVERAGE, **coverage)  # noqa: F821
 
@@ -378,7 +403,9 @@ def serve(channel):
                     live.close()
             self._send_side_data(since)
 
-        def fork(self, nodeid, token, sock, hostname, network):
+        def fork(self, nodeid, token, sock, hostname, network, seq=None, next=None):
+            """Fork a fresh box that runs ``nodeid`` first, then each ``RUN`` the host sends on its
+            stream (module scope), until the stream ends."""
             for old, status in list(self.children.items()):  # reap boxes that have ended
                 if status is None:
                     self.wait(old, timeout=0)
@@ -402,6 +429,7 @@ def serve(channel):
                 # Connect first: the fresh box gets a new /run, which hides the socket's directory.
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.connect(sock)
+                _cut_channel(channel)
                 _fresh_box(hostname, network)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
                 test = os.fork()
                 if test:
@@ -415,9 +443,21 @@ def serve(channel):
                     out.flush()
 
                 send(TOKEN, token=token)  # noqa: F821
+                self.seq = seq
                 self.send = send = self._locked(send)
-                self.run(nodeid, None)
+                self.run(nodeid, next)
                 send(DONE)  # noqa: F821
+                commands = conn.makefile("rb")
+                while True:
+                    line = commands.readline(1 << 20)
+                    if not line:
+                        break  # the host is done with this box
+                    name, fields = json.loads(line)
+                    if name != RUN:  # noqa: F821
+                        break
+                    self.seq = fields.get("seq")
+                    self.run(fields["nodeid"], fields.get("next"))
+                    send(DONE)  # noqa: F821
                 out.close()
                 conn.close()
             except BaseException as exc:

@@ -11,7 +11,7 @@ import pytest
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.remote import reports
-from pytest_boxlite.remote.worker_host import RemoteRunner
+from pytest_boxlite.remote.worker_host import ForkedBox, RemoteRunner
 from pytest_boxlite.spec import BoxSpec
 
 if TYPE_CHECKING:
@@ -81,6 +81,8 @@ class BoxedExecutor:
         self._held_failed = False
         #: Warm interpreters that fresh boxes are forked from, one per spec (fork mode).
         self._fork_parents: dict[BoxSpec, Lease] = {}
+        #: The forked box that runs the current module's tests (module scope, fork mode).
+        self._held_fork: tuple[str, BoxSpec, ForkedBox] | None = None
         #: Why a box could not be had, and the first test that said so in full.
         self._lease_errors: dict[str, str] = {}
 
@@ -108,9 +110,7 @@ class BoxedExecutor:
         else:
             box_name = lease.handle.name
         if lease is not None and self.session.fork_boxes:
-            out, box_name, exit_with = self.runner.run_item_forked(
-                item, lease, timeout=plan.timeout, network=plan.spec.network
-            )
+            out, box_name, exit_with = self._run_forked(item, lease, plan, module, nextitem if shared else None)
             if lease.handle.name not in self.runner.live_workers():
                 self._fork_parents.pop(plan.spec, None)
                 lease.release()
@@ -131,6 +131,38 @@ class BoxedExecutor:
             pytest.exit(exit_with[0], returncode=exit_with[1])
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
+
+    def _run_forked(
+        self, item: pytest.Item, lease: Lease, plan: BoxPlan, module: str, nextitem: pytest.Item | None
+    ) -> tuple[list[pytest.TestReport], str, tuple[str, int] | None]:
+        """Run ``item`` in a forked box: a new one per test, or the module's (module scope).
+
+        ``nextitem`` is the next item when it shares this box (module scope, same module and spec).
+        """
+        next_nodeid = nextitem.nodeid if nextitem is not None else None
+        held = self._held_fork
+        if held is not None and (held[0], held[1]) == (module, plan.spec) and held[2].alive:
+            box = held[2]
+            out, exit_with = self.runner.run_in(box, item, next_nodeid=next_nodeid, timeout=plan.timeout)
+        else:
+            self._close_fork()
+            forked, out, exit_with = self.runner.fork(
+                item, lease, network=plan.spec.network, next_nodeid=next_nodeid, timeout=plan.timeout
+            )
+            name = forked.name if forked is not None else f"{lease.handle.name}.{self.runner.forks}"
+            if forked is None:
+                return out, name, exit_with
+            box = forked
+            self._held_fork = (module, plan.spec, box)
+        if nextitem is None or exit_with is not None or not box.alive:
+            self._close_fork()
+        return out, box.name, exit_with
+
+    def _close_fork(self) -> None:
+        if self._held_fork is not None:
+            box = self._held_fork[2]
+            self._held_fork = None
+            self.runner.close(box)
 
     def _lease_error(self, item: pytest.Item, why: str) -> str:
         """The failure text for a test that got no box: in full once, then a pointer to it.
@@ -192,6 +224,7 @@ class BoxedExecutor:
             lease.release(keep=keep)
 
     def close(self) -> None:
+        self._close_fork()
         self._drop(keep=self._held_failed and self.session.settings.keep)
         for lease in self._fork_parents.values():
             lease.release()

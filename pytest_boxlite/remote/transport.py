@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import inspect
 import json
 import os
 import re
+import reprlib
 import socket
 import stat
 import sys
@@ -49,7 +51,7 @@ def _checked(message: object) -> tuple[str, dict[str, Any]]:
         or not isinstance(message[0], str)
         or not isinstance(message[1], dict)
     ):
-        raise BoxSpoke(f"a message that is not (name, fields): {str(message)[:200]!r}")
+        raise BoxSpoke(f"a message that is not (name, fields): {reprlib.repr(message)}")
     return message[0], message[1]
 
 
@@ -79,17 +81,20 @@ class ForkStream:
         self._buf = bytearray()
 
     def messages(self, deadline: float) -> Iterator[tuple[str, dict[str, Any]]]:
+        scanned = 0  # bytes of the buffer known to hold no newline: each byte is scanned once
         while True:
-            end = self._buf.find(b"\n")
+            end = self._buf.find(b"\n", scanned)
             while end >= 0:
                 line = bytes(self._buf[:end])
                 del self._buf[: end + 1]
+                scanned = 0
                 try:
                     message = json.loads(line, object_hook=msg.untag)
-                except ValueError as exc:
-                    raise BoxSpoke(f"a line that is not JSON ({exc}): {line[:200]!r}") from None
+                except (ValueError, TypeError, RecursionError) as exc:
+                    raise BoxSpoke(f"a line that is not JSON ({type(exc).__name__}): {line[:200]!r}") from None
                 yield _checked(message)
                 end = self._buf.find(b"\n")
+            scanned = len(self._buf)
             if len(self._buf) > msg.LINE_CAP:
                 raise BoxSpoke(f"a message longer than {msg.LINE_CAP} bytes")
             left = deadline - time.monotonic()
@@ -113,45 +118,107 @@ class Outcome:
     spoke: str | None = None  # why the stream was refused (BoxSpoke)
     timed_out: bool = False
     hung_up: BaseException | None = None  # the channel broke (the box died)
+    warnings: int = 0
+    warning_bytes: int = 0
+    side_messages: int = 0
 
 
-def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str) -> Outcome:
+#: Warnings of one boxed test the host keeps (the terminal reporter holds every one); the rest
+#: are counted and said in one warning.
+WARNINGS_CAP = 1000
+
+#: Messages of earlier runs (left behind by a test's lingering thread) dropped before giving up.
+STALE_CAP = 1000
+
+
+def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: int) -> Outcome:
     """Read one test's messages until ``DONE``; never raises for what the box does.
 
-    ``box`` names the box (its coverage data is kept in a file of its own until pytest-cov combines).
+    ``box`` names the box (its coverage data is kept in a file of its own until pytest-cov
+    combines); ``seq`` is the run's number, which every message of this run carries.
     """
     out = Outcome()
-    config = item.config
+    stale = 0
     try:
         for name, fields in stream.messages(deadline):
-            if name == msg.REPORT:
-                out.reports.append(_report(config, item, fields.get("data")))
-            elif name == msg.WARNING:
-                _relay_warning(item, fields)
-            elif name == msg.OUTPUT:
-                _relay_output(config, fields)
-            elif name == msg.CACHE:
-                _store_cache(config, fields.get("values"))
-            elif name == msg.COVERAGE:
-                _store_coverage(config, fields, box)
-            elif name == msg.FILES:
-                _store_files(config, fields.get("files"))
-            elif name == msg.EXIT:
-                out.exit = (str(fields.get("reason", ""))[:1000], _int(fields.get("returncode"), 1))
-            elif name == msg.ERROR:
-                out.error = str(fields.get("text", ""))[: msg.FIELD_CAP]
-            elif name == msg.DONE:
-                out.done = True
-                return out
-            else:
-                raise BoxSpoke(f"an unexpected message {name[:50]!r} while running a test")
+            if fields.get("seq") != seq:
+                stale += 1
+                if stale > STALE_CAP:
+                    raise BoxSpoke(f"more than {STALE_CAP} messages that belong to no running test")
+                continue
+            try:
+                if _handle(out, item, name, fields, box):
+                    break
+            except BoxSpoke:
+                raise
+            except Exception as exc:  # noqa: BLE001 - whatever a box's message makes the host raise fails this test only
+                raise BoxSpoke(
+                    f"a {name[:50]!r} message the host could not take ({type(exc).__name__}: {exc})"
+                ) from None
     except BoxSpoke as exc:
         out.spoke = str(exc)
     except TimeoutError:
         out.timed_out = True
     except (EOFError, OSError, execnet.RemoteError, execnet.HostNotFound) as exc:
         out.hung_up = exc
+    dropped = out.warnings - WARNINGS_CAP
+    if dropped > 0 or out.warning_bytes > msg.WRITE_BACK_BYTES:
+        _relay_warning(
+            item,
+            {
+                "message": f"pytest-boxlite: this boxed test recorded {out.warnings} warnings "
+                f"({out.warning_bytes} bytes of text); only the first ones within "
+                f"{WARNINGS_CAP} warnings and {msg.WRITE_BACK_BYTES} bytes are kept",
+                "category": "PytestWarning",
+                "module": "pytest",
+            },
+        )
+    if out.done and out.error is None and out.exit is None:
+        missing = [w for w in ("setup", "teardown") if w not in {r.when for r in out.reports}]
+        if missing:
+            out.done = False
+            out.spoke = f"DONE without a {' or '.join(missing)} report"
     return out
+
+
+def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], box: str) -> bool:
+    """Act on one message of the running test; True when it ends the test (``DONE``)."""
+    config = item.config
+    if name == msg.REPORT:
+        if len(out.reports) >= 100:
+            raise BoxSpoke("more than 100 reports for one test")
+        out.reports.append(_report(config, item, fields.get("data")))
+    elif name == msg.WARNING:
+        out.warnings += 1
+        out.warning_bytes += len(str(fields.get("message", "")))
+        if out.warnings <= WARNINGS_CAP and out.warning_bytes <= msg.WRITE_BACK_BYTES:
+            _relay_warning(item, fields)
+    elif name == msg.OUTPUT:
+        _relay_output(config, fields)
+    elif name in (msg.CACHE, msg.COVERAGE, msg.FILES):
+        # The guest sends each at most once per test: more is a flood (of the host's disk).
+        out.side_messages += 1
+        if out.side_messages > 10:
+            raise BoxSpoke("more than 10 cache/coverage/file messages for one test")
+        if name == msg.CACHE:
+            _store_cache(config, fields.get("values"))
+        elif name == msg.COVERAGE:
+            _store_coverage(config, fields, box)
+        else:
+            _store_files(config, fields.get("files"))
+    elif name == msg.EXIT:
+        code = fields.get("returncode")
+        if not isinstance(code, int) or isinstance(code, bool):
+            raise BoxSpoke(f"pytest.exit() with a returncode that is not an int: {reprlib.repr(code)}")
+        out.exit = (str(fields.get("reason", ""))[:1000], code)
+    elif name == msg.ERROR:
+        out.error = str(fields.get("text", ""))[: msg.FIELD_CAP]
+    elif name == msg.DONE:
+        out.done = True
+        return True
+    else:
+        raise BoxSpoke(f"an unexpected message {name[:50]!r} while running a test")
+    return False
 
 
 def _int(value: object, default: int) -> int:
@@ -162,14 +229,15 @@ def _report(config: pytest.Config, item: pytest.Item, data: object) -> pytest.Te
     # Any report kind the host's plugins can rebuild is fine (pytest's subtests send their own);
     # what comes back must be a TestReport of the running item.
     if not isinstance(data, dict):
-        raise BoxSpoke(f"a report that is not a mapping: {str(data)[:200]!r}")
+        raise BoxSpoke(f"a report that is not a TestReport (not a mapping): {reprlib.repr(data)}")
     try:
         rep = config.hook.pytest_report_from_serializable(config=config, data=data)
     except Exception as exc:  # noqa: BLE001 - whatever the box's bytes make pytest raise fails this test only
         raise BoxSpoke(f"a report pytest could not read ({type(exc).__name__}: {exc})") from None
     if not isinstance(rep, pytest.TestReport) or rep.nodeid != item.nodeid or rep.when not in PHASES:
-        got = getattr(rep, "nodeid", None), getattr(rep, "when", None)
-        raise BoxSpoke(f"a report for {got!r} while it was running {item.nodeid!r}")
+        got = type(rep).__name__, getattr(rep, "nodeid", None), getattr(rep, "when", None)
+        raise BoxSpoke(f"a report that is not a TestReport of the running test: {got!r} while running {item.nodeid!r}")
+    _check_report_fields(rep)
     # The guest caps these; a hostile one may not have: cap again.
     rep.sections = [(str(t)[:200], msg.cap(str(c))) for t, c in rep.sections]
     if rep.longrepr is not None and len(rep.longreprtext) > msg.FIELD_CAP:
@@ -177,12 +245,45 @@ def _report(config: pytest.Config, item: pytest.Item, data: object) -> pytest.Te
     return rep
 
 
+#: Outcomes a boxed test's report may have: pytest's, and pytest-rerunfailures' "rerun".
+OUTCOMES = ("passed", "failed", "skipped", "rerun")
+
+
+def _check_report_fields(rep: pytest.TestReport) -> None:
+    """The fields other plugins unpack (junitxml, terminal, -r) have the shapes pytest gives them."""
+    pairs = (
+        isinstance(rep.sections, list)
+        and all(isinstance(x, tuple) and len(x) == 2 and all(isinstance(y, str) for y in x) for x in rep.sections)
+        and isinstance(rep.user_properties, list)
+        and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in rep.user_properties)
+    )
+    location = rep.location
+    located = (
+        isinstance(location, tuple)
+        and len(location) == 3
+        and isinstance(location[0], str)
+        and (location[1] is None or _is_int(location[1]))
+        and isinstance(location[2], str)
+    )
+    shaped = (
+        rep.outcome in OUTCOMES
+        and isinstance(rep.duration, (int, float))
+        and isinstance(rep.keywords, dict)
+        and (rep.longrepr is None or isinstance(rep.longrepr, (str, tuple)) or hasattr(rep.longrepr, "toterminal"))
+    )
+    if not (pairs and located and shaped):
+        raise BoxSpoke(f"a report whose fields are not shaped as pytest's: {reprlib.repr(vars(rep))}")
+    if len(rep.sections) > 1000 or len(rep.user_properties) > 10_000:
+        raise BoxSpoke("a report with more than 1000 sections or 10000 properties")
+
+
 def _category(module: object, qualname: object) -> type[Warning]:
     """The warning class the guest named, if the host already has it; never imports anything."""
     mod = sys.modules.get(module) if isinstance(module, str) else None
     obj: object = mod
     for part in str(qualname).split(".") if mod is not None else ():
-        obj = getattr(obj, part, None)
+        # getattr_static: a module's __getattr__ (a lazy import) must not run on a box's word.
+        obj = inspect.getattr_static(obj, part, None)
     return obj if isinstance(obj, type) and issubclass(obj, Warning) else UserWarning
 
 
@@ -269,11 +370,11 @@ def _store_coverage(config: pytest.Config, fields: dict[str, Any], box: str) -> 
         if not isinstance(found, list) or len(found) > 1_000_000:
             raise BoxSpoke(f"coverage data for {name!r} that is not a list")
         if arcs:
-            if not all(isinstance(a, list) and len(a) == 2 and all(_is_int(x) for x in a) for a in found):
+            if not all(isinstance(a, list) and len(a) == 2 and all(_is_line(x) for x in a) for a in found):
                 raise BoxSpoke(f"coverage arcs for {name!r} that are not pairs of numbers")
             measured[name] = [(a, b) for a, b in found]
         else:
-            if not all(_is_int(x) for x in found):
+            if not all(_is_line(x) for x in found):
                 raise BoxSpoke(f"coverage lines for {name!r} that are not numbers")
             measured[name] = found
     suffix = "boxlite." + re.sub(r"[^A-Za-z0-9_.-]", "_", box)[:100]
@@ -287,6 +388,11 @@ def _store_coverage(config: pytest.Config, fields: dict[str, Any], box: str) -> 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_line(x: object) -> bool:
+    """A line number (negative in arcs: entries and exits) of a plausible source file."""
+    return _is_int(x) and abs(x) <= 10_000_000  # type: ignore[arg-type]
 
 
 _FILE_PART = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import secrets
 import shlex
@@ -41,6 +42,19 @@ FORK_SOCKET = "/run/pytest-boxlite/fork.sock"
 
 _OOM = "the test process in the box was killed by the kernel's OOM killer (the box's memory cap)"
 _TIMED_OUT = "timed out after {:.0f}s; the box was killed (--boxlite-timeout or the marker's timeout)"
+
+
+@dataclasses.dataclass
+class ForkedBox:
+    """A box forked from a warm interpreter, serving one test or a module's tests over its stream."""
+
+    name: str
+    handle: BoxHandle  # the fork parent's box
+    worker: _Worker
+    child: int
+    stream: ForkStream | None
+    oom_before: int
+    alive: bool = True
 
 
 @dataclasses.dataclass
@@ -130,6 +144,7 @@ class RemoteRunner:
         self._args = guest_args(config)
         self._listeners: dict[str, socket.socket] = {}
         self._log_since: dict[str, int] = {}
+        self._seq = 0  # every run's number: its messages carry it (see transport.drain)
         #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
         self.forks = 0
         self.fork_waits: list[float] = []
@@ -239,25 +254,28 @@ class RemoteRunner:
         if worker is None:
             return self._failed(item, f"box {handle.name} has no running test worker", handle, 0.0), None
         start = time.monotonic()
+        self._seq += 1
+        seq = self._seq
         try:
-            worker.channel.send((msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid}))
+            worker.channel.send((msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq}))
         except (EOFError, OSError, execnet.RemoteError) as exc:
             return self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), None
-        out = drain(ChannelStream(worker.channel), item, start + timeout, box=handle.name)
+        out = drain(ChannelStream(worker.channel), item, start + timeout, box=handle.name, seq=seq)
         if out.timed_out or out.spoke:
             self._kill(handle)
         elif out.hung_up is not None:
             out.hung_up = BoxSpoke(self._death_reason(handle, worker, out.hung_up))
         return self._finish(item, out, handle, start, timeout, forked_code=None), out.exit
 
-    def run_item_forked(
-        self, item: pytest.Item, lease: Lease, *, timeout: float, network: bool
-    ) -> tuple[list[pytest.TestReport], str, tuple[str, int] | None]:
-        """Run ``item`` in a fresh box forked from the leased box's warm interpreter (namespace runtime).
+    def fork(
+        self, item: pytest.Item, lease: Lease, *, network: bool, next_nodeid: str | None, timeout: float
+    ) -> tuple[ForkedBox | None, list[pytest.TestReport], tuple[str, int] | None]:
+        """Fork a fresh box from the leased box's warm interpreter and run ``item`` in it first.
 
-        Returns the reports, the forked box's name and ``pytest.exit``'s arguments if it was
-        called.  The fork gets new namespaces and empty writable layers, so it is as pristine as a
-        newly booted box, at the cost of a fork.
+        The fork gets new namespaces and empty writable layers, so it is as pristine as a newly
+        booted box, at the cost of a fork (namespace runtime).  Returns the forked box (``None``
+        when it could not start or died), ``item``'s reports and ``pytest.exit``'s arguments if
+        the test called it.  A live box takes more items (:meth:`run_in`) until :meth:`close`.
         """
         handle = lease.handle
         with self._lock:
@@ -265,17 +283,18 @@ class RemoteRunner:
         self.forks += 1
         name = f"{handle.name}.{self.forks}"
         if worker is None:
-            return self._failed(item, f"box {handle.name} has no running test worker", handle, 0.0), name, None
+            return None, self._failed(item, f"box {handle.name} has no running test worker", handle, 0.0), None
         listener = self._fork_listener(handle)
         token = secrets.token_hex(8)
         start = time.monotonic()
-        deadline = start + timeout
-        oom_before = _oom_count(handle)
-        # Failure reports quote only what this fork added to the template's log.
+        # Failure reports quote only what this fork added to the fork parent's log.
         size = getattr(handle, "log_size", None)
         self._log_since[handle.name] = size() if size is not None else 0
+        self._seq += 1
         request = {
             "nodeid": item.nodeid,
+            "next": next_nodeid,
+            "seq": self._seq,
             "token": token,
             "sock": FORK_SOCKET,
             "hostname": name[:63],
@@ -285,34 +304,68 @@ class RemoteRunner:
             worker.channel.send((msg.FORK, request))
             kind, fields = worker.channel.receive(min(timeout, 30.0))
         except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError) as exc:
-            return self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), name, None
+            return None, self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), None
         if kind != msg.FORKED or not isinstance(fields.get("pid"), int):
             why = f"could not fork a box: {str(fields.get('text', kind))[:2000]}"
-            return self._failed(item, why, handle, 0.0), name, None
-        child = fields["pid"]
+            return None, self._failed(item, why, handle, 0.0), None
+        box = ForkedBox(name, handle, worker, fields["pid"], None, _oom_count(handle))
         try:
-            stream = self._accept_fork(worker, listener, token, child, deadline)
+            box.stream = self._accept_fork(worker, listener, token, box.child, start + timeout)
         except TimeoutError:
             out = Outcome(timed_out=True)
         else:
-            if stream is None:
-                died = self._fork_status(worker, msg.WAIT, child)
+            if box.stream is None:
+                died = self._fork_status(worker, msg.WAIT, box.child)
                 why = f"the box died before it could run the test: it {reports.describe_status(died, forked=True)}"
-                return self._failed(item, why, handle, time.monotonic() - start), name, None
-            with stream.conn:
-                out = drain(stream, item, deadline, box=handle.name)  # one coverage file per fork parent
+                return None, self._failed(item, why, handle, time.monotonic() - start), None
+            out = drain(box.stream, item, start + timeout, box=handle.name, seq=self._seq)
+        done, exit_with = self._settle(box, item, out, start, timeout)
+        return (box if box.alive else None), done, exit_with
+
+    def run_in(
+        self, box: ForkedBox, item: pytest.Item, *, next_nodeid: str | None, timeout: float
+    ) -> tuple[list[pytest.TestReport], tuple[str, int] | None]:
+        """Run another item in a live forked box (module scope: the module's tests share one fork)."""
+        assert box.stream is not None and box.alive
+        start = time.monotonic()
+        self._seq += 1
+        line = json.dumps([msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": self._seq}]) + "\n"
+        try:
+            box.stream.conn.sendall(line.encode())
+        except OSError as exc:
+            out = Outcome(hung_up=exc)
+        else:
+            out = drain(box.stream, item, start + timeout, box=box.handle.name, seq=self._seq)
+        return self._settle(box, item, out, start, timeout)
+
+    def close(self, box: ForkedBox) -> None:
+        """End a forked box: its stream closes, and one that lingers is killed (bounded)."""
+        if box.stream is not None:
+            with contextlib.suppress(OSError):
+                box.stream.conn.close()
+        if box.alive:
+            box.alive = False
+            self._end_fork(box.worker, box.child)
+
+    def _settle(
+        self, box: ForkedBox, item: pytest.Item, out: Outcome, start: float, timeout: float
+    ) -> tuple[list[pytest.TestReport], tuple[str, int] | None]:
+        """The reports for what ``drain`` saw; a forked box that failed to finish is ended."""
         code: int | None = None
         if out.timed_out or out.spoke:
-            self._fork_status(worker, msg.KILL, child)
+            box.alive = False
+            self._fork_status(box.worker, msg.KILL, box.child)
         elif not out.done:
-            code = self._fork_status(worker, msg.WAIT, child)
-            if _oom_count(handle) > oom_before:
-                out.hung_up = BoxSpoke(
-                    "the test process in the box was killed by the kernel's OOM killer (the box's memory cap)"
-                )
+            box.alive = False
+            code = self._fork_status(box.worker, msg.WAIT, box.child)
+            if _oom_count(box.handle) > box.oom_before:
+                out.hung_up = BoxSpoke(_OOM)
         if out.done:
             self.fork_waits.append(time.monotonic() - start - sum(r.duration for r in out.reports))
-        return self._finish(item, out, handle, start, timeout, forked_code=code), name, out.exit
+        if not box.alive and box.stream is not None:
+            with contextlib.suppress(OSError):
+                box.stream.conn.close()
+        return self._finish(item, out, box.handle, start, timeout, forked_code=code), out.exit
 
     def _finish(
         self,
@@ -367,6 +420,16 @@ class RemoteRunner:
             if first == (msg.TOKEN, {"token": token}):
                 return stream
             conn.close()  # a stale connection (from an earlier box that timed out): drop it
+
+    def _end_fork(self, worker: _Worker, child: int, grace: float = 2.0) -> None:
+        """A forked box that said DONE must end: one that lingers (a test that goes on after its
+        report) is killed after ``grace`` seconds, so nothing outlives its test."""
+        deadline = time.monotonic() + grace
+        while self._fork_status(worker, msg.POLL, child) is None:
+            if time.monotonic() > deadline:
+                self._fork_status(worker, msg.KILL, child)
+                return
+            time.sleep(0.005)
 
     def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:
         try:

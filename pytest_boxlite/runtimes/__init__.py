@@ -52,6 +52,19 @@ def choose(requested: str) -> Choice:
     return Choice("namespace", p.reason)
 
 
+def kind_notes(kind: str) -> tuple[str | None, str | None]:
+    """What the report says of runtime ``kind``: ``(isolation caveat, why images are unused)``.
+
+    Kept here so that code outside ``runtimes/`` never branches on a runtime's name.
+    """
+    if kind == "namespace":
+        return (
+            "namespace isolation shares the host kernel, weaker than a VM",
+            "namespace boxes show the host's filesystem",
+        )
+    return None, None
+
+
 def open_choice(choice: Choice, home: Path, owner: str) -> tuple[Runtime, Choice]:
     """Open the chosen runtime; under ``auto``, fall back to namespace when the VM runtime cannot open.
 
