@@ -13,7 +13,8 @@ host's boxes live in its home and its summary line names it; a worker killed mid
 on its host after the run (its replacement there reaps it); a controller killed mid-run leaves no
 box on either host (the workers reap when their channel closes) and the hosts' next session runs
 clean, also on host b, whose server ignores SIGINT (as one started with ``&`` from a script does);
-the controller's own home is never created.
+the controller's own home is never created.  A known gap is a strict xfail: the processes of a box
+forked for a boxed test outlive that reaping.
 
 Needs root, ``ip netns`` and ``unshare``: skipped with the reason otherwise.  Every wait is bounded;
 servers, namespaces and links are removed by the fixtures' finalizers, also after a failure.
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import pytest
 import subruns
-from subruns import REAL_DATA_HOME, process_gone, sub_env, wait_until
+from subruns import REAL_DATA_HOME, pids_with, process_gone, sub_env, wait_until
 
 from pytest_boxlite import ledger
 
@@ -511,6 +512,49 @@ def test_controller_killed_mid_run_workers_reap_their_boxes(
     for h in hosts:
         assert h.boxes() == [], f"boxes left on {h.name}: {h.boxes()}"
     untouched(home, run.output + after.output)
+
+
+FORKED_HOLD = """
+import subprocess, sys, time
+import pytest
+
+
+@pytest.mark.boxlite
+def test_hold_boxed():
+    # In a box forked for this test (its writes stay there): a process tagged for the host to see.
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(150)", {tag!r}])
+    time.sleep(150)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap (runtimes/namespace, remote/worker_host): destroying a pool box does not end a box forked "
+    "from its warm interpreter (NamespaceBox.destroy kills the outer bwrap process, not the box's pid namespace; "
+    "the in-flight fork is tracked only on the main thread's stack), so a forked test's processes outlive a "
+    "worker whose controller vanished, until the test ends by itself",
+)
+def test_controller_killed_during_a_forked_test_leaves_no_process(
+    tmp_path: Path, home: Path, hosts: list[Host], runs: list[SubRun]
+) -> None:
+    proj = tmp_path / "proj"
+    tag = f"pbx-xremote-{secrets.token_hex(8)}"
+    write(proj, "test_forked.py", FORKED_HOLD.format(tag=tag))
+    host = hosts[1]  # its server ignores SIGINT: only the worker's own reaping can act
+    run = SubRun(proj, home, "kill-forked", "-d", "--tx", host.tx(host.checkout(proj, "killf")))
+    runs.append(run)
+    try:
+        assert wait_until(lambda: bool(pids_with(tag)) or run.proc.poll() is not None, 150)
+        assert run.proc.poll() is None, run.output
+        run.proc.kill()
+        run.wait(30)
+        assert wait_until(lambda: host.boxes() == [], 30), f"boxes left on {host.name}: {host.boxes()}"
+        assert wait_until(lambda: not pids_with(tag), 30), "a process of the forked test outlived the worker's reaping"
+    finally:
+        for pid in pids_with(tag):  # this test's own processes, whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    untouched(home, run.output)
 
 
 # --------------------------------------------------------------------------
