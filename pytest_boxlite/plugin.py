@@ -38,7 +38,7 @@ from pytest_boxlite.marker_registration import MARKER_HELP
 from pytest_boxlite.markers import BoxPlan, plan_for
 from pytest_boxlite.pool import NoLifecycle
 from pytest_boxlite.remote import BoxedExecutor, RemoteRunner, in_guest, worker_mounts
-from pytest_boxlite.runtimes import BoxHandle, kind_notes
+from pytest_boxlite.runtimes import BoxHandle, header_notes, kind_notes, preflight
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.settings import Settings, add_options, resolve
 from pytest_boxlite.spec import BoxSpec
@@ -183,6 +183,7 @@ class _SessionRole:
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         lines = reporting.header(self.session, controller=isinstance(self, ControllerPlugin))
+        lines += header_notes(self.session.choice.kind, self.session.default_spec)
         if config.option.usepdb:
             lines.append(
                 "boxlite: --pdb does not enter boxed tests (they run in a box without this terminal); "
@@ -358,10 +359,13 @@ class HostPlugin(_SessionRole, NoLifecycle):
         has_timeout = config.pluginmanager.hasplugin("timeout")
         _, unused_image = kind_notes(self.session.choice.kind)
         warned: set[str] = set()
+        boxes_needed = False
         for item in items:
+            boxes_needed = boxes_needed or bool(_BOX_FIXTURES.intersection(getattr(item, "fixturenames", ())))
             plan = plan_for(item, self.session)
             if plan is None:
                 continue
+            boxes_needed = True
             item.stash[_PLAN_KEY] = plan
             image = plan.spec.image
             if unused_image and image != self.session.settings.image and image not in warned:
@@ -381,6 +385,12 @@ class HostPlugin(_SessionRole, NoLifecycle):
             if has_timeout:
                 # pytest-timeout acts inside the box; on the host it could only kill the whole session.
                 item.add_marker(pytest.mark.timeout(0), append=False)
+        if boxes_needed:
+            # A host where boxes cannot work at all (no user namespaces, ...) stops the session here,
+            # with the fix, instead of failing every test that needs a box.
+            problem = preflight(self.session.choice.kind)
+            if problem:
+                raise pytest.UsageError(f"pytest-boxlite: {problem}")
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:

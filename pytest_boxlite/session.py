@@ -120,7 +120,7 @@ class BoxliteSession:
 
     # -- specs --------------------------------------------------------------
     def spec_for(self, **overrides: Any) -> BoxSpec:
-        """The session's default spec with ``overrides`` (image, cpus, memory, env, network) applied."""
+        """The session's default spec with ``overrides`` (image, cpus, memory, env, network, user) applied."""
         s = self.settings
         base: dict[str, Any] = {
             "image": s.image,
@@ -129,7 +129,8 @@ class BoxliteSession:
             "network": s.network,
             "env": (),
         }
-        unknown = set(overrides) - {"image", "cpus", "memory", "memory_mib", "env", "network", "worker", "mounts"}
+        known = {"image", "cpus", "memory", "memory_mib", "env", "network", "worker", "mounts", "user"}
+        unknown = set(overrides) - known
         if unknown:
             raise ConfigError(f"unknown box setting(s): {', '.join(sorted(unknown))}")
         if "memory" in overrides:

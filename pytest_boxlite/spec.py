@@ -19,6 +19,7 @@ GUEST_ENV = "PYTEST_BOXLITE_GUEST"
 # (xdist's PYTEST_XDIST_* stay: a test in a box of worker gw0 sees what it would see locally.)
 _HOST_ONLY_ENV = ("PYTEST_CURRENT_TEST", "PYTEST_DEBUG_TEMPROOT")
 
+_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -77,6 +78,9 @@ class BoxSpec:
     mounts: tuple[str, ...] = ()
     #: A provisioned template (``--boxlite-setup``) the box starts from: its directory, set by the session.
     template: str | None = None
+    #: Who runs in the box: a name or ``uid[:gid]``; ``None`` is the runtime's default (boxed tests:
+    #: the host user, as locally; sandbox commands: root in the box, like a container's exec).
+    user: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image.strip():
@@ -89,6 +93,8 @@ class BoxSpec:
             raise ConfigError(f"memory must be an integer of at least 64 (MiB), got {self.memory_mib!r}")
         if self.pids_limit is not None and (not isinstance(self.pids_limit, int) or self.pids_limit < 8):
             raise ConfigError(f"pids_limit must be an integer of at least 8, got {self.pids_limit!r}")
+        if self.user is not None and not _USER.match(str(self.user)):
+            raise ConfigError(f"user must be a name or uid[:gid] (e.g. 'root', '1000:1000'), got {self.user!r}")
         object.__setattr__(self, "env", check_env(self.env, "box env"))
         object.__setattr__(self, "mounts", minimal_dirs(self.mounts))
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from pytest_boxlite.errors import ConfigError, RuntimeUnavailableError
 from pytest_boxlite.runtimes.base import BoxHandle, BoxRecord, RawResult, Runtime
 from pytest_boxlite.runtimes.probe import Probe, probe
+from pytest_boxlite.spec import BoxSpec
 
 __all__ = [
     "RUNTIME_CHOICES",
@@ -63,6 +64,32 @@ def kind_notes(kind: str) -> tuple[str | None, str | None]:
             "namespace boxes show the host's filesystem",
         )
     return None, None
+
+
+def preflight(kind: str) -> str | None:
+    """Why boxes of runtime ``kind`` cannot work on this host (with the fix), or ``None``.
+
+    For a usage error before any test runs, instead of a failure per test.
+    """
+    if kind == "namespace":
+        from pytest_boxlite.runtimes import namespace
+
+        return namespace.preflight()
+    return None
+
+
+def header_notes(kind: str, spec: BoxSpec) -> list[str]:
+    """Report-header lines about what runtime ``kind`` enforces here: the seccomp filter, and a
+    line only when one of ``spec``'s caps cannot hold."""
+    if kind != "namespace":
+        return []
+    from pytest_boxlite.runtimes import namespace
+
+    lines = [f"boxlite: seccomp: {namespace.seccomp_status()}"]
+    limits = namespace.limits_for(spec).header_line()
+    if limits:
+        lines.append(limits)
+    return lines
 
 
 def open_choice(choice: Choice, home: Path, owner: str) -> tuple[Runtime, Choice]:
