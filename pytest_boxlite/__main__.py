@@ -7,10 +7,11 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import Any
 
 from pytest_boxlite import __version__, ledger
 from pytest_boxlite.errors import BoxliteError
-from pytest_boxlite.runtimes import choose, probe
+from pytest_boxlite.runtimes import choose, probe, remote_boxes, remote_clean, remote_target
 from pytest_boxlite.settings import OPTIONS_BY_NAME, default_home
 
 
@@ -87,7 +88,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print(f"namespace:  unavailable: {problem if bwrap else 'no usable bubblewrap'}")
     try:
-        c = choose(requested)
+        c = choose(requested, _remote(args))
         print(f"runtime:    {c.kind} (asked: {requested}; {c.reason})")
     except BoxliteError as exc:
         print(f"runtime:    ERROR: {exc}")
@@ -95,8 +96,27 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remote(args: argparse.Namespace) -> Any:
+    """The ``--url`` server (or ``$PYTEST_BOXLITE_URL``), or None for this host's home."""
+    url = args.url or os.environ.get(OPTIONS_BY_NAME["url"].env)
+    cred = args.credential_file or os.environ.get(OPTIONS_BY_NAME["credential_file"].env)
+    replicas = OPTIONS_BY_NAME["replicas"]
+    try:
+        max_boxes = int(replicas.parse(os.environ.get(replicas.env) or "2"))
+    except ValueError:
+        max_boxes = 2
+    return remote_target(url, credential_file=cred, max_boxes=max_boxes)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    """List boxes under the home, with their owner and state."""
+    """List boxes under the home (or on the --url server), with their owner and state."""
+    target = _remote(args)
+    if target is not None:
+        boxes = remote_boxes(target, _home(args))
+        print(f"server {target.display}: {len(boxes)} box(es)")
+        for rec, owner in boxes:
+            print(f"{rec.name:32} {rec.state:10} owner={owner or '(not ours)'}")
+        return 0
     rows = ledger.scan(_home(args))
     if not rows:
         print("no boxes")
@@ -111,6 +131,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_clean(args: argparse.Namespace) -> int:
     """Remove leftover boxes of dead sessions (and kept ones, or the ones named)."""
     home = _home(args)
+    target = _remote(args)
+    if target is not None:
+        removed = remote_clean(target, home, list(args.names))
+        print(f"removed {len(removed)} box(es) on {target.display}" + (": " + ", ".join(removed) if removed else ""))
+        return 0
     if args.templates:
         from pytest_boxlite.templates import drop_templates
 
@@ -147,6 +172,8 @@ def cmd_shell(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pytest_boxlite", description=__doc__)
     parser.add_argument("--home", help="boxlite home (default: $PYTEST_BOXLITE_HOME or ~/.cache/pytest-boxlite)")
+    parser.add_argument("--url", help="a remote BoxLite server (default: $PYTEST_BOXLITE_URL); key: $BOXLITE_API_KEY")
+    parser.add_argument("--credential-file", help="file holding the --url server's API key")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("doctor", help=cmd_doctor.__doc__).set_defaults(fn=cmd_doctor)
     sub.add_parser("ls", help=cmd_ls.__doc__).set_defaults(fn=cmd_ls)

@@ -159,6 +159,21 @@ OPTIONS: tuple[Option, ...] = (
         "boot_timeout", _positive_float, lambda: 120.0, "bound on creating and starting one box, in seconds", "SECONDS"
     ),
     Option(
+        "url",
+        _nonempty,
+        lambda: None,
+        "run the boxes (micro-VMs) on a remote BoxLite server (boxlite serve) at this URL; its API key is read from "
+        "BOXLITE_API_KEY or --boxlite-credential-file, never from the URL",
+        "URL",
+    ),
+    Option(
+        "credential_file",
+        _nonempty,
+        lambda: None,
+        "file holding the API key of the --boxlite-url server (default: the BOXLITE_API_KEY environment variable)",
+        "FILE",
+    ),
+    Option(
         "lease_timeout",
         _positive_float,
         lambda: 300.0,
@@ -188,6 +203,8 @@ class Settings:
     setup: str | None
     boot_timeout: float
     lease_timeout: float
+    url: str | None = None
+    credential_file: str | None = None
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
 
@@ -233,4 +250,14 @@ def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Set
             value, source = _parse(opt, cli, f"the command line ({opt.flag})"), f"command line {opt.flag}"
         values[opt.name] = value
         sources[opt.name] = source
+    if values["url"] is not None and values["scope"] == "worker":
+        raise pytest.UsageError(
+            "--boxlite-scope=worker cannot run on a --boxlite-url server yet (the worker's box is opened "
+            "by a helper process on this host): use --boxlite-scope=test or module with --boxlite-url"
+        )
+    if values["credential_file"] is not None and values["url"] is None:
+        raise pytest.UsageError(
+            f"--boxlite-credential-file (from {sources['credential_file']}) is only used with --boxlite-url: "
+            "give the server's URL too, or drop the credential file"
+        )
     return Settings(**values, sources=sources)

@@ -17,7 +17,8 @@ GUEST_ENV = "PYTEST_BOXLITE_GUEST"
 #: private /tmp does not have: the guest's tmp_path must come from the guest's own temp root.
 # The box's pytest sets PYTEST_CURRENT_TEST itself; the host's temporary root is not in the box.
 # (xdist's PYTEST_XDIST_* stay: a test in a box of worker gw0 sees what it would see locally.)
-_HOST_ONLY_ENV = ("PYTEST_CURRENT_TEST", "PYTEST_DEBUG_TEMPROOT")
+# BOXLITE_API_KEY is the key of a remote BoxLite server (--boxlite-url): a box must never hold it.
+_HOST_ONLY_ENV = ("PYTEST_CURRENT_TEST", "PYTEST_DEBUG_TEMPROOT", "BOXLITE_API_KEY")
 
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
