@@ -13,8 +13,7 @@ host's boxes live in its home and its summary line names it; a worker killed mid
 on its host after the run (its replacement there reaps it); a controller killed mid-run leaves no
 box on either host (the workers reap when their channel closes) and the hosts' next session runs
 clean, also on host b, whose server ignores SIGINT (as one started with ``&`` from a script does);
-the controller's own home is never created.  A known gap is a strict xfail: the processes of a box
-forked for a boxed test outlive that reaping.
+the controller's own home is never created; a box forked for a boxed test ends with that reaping too.
 
 Needs root, ``ip netns`` and ``unshare``: skipped with the reason otherwise.  Every wait is bounded;
 servers, namespaces and links are removed by the fixtures' finalizers, also after a failure.
@@ -527,13 +526,6 @@ def test_hold_boxed():
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (runtimes/namespace, remote/worker_host): destroying a pool box does not end a box forked "
-    "from its warm interpreter (NamespaceBox.destroy kills the outer bwrap process, not the box's pid namespace; "
-    "the in-flight fork is tracked only on the main thread's stack), so a forked test's processes outlive a "
-    "worker whose controller vanished, until the test ends by itself",
-)
 def test_controller_killed_during_a_forked_test_leaves_no_process(
     tmp_path: Path, home: Path, hosts: list[Host], runs: list[SubRun]
 ) -> None:
