@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-SENTINEL_DIR = Path(os.environ.get("BOXLITE_EXAMPLES_SENTINEL", "/var/tmp/pytest-boxlite-examples"))
+# In the user's home (seen by boxes, copy-on-write; /tmp is private to each box), one per user.
+SENTINEL_DIR = Path(os.environ.get("BOXLITE_EXAMPLES_SENTINEL", Path.home() / ".pytest-boxlite-examples"))
 _STATE = pytest.StashKey[dict[str, object]]()
 
 

@@ -7,10 +7,11 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import Any
 
 from pytest_boxlite import __version__, ledger
 from pytest_boxlite.errors import BoxliteError
-from pytest_boxlite.runtimes import choose, probe
+from pytest_boxlite.runtimes import choose, probe, remote_boxes, remote_clean, remote_target
 from pytest_boxlite.settings import OPTIONS_BY_NAME, default_home
 
 
@@ -18,10 +19,32 @@ def _home(args: argparse.Namespace) -> Path:
     return Path(args.home or os.environ.get(OPTIONS_BY_NAME["home"].env) or default_home()).expanduser()
 
 
+def _home_state(home: Path) -> str:
+    """``exists, writable`` / ``will be created`` / ``NOT writable (...)``, without touching anything."""
+    if home.exists():
+        if not home.is_dir():
+            return "NOT usable: exists and is not a directory"
+        return "exists, writable" if os.access(home, os.W_OK | os.X_OK) else "exists, NOT writable by this user"
+    parent = home.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if os.access(parent, os.W_OK | os.X_OK):
+        return "will be created"
+    return f"NOT writable: it does not exist and {parent} is not writable by this user"
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """Explain what this machine can run, and why."""
+    """Explain what this machine can run, and why: one plain fact per line."""
     from pytest_boxlite.runtimes import _cgroups
-    from pytest_boxlite.runtimes.namespace import find_bwrap, mount_plan
+    from pytest_boxlite.runtimes.namespace import (
+        DEFAULT_MEMORY_MIB,
+        find_bwrap,
+        mount_plan,
+        plan_limits,
+        seccomp_status,
+        userns_problem,
+    )
+    from pytest_boxlite.spec import BoxSpec
 
     p = probe()
     home = _home(args)
@@ -29,35 +52,77 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"pytest-boxlite {__version__}")
     print(
         f"platform:   {platform.system()} {platform.release()} {platform.machine()}, Python {platform.python_version()}"
+        f", uid {os.getuid()}"
     )
-    print(f"/dev/kvm:   {p.kvm}")
+    print(f"kvm:        {'usable' if p.vm_ok else 'not usable'}: {p.kvm}")
     print(f"boxlite:    {p.boxlite_version or 'not installed'}")
     print(f"vm runtime: {'available' if p.vm_ok else 'unavailable'}: {p.reason}")
     bwrap, why = find_bwrap()
     print(f"bwrap:      {why}")
-    if bwrap:
+    problem = userns_problem(bwrap) if bwrap else "no bubblewrap to try them with"
+    print(f"user ns:    {'allowed' if problem is None else 'FORBIDDEN: ' + problem}")
+    if os.geteuid() == 0:
+        ids = "the whole id range mapped one to one (chown, su work in a box)"
+    else:
+        ids = f"only uid {os.getuid()} mapped, as root in a box (no chown to other ids; root-owned host dirs read-only)"
+    print(
+        "privileges: guest root holds Docker's default capabilities of the box's own user namespace "
+        f"(no CAP_SYS_ADMIN), no_new_privs; {ids}"
+    )
+    print(f"seccomp:    {seccomp_status()}")
+    if bwrap and problem is None:
         _, read_only = mount_plan(bwrap)
         ro = f"; read-only (cannot overlay): {', '.join(read_only)}" if read_only else ""
-        cg = _cgroups.create("doctor-probe", memory_mib=64, cpus=1, pids=64)
+        print(f"namespace:  available: host filesystem copy-on-write{ro}")
+        spec = BoxSpec()
+        cg = _cgroups.create(
+            f"doctor-{os.getpid()}", memory_mib=DEFAULT_MEMORY_MIB, cpus=1, pids=spec.pids_limit or 4096
+        )
         cg.remove()
-        limits = f"limits: {', '.join(cg.applied) or 'none'}"
-        if cg.missing:
-            limits += f" (unavailable: {'; '.join(cg.missing)})"
-        print(f"namespace:  available: host filesystem copy-on-write{ro}; {limits}")
+        limits = plan_limits(cg, memory_mib=DEFAULT_MEMORY_MIB, cpus=1, pids=spec.pids_limit or 4096)
+        held = ", ".join(limits.holding) or "none"
+        line = f"limits:     in force: {held}"
+        if limits.missing:
+            line += f"; NOT enforced: {'; '.join(limits.missing)} (commands and tests stay bounded by their timeouts)"
+        print(line)
     else:
-        print("namespace:  unavailable")
+        print(f"namespace:  unavailable: {problem if bwrap else 'no usable bubblewrap'}")
     try:
-        c = choose(requested)
+        c = choose(requested, _remote(args))
         print(f"runtime:    {c.kind} (asked: {requested}; {c.reason})")
     except BoxliteError as exc:
         print(f"runtime:    ERROR: {exc}")
-    writable = os.access(home, os.W_OK) if home.exists() else os.access(home.parent, os.W_OK)
-    print(f"home:       {home} ({'writable' if writable else 'NOT writable'})")
+    print(f"home:       {home} ({_home_state(home)})")
+    if getattr(args, "selftest", False):
+        # Boots one micro-VM and runs the contract's essentials in it (a KVM host only).
+        from pytest_boxlite.selftest import run_selftest
+
+        print("selftest:   booting one micro-VM ...")
+        return run_selftest()
     return 0
 
 
+def _remote(args: argparse.Namespace) -> Any:
+    """The ``--url`` server (or ``$PYTEST_BOXLITE_URL``), or None for this host's home."""
+    url = args.url or os.environ.get(OPTIONS_BY_NAME["url"].env)
+    cred = args.credential_file or os.environ.get(OPTIONS_BY_NAME["credential_file"].env)
+    replicas = OPTIONS_BY_NAME["replicas"]
+    try:
+        max_boxes = int(replicas.parse(os.environ.get(replicas.env) or "2"))
+    except ValueError:
+        max_boxes = 2
+    return remote_target(url, credential_file=cred, max_boxes=max_boxes)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    """List boxes under the home, with their owner and state."""
+    """List boxes under the home (or on the --url server), with their owner and state."""
+    target = _remote(args)
+    if target is not None:
+        boxes = remote_boxes(target, _home(args))
+        print(f"server {target.display}: {len(boxes)} box(es)")
+        for rec, owner in boxes:
+            print(f"{rec.name:32} {rec.state:10} owner={owner or '(not ours)'}")
+        return 0
     rows = ledger.scan(_home(args))
     if not rows:
         print("no boxes")
@@ -72,6 +137,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_clean(args: argparse.Namespace) -> int:
     """Remove leftover boxes of dead sessions (and kept ones, or the ones named)."""
     home = _home(args)
+    target = _remote(args)
+    if target is not None:
+        removed = remote_clean(target, home, list(args.names))
+        print(f"removed {len(removed)} box(es) on {target.display}" + (": " + ", ".join(removed) if removed else ""))
+        return 0
     if args.templates:
         from pytest_boxlite.templates import drop_templates
 
@@ -96,10 +166,10 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
 def cmd_shell(args: argparse.Namespace) -> int:
     """Open a shell (or run a command) in a running namespace box, e.g. one kept after a failure."""
-    from pytest_boxlite.runtimes.namespace import attach
+    from pytest_boxlite.runtimes.namespace import attach, ctl_dir
 
     box_dir = _home(args) / "namespace" / args.name
-    if not (box_dir / "agent.sock").exists():
+    if "/" in args.name or not (ctl_dir(box_dir) / "agent.sock").exists():
         print(f"no running namespace box named {args.name} under {_home(args)}", file=sys.stderr)
         return 1
     return attach(box_dir, args.command or ["/bin/sh", "-i"])
@@ -108,8 +178,14 @@ def cmd_shell(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pytest_boxlite", description=__doc__)
     parser.add_argument("--home", help="boxlite home (default: $PYTEST_BOXLITE_HOME or ~/.cache/pytest-boxlite)")
+    parser.add_argument("--url", help="a remote BoxLite server (default: $PYTEST_BOXLITE_URL); key: $BOXLITE_API_KEY")
+    parser.add_argument("--credential-file", help="file holding the --url server's API key")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("doctor", help=cmd_doctor.__doc__).set_defaults(fn=cmd_doctor)
+    doctor = sub.add_parser("doctor", help=cmd_doctor.__doc__)
+    doctor.add_argument(
+        "--selftest", action="store_true", help="also boot one micro-VM and check the vm runtime end to end"
+    )
+    doctor.set_defaults(fn=cmd_doctor)
     sub.add_parser("ls", help=cmd_ls.__doc__).set_defaults(fn=cmd_ls)
     clean = sub.add_parser("clean", help=cmd_clean.__doc__)
     clean.add_argument("names", nargs="*", help="box names to remove (default: every leftover of a dead session)")

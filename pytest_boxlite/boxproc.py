@@ -24,7 +24,7 @@ from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.runtimes import open_runtime
 from pytest_boxlite.runtimes.namespace import NamespaceBox, attach
-from pytest_boxlite.spec import BoxSpec, worker_env
+from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, worker_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--network", action="store_true")
     parser.add_argument("--mount", action="append", default=[])
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE set in the box")
+    parser.add_argument(
+        "--env-deny", action="append", default=None, help="a pattern of host variables the box does not see"
+    )
     parser.add_argument("--cwd")
     parser.add_argument("--boot-timeout", type=float, default=120.0)
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -63,12 +66,15 @@ def main(argv: list[str] | None = None) -> int:
             network=args.network,
             env=env,
             mounts=tuple(args.mount),
+            # The worker runs as the host user, as it would locally (root only where the host is root).
+            user=f"{os.getuid()}:{os.getgid()}",
         )
         runtime = open_runtime(args.runtime, home, owner)
         box = runtime.create_box(spec, f"pbx-{owner}-1", timeout=args.boot_timeout)
         # The command inherits SIGINT from the terminal's process group; so do we: let the box handle it.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        guest_env = worker_env(spec)
+        deny = DEFAULT_ENV_DENY if args.env_deny is None else tuple(p for p in args.env_deny if p)
+        guest_env = worker_env(spec, deny)
         if isinstance(box, NamespaceBox):
             code = attach(box.box_dir, command, cwd=args.cwd, env=guest_env)
         else:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.runtimes import _cgroups
-from pytest_boxlite.runtimes.namespace import _alive, _read_info, keep_marker
+from pytest_boxlite.runtimes.namespace import _alive, _read_info, keep_marker, kill_box_processes, remove_box_dirs
 
 PREFIX = "pbx-"
 _NAME = re.compile(r"^pbx-(?P<owner>[a-z0-9]+(?:-[A-Za-z0-9_]+)?)-(?P<seq>\d+)$")
@@ -109,8 +109,8 @@ def _namespace_boxes(home: Path) -> Iterator[Leftover]:
     if not state.is_dir():
         return
     for box_dir in sorted(state.iterdir()):
-        if not box_dir.is_dir():
-            continue  # a keep marker
+        if box_dir.name.endswith((".ctl", ".keep")) or box_dir.is_symlink() or not box_dir.is_dir():
+            continue  # a box's private control directory, or a keep marker
         owner = owner_of(box_dir.name)
         yield Leftover(
             name=box_dir.name,
@@ -166,17 +166,18 @@ def _vm_records(vm_home: Path) -> list[str]:
 
 
 def remove_namespace_box(home: Path, name: str) -> None:
-    """Kill a namespace box (by its recorded pid, checked against its start time) and remove its state."""
+    """Kill a namespace box and remove its state.
+
+    Only host-side facts are used: the pids the host recorded (checked against their start
+    times) in the box's private control directory, which no guest can see, and the box's cgroups.
+    Killing the first process of the box's pid namespace makes the kernel kill every other one.
+    """
+    if not name or "/" in name or name in (".", ".."):
+        raise BoxliteError(f"invalid box name {name!r}")
     box_dir = Path(home) / "namespace" / name
-    info = _read_info(box_dir)
-    if _alive(info):
-        pid = int(info["pid"])
-        for kill in (os.killpg, os.kill):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                kill(pid, 9)
+    kill_box_processes(_read_info(box_dir))
     _cgroups.remove_dirs(_cgroups.find_dirs(name))
-    shutil.rmtree(box_dir, ignore_errors=True)
-    keep_marker(box_dir).unlink(missing_ok=True)
+    remove_box_dirs(box_dir)
 
 
 def remove_vm_home(vm_home: Path) -> int:

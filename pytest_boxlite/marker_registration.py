@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 MARKER_HELP = (
-    "boxlite(image=None, cpus=None, memory=None, env=None, network=None, timeout=None): "
+    "boxlite(image=None, cpus=None, memory=None, env=None, network=None, timeout=None, user=None): "
     "run this test inside a throw-away box"
 )
 

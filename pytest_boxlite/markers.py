@@ -12,7 +12,7 @@ from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.spec import BoxSpec
 
-ALLOWED = ("image", "cpus", "memory", "env", "network", "timeout")
+ALLOWED = ("image", "cpus", "memory", "env", "network", "timeout", "user")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,8 @@ def _check(item: pytest.Item, kwargs: Mapping[str, Any]) -> None:
             isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
         ):
             raise _bad(item, f"env must be a dict of str to str, got {value!r}")
+        if key == "user" and not (isinstance(value, str) and value.strip()):
+            raise _bad(item, f"user must be a name or 'uid[:gid]' string, got {value!r}")
         if key == "timeout" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise _bad(item, f"timeout must be a positive number of seconds, got {value!r}")
 

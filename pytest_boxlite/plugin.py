@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import warnings
 from collections.abc import Generator
 from pathlib import Path
@@ -37,10 +38,11 @@ from pytest_boxlite.marker_registration import MARKER_HELP
 from pytest_boxlite.markers import BoxPlan, plan_for
 from pytest_boxlite.pool import NoLifecycle
 from pytest_boxlite.remote import BoxedExecutor, RemoteRunner, in_guest, worker_mounts
-from pytest_boxlite.runtimes import BoxHandle, kind_notes
+from pytest_boxlite.runtimes import BoxHandle, header_notes, kind_notes, preflight
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.settings import Settings, add_options, resolve
 from pytest_boxlite.spec import BoxSpec
+from pytest_boxlite.xdist_support import REMOTE_KEY, forget_controller_home
 
 _BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
 _PLAN_KEY = pytest.StashKey[BoxPlan]()
@@ -69,6 +71,8 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     """``--boxlite-scope=worker`` without ``-n``: run the whole session again inside one box."""
     if in_guest() or hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None):
         return None
+    if _is_controller(config):
+        return None  # -d/--dist with --tx: each worker is boxed by the controller (or refused, if remote)
     if _boots_nothing(config):
         return None
     settings = resolve(config)
@@ -87,8 +91,10 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if _boots_nothing(config):
         return
-    settings = resolve(config)
     workerinput = getattr(config, "workerinput", None)
+    if workerinput and workerinput.get(REMOTE_KEY):
+        forget_controller_home(config)  # it names a directory on the controller's machine
+    settings = resolve(config)
     session_id = (workerinput.get("boxlite_session") if workerinput else None) or ledger.new_session_id()
     role: _SessionRole
     try:
@@ -158,6 +164,7 @@ class _SessionRole:
         self.session = session
         self._sigterm = SigtermGuard()
         self._shut_down = False
+        self._shutdown_lock = threading.Lock()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -168,11 +175,15 @@ class _SessionRole:
                 raise pytest.UsageError(str(exc)) from None
             self.session.defer_error(exc)
             return
-        if not hasattr(self.config, "workerinput"):
+        # A remote worker is the first owner on its host to see that home: it reconciles it, as the
+        # controller does with the home that it shares with its local workers.
+        workerinput = getattr(self.config, "workerinput", None)
+        if workerinput is None or workerinput.get(REMOTE_KEY):
             self.session.reconcile()
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         lines = reporting.header(self.session, controller=isinstance(self, ControllerPlugin))
+        lines += header_notes(self.session.choice.kind, self.session.default_spec)
         if config.option.usepdb:
             lines.append(
                 "boxlite: --pdb does not enter boxed tests (they run in a box without this terminal); "
@@ -193,9 +204,10 @@ class _SessionRole:
 
     def shutdown(self) -> None:
         """Reap everything (at session finish, or at unconfigure if the session never finished)."""
-        if self._shut_down:
-            return
-        self._shut_down = True
+        with self._shutdown_lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
         self._shutdown()
 
     def _shutdown(self) -> None:
@@ -203,12 +215,25 @@ class _SessionRole:
 
 
 class ControllerPlugin(_SessionRole):
-    """The xdist controller: no pool of its own; its workers each own theirs."""
+    """The xdist controller: no pool of its own; its workers each own theirs.
+
+    Local workers (plain ``popen``) share this machine's home: the controller reconciles it before
+    they start and reaps ``<session>-*`` in it after they end.  Remote workers (``socket=``,
+    ``ssh=``, ...) box on their own hosts under their own homes and clean up there themselves; the
+    controller marks them in ``workerinput`` and reports, per host, what they sent back.  With
+    remote workers only, this machine's home is not touched at all.
+    """
 
     NAME = "boxlite-controller"
 
     def __init__(self, config: pytest.Config, session: BoxliteSession) -> None:
         super().__init__(config, session)
+        from pytest_boxlite.xdist_support import RemoteLedger, remote_specs, tx_specs
+
+        self.remote = RemoteLedger()
+        self._remote_specs = remote_specs(config)
+        #: Some worker runs on this machine (then its home is prepared, reconciled and reaped here).
+        self.has_local = len(self._remote_specs) < len(tx_specs(config)) or not self._remote_specs
         if session.settings.scope == "worker":
             from pytest_boxlite.xdist_support import box_worker_specs
 
@@ -223,22 +248,54 @@ class ControllerPlugin(_SessionRole):
 
             box_worker_specs(session, config)
 
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        if self.has_local:
+            super().pytest_sessionstart(session)
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        lines = super().pytest_report_header(config)
+        if self._remote_specs:
+            lines += reporting.remote_header(self._remote_specs, local=self.has_local)
+        return lines
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+        reporting.summary(terminalreporter, self.session, remote=self.remote)
+
     def pytest_configure_node(self, node: Any) -> None:
+        from pytest_boxlite.xdist_support import is_remote, spec_text
+
         node.workerinput["boxlite_session"] = self.session.session_id
+        spec = spec_text(node.gateway.spec)
+        if is_remote(spec):
+            node.workerinput[REMOTE_KEY] = spec
+            self.remote.specs[str(node.gateway.id)] = spec
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         from pytest_boxlite.xdist_support import WORKEROUTPUT_KEY
 
+        worker = str(node.gateway.id)
         data = getattr(node, "workeroutput", {}).get(WORKEROUTPUT_KEY)
-        if data:
+        remote_spec = self.remote.specs.get(worker)
+        if remote_spec is not None and not (isinstance(data, dict) and self.remote.add(worker, data)):
+            self.remote.silent.append((worker, remote_spec))
+            return
+        if isinstance(data, dict):
+            from pytest_boxlite.xdist_support import clean_stats
+
             report = self.session.report
+            if remote_spec is not None:
+                # Another machine's counters: only numbers are added up; its box names are on its host's line.
+                report.worker_stats.append(clean_stats(data.get("stats")))
+                return
             report.worker_stats.append(data["stats"])
             report.leaked += data["leaked"]
             report.kept += data["kept"]
 
     def _shutdown(self) -> None:
         self.session.shutdown()
-        self.session.reap_workers()
+        if self.has_local:
+            self.session.reap_workers()
 
 
 class HostPlugin(_SessionRole, NoLifecycle):
@@ -251,7 +308,7 @@ class HostPlugin(_SessionRole, NoLifecycle):
     NAME = "boxlite-host"
 
     def __init__(self, config: pytest.Config, settings: Settings, session_id: str, worker_id: str | None) -> None:
-        self.runner = RemoteRunner(config, boot_timeout=settings.boot_timeout)
+        self.runner = RemoteRunner(config, boot_timeout=settings.boot_timeout, env_deny=settings.env_deny)
         try:
             session = BoxliteSession(
                 settings,
@@ -265,6 +322,13 @@ class HostPlugin(_SessionRole, NoLifecycle):
             raise
         super().__init__(config, session)
         self.executor = BoxedExecutor(self.runner, session)
+        workerinput = getattr(config, "workerinput", None)
+        #: A worker on another host than its controller (it cleans up on its host itself).
+        self.remote = bool(workerinput and workerinput.get(REMOTE_KEY))
+        if self.remote:
+            from pytest_boxlite.xdist_support import watch_controller
+
+            watch_controller(config, self._controller_lost)
 
     # -- the pool's lifecycle ---------------------------------------------------------------
     def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
@@ -295,10 +359,13 @@ class HostPlugin(_SessionRole, NoLifecycle):
         has_timeout = config.pluginmanager.hasplugin("timeout")
         _, unused_image = kind_notes(self.session.choice.kind)
         warned: set[str] = set()
+        boxes_needed = False
         for item in items:
+            boxes_needed = boxes_needed or bool(_BOX_FIXTURES.intersection(getattr(item, "fixturenames", ())))
             plan = plan_for(item, self.session)
             if plan is None:
                 continue
+            boxes_needed = True
             item.stash[_PLAN_KEY] = plan
             image = plan.spec.image
             if unused_image and image != self.session.settings.image and image not in warned:
@@ -318,6 +385,12 @@ class HostPlugin(_SessionRole, NoLifecycle):
             if has_timeout:
                 # pytest-timeout acts inside the box; on the host it could only kill the whole session.
                 item.add_marker(pytest.mark.timeout(0), append=False)
+        if boxes_needed:
+            # A host where boxes cannot work at all (no user namespaces, ...) stops the session here,
+            # with the fix, instead of failing every test that needs a box.
+            problem = preflight(self.session.choice.kind)
+            if problem:
+                raise pytest.UsageError(f"pytest-boxlite: {problem}")
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
@@ -340,9 +413,18 @@ class HostPlugin(_SessionRole, NoLifecycle):
         self.runner.shutdown()
         if self.runner.forks:
             self.session.report.stats.update(forked=self.runner.forks, fork_waits=list(self.runner.fork_waits))
+        if self.remote:
+            # This host has no controller: reap what crashed workers of this session left in this home.
+            self.session.reap_workers()
         workeroutput = getattr(self.config, "workeroutput", None)
         if workeroutput is not None:
-            from pytest_boxlite.xdist_support import WORKEROUTPUT_KEY
+            from pytest_boxlite.xdist_support import WORKEROUTPUT_KEY, worker_output
 
-            rep = self.session.report
-            workeroutput[WORKEROUTPUT_KEY] = {"stats": rep.stats, "leaked": rep.leaked, "kept": rep.kept}
+            workeroutput[WORKEROUTPUT_KEY] = worker_output(self.session, remote=self.remote)
+
+    def _controller_lost(self) -> None:
+        """The channel to the controller closed before this worker shut down: reap its boxes now."""
+        if self._shut_down:
+            return  # the normal order: boxes were reaped before the worker reported
+        self.session.shutdown()
+        self.session.reap_workers()

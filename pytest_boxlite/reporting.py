@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import shlex
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_boxlite.runtimes import kind_notes
 from pytest_boxlite.session import BoxliteSession
+
+if TYPE_CHECKING:
+    from pytest_boxlite.xdist_support import RemoteLedger
 
 
 def header(session: BoxliteSession, *, controller: bool = False) -> list[str]:
@@ -23,6 +26,16 @@ def header(session: BoxliteSession, *, controller: bool = False) -> list[str]:
     return [
         f"boxlite: runtime={c.kind} ({why})",
         f"boxlite: image={image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={session.home}",
+    ]
+
+
+def remote_header(specs: list[str], *, local: bool) -> list[str]:
+    """What a controller with remote workers says about where their boxes live."""
+    where = "the lines above are this machine's (local workers)" if local else "nothing runs in this machine's home"
+    return [
+        f"boxlite: remote workers ({', '.join(dict.fromkeys(specs))}) box on their own hosts, each under "
+        f"that host's home (its PYTEST_BOXLITE_HOME, ini boxlite_home or ~/.cache/pytest-boxlite; "
+        f"--boxlite-home names a directory on this machine only); {where}"
     ]
 
 
@@ -57,17 +70,25 @@ def summary_line(stats: dict[str, Any], leaked: int) -> str:
     )
 
 
-def summary(terminalreporter: pytest.TerminalReporter, session: BoxliteSession) -> None:
-    """The ``boxlite`` section at the end of the run (only when boxes were used)."""
+def summary(
+    terminalreporter: pytest.TerminalReporter, session: BoxliteSession, *, remote: RemoteLedger | None = None
+) -> None:
+    """The ``boxlite`` section at the end of the run (only when boxes were used).
+
+    ``remote``: a controller's record of its remote workers; one line per host (as the workers
+    named it), and one per remote worker that went down without reporting.
+    """
     rep = session.report
     stats = merge_stats([rep.stats, *rep.worker_stats]) if rep.worker_stats else rep.stats
     used = bool(stats.get("booted") or stats.get("leased") or stats.get("forked"))
-    if not used and not rep.leaked and not rep.reconciled and not rep.kept:
+    remote_said = remote is not None and remote.eventful
+    if not used and not rep.leaked and not rep.reconciled and not rep.kept and not remote_said:
         return  # no box was used: nothing to say
     tr = terminalreporter
     tr.section("boxlite", sep="-")
+    leaked = len(rep.leaked) + (sum(len(h.leaked) for h in remote.hosts.values()) if remote is not None else 0)
     if stats:
-        tr.write_line(summary_line(stats, len(rep.leaked)))
+        tr.write_line(summary_line(stats, leaked))
     if rep.leaked:
         tr.write_line(f"LEAKED boxes (removed at exit): {', '.join(rep.leaked)}", red=True)
     if rep.reconciled:
@@ -77,4 +98,36 @@ def summary(terminalreporter: pytest.TerminalReporter, session: BoxliteSession) 
         tr.write_line(
             f"kept box {name} (failed test): enter it with `python -m pytest_boxlite{home} shell {name}`, "
             f"remove it with `python -m pytest_boxlite{home} clean {name}`"
+        )
+    if remote is not None:
+        _remote_lines(tr, remote)
+
+
+def host_line(h: Any) -> str:
+    """One remote host's line: who ran there, its home, and what its workers booted, leaked and kept."""
+    line = (
+        f"host {h.host} ({', '.join(h.workers)}; runtime={h.runtime} home={h.home}): boxes booted {h.booted}, "
+        f"leaked {len(h.leaked)}, kept {len(h.kept)}"
+    )
+    if h.reconciled:
+        line += f", removed {len(h.reconciled)} leftover box(es) of dead sessions there"
+    return line
+
+
+def _remote_lines(tr: pytest.TerminalReporter, remote: RemoteLedger) -> None:
+    for _, h in sorted(remote.hosts.items()):
+        tr.write_line(host_line(h))
+        if h.leaked:
+            tr.write_line(f"LEAKED boxes on host {h.host} (removed there at exit): {', '.join(h.leaked)}", red=True)
+        for name in h.kept:
+            tr.write_line(
+                f"kept box {name} on host {h.host}: there, enter it with "
+                f"`python -m pytest_boxlite --home {shlex.quote(h.home)} shell {name}`, remove it with "
+                f"`python -m pytest_boxlite --home {shlex.quote(h.home)} clean {name}`"
+            )
+    for worker, spec in remote.silent:
+        tr.write_line(
+            f"worker {worker} ({spec}) went down without reporting: the next pytest-boxlite session on that "
+            "host (or a replacement worker there) removes what it left",
+            yellow=True,
         )

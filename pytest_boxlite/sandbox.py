@@ -9,6 +9,7 @@ lossy text) and structured: results are values, errors are exceptions.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import io
 import json
@@ -325,7 +326,7 @@ class Sandbox:
         if src.is_dir():
             buf = io.BytesIO()
             with tarfile.open(fileobj=buf, mode="w") as tar:
-                tar.add(src, arcname=".")
+                tar.add(src, arcname=".", filter=_owned_by_root)
             self._helper("tar_in", {"path": dest}, buf.getvalue(), timeout=timeout)
         elif src.exists():
             self._write(dest, src.read_bytes(), False, timeout)
@@ -340,8 +341,7 @@ class Sandbox:
         dest = Path(host_path)
         if meta["is_dir"]:
             dest.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
-                tar.extractall(dest, filter="tar")
+            _extract_tree(data, dest, str(guest_path))
             return
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
@@ -417,6 +417,98 @@ class Sandbox:
             timeout=timeout,
         )
         return SearchResult([GrepMatch(p, int(n), line) for p, n, line in meta["matches"]], bool(meta["truncated"]))
+
+
+def _owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """Uploaded files belong to root in the box: a box may map no other id (non-root host), and
+    tarfile skips a member's mode when its chown fails."""
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
+
+
+def _inside(rel: str) -> bool:
+    """Whether a normalized relative path stays inside its base."""
+    return rel != ".." and not rel.startswith("../") and not rel.startswith("/")
+
+
+def _extract_tree(data: bytes, dest: Path, label: str) -> None:
+    """Unpack a guest's tar stream into ``dest``, trusting nothing in it.
+
+    Every member must land inside ``dest``: no absolute names, no ``..``, no member below a
+    link.  A symbolic link is recreated only when its target stays inside ``dest`` (the same
+    tree), and a hard link only to a member already extracted; anything else (a link leaving
+    the destination, a device, a FIFO) refuses the whole download with :class:`InvalidPathError`
+    *before* anything is written.  Modes keep their permission bits only (no setuid/setgid),
+    files are created without following links, and ownership is never taken from the stream.
+    """
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        members = tar.getmembers()
+        plan: list[tuple[tarfile.TarInfo, str]] = []
+        for m in members:
+            rel = posixpath.normpath(m.name)
+            if m.name.startswith("/") or not _inside(rel):
+                raise InvalidPathError(f"download of {label!r}: member {m.name!r} would land outside {dest}; refused")
+            if m.issym():
+                target = m.linkname
+                resolved = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
+                if target.startswith("/") or not _inside(resolved) or resolved == ".":
+                    raise InvalidPathError(
+                        f"download of {label!r}: {m.name!r} is a link to {target!r}, which leaves the destination "
+                        f"{dest}; refused (links are kept only when they point inside the downloaded tree)"
+                    )
+            elif m.islnk():
+                target = posixpath.normpath(m.linkname)
+                if m.linkname.startswith("/") or not _inside(target):
+                    raise InvalidPathError(
+                        f"download of {label!r}: {m.name!r} is a hard link to {m.linkname!r}, outside the tree; refused"
+                    )
+            elif not (m.isdir() or m.isreg()):
+                raise InvalidPathError(
+                    f"download of {label!r}: {m.name!r} is a device, FIFO or other special file; refused"
+                )
+            plan.append((m, rel))
+        base = os.path.realpath(dest)
+        for m, rel in plan:
+            if rel == ".":
+                continue
+            target_path = os.path.join(base, rel)
+            _check_no_link_below(base, rel, label)
+            if m.isdir():
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(target_path, 0o700)
+                if os.path.islink(target_path) or not os.path.isdir(target_path):
+                    raise InvalidPathError(f"download of {label!r}: {rel!r} exists and is not a directory")
+                os.chmod(target_path, (m.mode & 0o777) | 0o700)
+            elif m.issym():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(target_path)
+                os.symlink(m.linkname, target_path)
+            elif m.islnk():
+                source = os.path.join(base, posixpath.normpath(m.linkname))
+                if os.path.islink(source) or not os.path.isfile(source):
+                    raise InvalidPathError(f"download of {label!r}: {rel!r} links to a member not extracted")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(target_path)
+                os.link(source, target_path, follow_symlinks=False)
+            else:
+                src = tar.extractfile(m)
+                assert src is not None
+                fd = os.open(target_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "wb") as fh:
+                    while chunk := src.read(1 << 20):
+                        fh.write(chunk)
+                    os.fchmod(fh.fileno(), m.mode & 0o777)
+
+
+def _check_no_link_below(base: str, rel: str, label: str) -> None:
+    """Refuse a member whose parent directories include a link (it could lead out of ``base``)."""
+    parts = rel.split("/")[:-1]
+    here = base
+    for part in parts:
+        here = os.path.join(here, part)
+        if os.path.islink(here):
+            raise InvalidPathError(f"download of {label!r}: {rel!r} lies below a link ({part!r}); refused")
 
 
 def _positive(name: str, value: object) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError, BoxStartError, ConfigError
 from pytest_boxlite.pool import BoxLifecycle, BoxPool, NoLifecycle, make_namer
-from pytest_boxlite.runtimes import BoxHandle, Choice, Runtime, choose, open_choice
+from pytest_boxlite.runtimes import BoxHandle, Choice, Runtime, choose, open_choice, remote_target
 from pytest_boxlite.settings import Settings
 from pytest_boxlite.spec import BoxSpec
 
@@ -80,7 +80,8 @@ class BoxliteSession:
         self.worker_id = worker_id
         self.owner = session_id if worker_id is None else f"{session_id}-{worker_id}"
         self.home = Path(settings.home).expanduser()
-        self.choice: Choice = choose(settings.runtime)
+        remote = remote_target(settings.url, credential_file=settings.credential_file, max_boxes=settings.replicas)
+        self.choice: Choice = choose(settings.runtime, remote)
         self.default_spec = self.spec_for()
         self.report = SessionReport()
         self._lock = threading.Lock()
@@ -120,7 +121,7 @@ class BoxliteSession:
 
     # -- specs --------------------------------------------------------------
     def spec_for(self, **overrides: Any) -> BoxSpec:
-        """The session's default spec with ``overrides`` (image, cpus, memory, env, network) applied."""
+        """The session's default spec with ``overrides`` (image, cpus, memory, env, network, user) applied."""
         s = self.settings
         base: dict[str, Any] = {
             "image": s.image,
@@ -129,7 +130,8 @@ class BoxliteSession:
             "network": s.network,
             "env": (),
         }
-        unknown = set(overrides) - {"image", "cpus", "memory", "memory_mib", "env", "network", "worker", "mounts"}
+        known = {"image", "cpus", "memory", "memory_mib", "env", "network", "worker", "mounts", "user"}
+        unknown = set(overrides) - known
         if unknown:
             raise ConfigError(f"unknown box setting(s): {', '.join(sorted(unknown))}")
         if "memory" in overrides:
@@ -198,6 +200,8 @@ class BoxliteSession:
             else:
                 # Under auto, a VM runtime that will not open falls back to namespace, saying why.
                 runtime, self.choice = open_choice(self.choice, self.home, self.owner)
+                # A remote server's runtime removes, on opening, what dead sessions left there.
+                self.report.reconciled += list(getattr(runtime, "reaped", ()))
             s = self.settings
             pool = BoxPool(
                 runtime,
@@ -296,6 +300,6 @@ class BoxliteSession:
                 runtime.close()
         finally:
             if self._owner_lock is not None:
-                if self.report.kept and self.choice.kind == "vm":
+                if self.report.kept and self.choice.kind == "vm" and self.choice.remote is None:
                     (self.home / "vm" / self.owner / "keep").write_text("kept for debugging\n")
                 self._owner_lock.release()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pytest_boxlite.runtimes import RUNTIME_CHOICES
-from pytest_boxlite.spec import default_image
+from pytest_boxlite.spec import DEFAULT_ENV_DENY, default_image
 
 ENV_PREFIX = "PYTEST_BOXLITE_"
 
@@ -75,6 +75,12 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 def _network(v: str) -> bool:
     return _choice("on", "off")(v.strip().lower()) == "on"
+
+
+def _patterns(v: str) -> tuple[str, ...]:
+    if v.strip().lower() == "none":
+        return ()
+    return tuple(p.strip() for p in v.replace("\n", ",").split(",") if p.strip())
 
 
 def _nonempty(v: str) -> str:
@@ -159,6 +165,29 @@ OPTIONS: tuple[Option, ...] = (
         "boot_timeout", _positive_float, lambda: 120.0, "bound on creating and starting one box, in seconds", "SECONDS"
     ),
     Option(
+        "url",
+        _nonempty,
+        lambda: None,
+        "run the boxes (micro-VMs) on a remote BoxLite server (boxlite serve) at this URL; its API key is read from "
+        "BOXLITE_API_KEY or --boxlite-credential-file, never from the URL",
+        "URL",
+    ),
+    Option(
+        "credential_file",
+        _nonempty,
+        lambda: None,
+        "file holding the API key of the --boxlite-url server (default: the BOXLITE_API_KEY environment variable)",
+        "FILE",
+    ),
+    Option(
+        "env_deny",
+        _patterns,
+        lambda: DEFAULT_ENV_DENY,
+        "host variables boxed tests do not see: comma-separated patterns, matched case-insensitively "
+        f"(default: {','.join(DEFAULT_ENV_DENY)}; 'none': the whole host environment, as locally)",
+        "PATTERNS",
+    ),
+    Option(
         "lease_timeout",
         _positive_float,
         lambda: 300.0,
@@ -188,6 +217,9 @@ class Settings:
     setup: str | None
     boot_timeout: float
     lease_timeout: float
+    url: str | None = None
+    credential_file: str | None = None
+    env_deny: tuple[str, ...] = DEFAULT_ENV_DENY
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
 
@@ -233,4 +265,14 @@ def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Set
             value, source = _parse(opt, cli, f"the command line ({opt.flag})"), f"command line {opt.flag}"
         values[opt.name] = value
         sources[opt.name] = source
+    if values["url"] is not None and values["scope"] == "worker":
+        raise pytest.UsageError(
+            "--boxlite-scope=worker cannot run on a --boxlite-url server yet (the worker's box is opened "
+            "by a helper process on this host): use --boxlite-scope=test or module with --boxlite-url"
+        )
+    if values["credential_file"] is not None and values["url"] is None:
+        raise pytest.UsageError(
+            f"--boxlite-credential-file (from {sources['credential_file']}) is only used with --boxlite-url: "
+            "give the server's URL too, or drop the credential file"
+        )
     return Settings(**values, sources=sources)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 import re
 import sys
@@ -17,8 +18,10 @@ GUEST_ENV = "PYTEST_BOXLITE_GUEST"
 #: private /tmp does not have: the guest's tmp_path must come from the guest's own temp root.
 # The box's pytest sets PYTEST_CURRENT_TEST itself; the host's temporary root is not in the box.
 # (xdist's PYTEST_XDIST_* stay: a test in a box of worker gw0 sees what it would see locally.)
-_HOST_ONLY_ENV = ("PYTEST_CURRENT_TEST", "PYTEST_DEBUG_TEMPROOT")
+# BOXLITE_API_KEY is the key of a remote BoxLite server (--boxlite-url): a box must never hold it.
+_HOST_ONLY_ENV = ("PYTEST_CURRENT_TEST", "PYTEST_DEBUG_TEMPROOT", "BOXLITE_API_KEY")
 
+_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -77,6 +80,9 @@ class BoxSpec:
     mounts: tuple[str, ...] = ()
     #: A provisioned template (``--boxlite-setup``) the box starts from: its directory, set by the session.
     template: str | None = None
+    #: Who runs in the box: a name or ``uid[:gid]``; ``None`` is the runtime's default (boxed tests:
+    #: the host user, as locally; sandbox commands: root in the box, like a container's exec).
+    user: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image.strip():
@@ -89,6 +95,8 @@ class BoxSpec:
             raise ConfigError(f"memory must be an integer of at least 64 (MiB), got {self.memory_mib!r}")
         if self.pids_limit is not None and (not isinstance(self.pids_limit, int) or self.pids_limit < 8):
             raise ConfigError(f"pids_limit must be an integer of at least 8, got {self.pids_limit!r}")
+        if self.user is not None and not _USER.match(str(self.user)):
+            raise ConfigError(f"user must be a name or uid[:gid] (e.g. 'root', '1000:1000'), got {self.user!r}")
         object.__setattr__(self, "env", check_env(self.env, "box env"))
         object.__setattr__(self, "mounts", minimal_dirs(self.mounts))
 
@@ -105,9 +113,31 @@ class BoxSpec:
         return " ".join(parts)
 
 
-def worker_env(spec: BoxSpec) -> dict[str, str]:
-    """A test worker's environment: the host's, as a local run would see it, then the box's own."""
-    env = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV}
+#: Host variables a boxed test does not see by default (``--boxlite-env-deny``): names that
+#: carry credentials, as the credential files are masked.  Matched case-insensitively.
+DEFAULT_ENV_DENY = (
+    "*TOKEN*",
+    "*SECRET*",
+    "*PASSWORD*",
+    "*PASSWD*",
+    "*API_KEY*",
+    "*APIKEY*",
+    "*ACCESS_KEY*",
+    "*PRIVATE_KEY*",
+    "*CREDENTIAL*",
+)
+
+
+def denied(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether host variable ``name`` matches one of the ``--boxlite-env-deny`` patterns."""
+    upper = name.upper()
+    return any(fnmatch.fnmatchcase(upper, p.upper()) for p in patterns)
+
+
+def worker_env(spec: BoxSpec, deny: tuple[str, ...] = DEFAULT_ENV_DENY) -> dict[str, str]:
+    """A test worker's environment: the host's, as a local run would see it, minus the variables
+    ``deny`` matches, then the box's own (given explicitly, so never denied)."""
+    env = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV and not denied(k, deny)}
     env.update(dict(spec.env))
     env[GUEST_ENV] = "1"
     return env

@@ -54,8 +54,11 @@ def templates_dir(home: Path) -> Path:
     that lies inside another one, and ``/tmp`` is the one host directory boxes never overlay (they
     get a private one).  So templates survive across sessions, until the host's /tmp is cleared.
     """
+    from pytest_boxlite.runtimes.namespace import private_tmp
+
     tag = hashlib.sha256(str(Path(home).resolve()).encode()).hexdigest()[:10]
-    return Path("/tmp") / f"pytest-boxlite-{os.getuid()}" / tag / "templates"
+    # private_tmp() checks that the directory is this user's own, never another user's or a link.
+    return private_tmp() / tag / "templates"
 
 
 def ensure_template(

@@ -19,8 +19,8 @@ sends writes outside the host's intended places.  The host's peak RSS (``VmHWM``
 sub-run's own conftest in ``pytest_unconfigure``) shows whether memory stayed bounded.
 
 Where the host is wrong the test is ``xfail(strict=True)`` with the reason (one is left: xdist's
-own worker channel under ``--boxlite-scope=worker``, which xdist trusts by design).  The fork-mode checks need a working per-test fork (as root here; as an
-ordinary user forks currently fail with ``unshare: Operation not permitted``).  Sub-runs are
+own worker channel under ``--boxlite-scope=worker``, which xdist trusts by design).  The
+fork-mode checks need a working per-test fork.  Sub-runs are
 grouped (one per scope, plus one for each attack that stops the whole session today) so the file
 stays within a few minutes.
 """

@@ -58,7 +58,7 @@ def cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def box_pid(home: Path, name: str) -> int:
-    info = json.loads((home / "namespace" / name / "info.json").read_text())
+    info = json.loads((home / "namespace" / f"{name}.ctl" / "info.json").read_text())
     return int(info["pid"])
 
 

@@ -1,28 +1,60 @@
 """In-box agent of the namespace runtime.  Standard library only.
 
-Runs as the first process inside a bubblewrap sandbox and listens on a Unix
-socket that the host can reach.  One connection is one request:
+Runs as process 1 of the box's pid namespace (``bwrap --as-pid-1``; uid 0 of the
+box's own user namespace): no guest can kill it (the kernel ignores signals sent
+to a namespace's pid 1 from inside it), and when it exits the kernel kills every
+process of the box, so nothing outlives it.  It reaps orphans like an init.  It
+serves requests on a listening Unix socket that the host created and handed over
+as a descriptor: the socket's path lives in the host's private control directory,
+which no guest can see.  One connection is one request:
 
 * ``{"op": "ping"}`` -> ``{"pong": pid}``
 * ``{"op": "helper"}`` with three descriptors: like ``exec``, but the file
-  helper (:mod:`pytest_boxlite._guest`) runs in a fork of this agent, which
+  helper (:mod:`pytest_boxlite.guest.files`) runs in a fork of this agent, which
   has it imported already: no interpreter start-up per file operation.
-* ``{"op": "exec", "argv": [...], "env": {...}, "cwd": ...}`` sent together
-  with three file descriptors (stdin, stdout, stderr) -> ``{"pid": n}`` or
-  ``{"error": msg, "errno": n}``, later ``{"exit": code}`` (negative: signal).
+* ``{"op": "exec", "argv": [...], "env": {...}, "cwd": ..., "user": ...}`` sent
+  together with three file descriptors (stdin, stdout, stderr) -> ``{"pid": n}``
+  or ``{"error": msg, "errno": n}``, later ``{"exit": code}`` (negative: signal).
   A ``{"signal": n}`` line from the client signals the process group; the
   client hanging up kills it, so no guest process outlives its caller.
 
 The descriptors are passed with SCM_RIGHTS, so the output never travels
 through this process: it is binary-clean and costs no copy here.
 
-Watchdog: the agent inherits the read end of a pipe whose write end only the
+Privileges.  bubblewrap starts the agent with every capability of the box's
+user namespace (never of the host's).  Before it serves anything the agent
+
+1. makes itself non-dumpable, so no guest process (even uid 0 of the box) can
+   ptrace it or open ``/proc/<agent>/fd/*`` (the watchdog pipe, the socket);
+2. binds /proc/sys, /proc/sysrq-trigger, /proc/irq, /proc/bus and /proc/fs over themselves
+   read-only (as Docker does: on a root host, the box's uid 0 passes the kernel's sysctl
+   permission checks);
+3. mounts a spare ``/proc`` where no path reaches it (under a tmpfs stacked
+   on its mount point): the kernel lets a process in a *nested* user namespace
+   mount a new procfs only when a fully visible one exists, and bubblewrap's
+   own ``/proc`` has read-only covers on ``/proc/sys`` & co.  This is what lets
+   the per-test fork (and a guest's own sandbox) have a ``/proc`` of its own;
+4. sets the per-box process limit (``RLIMIT_NPROC``, counted per user
+   namespace) when the host asks for one (no pids cgroup);
+5. drops its capabilities to Docker's default set (no CAP_SYS_ADMIN, so no
+   guest can unmount or remount anything the runtime mounted), clears the
+   ambient set, and keeps ``no_new_privs`` (set by bubblewrap).
+
+Identity.  A command runs as the request's ``user`` (``"uid:gid"``, a number
+or a name from the box's /etc/passwd), else as the box's default identity.
+An id that the box's user namespace maps is used directly; one it does not
+(a non-root host maps only the host user, as uid 0) gets a nested user
+namespace in which that id stands for the host user: the command sees the id
+it asked for and the host sees the host user.
+
+Watchdog: the agent holds the read end of a pipe whose write end only the
 host process holds.  When the host dies (even by SIGKILL) the pipe reads EOF
 and the agent exits, which ends the sandbox, unless the host first wrote
-``k`` into that pipe to keep the box for debugging.  Nothing in the box can
-ask for that: the control directory is made read-only once the socket exists.
+``k`` into that pipe to keep the box for debugging.  No guest can reach the
+pipe: the agent is non-dumpable, and no child inherits it.
 """
 
+import ctypes
 import json
 import os
 import signal
@@ -32,6 +64,237 @@ import sys
 import threading
 
 DEFAULT_CWD = "/workspace"
+#: Largest request line the agent accepts (argv + env of one command).
+MAX_REQUEST = 4 << 20
+
+_PR_SET_DUMPABLE = 4
+_PR_CAPBSET_DROP = 24
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_CLEAR_ALL = 4
+_CLONE_NEWUSER = 0x10000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+#: Parts of /proc no box may write, read-only as in Docker: on a root host uid 0 of the box is
+#: uid 0 to the kernel's sysctl permission checks (core_pattern, sysrq-trigger...).
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+#: Docker's default capability set: chown, dac_override, fowner, fsetid, kill, setgid, setuid,
+#: setpcap, net_bind_service, net_raw, sys_chroot, mknod, audit_write, setfcap.
+DOCKER_CAPS = (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31)
+HIDDEN_PROC = "/run/.boxlite-proc"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def limit_caps(keep):
+    """Keep only the capabilities ``keep`` (numbers): bounding set, effective, permitted; no ambient."""
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as fh:
+            last = int(fh.read())
+    except (OSError, ValueError):
+        last = 40
+    for cap in range(last + 1):
+        # EINVAL: a capability this kernel does not know; anything else is a real failure.
+        if cap not in keep and _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
+            _check(-1, "dropping capability %d from the bounding set" % cap)
+    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    mask = 0
+    for cap in keep:
+        mask |= 1 << cap
+    lo, hi = mask & 0xFFFFFFFF, mask >> 32
+    header = _CapHeader(0x20080522, 0)
+    data = (_CapData * 2)(_CapData(lo, lo, 0), _CapData(hi, hi, 0))
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
+def _mount(src, target, fstype, flags, data=None):
+    enc = lambda v: v.encode() if v is not None else None  # noqa: E731
+    _check(_libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)
+
+
+def _seal_proc():
+    """Bind the dangerous parts of /proc over themselves read-only (bubblewrap covers only some)."""
+    for name in PROC_READ_ONLY:
+        path = "/proc/" + name
+        if not os.path.exists(path):
+            continue
+        _mount(path, path, None, _MS_BIND | _MS_REC)
+        _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+
+
+def _hide_spare_proc():
+    """A fully visible procfs that no path reaches (see the module docstring, step 2)."""
+    try:
+        os.makedirs(HIDDEN_PROC, mode=0o700, exist_ok=True)
+        _mount("tmpfs", HIDDEN_PROC, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0700,size=4k")
+        os.mkdir(HIDDEN_PROC + "/p", 0o700)
+        _mount("proc", HIDDEN_PROC + "/p", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        # Stacked on the same mount point: the procfs is still mounted, but nothing leads to it.
+        _mount("tmpfs", HIDDEN_PROC, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0,size=4k")
+    except OSError as exc:
+        sys.stderr.write("pytest-boxlite agent: no spare /proc (forked boxes get none): %s\n" % exc)
+
+
+# --- identity -------------------------------------------------------------------------------
+
+
+def _mapped(which, ident):
+    """Whether ``ident`` is mapped in this user namespace (``which``: "uid" or "gid")."""
+    try:
+        with open("/proc/self/%s_map" % which) as fh:
+            for line in fh:
+                inner, _outer, count = (int(x) for x in line.split())
+                if inner <= ident < inner + count:
+                    return True
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def resolve_user(user, default):
+    """``user`` ("uid[:gid]", a name, or None for ``default``) as ``(uid, gid)``."""
+    if user is None or user == "":
+        return tuple(default)
+    user = str(user)
+    name, _, group = user.partition(":")
+    if name.isdigit():
+        uid = int(name)
+        gid = uid
+        try:
+            import pwd
+
+            gid = pwd.getpwuid(uid).pw_gid
+        except (KeyError, ImportError):
+            pass
+    else:
+        import pwd
+
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            raise LookupError("no user named %r in the box's /etc/passwd" % name) from None
+        uid, gid = entry.pw_uid, entry.pw_gid
+    if group:
+        if group.isdigit():
+            gid = int(group)
+        else:
+            import grp
+
+            try:
+                gid = grp.getgrnam(group).gr_gid
+            except KeyError:
+                raise LookupError("no group named %r in the box's /etc/group" % group) from None
+    return uid, gid
+
+
+class _Nested:
+    """A command in a nested user namespace where ``uid``/``gid`` stand for the box's uid 0.
+
+    For ids the box's own namespace does not map (a non-root host maps one id only).  A
+    Popen look-alike (pid, poll, wait).
+    """
+
+    def __init__(self, argv, fds, env, cwd, uid, gid):
+        if not os.path.isdir(cwd):
+            raise FileNotFoundError(2, "No such file or directory", cwd)
+        ready_r, ready_w = os.pipe()
+        go_r, go_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(ready_r)
+                os.close(go_w)
+                os.close(err_r)
+                os.setsid()
+                _check(_libc.unshare(_CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+                os.write(ready_w, b"u")
+                if os.read(go_r, 1) != b"g":
+                    os._exit(71)
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)
+                for i, fd in enumerate(fds):
+                    os.dup2(fd, i)
+                os.chdir(cwd)
+                os.closerange(3, 65536)
+                os.execvpe(argv[0], argv, env)
+            except BaseException as exc:
+                try:
+                    os.write(err_w, ("%d\0%s" % (getattr(exc, "errno", 0) or 0, exc)).encode()[:4000])
+                finally:
+                    os._exit(127)
+        os.close(ready_w)
+        os.close(go_r)
+        os.close(err_w)
+        try:
+            if os.read(ready_r, 1) == b"u":
+                for name, data in (
+                    ("uid_map", "%d 0 1\n" % uid),
+                    ("setgroups", "deny"),
+                    ("gid_map", "%d 0 1\n" % gid),
+                ):
+                    with open("/proc/%d/%s" % (pid, name), "w") as fh:
+                        fh.write(data)
+                os.write(go_w, b"g")
+        finally:
+            os.close(ready_r)
+            os.close(go_w)
+        failure = os.read(err_r, 4096)
+        os.close(err_r)
+        self.pid = pid
+        self.returncode = None
+        if failure:
+            self.wait()
+            code, _, msg = failure.decode("utf-8", "replace").partition("\0")
+            raise OSError(int(code or 0), msg)
+
+    def poll(self):
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self):
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def spawn(argv, fds, env, cwd, uid, gid):
+    """Start ``argv`` as ``uid``/``gid`` in its own session with ``fds`` as its stdio."""
+    if _mapped("uid", uid) and _mapped("gid", gid):
+        kwargs = {}
+        if (uid, gid) != (os.getuid(), os.getgid()):
+            kwargs = {"user": uid, "group": gid, "extra_groups": []}
+        return subprocess.Popen(
+            argv,
+            stdin=fds[0],
+            stdout=fds[1],
+            stderr=fds[2],
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            close_fds=True,
+            **kwargs,
+        )
+    return _Nested(argv, fds, env, cwd, uid, gid)
+
+
+# --- serving --------------------------------------------------------------------------------
 
 
 def _send(conn, obj):
@@ -41,12 +304,17 @@ def _send(conn, obj):
 def _read_request(conn):
     data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 8)
     fds = list(fds)
-    while not data.endswith(b"\n"):
+    chunks = [data]
+    size = len(data)
+    while not chunks[-1].endswith(b"\n"):
+        if size > MAX_REQUEST:
+            raise ValueError("request larger than %d bytes" % MAX_REQUEST)
         more = conn.recv(1 << 16)
         if not more:
             break
-        data += more
-    return json.loads(data.decode()), fds
+        chunks.append(more)
+        size += len(more)
+    return json.loads(b"".join(chunks).decode()), fds
 
 
 def _killpg(pid, sig):
@@ -68,7 +336,7 @@ def _watch_client(conn, proc):
             if proc.poll() is None:
                 _killpg(proc.pid, signal.SIGKILL)
             return
-        buf += chunk
+        buf = (buf + chunk)[-65536:]
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             try:
@@ -84,6 +352,48 @@ def _cwd(req):
 
 
 _HELPER = {}
+#: Children the agent waits for itself (their exit status is reported); the reaper leaves them alone.
+_TRACKED = set()
+_TRACKED_LOCK = threading.Lock()
+
+
+def _untrack(pid):
+    with _TRACKED_LOCK:
+        _TRACKED.discard(pid)
+
+
+def _reap_orphans():
+    """As the box's pid 1, collect orphaned zombies (never a child whose status a request waits for)."""
+    import time
+
+    while True:
+        time.sleep(0.5)
+        try:
+            entries = os.listdir("/proc")
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.isdigit():
+                continue
+            pid = int(entry)
+            try:
+                with open("/proc/%d/stat" % pid) as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z" or fields[1] != "1":
+                continue
+            with _TRACKED_LOCK:
+                if pid in _TRACKED:
+                    continue
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
+#: Descriptors only the agent may hold (the watchdog pipe, the listening socket): closed in forks.
+_PRIVATE_FDS = []
 
 
 def _load_helper(path):
@@ -104,14 +414,23 @@ def _load_helper(path):
 class _ForkedHelper:
     """A fork of the agent running the file helper: a Popen look-alike (pid, poll, wait)."""
 
-    def __init__(self, fds, cwd):
+    def __init__(self, fds, cwd, uid, gid):
         if not os.path.isdir(cwd):
             raise FileNotFoundError(2, "No such file or directory", cwd)
         pid = os.fork()
         if pid == 0:
             code = 70
             try:
+                for fd in _PRIVATE_FDS:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
                 os.setsid()
+                if (uid, gid) != (os.getuid(), os.getgid()) and _mapped("uid", uid) and _mapped("gid", gid):
+                    os.setgroups([])
+                    os.setresgid(gid, gid, gid)
+                    os.setresuid(uid, uid, uid)
                 for i, fd in enumerate(fds):
                     os.dup2(fd, i)
                 os.chdir(cwd)
@@ -142,7 +461,7 @@ class _ForkedHelper:
         return self.returncode
 
 
-def _serve(conn, base_env):
+def _serve(conn, base_env, default_user):
     fds = []
     try:
         req, fds = _read_request(conn)
@@ -159,19 +478,18 @@ def _serve(conn, base_env):
         env = dict(base_env)
         env.update(req.get("env") or {})
         try:
-            if op == "helper":
-                proc = _ForkedHelper(fds, _cwd(req))
-            else:
-                proc = subprocess.Popen(
-                    req["argv"],
-                    stdin=fds[0],
-                    stdout=fds[1],
-                    stderr=fds[2],
-                    env=env,
-                    cwd=_cwd(req),
-                    start_new_session=True,
-                    close_fds=True,
-                )
+            uid, gid = resolve_user(req.get("user"), default_user)
+        except LookupError as exc:
+            _send(conn, {"error": str(exc), "errno": 22})
+            return
+        try:
+            # Under the lock: the reaper must not collect the child before it is tracked.
+            with _TRACKED_LOCK:
+                if op == "helper":
+                    proc = _ForkedHelper(fds, _cwd(req), uid, gid)
+                else:
+                    proc = spawn(req["argv"], fds, env, _cwd(req), uid, gid)
+                _TRACKED.add(proc.pid)
         except OSError as exc:
             _send(conn, {"error": exc.strerror or str(exc), "errno": exc.errno or 0, "filename": exc.filename})
             return
@@ -181,7 +499,10 @@ def _serve(conn, base_env):
         _send(conn, {"pid": proc.pid})
         watcher = threading.Thread(target=_watch_client, args=(conn, proc), daemon=True)
         watcher.start()
-        code = proc.wait()
+        try:
+            code = proc.wait()
+        finally:
+            _untrack(proc.pid)
         try:
             _send(conn, {"exit": code})
         except OSError:
@@ -224,35 +545,34 @@ def _watchdog(fd):
         os._exit(0)
 
 
-def _seal(path):
-    """Remount the control directory read-only: a guest must not plant files the host reads."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    ms_rdonly, ms_remount, ms_bind = 1, 32, 4096
-    libc.mount(None, path.encode(), None, ms_remount | ms_bind | ms_rdonly, None)
-
-
 def main():
-    path = sys.argv[1]
-    base_env = json.loads(sys.argv[2])
-    watchdog_fd = int(sys.argv[3])
-    _load_helper(sys.argv[4])
+    cfg = json.loads(sys.argv[1])
+    # First of all: nothing in the box may ptrace us or open our descriptors through /proc.
+    _check(_libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+    listen_fd = int(cfg["listen_fd"])
+    watchdog_fd = int(cfg["watchdog_fd"])
+    _PRIVATE_FDS.extend([listen_fd, watchdog_fd])
+    for fd in _PRIVATE_FDS:
+        os.set_inheritable(fd, False)
+    _seal_proc()
+    _hide_spare_proc()
+    if cfg.get("nproc"):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NPROC, (int(cfg["nproc"]), int(cfg["nproc"])))
+    limit_caps(DOCKER_CAPS)
+    _load_helper(cfg["helper"])
     threading.Thread(target=_watchdog, args=(watchdog_fd,), daemon=True).start()
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    srv.bind(path)
-    srv.listen(64)
-    _seal(os.path.dirname(path))
+    threading.Thread(target=_reap_orphans, daemon=True).start()
+    srv = socket.socket(fileno=listen_fd)
+    default_user = tuple(cfg["user"])
+    base_env = cfg["env"]
     # Tell the host we are ready: it waits for this line on our stdout.
     sys.stdout.write("ready %d\n" % os.getpid())
     sys.stdout.flush()
     while True:
         conn, _ = srv.accept()
-        threading.Thread(target=_serve, args=(conn, base_env), daemon=True).start()
+        threading.Thread(target=_serve, args=(conn, base_env, default_user), daemon=True).start()
 
 
 if __name__ == "__main__":

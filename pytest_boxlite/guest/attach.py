@@ -1,7 +1,7 @@
 """Host-side stdio bridge into a box.  Standard library only; runs as ``python -I -S _attach.py``.
 
-``_attach.py SOCKET [--cwd DIR] [--status FILE] [--stderr FILE] [--env JSON] -- ARGV...`` runs ARGV in the box whose
-agent listens on SOCKET, handing it this process's stdin, stdout and stderr
+``attach.py SOCKET [--cwd DIR] [--status FILE] [--stderr FILE] [--env JSON] [--user USER] -- ARGV...``
+runs ARGV in the box whose agent listens on SOCKET, handing it this process's stdin, stdout and stderr
 (SCM_RIGHTS), so the stream is binary-clean and this process copies nothing.
 It exits with the command's status (128+N for a signal), and is what an
 execnet ``popen//python=...`` gateway (and so an xdist worker) runs to live
@@ -35,13 +35,17 @@ def main(argv):
     status_file = None
     stderr_fd = 2
     env = {}
-    while rest[:1] in (["--cwd"], ["--status"], ["--stderr"], ["--env"]):
+    user = None
+    while rest[:1] in (["--cwd"], ["--status"], ["--stderr"], ["--env"], ["--user"]):
         if rest[0] == "--cwd":
             cwd = rest[1]
         elif rest[0] == "--env":
             env = json.loads(rest[1])
+        elif rest[0] == "--user":
+            user = rest[1]
         elif rest[0] == "--stderr":
-            stderr_fd = os.open(rest[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # The box log lives in the host's private control directory; never follow a link there.
+            stderr_fd = os.open(rest[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         else:
             status_file = rest[1]
         rest = rest[2:]
@@ -49,6 +53,8 @@ def main(argv):
         rest = rest[1:]
     sock = _connect(path)
     req = {"op": "exec", "argv": rest, "env": env, "cwd": cwd}
+    if user is not None:
+        req["user"] = user
     socket.send_fds(sock, [(json.dumps(req) + "\n").encode()], [0, 1, stderr_fd])
     # Our own stdio now lives on in the box; keep nothing that could hold the pipes open.
     for fd in (0, 1):
@@ -72,10 +78,13 @@ def main(argv):
             continue
         if not chunk:
             return 255  # the box is gone (destroyed or crashed); the caller sees the channel close
-        buf += chunk
+        buf = (buf + chunk)[-65536:]  # the agent's lines are short: never grow without bound
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            msg = json.loads(line.decode())
+            try:
+                msg = json.loads(line.decode())
+            except ValueError:
+                continue
             if "error" in msg:
                 sys.stderr.write("boxlite attach: %s: %s\n" % (rest[0] if rest else "", msg["error"]))
                 return 127

@@ -8,17 +8,29 @@ of the package.
 import os
 
 # --- a fresh box for one test, forked from this warm interpreter (namespace runtime) -------------
-# The child gets new mount, uts, ipc, network and pid namespaces; every overlay the box has gets a
-# new, empty upper layer, and /tmp, /workspace and /dev/shm new tmpfs, so the test sees the box as
-# it was when this interpreter started, and nothing it does reaches this interpreter or the host.
+# The child gets new user, mount, uts, ipc, network and pid namespaces; every overlay the box has
+# gets a new, empty upper layer, and /tmp, /workspace and /dev/shm new tmpfs, so the test sees the
+# box as it was when this interpreter started, and nothing it does reaches this interpreter or the
+# host.  Because the namespaces are owned by a new user namespace, every mount of the warm box
+# (its layers, masks, /sys, the control directory) is locked beneath the test: it can neither
+# unmount nor remount them.  Once the fresh layers are in place, a root test moves one more user
+# namespace down (so its own fresh layers are locked beneath it too, and it cannot peel them off
+# to reach the template's), where it is root of its own mount, uts and network namespaces; any
+# other test keeps no capability at all.
 
+_CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUTS = 0x04000000
 _CLONE_NEWIPC = 0x08000000
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWPID = 0x20000000
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
+_MS_REC, _MS_PRIVATE = 16384, 1 << 18
 _PR_SET_PDEATHSIG = 1
+_PR_CAPBSET_DROP = 24
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+#: Parts of /proc a box must not write (host-wide sysctls...): read-only, as bubblewrap does.
+_PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 
 
 def _libc():
@@ -60,6 +72,94 @@ def _overlay(libc, lower, target, stage, n):
     _mount(libc, "overlay", target, "overlay", 0, opts)
 
 
+def _write(path, data):
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, data.encode())
+    finally:
+        os.close(fd)
+
+
+def _id_maps():
+    """The id maps for the new user namespace: the ids of this one, one to one.
+
+    Root (with CAP_SETUID here) maps every id this namespace has, written by a helper that stays
+    in this namespace; anyone else maps their own uid and gid, written by themselves.
+    """
+    lines = {}
+    for which in ("uid", "gid"):
+        with open("/proc/self/%s_map" % which) as fh:
+            rows = [line.split() for line in fh if line.strip()]
+        lines[which] = "".join("%s %s %s\n" % (r[0], r[0], r[2]) for r in rows)
+    return lines
+
+
+def _enter_user_namespace(libc, flags):
+    """unshare(CLONE_NEWUSER | flags) with this process's ids mapped one to one."""
+    if os.geteuid() != 0:
+        uid, gid = os.geteuid(), os.getegid()
+        _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
+        _write("/proc/self/uid_map", "%d %d 1\n" % (uid, uid))
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
+        return
+    maps = _id_maps()
+    me = os.getpid()
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    # The maps are written by a process that stays in this namespace.  A tiny shell started with
+    # posix_spawn (vfork + exec) costs far less than forking this large interpreter once more.
+    script = 'read x <&3 && printf "%s" "$1" > /proc/$3/uid_map && printf "%s" "$2" > /proc/$3/gid_map && echo m >&4'
+    helper = os.posix_spawn(
+        "/bin/sh",
+        ["sh", "-c", script, "sh", maps["uid"], maps["gid"], str(me)],
+        {},
+        file_actions=[(os.POSIX_SPAWN_DUP2, go_r, 3), (os.POSIX_SPAWN_DUP2, done_w, 4)],
+    )
+    os.close(go_r)
+    os.close(done_w)
+    try:
+        _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
+        os.write(go_w, b"u\n")
+        if os.read(done_r, 2) != b"m\n":
+            raise OSError(1, "could not map ids into the fresh box's user namespace")
+        # Become root of the new namespace for real (ids were unmapped until now).
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+    finally:
+        os.close(go_w)
+        os.close(done_r)
+        os.waitpid(helper, 0)
+
+
+def _limit_caps(libc, keep):
+    """Keep only ``keep``: bounding, effective and permitted sets; no ambient ones."""
+    import ctypes
+
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as fh:
+            last = int(fh.read())
+    except (OSError, ValueError):
+        last = 40
+    for cap in range(last + 1):
+        if cap not in keep and libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
+            _check(-1, "dropping capability %d" % cap)
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    mask = 0
+    for cap in keep:
+        mask |= 1 << cap
+    lo, hi = mask & 0xFFFFFFFF, mask >> 32
+    data = (Data * 2)(Data(lo, lo, 0), Data(hi, hi, 0))
+    _check(libc.capset(ctypes.byref(Header(0x20080522, 0)), data), "capset")
+
+
 def _under(path, top):
     return path.startswith(top.rstrip("/") + "/")
 
@@ -72,10 +172,11 @@ def _fresh_box(hostname, network):
     /tmp, /workspace, /dev/shm and /run are new tmpfs.
     """
     libc = _libc()
+    uid, gid = os.geteuid(), os.getegid()
     flags = _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID
-    if not network:
-        flags |= _CLONE_NEWNET
-    _check(libc.unshare(flags), "unshare")
+    if not network and uid != 0:
+        flags |= _CLONE_NEWNET  # root gets its network namespace one level down (see the end)
+    _enter_user_namespace(libc, flags)
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
     stage = "/run/.boxlite-fresh"
     os.makedirs(stage, exist_ok=True)
@@ -136,14 +237,36 @@ def _fresh_box(hostname, network):
 
     _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
     _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+    for name in _PROC_COVERS:
+        cover = "/proc/" + name
+        if os.path.exists(cover):
+            _mount(libc, cover, cover, None, _MS_BIND | _MS_REC, None)
+            ro = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+            _mount(libc, None, cover, None, ro, None)
     socket.sethostname(hostname)
-    try:
-        import fcntl
-        import struct
+    with open("/proc/self/oom_score_adj", "w") as fh:
+        fh.write("1000")  # under memory pressure the test dies, not the warm interpreter
+    if uid == 0:
+        # Root runs one user namespace further down, as root of it: every mount made so far (the
+        # fresh layers included) is locked beneath it, while the hostname, its own mounts and its
+        # network namespace (low ports, loopback) are its own to change, as on a machine of its own.
+        _enter_user_namespace(libc, _CLONE_NEWNS | _CLONE_NEWUTS | (0 if network else _CLONE_NEWNET))
+    if not network:
+        _loopback_up()
+    if uid != 0:
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        # Anyone but root keeps no capability, as locally.
+        _limit_caps(libc, ())
 
+
+def _loopback_up():
+    import fcntl
+    import socket
+    import struct
+
+    try:
         with socket.socket() as s:  # bring loopback up, as a new machine has it
             fcntl.ioctl(s.fileno(), 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
     except OSError:
         pass
-    with open("/proc/self/oom_score_adj", "w") as fh:
-        fh.write("1000")  # under memory pressure the test dies, not the warm interpreter

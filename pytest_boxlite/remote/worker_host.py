@@ -35,7 +35,7 @@ from pytest_boxlite.pool import Lease
 from pytest_boxlite.remote import reports
 from pytest_boxlite.remote.transport import BoxSpoke, ChannelStream, ForkStream, Outcome, drain
 from pytest_boxlite.runtimes.base import BoxHandle
-from pytest_boxlite.spec import BoxSpec, minimal_dirs, worker_env
+from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, minimal_dirs, worker_env
 
 #: Where a forked box finds the host's listening socket (the box's control directory).
 FORK_SOCKET = "/run/pytest-boxlite/fork.sock"
@@ -133,9 +133,13 @@ def startup_env(env: dict[str, str]) -> list[str]:
 class RemoteRunner:
     """Starts warm interpreters in boxes and runs items in them."""
 
-    def __init__(self, config: pytest.Config, boot_timeout: float) -> None:
+    def __init__(
+        self, config: pytest.Config, boot_timeout: float, env_deny: tuple[str, ...] = DEFAULT_ENV_DENY
+    ) -> None:
         self.config = config
         self.boot_timeout = boot_timeout
+        #: Host variables boxed tests do not see (--boxlite-env-deny).
+        self.env_deny = env_deny
         self.group = execnet.Group()
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
@@ -162,7 +166,7 @@ class RemoteRunner:
             return
         cwd = str(self.config.invocation_params.dir)
         status_file = self.status_dir / f"{handle.name}.status"
-        env = worker_env(spec)
+        env = worker_env(spec, self.env_deny)
         argv = handle.attach_argv(
             ["env", *startup_env(env), handle.guest_python], cwd=cwd, status_file=str(status_file)
         )

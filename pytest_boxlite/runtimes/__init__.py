@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pytest_boxlite.errors import ConfigError, RuntimeUnavailableError
 from pytest_boxlite.runtimes.base import BoxHandle, BoxRecord, RawResult, Runtime
 from pytest_boxlite.runtimes.probe import Probe, probe
+from pytest_boxlite.spec import BoxSpec
+
+if TYPE_CHECKING:
+    from pytest_boxlite.runtimes.rest import RemoteTarget
 
 __all__ = [
     "RUNTIME_CHOICES",
@@ -21,6 +27,9 @@ __all__ = [
     "open_choice",
     "open_runtime",
     "probe",
+    "remote_boxes",
+    "remote_clean",
+    "remote_target",
 ]
 
 RUNTIME_CHOICES = ("auto", "vm", "namespace")
@@ -34,12 +43,49 @@ class Choice:
     reason: str
     #: The runtime to use instead when ``kind`` cannot open after all (``auto`` only).
     fallback: str | None = None
+    #: The remote BoxLite server boxes run on (``--boxlite-url``); ``None``: this host.
+    remote: RemoteTarget | None = None
 
 
-def choose(requested: str) -> Choice:
-    """Resolve ``auto``/``vm``/``namespace`` against the host probe (milliseconds, cached)."""
+def remote_target(
+    url: str | None, *, credential_file: str | None, max_boxes: int, environ: Mapping[str, str] | None = None
+) -> RemoteTarget | None:
+    """The checked ``--boxlite-url`` target with its key, or ``None`` without a URL."""
+    if url is None:
+        return None
+    from pytest_boxlite.runtimes.rest import remote_target as make
+
+    return make(url, credential_file=credential_file, max_boxes=max_boxes, environ=environ)
+
+
+def remote_boxes(target: RemoteTarget, home: Path) -> list[tuple[BoxRecord, str | None]]:
+    """Every box on the remote server, with the owner its name carries (``None``: not ours)."""
+    from pytest_boxlite.runtimes.rest import server_boxes
+
+    return server_boxes(target, home)
+
+
+def remote_clean(target: RemoteTarget, home: Path, names: list[str]) -> list[str]:
+    """Remove ``names`` from the remote server, or (none named) every box of ours whose lease lapsed."""
+    from pytest_boxlite.runtimes.rest import clean_server
+
+    return clean_server(target, home, names)
+
+
+def choose(requested: str, remote: RemoteTarget | None = None) -> Choice:
+    """Resolve ``auto``/``vm``/``namespace`` against the host probe (milliseconds, cached).
+
+    With a ``remote`` server, boxes are micro-VMs there whatever this host can boot.
+    """
     if requested not in RUNTIME_CHOICES:
         raise ConfigError(f"unknown runtime {requested!r}; choose one of {', '.join(RUNTIME_CHOICES)}")
+    if remote is not None:
+        if requested == "namespace":
+            raise ConfigError(
+                "--boxlite-url runs the boxes as micro-VMs on a remote BoxLite server: it cannot be combined "
+                "with --boxlite-runtime=namespace (drop one of them)"
+            )
+        return Choice("vm", remote.reason, remote=remote)
     p = probe()
     if requested == "namespace":
         return Choice("namespace", "requested")
@@ -65,6 +111,32 @@ def kind_notes(kind: str) -> tuple[str | None, str | None]:
     return None, None
 
 
+def preflight(kind: str) -> str | None:
+    """Why boxes of runtime ``kind`` cannot work on this host (with the fix), or ``None``.
+
+    For a usage error before any test runs, instead of a failure per test.
+    """
+    if kind == "namespace":
+        from pytest_boxlite.runtimes import namespace
+
+        return namespace.preflight()
+    return None
+
+
+def header_notes(kind: str, spec: BoxSpec) -> list[str]:
+    """Report-header lines about what runtime ``kind`` enforces here: the seccomp filter, and a
+    line only when one of ``spec``'s caps cannot hold."""
+    if kind != "namespace":
+        return []
+    from pytest_boxlite.runtimes import namespace
+
+    lines = [f"boxlite: seccomp: {namespace.seccomp_status()}"]
+    limits = namespace.limits_for(spec).header_line()
+    if limits:
+        lines.append(limits)
+    return lines
+
+
 def open_choice(choice: Choice, home: Path, owner: str) -> tuple[Runtime, Choice]:
     """Open the chosen runtime; under ``auto``, fall back to namespace when the VM runtime cannot open.
 
@@ -72,6 +144,10 @@ def open_choice(choice: Choice, home: Path, owner: str) -> tuple[Runtime, Choice
     own KVM check, a broken install).  Returns the runtime and the choice that holds, whose reason
     says why the fallback happened.
     """
+    if choice.remote is not None:
+        from pytest_boxlite.runtimes.rest import open_remote
+
+        return open_remote(choice.remote, home, owner), choice
     try:
         return open_runtime(choice.kind, home, owner), choice
     except RuntimeUnavailableError as exc:

@@ -91,14 +91,18 @@ from boxlite.errors import (
 )
 
 __all__ = [
+    "AccessToken",
     "AlreadyExistsError",
+    "ApiKeyCredential",
     "Box",
     "BoxInfo",
     "BoxOptions",
     "BoxStateInfo",
     "Boxlite",
     "BoxliteError",
+    "BoxliteRestOptions",
     "ConfigError",
+    "CopyOptions",
     "ExecStderr",
     "ExecStdin",
     "ExecStdout",
@@ -107,6 +111,7 @@ __all__ = [
     "InternalError",
     "InvalidArgumentError",
     "InvalidStateError",
+    "NetworkError",
     "NetworkSpec",
     "NotFoundError",
     "Options",
@@ -820,35 +825,40 @@ class _BoxState:
 
     def exec_blocking(self, argv: list[str], env: dict[str, str], cwd: str | None, user: str | None) -> Any:
         self.start_blocking()
-        sock = _connect(self.dir / "ctl" / "agent.sock")
-        in_r, in_w = os.pipe()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            req = {"argv": argv, "env": env, "cwd": cwd, "user": user}
-            socket.send_fds(sock, [(json.dumps(req) + "\n").encode()], [in_r, out_w, err_w])
-        finally:
-            for fd in (in_r, out_w, err_w):
-                os.close(fd)
-        buf = b""
-        while b"\n" not in buf:
-            chunk = sock.recv(4096)
-            if not chunk:
-                for fd in (in_w, out_r, err_r):
-                    os.close(fd)
-                sock.close()
-                raise ExecutionError(f"box {self.rec['id']} stopped before the command started")
-            buf += chunk
-        line, rest = buf.split(b"\n", 1)
-        msg = json.loads(line.decode())
-        if "error" in msg:
+        return spawn(self.dir / "ctl" / "agent.sock", str(self.rec["id"]), argv, env, cwd, user)
+
+
+def spawn(agent: Path, box_id: str, argv: list[str], env: dict[str, str], cwd: str | None, user: str | None) -> Any:
+    """Start ``argv`` through a running box's agent socket: (connection, host ends of stdio, rest of reply)."""
+    sock = _connect(agent)
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        req = {"argv": argv, "env": env, "cwd": cwd, "user": user}
+        socket.send_fds(sock, [(json.dumps(req) + "\n").encode()], [in_r, out_w, err_w])
+    finally:
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+    buf = b""
+    while b"\n" not in buf:
+        chunk = sock.recv(4096)
+        if not chunk:
             for fd in (in_w, out_r, err_r):
                 os.close(fd)
             sock.close()
-            # Unverified: how the real guest reports a failed spawn (this shape is a plausible guess).
-            raise ExecutionError(f"failed to spawn {argv[0]!r}: {msg['error']}")
-        # The exit message may have come with the pid message: the watcher starts from it.
-        return sock, (in_w, out_r, err_r), rest
+            raise ExecutionError(f"box {box_id} stopped before the command started")
+        buf += chunk
+    line, rest = buf.split(b"\n", 1)
+    msg = json.loads(line.decode())
+    if "error" in msg:
+        for fd in (in_w, out_r, err_r):
+            os.close(fd)
+        sock.close()
+        # Unverified: how the real guest reports a failed spawn (this shape is a plausible guess).
+        raise ExecutionError(f"failed to spawn {argv[0]!r}: {msg['error']}")
+    # The exit message may have come with the pid message: the watcher starts from it.
+    return sock, (in_w, out_r, err_r), rest
 
 
 def _connect(path: Path) -> socket.socket:
@@ -1220,3 +1230,15 @@ class Boxlite:
 
     def close(self, /):  # type: ignore[no-untyped-def]
         return None
+
+
+# -- the REST runtime (Boxlite.rest) -----------------------------------------------------------------
+from boxlite.errors import NetworkError  # noqa: E402 - the real class, like the other errors
+
+from sdk_double import rest as _rest  # noqa: E402 - it builds on everything above
+
+AccessToken = _rest.AccessToken
+ApiKeyCredential = _rest.ApiKeyCredential
+BoxliteRestOptions = _rest.BoxliteRestOptions
+CopyOptions = _rest.CopyOptions
+Boxlite.rest = staticmethod(_rest.rest)  # type: ignore[attr-defined]

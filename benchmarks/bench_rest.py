@@ -1,0 +1,66 @@
+"""What a box costs on a remote BoxLite server (``--boxlite-url``), measured through the SDK double's server.
+
+Usage::
+
+    python benchmarks/bench_rest.py [--upload DIR] [--repeat R]
+
+Starts the double's server (``tests/sdk_double/rest.py``: a separate process, a local socket, so
+no network cost is in these figures), then times ``RestRuntime.create_box`` without an upload and
+with ``DIR`` (default: this interpreter's ``site-packages``) uploaded with ``copy_in``, and the
+per-session content fingerprint of ``DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import sdk_double
+from sdk_double.rest import ServerProcess
+
+from pytest_boxlite.runtimes.rest import RestRuntime, fingerprint, remote_target
+from pytest_boxlite.spec import BoxSpec
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--upload", default=sysconfig.get_paths()["purelib"])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    upload = os.path.abspath(args.upload)
+    size = sum(f.stat().st_size for f in Path(upload).rglob("*") if f.is_file() and not f.is_symlink())
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = ServerProcess(Path(tmp) / "server", key="bench")
+        try:
+            target = remote_target(srv.url, credential_file=None, max_boxes=1, environ={"BOXLITE_API_KEY": "bench"})
+            rt = RestRuntime(target, Path(tmp) / "scratch", "bench1", sdk=sdk_double)
+            try:
+                started = time.monotonic()
+                fingerprint([upload])
+                print(f"fingerprint of {upload} ({size / 2**20:.0f} MiB): {time.monotonic() - started:.2f} s")
+                for label, mounts in (("boot, no upload", ()), (f"boot + upload {size / 2**20:.0f} MiB", (upload,))):
+                    times: list[float] = []
+                    for i in range(args.repeat):
+                        started = time.monotonic()
+                        box = rt.create_box(BoxSpec(mounts=mounts), f"pbx-bench1-{len(times)}{i}", timeout=600)
+                        times.append(time.monotonic() - started)
+                        box.destroy()
+                    print(
+                        f"{label}: median {statistics.median(times):.2f} s (min {min(times):.2f}, max {max(times):.2f})"
+                    )
+            finally:
+                rt.close()
+        finally:
+            srv.stop()
+
+
+if __name__ == "__main__":
+    main()
