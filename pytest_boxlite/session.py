@@ -46,7 +46,7 @@ class _Provisioning:
         return self.session._provisioned(spec) if self.session.settings.setup else spec
 
     def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
-        self.session._setup_box(handle)
+        self.session._setup_box(handle, spec)
         self.inner.after_boot(handle, spec)
 
     def before_destroy(self, handle: BoxHandle) -> None:
@@ -243,10 +243,11 @@ class BoxliteSession:
                 )
             return self._templated[spec]
 
-    def _setup_box(self, handle: BoxHandle) -> None:
+    def _setup_box(self, handle: BoxHandle, spec: BoxSpec) -> None:
         setup = self.settings.setup
-        if setup and self.choice.kind == "vm":
-            # No template to start from: each VM runs the setup once, in the background, before it is leased.
+        if setup and self.choice.kind == "vm" and spec.template is None:
+            # No template to start from (a remote server): each VM runs the setup once, in the
+            # background, before it is leased.
             raw = handle.exec(["/bin/sh", "-c", setup], cwd=str(self.cwd), timeout=self.settings.timeout)
             if raw.exit_code != 0 or raw.timed_out:
                 err = (raw.stdout + raw.stderr).decode("utf-8", "replace")[-3000:]

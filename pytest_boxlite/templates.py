@@ -67,9 +67,16 @@ def ensure_template(
     """Build the template for ``spec`` + ``setup`` unless a finished one exists; return the spec that uses it."""
     from pytest_boxlite.runtimes.namespace import NamespaceRuntime
 
-    if not isinstance(runtime, NamespaceRuntime):
-        return spec  # the vm runtime runs the setup in each box at boot (see the pool's on_boot)
     key = template_key(spec, setup, cwd)
+    if not isinstance(runtime, NamespaceRuntime):
+        # The vm runtime builds its own kind of template (one box set up, exported, cloned per box);
+        # a runtime without one (a remote server) returns the spec unchanged: setup per box at boot.
+        own = getattr(runtime, "ensure_template", None)
+        if own is None:
+            return spec
+        store = home / "vm-templates"
+        result: BoxSpec = own(spec, setup, key=key, store=store, cwd=cwd, timeout=timeout)
+        return result
     root = templates_dir(home) / key
     done = root / "ready.json"
     if done.exists():

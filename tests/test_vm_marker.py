@@ -3,11 +3,9 @@
 Real pytest sub-runs with ``--boxlite-runtime=vm``, where the vm runtime runs on
 the boxlite SDK double (``tests/sdk_double/site``): the test worker is started
 through the VM stdio bridge (base64 framing, execnet over SDK exec streams),
-in every scope.  The sub-runs put this checkout on ``PYTHONPATH``, so the
-plugin's own package is among the directories mounted into the boxes; for an
-editable install that is not on ``sys.path`` the guest cannot import the
-plugin yet (see the vm branch's report: ``remote.mounts`` and the worker's
-``.pth`` handling).
+in every scope.  The sub-runs put this checkout on ``PYTHONPATH`` (for the double's
+``sitecustomize``); the plugin's own directory and editable installs' sources are mounted
+into boxes by the host in any case (``remote.worker_host.worker_mounts``).
 """
 
 from __future__ import annotations
@@ -113,3 +111,28 @@ def test_xdist_workers_on_vm(tmp_path: Path) -> None:
     out = r.stdout + r.stderr
     assert "6 passed" in out and "leaked 0" in out, out
     assert ledger.scan(home) == []
+
+
+def test_setup_on_vm_builds_one_template_and_boxes_clone_it(tmp_path: Path) -> None:
+    """``--boxlite-setup`` on vm: the setup runs once (a template box, exported), every box of the
+    run is cloned from it and sees the setup's result; the archive is kept for the next session."""
+    import subprocess
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "test_setup.py").write_text(
+        "import os, pytest\n"
+        "@pytest.mark.parametrize('i', range(3))\n"
+        "@pytest.mark.boxlite\n"
+        "def test_sees_setup(i):\n"
+        "    assert open('/etc/pbx-setup-marker').read() == 'set up\\n'\n"
+    )
+    home = tmp_path / "home"
+    argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", "--boxlite-runtime=vm"]
+    argv += ["--boxlite-setup", "echo 'set up' > /etc/pbx-setup-marker", "test_setup.py"]
+    r = subprocess.run(argv, cwd=proj, env=double_env(), capture_output=True, text=True, timeout=200)
+    out = r.stdout + r.stderr
+    assert "3 passed" in out, out
+    archives = list((home / "vm-templates").glob("*.boxlite"))
+    assert len(archives) == 1, (archives, out)
+    assert ledger.scan(home) == [], f"boxes left behind:\n{out}"

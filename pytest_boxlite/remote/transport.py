@@ -121,7 +121,12 @@ class Outcome:
     warnings: int = 0
     warning_bytes: int = 0
     side_messages: int = 0
+    report_bytes: int = 0
 
+
+#: Reports of one boxed test (subtests and reruns make many) and their total text the host keeps.
+REPORTS_CAP = 100_000
+REPORT_BYTES_CAP = 64 << 20
 
 #: Warnings of one boxed test the host keeps (the terminal reporter holds every one); the rest
 #: are counted and said in one warning.
@@ -185,9 +190,12 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
     """Act on one message of the running test; True when it ends the test (``DONE``)."""
     config = item.config
     if name == msg.REPORT:
-        if len(out.reports) >= 100:
-            raise BoxSpoke("more than 100 reports for one test")
-        out.reports.append(_report(config, item, fields.get("data")))
+        # Many reports are legitimate (a subtest each, reruns); their total size is what is bounded.
+        rep = _report(config, item, fields.get("data"))
+        out.report_bytes += len(rep.longreprtext) + sum(len(c) for _, c in rep.sections)
+        if len(out.reports) >= REPORTS_CAP or out.report_bytes > REPORT_BYTES_CAP:
+            raise BoxSpoke(f"more than {REPORTS_CAP} reports or {REPORT_BYTES_CAP} bytes of them for one test")
+        out.reports.append(rep)
     elif name == msg.WARNING:
         out.warnings += 1
         out.warning_bytes += len(str(fields.get("message", "")))
