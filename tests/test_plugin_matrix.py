@@ -1022,16 +1022,7 @@ MANY_SUBTESTS = """
 
 
 @pytest.mark.skipif(not hasattr(pytest, "Subtests"), reason="subtests are part of pytest from 9.0")
-@pytest.mark.parametrize(
-    "mode",
-    [
-        pytest.param(
-            BOXED,
-            id="boxed",
-            marks=xfail11("over 100 reports for one test: the test's outcome is dropped, its failure lost"),
-        )
-    ],
-)
+@pytest.mark.parametrize("mode", [pytest.param(BOXED, id="boxed")])
 def test_many_subtests_boxed(proj: Project, mode: tuple[str, ...]) -> None:
     """150 subtests in one test: the test is still reported, and a failure in the 150th is not lost."""
     proj.files(test_many=MANY_SUBTESTS)
