@@ -47,7 +47,7 @@ BOXED = ("--boxlite",)
 MODULE = ("--boxlite", "--boxlite-scope=module")
 SUB_TIMEOUT = 150.0
 try:
-    import pytest_asyncio  # noqa: F401
+    import pytest_asyncio  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
 
     #: Without it pytest-asyncio warns at every start (its deprecation of an unset loop scope).
     ASYNCIO_QUIET: tuple[str, ...] = ("-o", "asyncio_default_fixture_loop_scope=function")
@@ -246,19 +246,24 @@ RERUN_TESTS = """
 """
 
 
+def test_rerunfailures_worker_scope_needs_network(proj: Project) -> None:
+    """Worker boxes without network cannot reach the controller that rerunfailures' workers dial:
+    the run stops at once with a usage error naming the fix, not an INTERNALERROR per worker."""
+    need("pytest_rerunfailures")
+    proj.files(test_r=RERUN_TESTS)
+    run = proj.run("--boxlite-scope=worker", "-n", "2")
+    assert "--boxlite-network=on" in run.tail() and "rerunfailures" in run.tail(), run.tail()
+    assert "INTERNALERROR" not in run.tail(), run.tail()
+
+
 @pytest.mark.parametrize(
     "mode",
     [
         pytest.param(BOXED, id="boxed"),
         pytest.param(MODULE, id="module"),
-        pytest.param(
-            ("--boxlite-scope=worker", "-n", "2"),
-            id="worker-n2",
-            marks=xfail11(
-                "INTERNALERROR: rerunfailures' xdist worker connects to the controller's socket on 127.0.0.1, "
-                "unreachable from the box's network namespace"
-            ),
-        ),
+        # Its xdist workers dial the controller over 127.0.0.1: worker boxes need the host's network
+        # (without it the run stops with a usage error: test_rerunfailures_worker_scope_needs_network).
+        pytest.param(("--boxlite-scope=worker", "--boxlite-network=on", "-n", "2"), id="worker-n2"),
     ],
 )
 def test_pytest_rerunfailures(proj: Project, mode: tuple[str, ...]) -> None:
