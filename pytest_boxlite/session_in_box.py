@@ -20,12 +20,14 @@ def run_session_in_box(config: pytest.Config, settings: Settings) -> int:
     home = Path(settings.home).expanduser()
     home.mkdir(parents=True, exist_ok=True)
     ledger.reconcile(home)
+    # A virtual environment's interpreter (``<venv>/bin``) is on no sys.path entry: mount the venv.
+    venv = [sys.prefix] if sys.prefix != sys.base_prefix else []
     cmd = boxproc_argv(
         settings,
         session_id=ledger.new_session_id(),
         home=home,
         runtime=choose(settings.runtime).kind,
-        mounts=minimal_dirs([str(config.rootpath), str(config.invocation_params.dir), *sys.path]),
+        mounts=minimal_dirs([str(config.rootpath), str(config.invocation_params.dir), *venv, *sys.path]),
         cwd=str(config.invocation_params.dir),
     )
     proc = subprocess.Popen([*cmd, "--", sys.executable, "-m", "pytest", *config.invocation_params.args])

@@ -20,6 +20,7 @@ import dataclasses
 import errno
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -138,8 +139,8 @@ def tcp_server() -> Iterator[TcpServer]:
 
 @contextlib.contextmanager
 def ssh_secret() -> Iterator[Path]:
-    """A secret file in /root/.ssh (the directory is made if absent); both removed afterwards."""
-    ssh = Path("/root/.ssh")
+    """A secret file in the host user's ~/.ssh (made if absent); both removed afterwards."""
+    ssh = Path(pwd.getpwuid(os.getuid()).pw_dir) / ".ssh"  # /root/.ssh as root: others cannot enter it
     created = not ssh.exists()
     ssh.mkdir(mode=0o700, exist_ok=True)
     secret = ssh / f"pbx-secret-{uuid.uuid4().hex[:12]}"

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import new_box_name, skip_unless_vm_ok
+from conftest import new_box_name, skip_unless_real_sdk_opens, skip_unless_vm_ok
 
 from pytest_boxlite import errors
 from pytest_boxlite.runtimes import choose, open_runtime, probe
@@ -35,6 +35,7 @@ def owner() -> str:
 @pytest.fixture
 def vm_runtime(tmp_path: Path) -> Iterator[VmRuntime]:
     """A vm runtime on a private, empty home (no VM is booted)."""
+    skip_unless_real_sdk_opens()
     rt = open_runtime("vm", tmp_path, owner=owner())
     assert isinstance(rt, VmRuntime)
     try:
@@ -49,6 +50,7 @@ def names(rt: VmRuntime) -> set[str]:
 
 
 def test_open_runtime_uses_a_per_owner_home(tmp_path: Path) -> None:
+    skip_unless_real_sdk_opens()
     who = owner()
     rt = open_runtime("vm", tmp_path, owner=who)
     try:
@@ -110,6 +112,7 @@ def test_second_runtime_on_the_same_home_fails_naming_the_lock(vm_runtime: VmRun
 
 
 def test_close_then_reopen(tmp_path: Path) -> None:
+    skip_unless_real_sdk_opens()
     home = prepare_home(tmp_path, owner())
     name = new_box_name()
     rt = VmRuntime(home)

@@ -3,12 +3,13 @@
 No trial boot: on hosts where ``/dev/kvm`` is a nested PVM hypervisor a boot
 only fails after ~17 s, so the answer comes from what the kernel exposes.
 
-Linux: ``/dev/kvm`` must exist, be read-writable, not be the PVM module
-without hardware KVM (BoxLite's own check passes under PVM, then every boot
-dies), answer API version 12, and, as BoxLite checks at every runtime open,
-run a one-instruction guest to ``KVM_EXIT_HLT`` (a few milliseconds, x86-64;
-other architectures open a throwaway BoxLite runtime in a subprocess).  The
-answer "no KVM" never gets that far, so it stays well under 50 ms.
+Linux: ``/dev/kvm`` must exist, not be the PVM module without hardware KVM
+(BoxLite's own check passes under PVM, then every boot dies; checked before
+access, as no user could boot there), be read-writable, answer API version
+12, and, as BoxLite checks at every runtime open, run a one-instruction guest
+to ``KVM_EXIT_HLT`` (a few milliseconds, x86-64; other architectures open a
+throwaway BoxLite runtime in a subprocess).  The answer "no KVM" never gets
+that far, so it stays well under 50 ms.
 macOS: Apple silicon and ``sysctl kern.hv_support`` = 1 (hosted macOS runners
 and macOS VMs have no Hypervisor.framework).
 """
@@ -69,13 +70,14 @@ def _kvm_state() -> tuple[bool, str]:
     dev = Path("/dev/kvm")
     if not dev.exists():
         return False, "/dev/kvm does not exist (no KVM: enable virtualization or load kvm_intel/kvm_amd)"
-    if not os.access(dev, os.R_OK | os.W_OK):
-        return False, f"/dev/kvm is not read-writable by uid {os.getuid()} (add the user to the 'kvm' group)"
+    # PVM first: no user can boot a VM there, so "join the kvm group" would send one after nothing.
     modules = Path("/sys/module")
     has_pvm = (modules / "kvm_pvm").exists()
     has_hw = (modules / "kvm_intel").exists() or (modules / "kvm_amd").exists()
     if has_pvm and not has_hw:
         return False, "KVM is a nested PVM hypervisor; micro-VMs cannot boot here"
+    if not os.access(dev, os.R_OK | os.W_OK):
+        return False, f"/dev/kvm is not read-writable by uid {os.getuid()} (add the user to the 'kvm' group)"
     try:
         fd = os.open(dev, os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:

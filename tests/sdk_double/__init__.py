@@ -728,6 +728,11 @@ class _BoxState:
         entries, _ = mount_plan(bwrap)
         argv = [bwrap, "--unshare-user", "--uid", "0", "--gid", "0", "--unshare-pid", "--unshare-ipc"]
         argv += ["--unshare-uts", "--unshare-cgroup-try", "--new-session", "--hostname", self.rec["id"]]
+        if os.geteuid() != 0:
+            # bwrap keeps a root caller's capabilities and drops everyone else's; a VM guest's root
+            # holds all of them in its own kernel (sethostname works there), so ask for them back
+            # (they are the box's user namespace's, worth nothing on the host).
+            argv += ["--cap-add", "ALL"]
         for entry in entries:
             kind, path = entry[0], entry[-1]
             if path.strip("/") not in _IMAGE_TOPS:
@@ -1103,7 +1108,9 @@ class _RuntimeState:
             state.dir.mkdir(parents=True)
             (state.dir / "logs").mkdir()
             members = [m for m in tar.getmembers() if m.name.startswith("disk")]
-            tar.extractall(state.dir, members=members, filter="tar" if hasattr(tarfile, "tar_filter") else None)
+            # Python < 3.11.4 (Debian 12's 3.11.2) has no extraction filters and refuses the keyword.
+            safe: dict[str, Any] = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
+            tar.extractall(state.dir, members=members, **safe)
         with self.mutex:
             self.boxes[rec["id"]] = state
             self._save()
@@ -1114,12 +1121,27 @@ class _RuntimeState:
             self.forget(state)
 
     def forget(self, state: _BoxState) -> None:
-        import shutil
-
         with self.mutex:
             self.boxes.pop(state.rec["id"], None)
             self._save()
-        shutil.rmtree(state.dir, ignore_errors=True)
+        _rmtree(state.dir)
+
+
+def _rmtree(path: Path) -> None:
+    """Remove a box's directory, as BoxLite removes a box's disk: all of it, for any host user.
+
+    The kernel makes overlayfs's ``work/work`` mode 000 (and a guest may chmod what it wrote):
+    root removes those anyway, an ordinary user must first give itself access to each directory.
+    """
+    import shutil
+
+    for root, dirs, _files in os.walk(path):  # top-down: a directory is opened up before it is entered
+        for d in dirs:
+            sub = os.path.join(root, d)
+            if not os.path.islink(sub):
+                with contextlib.suppress(OSError):
+                    os.chmod(sub, 0o700)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 _ids = itertools.count()
