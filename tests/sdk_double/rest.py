@@ -85,7 +85,8 @@ import os, sys, tarfile
 dest = sys.argv[1]
 os.makedirs(dest, exist_ok=True)
 with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
-    tar.extractall(dest, filter="tar")
+    # extraction filters exist from Python 3.11.4 on (the box may run an older 3.11)
+    tar.extractall(dest, **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))
 """
 
 
