@@ -35,14 +35,15 @@ from pytest_boxlite.spec import BoxSpec
 pytestmark = [pytest.mark.escapes, pytest.mark.timeout(120)]
 
 #: The attacks, run in the guest.  Standard library only; prints one JSON list of
-#: ``{"attack", "escaped", "detail"}``.  ``SECRET_HOME`` and ``SECRET`` come from the environment.
+#: ``{"attack", "escaped", "detail"}``.  ``PBX_MARK_HOME`` and ``PBX_MARK`` come from the environment
+#: (names the default --boxlite-env-deny lets through).
 ATTACKS = r"""
 import ctypes, errno, json, os, socket, struct, sys
 
 libc = ctypes.CDLL(None, use_errno=True)
-HOME = os.environ["SECRET_HOME"]
-SECRET = os.environ["SECRET"]
-TOKEN = os.environ.get("FAKE_SECRET_TOKEN_VALUE", "")
+HOME = os.environ["PBX_MARK_HOME"]
+SECRET = os.environ["PBX_MARK"]
+TOKEN = os.environ.get("PBX_PLANTED_VALUE", "")
 # A root boxed test is root of user, mount, uts and network namespaces of its own (nested below
 # the runtime's): mounting over things, renaming its host or holding capabilities there is its
 # right, and only what reaches the runtime's mounts or the host counts.
@@ -295,9 +296,9 @@ class Secrets:
 
     def env(self) -> dict[str, str]:
         return {
-            "SECRET_HOME": str(self.home),
-            "SECRET": self.secret,
-            "FAKE_SECRET_TOKEN_VALUE": self.token,
+            "PBX_MARK_HOME": str(self.home),
+            "PBX_MARK": self.secret,
+            "PBX_PLANTED_VALUE": self.token,
             "EXPECT_SECCOMP": "1" if seccomp_expected() else "0",
             "HOST_USERNS": str(os.stat("/proc/self/ns/user").st_ino),
         }

@@ -1256,9 +1256,9 @@ def test_read_home_secrets():
     for ssh in ("/root/.ssh", os.path.expanduser("~/.ssh")):
         if os.path.isdir(ssh):
             assert os.listdir(ssh) == [], ssh
-    assert not os.path.exists(os.path.join("/root/.ssh", ENV["PBX_SECRET"]))
+    assert not os.path.exists(os.path.join("/root/.ssh", ENV["PBX_MARK"]))
     os.makedirs("/root/.ssh", exist_ok=True)
-    with open(os.path.join("/root/.ssh", "planted-" + ENV["PBX_SECRET"]), "w") as f:
+    with open(os.path.join("/root/.ssh", "planted-" + ENV["PBX_MARK"]), "w") as f:
         f.write("x")
 
 def test_change_host_time():
@@ -1318,7 +1318,7 @@ def boxed_escapes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
                 PBX_HOST_SLEEPER=str(sleeper.pid),
                 PBX_HOST_CMDLINE=host_cmdline(os.getpid()),
                 PBX_PORT=str(server.port),
-                PBX_SECRET=secret.name,
+                PBX_MARK=secret.name,
             )
             argv = pytest_argv(home, f"--boxlite-runtime={kind}", f"--junitxml={junit}", "--tb=short")
             _, out, err = run_bounded([*argv, "test_boxed_escapes.py"], work, env, 150)
