@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -145,17 +146,23 @@ class BoxliteSession:
         try:
             self.home.mkdir(parents=True, exist_ok=True)
             probe = self.home / f".write-test-{self.owner}"
-            probe.write_text("")
-            probe.unlink()
+            try:
+                # Some real bytes: an empty file fits on a full disk, a box's state does not.
+                with open(probe, "wb") as fh:
+                    fh.write(b"\0" * (256 << 10))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            finally:
+                probe.unlink(missing_ok=True)
+            # A restarted xdist worker reuses its predecessor's owner id: clear what that one left.
+            ledger.reconcile(self.home, owners={self.owner})
+            lock = ledger.OwnerLock(self.home, self.owner)
+            lock.acquire()
         except OSError as exc:
             raise ConfigError(
                 f"--boxlite-home {self.home} is not usable ({exc.strerror or exc}); "
-                "point --boxlite-home (or PYTEST_BOXLITE_HOME) at a writable directory"
+                "point --boxlite-home (or PYTEST_BOXLITE_HOME) at a writable directory with free space"
             ) from None
-        # A restarted xdist worker reuses its predecessor's owner id: clear what that one left.
-        ledger.reconcile(self.home, owners={self.owner})
-        lock = ledger.OwnerLock(self.home, self.owner)
-        lock.acquire()
         self._owner_lock = lock
 
     def defer_error(self, exc: BaseException) -> None:
