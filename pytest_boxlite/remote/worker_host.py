@@ -40,6 +40,8 @@ from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, minimal_dirs, worker_
 #: Where a forked box finds the host's listening socket (the box's control directory).
 FORK_SOCKET = "/run/pytest-boxlite/fork.sock"
 
+#: How long a forked box may go on after its DONE before it is killed.
+FORK_GRACE = 2.0
 _OOM = "the test process in the box was killed by the kernel's OOM killer (the box's memory cap)"
 _TIMED_OUT = "timed out after {:.0f}s; the box was killed (--boxlite-timeout or the marker's timeout)"
 
@@ -149,6 +151,8 @@ class RemoteRunner:
         self._listeners: dict[str, socket.socket] = {}
         self._log_since: dict[str, int] = {}
         self._seq = 0  # every run's number: its messages carry it (see transport.drain)
+        #: Forked boxes that said DONE but may not have exited yet: (worker, pid, kill-after).
+        self._lingering: list[tuple[_Worker, int, float]] = []
         #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
         self.forks = 0
         self.fork_waits: list[float] = []
@@ -240,6 +244,8 @@ class RemoteRunner:
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
+            self._reap_lingering(final=True)
+        with contextlib.suppress(Exception):
             self.group.terminate(timeout=5.0)
         self._status_tmp.cleanup()
 
@@ -282,6 +288,7 @@ class RemoteRunner:
         the test called it.  A live box takes more items (:meth:`run_in`) until :meth:`close`.
         """
         handle = lease.handle
+        self._reap_lingering()
         with self._lock:
             worker = self._workers.get(handle.name)
         self.forks += 1
@@ -425,15 +432,23 @@ class RemoteRunner:
                 return stream
             conn.close()  # a stale connection (from an earlier box that timed out): drop it
 
-    def _end_fork(self, worker: _Worker, child: int, grace: float = 2.0) -> None:
-        """A forked box that said DONE must end: one that lingers (a test that goes on after its
-        report) is killed after ``grace`` seconds, so nothing outlives its test."""
-        deadline = time.monotonic() + grace
-        while self._fork_status(worker, msg.POLL, child) is None:
-            if time.monotonic() > deadline:
+    def _end_fork(self, worker: _Worker, child: int) -> None:
+        """A forked box that said DONE must end; it is checked off the test's path (next fork, or
+        shutdown), and one that lingers past :data:`FORK_GRACE` (a test that goes on after its
+        report) is killed, so nothing outlives its test by more than that."""
+        self._lingering.append((worker, child, time.monotonic() + FORK_GRACE))
+
+    def _reap_lingering(self, *, final: bool = False) -> None:
+        """Forget forked boxes that have ended; kill those past their grace (all, at the end)."""
+        keep = []
+        for worker, child, deadline in self._lingering:
+            if self._fork_status(worker, msg.POLL, child) is not None:
+                continue
+            if final or time.monotonic() > deadline:
                 self._fork_status(worker, msg.KILL, child)
-                return
-            time.sleep(0.005)
+                continue
+            keep.append((worker, child, deadline))
+        self._lingering = keep
 
     def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:
         try:
