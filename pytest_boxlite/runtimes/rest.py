@@ -78,8 +78,9 @@ CALL_TIMEOUT = 30.0
 ATTEMPTS = 4
 #: Largest credential file read (an API key is a few dozen bytes).
 MAX_CREDENTIAL_BYTES = 64 * 1024
-#: Where a box records which upload fingerprints it holds.
-UPLOAD_MARKS = "/var/tmp/pytest-boxlite-uploads"
+#: Where a box records which upload fingerprints it holds: /tmp, which every box can write
+#: (a box's /var/tmp may belong to an id its user cannot write as, as on a non-root double).
+UPLOAD_MARKS = "/tmp/pytest-boxlite-uploads"
 _BOX_NAME = re.compile(r"^pbx-(?P<owner>[a-z0-9]+(?:-[A-Za-z0-9_]+)?)-\d+$")
 
 
