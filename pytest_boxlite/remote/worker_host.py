@@ -245,6 +245,10 @@ class RemoteRunner:
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
             self._reap_lingering(final=True)
+        with self._lock:
+            listeners, self._listeners = list(self._listeners.values()), {}
+        for listener in listeners:  # boxes that ended without passing through stop_worker
+            listener.close()
         with contextlib.suppress(Exception):
             self.group.terminate(timeout=5.0)
         self._status_tmp.cleanup()
@@ -473,6 +477,9 @@ class RemoteRunner:
     def _kill(self, handle: BoxHandle) -> None:
         with self._lock:
             w = self._workers.pop(handle.name, None)
+            listener = self._listeners.pop(handle.name, None)
+        if listener is not None:
+            listener.close()
         with contextlib.suppress(Exception):
             handle.destroy()
         if w is not None:
