@@ -209,9 +209,11 @@ class BoxedExecutor:
         return "waiting for a box (booting, then collecting the session in it)"
 
     def release_template(self, wanted: BoxSpec) -> bool:
-        """Pool pressure callback: give back the oldest fork parent not of ``wanted``'s spec."""
+        """Pool pressure callback: give back the oldest fork parent not of ``wanted``'s spec (and not
+        the parent of the module box in use: its tests would lose their box mid-module)."""
+        in_use = self._held_fork[1] if self._held_fork is not None else None
         for spec in list(self._fork_parents):
-            if spec != wanted:
+            if spec != wanted and spec != in_use:
                 self._fork_parents.pop(spec).release()
                 return True
         return False
