@@ -698,14 +698,15 @@ def _guest_path_env() -> str:
 
 def _connect(path: Path, timeout: float) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
     target = str(path)
     dirfd = None
-    if len(target.encode()) > 100:
-        # sun_path holds ~108 bytes; reach long paths through a directory descriptor.
-        dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        target = f"/proc/self/fd/{dirfd}/{path.name}"
     try:
+        sock.settimeout(timeout)
+        if len(target.encode()) > 100:
+            # sun_path holds ~108 bytes; reach long paths through a directory descriptor (which
+            # fails, like the connect, once the box's directory is gone: the socket closes then too).
+            dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            target = f"/proc/self/fd/{dirfd}/{path.name}"
         sock.connect(target)
     except BaseException:
         sock.close()
