@@ -62,7 +62,7 @@ from pytest_boxlite.errors import (
     RuntimeUnavailableError,
 )
 from pytest_boxlite.runtimes.base import BoxRecord
-from pytest_boxlite.runtimes.vm import EventLoopThread, VmBox, VmRuntime, _import_boxlite
+from pytest_boxlite.runtimes.vm import EventLoopThread, VmBox, VmRuntime, _import_boxlite, resource_options
 from pytest_boxlite.spec import BoxSpec
 
 T = TypeVar("T")
@@ -348,12 +348,7 @@ class RestRuntime(VmRuntime):
             "auto_stop": lease,
             "auto_delete": 2 * lease,
         }
-        if spec.cpus:
-            kwargs["cpus"] = spec.cpus
-        if spec.memory_mib:
-            kwargs["memory_mib"] = spec.memory_mib
-        if not spec.network:
-            kwargs["network"] = bl.NetworkSpec(outbound=bl.OutboundNetworkSpec(mode="disabled"))
+        kwargs.update(resource_options(bl, spec))
         return bl.BoxOptions(**kwargs)
 
     def register_box(self, spec: BoxSpec, name: str) -> Any:

@@ -390,12 +390,7 @@ class VmRuntime:
             # Same paths as on the host, read-only: nothing the guest writes may reach the host.
             # (Unlike namespace boxes these are not copy-on-write: writes there fail with EROFS.)
             kwargs["volumes"] = [(m, m, True) for m in spec.mounts]
-        if spec.cpus:
-            kwargs["cpus"] = spec.cpus
-        if spec.memory_mib:
-            kwargs["memory_mib"] = spec.memory_mib
-        if not spec.network:
-            kwargs["network"] = bl.NetworkSpec(outbound=bl.OutboundNetworkSpec(mode="disabled"))
+        kwargs.update(resource_options(bl, spec))
         return bl.BoxOptions(**kwargs)
 
     def register_box(self, spec: BoxSpec, name: str) -> Any:
@@ -589,3 +584,15 @@ class VmRuntime:
             # The home is this owner's alone and holds no box any more: leave nothing for the
             # ledger to count as a leftover (the shared image store is only linked from here).
             shutil.rmtree(self.home, ignore_errors=True)
+
+
+def resource_options(bl: Any, spec: BoxSpec) -> dict[str, Any]:
+    """The ``BoxOptions`` fields for ``spec``'s cpus, memory and network (local and remote boxes alike)."""
+    out: dict[str, Any] = {}
+    if spec.cpus:
+        out["cpus"] = spec.cpus
+    if spec.memory_mib:
+        out["memory_mib"] = spec.memory_mib
+    if not spec.network:
+        out["network"] = bl.NetworkSpec(outbound=bl.OutboundNetworkSpec(mode="disabled"))
+    return out
