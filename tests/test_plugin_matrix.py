@@ -394,10 +394,13 @@ def test_hypothesis_database(proj: Project, mode: tuple[str, ...]) -> None:
     """The failing example is saved in the project's ``.hypothesis`` database by a boxed run too."""
     need("hypothesis")
     proj.files(test_h=HYPOTHESIS_TESTS)
-    plain = proj.run("-k", "counterexample")
+    # Under CI (``CI`` and similar variables set) hypothesis loads its "ci" profile, which has no
+    # database; the default profile, chosen explicitly, keeps one wherever this suite runs.
+    args = ("-k", "counterexample", "--hypothesis-profile=default")
+    plain = proj.run(*args)
     assert hypothesis_examples(proj.path), f"plain run saved no example\n{plain.tail()}"
     shutil.rmtree(proj.path / ".hypothesis")
-    boxed = proj.run("-k", "counterexample", *mode)
+    boxed = proj.run(*args, *mode)
     assert boxed.outcome("test_finds_counterexample") == ["failed"], boxed.tail()
     assert hypothesis_examples(proj.path), f"boxed run saved no example\n{boxed.tail()}"
 
