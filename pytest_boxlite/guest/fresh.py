@@ -5,6 +5,7 @@ Standard library only.  Shipped into the box together with :mod:`pytest_boxlite.
 of the package.
 """
 
+import ctypes
 import os
 
 # --- a fresh box for one test, forked from this warm interpreter (namespace runtime) -------------
@@ -33,16 +34,17 @@ _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 
 
-def _libc():
-    import ctypes
+#: The C library, opened once in the warm interpreter (ctypes is imported at load time for the same
+#: reason): every forked box would otherwise pay the import and the dlopen (several ms) itself.
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
-    return ctypes.CDLL(None, use_errno=True)
+
+def _libc():
+    return _LIBC
 
 
 def _check(ret, what):
     if ret != 0:
-        import ctypes
-
         err = ctypes.get_errno()
         raise OSError(err, "%s: %s" % (what, os.strerror(err)))
 
@@ -72,30 +74,96 @@ def _overlay(libc, lower, target, stage, n):
     _mount(libc, "overlay", target, "overlay", 0, opts)
 
 
-def _write(path, data):
-    fd = os.open(path, os.O_WRONLY)
+def _write(path, data, dir_fd=None):
+    fd = os.open(path, os.O_WRONLY, dir_fd=dir_fd)
     try:
         os.write(fd, data.encode())
     finally:
         os.close(fd)
 
 
-def _id_maps():
-    """The id maps for the new user namespace: the ids of this one, one to one.
+class IdMapper:
+    """The id maps of a child that enters a new user namespace as root, written by its parent.
 
-    Root (with CAP_SETUID here) maps every id this namespace has, written by a helper that stays
-    in this namespace; anyone else maps their own uid and gid, written by themselves.
+    Mapping every id of this namespace (not only one's own) takes CAP_SETUID in the parent user
+    namespace, which the child gives up by unsharing: the process that stays behind writes them.
+    The parent that forks the child anyway does it (the warm interpreter, or the fresh box's
+    intermediate process for the nested namespace), so no helper process is started per box.
+    Made before the fork; then :meth:`serve` in the parent and :meth:`request` in the child.
     """
+
+    #: Bound on the parent's wait for the child to unshare: a child that dies first closes its pipe
+    #: end and ends the wait at once; this is only for a child that hangs before it gets there.
+    TIMEOUT = 30.0
+
+    def __init__(self):
+        # /proc as the parent sees it now, held open: the child may mount its own /proc over it
+        # (in a mount namespace the parent shares) before it asks, where the child's pid, as the
+        # parent knows it, means another process or none.
+        self.proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.ready_r, self.ready_w = os.pipe()
+        self.done_r, self.done_w = os.pipe()
+
+    def close_parent_side(self):
+        for fd in (self.ready_r, self.done_w, self.proc):
+            os.close(fd)
+
+    def close_child_side(self):
+        for fd in (self.ready_w, self.done_r):
+            os.close(fd)
+
+    def serve(self, pid):
+        """In the parent, after the fork: map ``pid``'s new namespace when it asks.  Never raises:
+        a child that died or hung before asking fails on its own (its end of the pipe closes)."""
+        import select
+
+        self.close_child_side()
+        try:
+            ready, _, _ = select.select([self.ready_r], [], [], self.TIMEOUT)
+            if not ready or os.read(self.ready_r, 2) != b"u\n":
+                return  # the child ended (or hung) before unsharing: it reports that itself
+            maps = _id_maps(self.proc)
+            for which in ("uid", "gid"):
+                _write("%d/%s_map" % (pid, which), maps[which], dir_fd=self.proc)
+            os.write(self.done_w, b"m\n")
+        except OSError:
+            pass  # the child dies without its maps (its read ends empty) and says so
+        finally:
+            self.close_parent_side()
+
+    def request(self, libc, flags):
+        """In the child: unshare(CLONE_NEWUSER | flags), have the parent write the maps, become root."""
+        self.close_parent_side()
+        try:
+            _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
+            os.write(self.ready_w, b"u\n")
+            if os.read(self.done_r, 2) != b"m\n":
+                raise OSError(1, "could not map ids into the fresh box's user namespace")
+        finally:
+            self.close_child_side()
+        # Become root of the new namespace for real (ids were unmapped until now).
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+
+
+def _id_maps(proc):
+    """The id maps for the new user namespace: the ids of this one, one to one (``proc``: a
+    descriptor of this process's /proc)."""
     lines = {}
     for which in ("uid", "gid"):
-        with open("/proc/self/%s_map" % which) as fh:
+        with open(os.open("self/%s_map" % which, os.O_RDONLY, dir_fd=proc)) as fh:
             rows = [line.split() for line in fh if line.strip()]
         lines[which] = "".join("%s %s %s\n" % (r[0], r[0], r[2]) for r in rows)
     return lines
 
 
-def _enter_user_namespace(libc, flags):
-    """unshare(CLONE_NEWUSER | flags) with this process's ids mapped one to one."""
+def _enter_user_namespace(libc, flags, mapper=None):
+    """unshare(CLONE_NEWUSER | flags) with this process's ids mapped one to one.
+
+    Root maps every id this namespace has, written by its parent through ``mapper`` (an
+    :class:`IdMapper` made before the fork); anyone else maps their own uid and gid, written by
+    themselves.
+    """
     if os.geteuid() != 0:
         uid, gid = os.geteuid(), os.getegid()
         _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
@@ -103,33 +171,9 @@ def _enter_user_namespace(libc, flags):
         _write("/proc/self/setgroups", "deny")
         _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
         return
-    maps = _id_maps()
-    me = os.getpid()
-    go_r, go_w = os.pipe()
-    done_r, done_w = os.pipe()
-    # The maps are written by a process that stays in this namespace.  A tiny shell started with
-    # posix_spawn (vfork + exec) costs far less than forking this large interpreter once more.
-    script = 'read x <&3 && printf "%s" "$1" > /proc/$3/uid_map && printf "%s" "$2" > /proc/$3/gid_map && echo m >&4'
-    helper = os.posix_spawn(
-        "/bin/sh",
-        ["sh", "-c", script, "sh", maps["uid"], maps["gid"], str(me)],
-        {},
-        file_actions=[(os.POSIX_SPAWN_DUP2, go_r, 3), (os.POSIX_SPAWN_DUP2, done_w, 4)],
-    )
-    os.close(go_r)
-    os.close(done_w)
-    try:
-        _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
-        os.write(go_w, b"u\n")
-        if os.read(done_r, 2) != b"m\n":
-            raise OSError(1, "could not map ids into the fresh box's user namespace")
-        # Become root of the new namespace for real (ids were unmapped until now).
-        os.setresgid(0, 0, 0)
-        os.setresuid(0, 0, 0)
-    finally:
-        os.close(go_w)
-        os.close(done_r)
-        os.waitpid(helper, 0)
+    if mapper is None:
+        raise OSError(1, "a root box needs its parent to write its id maps (no IdMapper given)")
+    mapper.request(libc, flags)
 
 
 def _limit_caps(libc, keep):
@@ -164,19 +208,20 @@ def _under(path, top):
     return path.startswith(top.rstrip("/") + "/")
 
 
-def _fresh_box(hostname, network):
+def _fresh_box(hostname, network, mapper=None):
     """In the forked child: new namespaces and pristine writable layers.  Returns in the box's pid 1.
 
     Every overlay gets a new, empty upper layer.  The masks the box had on top of its overlays
     (credential directories, the boxes' state) are laid again on top of the new layers, and
-    /tmp, /workspace, /dev/shm and /run are new tmpfs.
+    /tmp, /workspace, /dev/shm and /run are new tmpfs.  ``mapper`` (root only: an
+    :class:`IdMapper` the forking parent serves) writes the new user namespace's id maps.
     """
     libc = _libc()
     uid, gid = os.geteuid(), os.getegid()
     flags = _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID
     if not network and uid != 0:
         flags |= _CLONE_NEWNET  # root gets its network namespace one level down (see the end)
-    _enter_user_namespace(libc, flags)
+    _enter_user_namespace(libc, flags, mapper)
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
     stage = "/run/.boxlite-fresh"
     os.makedirs(stage, exist_ok=True)
@@ -218,8 +263,13 @@ def _fresh_box(hostname, network):
         _overlay(libc, "%s/keep%d" % (stage, i), m, stage, len(overlays) + i)
     # Last, a new /run: it hides the staging area and the template's control directory.
     _mount(libc, "tmpfs", "/run", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+    # Root's pid 1 goes one user namespace further down (see the end): this process, which stays
+    # in the fresh one, writes its maps.
+    nested = IdMapper() if uid == 0 else None
     pid = os.fork()
     if pid:
+        if nested is not None:
+            nested.serve(pid)
         # The intermediate process: wait for the box's pid 1 and exit with its status.
         _, status = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(status)
@@ -250,7 +300,7 @@ def _fresh_box(hostname, network):
         # Root runs one user namespace further down, as root of it: every mount made so far (the
         # fresh layers included) is locked beneath it, while the hostname, its own mounts and its
         # network namespace (low ports, loopback) are its own to change, as on a machine of its own.
-        _enter_user_namespace(libc, _CLONE_NEWNS | _CLONE_NEWUTS | (0 if network else _CLONE_NEWNET))
+        _enter_user_namespace(libc, _CLONE_NEWNS | _CLONE_NEWUTS | (0 if network else _CLONE_NEWNET), nested)
     if not network:
         _loopback_up()
     if uid != 0:

@@ -29,7 +29,8 @@ guest -> host
                                       base64), e.g. the hypothesis example database
     ``ERROR {text}``                  the item could not run in the box (not collected there, ...)
     ``DONE {}``                       end of one ``RUN`` (or of a forked box's stream)
-    ``FORKED {pid}`` / ``STATUS {code}``
+    ``FORKED {pid, ended}`` / ``STATUS {code}``
+                                      ``ended``: forked boxes reaped since the last FORK (pids)
     ``TOKEN {token}``                 first line of a forked box's stream: which request it answers
 """
 

@@ -406,23 +406,34 @@ def serve(channel):
         def fork(self, nodeid, token, sock, hostname, network, seq=None, next=None):
             """Fork a fresh box that runs ``nodeid`` first, then each ``RUN`` the host sends on its
             stream (module scope), until the stream ends."""
-            for old, status in list(self.children.items()):  # reap boxes that have ended
+            # Reap boxes that have ended, and tell the host which (in FORKED): it then needs no
+            # round trip per box to learn that a box it is done with has gone.
+            ended = []
+            for old, status in list(self.children.items()):
                 if status is None:
-                    self.wait(old, timeout=0)
+                    if self.wait(old, timeout=0) is not None:
+                        ended.append(old)
                 else:
                     del self.children[old]  # reaped and reported
             item, error = self._item(nodeid)
             if item is None:
                 channel.send((ERROR, {"text": error}))  # noqa: F821
                 return
+            # Root's fresh box maps every id into its new user namespace: this process writes the maps.
+            mapper = IdMapper() if os.geteuid() == 0 else None  # noqa: F821 - guest/fresh.py
             try:
                 pid = os.fork()
             except OSError as exc:
+                if mapper is not None:
+                    mapper.close_parent_side()
+                    mapper.close_child_side()
                 channel.send((ERROR, {"text": "fork failed: %s" % exc}))  # noqa: F821
                 return
             if pid:
                 self.children[pid] = None
-                channel.send((FORKED, {"pid": pid}))  # noqa: F821
+                channel.send((FORKED, {"pid": pid, "ended": ended}))  # noqa: F821
+                if mapper is not None:
+                    mapper.serve(pid)
                 return
             code = 0
             try:
@@ -430,7 +441,7 @@ def serve(channel):
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.connect(sock)
                 _cut_channel(channel)
-                _fresh_box(hostname, network)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
+                _fresh_box(hostname, network, mapper)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
                 test = os.fork()
                 if test:
                     conn.close()  # the host sees the stream end when the test process ends

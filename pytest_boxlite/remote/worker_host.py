@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
@@ -292,7 +293,6 @@ class RemoteRunner:
         the test called it.  A live box takes more items (:meth:`run_in`) until :meth:`close`.
         """
         handle = lease.handle
-        self._reap_lingering()
         with self._lock:
             worker = self._workers.get(handle.name)
         self.forks += 1
@@ -323,6 +323,8 @@ class RemoteRunner:
         if kind != msg.FORKED or not isinstance(fields.get("pid"), int):
             why = f"could not fork a box: {str(fields.get('text', kind))[:2000]}"
             return None, self._failed(item, why, handle, 0.0), None
+        ended = fields.get("ended")
+        self._reap_lingering(worker, set(ended) if isinstance(ended, list) else set())
         box = ForkedBox(name, handle, worker, fields["pid"], None, _oom_count(handle))
         try:
             box.stream = self._accept_fork(worker, listener, token, box.child, start + timeout)
@@ -442,16 +444,25 @@ class RemoteRunner:
         report) is killed, so nothing outlives its test by more than that."""
         self._lingering.append((worker, child, time.monotonic() + FORK_GRACE))
 
-    def _reap_lingering(self, *, final: bool = False) -> None:
-        """Forget forked boxes that have ended; kill those past their grace (all, at the end)."""
+    def _reap_lingering(
+        self, worker: _Worker | None = None, ended: Container[object] = (), *, final: bool = False
+    ) -> None:
+        """Forget forked boxes that have ended; kill those past their grace (all, at the end).
+
+        ``ended``: the pids ``worker``'s warm interpreter reaped (its FORKED says so), forgotten
+        without asking.  The others are asked about only once past their grace (or at the end),
+        so a box that is still exiting costs the next test no round trip.
+        """
         keep = []
-        for worker, child, deadline in self._lingering:
-            if self._fork_status(worker, msg.POLL, child) is not None:
+        now = time.monotonic()
+        for w, child, deadline in self._lingering:
+            if w is worker and child in ended:
                 continue
-            if final or time.monotonic() > deadline:
-                self._fork_status(worker, msg.KILL, child)
+            if final or now > deadline:
+                if self._fork_status(w, msg.POLL, child) is None:
+                    self._fork_status(w, msg.KILL, child)
                 continue
-            keep.append((worker, child, deadline))
+            keep.append((w, child, deadline))
         self._lingering = keep
 
     def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:

@@ -1,0 +1,554 @@
+"""Per-phase profile of one boxed trivial test (``--boxlite``, a fresh forked box per test), and the
+physical floor of the same steps on this machine, measured alone (issue 15).
+
+Usage::
+
+    python benchmarks/profile_fork.py [--tests N] [--runs R] [--floor-reps K] [--json PATH]
+
+**Profile.**  It writes ``N`` trivial tests into one module and runs them ``R`` times with
+``python -m pytest --boxlite`` (namespace runtime).  A generated ``conftest.py`` stamps
+``time.monotonic()`` (one clock for the host and every box: pid and user namespaces do not change
+CLOCK_MONOTONIC) at fixed points:
+
+* on the host: ``logstart``, FORKED received, the forked box's connection accepted, its messages
+  drained, the reports settled, ``logreport``, ``logfinish``; the reap of earlier forked boxes
+  (``reap``) and the close of this one;
+* in the box: the code the host sends to the box's interpreter is extended (only in this run: the
+  conftest wraps ``RemoteRunner.__init__``) with wrappers around ``os.fork``, the fresh box's steps
+  (``_enter_user_namespace``, reading ``/proc/self/mountinfo``, the mounts, the pid-1 fork,
+  ``/proc``) and the guest's runtest protocol.  The box writes its stamps to a duplicate of its
+  stderr (the box log, which pytest's capture never redirects); the host reads the logs at the end.
+
+Each test's stamps are put in time order; each gap between consecutive stamps is one phase, named
+``from -> to``; the table gives the median of each phase over the steady-state tests (the first
+``--skip`` tests of each run are left out: the fork parent's boot and its first forks) and the sum
+of the medians beside the median logstart -> logstart interval (what one test costs the run).
+
+**Floor.**  The same steps alone, in this process after importing pytest and collecting a module of
+``N`` tests (so the interpreter is as large as a box's warm one): a fork of the warm interpreter
+and the parent's wait; a fork whose child unshares new user, mount, uts, ipc, pid and net
+namespaces; the same plus a tmpfs mount and an overlay mount; a fork that also forks a pid 1 in
+the new pid namespace; a ``posix_spawn`` of ``/bin/sh`` (the root id-map helper).  Medians of
+``--floor-reps`` each.  Root only for the mount steps (skipped otherwise, with the reason).
+
+Standard library only, besides pytest and pytest_boxlite.  Progress to stderr, the table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _bench import RunFailed, clean_env, cli, leak_check, log, positive, run_bounded  # noqa: E402
+
+ARGS = ("-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark")
+
+#: Appended to the guest source before its last statement (``if __name__ == "__channelexec__":``).
+GUEST_PROBE = r"""
+import os as _pbx_os
+import time as _pbx_time
+
+_PBX_FD = _pbx_os.dup(2)
+_pbx_os.environ["PBXPROF_FD"] = str(_PBX_FD)
+
+
+def _pbx_mark(label):
+    line = "PBXPROF %d %s %.9f\n" % (_pbx_os.getpid(), label, _pbx_time.monotonic())
+    _pbx_os.write(_PBX_FD, line.encode())
+
+
+def _pbx_wrap(name, label=None):
+    inner = globals()[name]
+    label = label or name.strip("_")
+
+    def wrapped(*a, **k):
+        _pbx_mark(label + ">")
+        try:
+            return inner(*a, **k)
+        finally:
+            _pbx_mark(label + "<")
+
+    globals()[name] = wrapped
+
+
+_pbx_fork = _pbx_os.fork
+
+
+def _pbx_fork_marked():
+    _pbx_mark("fork>")
+    pid = _pbx_fork()
+    _pbx_mark("fork<" + ("parent" if pid else "child"))
+    return pid
+
+
+_pbx_os.fork = _pbx_fork_marked
+_pbx_mount_inner = _mount
+
+
+def _mount(libc, src, target, fstype, flags, data):
+    t = _pbx_time.monotonic()
+    try:
+        return _pbx_mount_inner(libc, src, target, fstype, flags, data)
+    finally:
+        _PBX_MOUNTS.append((_pbx_time.monotonic() - t, fstype or ("bind" if flags & 4096 else "flags")))
+
+
+_PBX_MOUNTS = []
+for _n in ("_enter_user_namespace", "_mounts", "_cut_channel", "_limit_caps", "_loopback_up", "_init"):
+    if _n in globals():
+        _pbx_wrap(_n)
+_pbx_fresh_inner = _fresh_box
+
+
+def _fresh_box(*a, **k):
+    _pbx_mark("fresh_box>")
+    try:
+        return _pbx_fresh_inner(*a, **k)
+    finally:
+        _pbx_mark("fresh_box<")
+        total = sum(t for t, _ in _PBX_MOUNTS)
+        _pbx_os.write(_PBX_FD, ("PBXMOUNTS %d %d %.9f\n" % (_pbx_os.getpid(), len(_PBX_MOUNTS), total)).encode())
+        del _PBX_MOUNTS[:]
+
+"""
+
+CONFTEST = r'''
+"""profile_fork.py: per-phase stamps (host side, and the guest's runtest protocol)."""
+
+import json
+import os
+import time
+
+import pytest
+
+GUEST = bool(os.environ.get("PYTEST_BOXLITE_GUEST"))
+MARKS = []
+LOGS = {}
+
+
+def mark(label, nodeid=None):
+    if GUEST:
+        fd = os.environ.get("PBXPROF_FD")
+        if fd:
+            os.write(int(fd), ("PBXPROF %d %s %.9f\n" % (os.getpid(), label, time.monotonic())).encode())
+    else:
+        MARKS.append((label, time.monotonic(), nodeid))
+
+
+if not GUEST:
+    from pytest_boxlite.remote import worker_host as wh
+
+    PROBE = os.environ["PBXPROF_GUEST_PROBE"]
+    _init = wh.RemoteRunner.__init__
+
+    def __init__(self, *a, **k):
+        _init(self, *a, **k)
+        tail = 'if __name__ == "__channelexec__":'
+        assert self._source.count(tail) == 1, "the guest source changed: update profile_fork.py"
+        self._source = self._source.replace(tail, open(PROBE).read() + "\n" + tail)
+
+    wh.RemoteRunner.__init__ = __init__
+
+    def wrap(owner, name, label):
+        inner = getattr(owner, name)
+
+        def wrapped(*a, **k):
+            mark(label + ">")
+            try:
+                return inner(*a, **k)
+            finally:
+                mark(label + "<")
+
+        setattr(owner, name, wrapped)
+
+    for _name, _label in (
+        ("_reap_lingering", "host.reap"),
+        ("_accept_fork", "host.accept"),
+        ("_settle", "host.settle"),
+        ("close", "host.close"),
+        ("_fork_listener", "host.listener"),
+    ):
+        wrap(wh.RemoteRunner, _name, _label)
+    wrap(wh, "drain", "host.drain")
+    _fork = wh.RemoteRunner.fork
+
+    def fork(self, item, lease, **k):
+        LOGS[lease.handle.name] = str(getattr(lease.handle, "log_path", ""))
+        return _fork(self, item, lease, **k)
+
+    wh.RemoteRunner.fork = fork
+    _box = wh.ForkedBox
+
+    def forked_box(*a, **k):
+        mark("host.forked")  # built right after FORKED is received
+        return _box(*a, **k)
+
+    wh.ForkedBox = forked_box
+
+
+def pytest_runtest_logstart(nodeid, location):
+    mark("logstart", nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    mark("logfinish", nodeid)
+
+
+def pytest_runtest_logreport(report):
+    mark("logreport." + report.when)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    mark("guest.protocol>" if GUEST else "host.protocol>")
+    try:
+        return (yield)
+    finally:
+        mark("guest.protocol<" if GUEST else "host.protocol<")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    mark("test.call>")
+    try:
+        return (yield)
+    finally:
+        mark("test.call<")
+
+
+def pytest_sessionfinish(session):
+    if GUEST:
+        return
+    guest = []
+    for name, path in LOGS.items():
+        try:
+            text = open(path).read()
+        except OSError as exc:
+            raise RuntimeError(f"profile_fork: cannot read the log of {name}: {exc}") from exc
+        for line in text.splitlines():
+            f = line.split()
+            if len(f) == 4 and f[0] == "PBXPROF":
+                guest.append((f[2], float(f[3]), int(f[1])))
+            elif len(f) == 4 and f[0] == "PBXMOUNTS":
+                guest.append(("mounts:%s" % f[2], float(f[3]), int(f[1])))
+    with open(os.environ["PBXPROF_OUT"], "w") as fh:
+        json.dump({"host": MARKS, "guest": guest}, fh)
+'''
+
+
+def write_suite(work: Path, n: int) -> None:
+    work.mkdir(parents=True)
+    (work / "pytest.ini").write_text("[pytest]\n")
+    (work / "conftest.py").write_text(CONFTEST)
+    (work / "pbx_guest_probe.py.txt").write_text(GUEST_PROBE)
+    (work / "test_trivial.py").write_text("".join(f"def test_{i}():\n    pass\n\n\n" for i in range(n)))
+
+
+def timelines(data: dict[str, Any]) -> list[list[tuple[str, float]]]:
+    """Each test's stamps, host and guest, in time order: logstart of one test to logstart of the next."""
+    host = data["host"]
+    starts = [t for label, t, _ in host if label == "logstart"]
+    events = [(label, t) for label, t, _ in host]
+    mounts: list[tuple[int, float]] = []
+    for label, t, _pid in data["guest"]:
+        if label.startswith("mounts:"):
+            mounts.append((int(label.split(":")[1]), t))  # (count, seconds): not a stamp
+        else:
+            events.append(("box." + label, t))
+    events.sort(key=lambda e: e[1])
+    out = []
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else float("inf")
+        out.append([e for e in events if start <= e[1] < end])
+    data["_mounts"] = mounts
+    return out
+
+
+#: The phases of one boxed test: (name, stamp it starts at, stamp it ends at).  A stamp is a label
+#: and its occurrence in the test's time line (``box.fork<child`` #1 is the forked box's first
+#: instruction, #2 its pid 1, #3 the test process).
+PHASES: list[tuple[str, tuple[str, int], tuple[str, int]]] = [
+    ("host: dispatch, FORK request to the warm interpreter", ("logstart", 1), ("box.fork>", 1)),
+    ("fork of the warm interpreter", ("box.fork>", 1), ("box.fork<child", 1)),
+    ("child: connect to the host, cut the channel", ("box.fork<child", 1), ("box.fresh_box>", 1)),
+    ("fresh box: before unshare (libc handle)", ("box.fresh_box>", 1), ("box.enter_user_namespace>", 1)),
+    ("fresh box: unshare + id maps", ("box.enter_user_namespace>", 1), ("box.enter_user_namespace<", 1)),
+    ("fresh box: the mounts (layers, masks, tmpfs)", ("box.enter_user_namespace<", 1), ("box.fork>", 2)),
+    ("fresh box: fork of pid 1", ("box.fork>", 2), ("box.fork<child", 2)),
+    ("pid 1: /proc, hostname, nested userns, caps", ("box.fork<child", 2), ("box.fresh_box<", 1)),
+    ("fork of the test process (pid 1 stays init)", ("box.fresh_box<", 1), ("box.fork<child", 3)),
+    ("test process: token, to the runtest protocol", ("box.fork<child", 3), ("box.guest.protocol>", 1)),
+    ("box: runtest setup + its report", ("box.guest.protocol>", 1), ("box.test.call>", 1)),
+    ("box: the test itself", ("box.test.call>", 1), ("box.test.call<", 1)),
+    ("box: call/teardown reports", ("box.test.call<", 1), ("box.guest.protocol<", 1)),
+    ("reports -> host (DONE read)", ("box.guest.protocol<", 1), ("host.drain<", 1)),
+    ("host: settle, close, log the reports", ("host.drain<", 1), ("logfinish", 1)),
+    ("host: to the next test", ("logfinish", 1), ("next logstart", 1)),
+]
+
+
+def phases(lines: list[list[tuple[str, float]]], skip: int) -> tuple[dict[str, list[float]], list[float], list[str]]:
+    """Each phase's durations over the steady-state tests, the per-test intervals, and the order."""
+    gaps: dict[str, list[float]] = defaultdict(list)
+    intervals = []
+    steady = lines[skip:-1]  # the last test's interval runs into the session's end
+    for i, line in enumerate(steady):
+        nxt = lines[skip + i + 1][0][1]
+        intervals.append(nxt - line[0][1])
+        at: dict[tuple[str, int], float] = {}
+        seen: dict[str, int] = defaultdict(int)
+        for label, t in [*line, ("next logstart", nxt)]:
+            seen[label] += 1
+            at[(label, seen[label])] = t
+        for name, a, b in PHASES:
+            if a in at and b in at:
+                gaps[name].append(at[b] - at[a])
+    return gaps, intervals, [name for name, _, _ in PHASES]
+
+
+def profile(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    work = root / "suite"
+    write_suite(work, args.tests)
+    merged: dict[str, list[float]] = defaultdict(list)
+    order: list[str] = []
+    intervals: list[float] = []
+    mounts: list[tuple[int, float]] = []
+    walls = []
+    for r in range(args.runs):
+        home = root / f"home{r}"
+        out = root / f"marks{r}.json"
+        cmd = [sys.executable, "-m", "pytest", *ARGS, "--boxlite", "--boxlite-home", str(home)]
+        env = clean_env(PBXPROF_OUT=str(out), PBXPROF_GUEST_PROBE=str(work / "pbx_guest_probe.py.txt"))
+        rc, text, wall, timed_out = run_bounded(cmd, cwd=work, env=env, timeout=args.timeout)
+        if rc != 0 or timed_out or not out.exists():
+            raise RunFailed("profile run", cmd, "timed out" if timed_out else f"exit status {rc}", text)
+        leak_check("profile run", home)
+        walls.append(wall)
+        data = json.loads(out.read_text())
+        gaps, iv, ord_ = phases(timelines(data), args.skip)
+        mounts += data["_mounts"][args.skip :]
+        intervals += iv
+        for k in ord_:
+            if k not in order:
+                order.append(k)
+        for k, v in gaps.items():
+            merged[k] += v
+        log(f"  run {r + 1}/{args.runs}: {wall:.2f} s, median interval {statistics.median(iv) * 1e3:.2f} ms")
+    n_tests = len(intervals)
+    table = []
+    for k in order:
+        v = merged[k]
+        # A phase seen in under half the tests is an occasional event (a reap that waited): listed apart.
+        table.append({"phase": k, "p50": statistics.median(v), "n": len(v), "mean": statistics.fmean(v)})
+    return {
+        "tests": args.tests,
+        "runs": args.runs,
+        "walls": walls,
+        "interval_p50": statistics.median(intervals),
+        "interval_mean": statistics.fmean(intervals),
+        "steady_tests": n_tests,
+        "phases": table,
+        "mounts": {
+            "count": statistics.median(c for c, _ in mounts) if mounts else None,
+            "p50": statistics.median(t for _, t in mounts) if mounts else None,
+        },
+        "command": shlex.join([Path(sys.executable).name, "-m", "pytest", *ARGS, "--boxlite"]),
+    }
+
+
+# -- floor ----------------------------------------------------------------------
+CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWUTS = 0x10000000, 0x00020000, 0x04000000
+CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID = 0x08000000, 0x40000000, 0x20000000
+ALL_NS = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID
+
+
+def _timed_child(body: Any, reps: int) -> list[float]:
+    """fork; the child runs ``body()`` and exits 0 (1 on error); the parent waits.  Seconds each."""
+    out = []
+    for _ in range(reps):
+        t = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                body()
+                code = 0
+            except BaseException:  # noqa: BLE001 - printed; the parent fails on the exit status
+                import traceback
+
+                traceback.print_exc()  # the parent raises on the status; this says why
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out.append(time.monotonic() - t)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"floor step failed in the child (status {status})")
+    return out
+
+
+def floor(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    import pytest  # the warm interpreter's size: pytest imported, a module collected
+
+    work = root / "floor-suite"
+    work.mkdir()
+    (work / "pytest.ini").write_text("[pytest]\n")
+    (work / "test_floor.py").write_text("".join(f"def test_{i}():\n    pass\n\n\n" for i in range(args.tests)))
+    rc = pytest.main(["-qq", "--collect-only", "-p", "no:cacheprovider", str(work)], plugins=[])
+    if rc != 0:
+        raise RuntimeError(f"collecting the floor suite failed ({rc})")
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(ret: int, what: str) -> None:
+        if ret != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    def unshare() -> None:
+        check(libc.unshare(ALL_NS), "unshare")
+
+    def unshare_mounts() -> None:
+        uid, gid = os.geteuid(), os.getegid()
+        unshare()
+        # Map this process's own ids (one line each, written by itself): files can then be made.
+        for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as fh:
+                fh.write(text)
+        check(libc.mount(None, b"/", None, (1 << 14) | (1 << 18), None), "make / private")
+        stage = str(root / "stage").encode()
+        check(libc.mount(b"tmpfs", stage, b"tmpfs", 0, b"mode=0700"), "tmpfs")
+        for d in (b"u", b"w"):
+            os.mkdir(stage + b"/" + d)
+        opts = b"lowerdir=" + str(work).encode() + b",upperdir=" + stage + b"/u,workdir=" + stage + b"/w,userxattr"
+        check(libc.mount(b"overlay", str(work).encode(), b"overlay", 0, opts), "overlay")
+
+    def pid1() -> None:
+        unshare()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+    def spawn_sh() -> None:
+        pid = os.posix_spawn("/bin/sh", ["sh", "-c", "true"], {})
+        os.waitpid(pid, 0)
+
+    (root / "stage").mkdir()
+    steps: list[tuple[str, Any, bool]] = [
+        ("fork + _exit + wait (warm interpreter)", lambda: None, False),
+        ("  + unshare(user, mnt, uts, ipc, pid, net)", unshare, False),
+        ("  + id maps, make / private, a tmpfs and an overlay mount", unshare_mounts, True),
+        ("  + unshare, fork pid 1 and wait for it", pid1, False),
+        ("  + posix_spawn /bin/sh -c true and wait", spawn_sh, False),
+    ]
+    rss = 0
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+    out: dict[str, Any] = {"rss_kib": rss, "steps": []}
+    for label, body, needs_root in steps:
+        if needs_root and os.geteuid() != 0:
+            out["steps"].append({"step": label, "skipped": "needs root"})
+            continue
+        times = _timed_child(body, args.floor_reps)
+        out["steps"].append({"step": label, "p50": statistics.median(times), "n": len(times)})
+    return out
+
+
+def render(res: dict[str, Any]) -> str:
+    lines = []
+    p = res.get("profile")
+    if p:
+        lines.append(
+            f"profile: {p['steady_tests']} steady-state tests ({p['runs']} runs of {p['tests']}; walls "
+            + ", ".join(f"{w:.2f} s" for w in p["walls"])
+            + ")"
+        )
+        lines.append(f"  command: {p['command']}")
+        lines.append(f"  {'phase (stamp -> stamp)':<58} {'p50':>9} {'mean':>9} {'n':>5}")
+        total = 0.0
+        for row in p["phases"]:
+            if row["n"] < p["steady_tests"] // 2:
+                continue
+            total += row["p50"]
+            lines.append(f"  {row['phase']:<58} {row['p50'] * 1e3:8.2f}ms {row['mean'] * 1e3:8.2f}ms {row['n']:>5}")
+        rare = [r for r in p["phases"] if r["n"] < p["steady_tests"] // 2]
+        for row in rare:
+            lines.append(f"  (occasional) {row['phase']:<45} {row['p50'] * 1e3:8.2f}ms {'':>9} {row['n']:>5}")
+        lines.append(f"  {'sum of the phase medians':<58} {total * 1e3:8.2f}ms")
+        lines.append(
+            f"  {'logstart -> next logstart (per test)':<58} {p['interval_p50'] * 1e3:8.2f}ms "
+            f"{p['interval_mean'] * 1e3:8.2f}ms"
+        )
+        m = p["mounts"]
+        if m["count"] is not None:
+            together = f"{m['p50'] * 1e3:.2f} ms together (p50)"
+            lines.append(f"  mounts in the fresh box: {m['count']:.0f} per test, {together}")
+    f = res.get("floor")
+    if f:
+        lines.append("")
+        lines.append(f"floor on this machine, each step alone (warm interpreter: RSS {f['rss_kib'] / 1024:.0f} MiB)")
+        for s in f["steps"]:
+            if "skipped" in s:
+                lines.append(f"  {s['step']:<58} skipped: {s['skipped']}")
+            else:
+                lines.append(f"  {s['step']:<58} {s['p50'] * 1e3:8.2f}ms  (n={s['n']})")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tests", type=positive, default=100, help="trivial tests in the module (default: 100)")
+    p.add_argument("--runs", type=positive, default=3, help="pytest runs (default: 3)")
+    p.add_argument("--skip", type=int, default=5, help="first tests of each run left out (default: 5)")
+    p.add_argument("--floor-reps", type=positive, default=50, help="repetitions of each floor step (default: 50)")
+    p.add_argument("--no-floor", action="store_true", help="profile only")
+    p.add_argument("--no-profile", action="store_true", help="floor only")
+    p.add_argument("--timeout", type=float, default=300.0, help="bound on each pytest run, seconds (default: 300)")
+    p.add_argument("--json", metavar="PATH", type=Path, help="also write the results as JSON")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    root = Path(tempfile.mkdtemp(prefix="pbx-profile-"))
+    res: dict[str, Any] = {"loadavg_start": os.getloadavg()}
+    try:
+        if not args.no_profile:
+            try:
+                res["profile"] = profile(args, root)
+            except RunFailed as exc:
+                log(f"error: {exc}\ncommand: {shlex.join(exc.cmd)}\noutput tail:\n{exc.output[-3000:]}")
+                return 1
+        if not args.no_floor:
+            res["floor"] = floor(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    res["loadavg_end"] = os.getloadavg()
+    load = res["loadavg_start"]
+    print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
+    print(render(res))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(parse_args, run, interrupted="the temporary directory was removed", argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
