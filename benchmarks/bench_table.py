@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_table.py [--tests N] [--repeat R] [--scale-tests N] [--json PATH]
+    python benchmarks/bench_table.py [--tests N] [--repeat R] [--scale-tests N] [--only issue15] [--json PATH]
 
 It drives the other benchmark scripts of this directory (each with ``--json``
 into a temporary file, small counts) and adds what none of them measures, then
@@ -30,6 +30,11 @@ prints ONE table whose headline column is a ratio:
   same suite unmarked, as the base), each run with a fresh ``--boxlite-home``;
 * **file transfer** (``bench_runtime.py``): ``write_bytes`` / ``read_bytes`` of
   20 MiB, in MiB/s, against writing and reading the same bytes to a host file;
+* **issue 15's table** (``bench_issue15.py``, its options here prefixed ``--i15-``): 200 trivial
+  tests in one module plain, ``--boxlite``, module scope, pytest-forked and pytest-isolate (their
+  own plain bases), ``boxlite_sandbox`` with one command, ``-n 2`` / ``--boxlite -n 2`` /
+  ``--boxlite-scope=worker -n 2``, and 200 against 2,000 parametrized cases, interleaved, with the
+  issue's goals judged.  ``--only issue15`` runs this section alone;
 * **resident memory per warm box**: ``--memory-boxes`` (3) boxes booted with
   ``NamespaceRuntime``, and the warm test-worker box of a pytest run (a marked
   test, then an unmarked one that holds the session while it is measured).  A
@@ -72,6 +77,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import bench_issue15  # noqa: E402
 import bench_marker as bm  # noqa: E402
 from _bench import RunFailed, clean_env, cli, deferred_signals, leak_check, log, positive, run_bounded  # noqa: E402
 
@@ -577,8 +583,29 @@ def host_file_io(size: int, repeat: int, root: Path) -> dict[str, float]:
 
 
 # -- the run ------------------------------------------------------------------
+def measure_issue15(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """bench_issue15.py's rows, with this script's pytest 8 environment and pytest-isolate."""
+    sub = argparse.Namespace(
+        tests=args.i15_tests,
+        repeat=args.i15_repeat,
+        sandbox_tests=args.i15_sandbox_tests,
+        big=args.i15_big,
+        big_repeat=args.i15_big_repeat,
+        timeout=args.timeout * 4,
+    )
+    venv8, iso, notes = bench_issue15.peers(args.retry_isolate, args.timeout)
+    work = root / "issue15"
+    work.mkdir()
+    res = bench_issue15.measure(sub, work, venv8, iso)
+    res["notes"] = notes
+    return res
+
+
 def measure(args: argparse.Namespace, root: Path, homes: list[Path]) -> dict[str, Any]:
     res: dict[str, Any] = {"skipped": {}, "retries": []}
+    if args.only == "issue15":
+        res["issue15"] = measure_issue15(args, root)
+        return res
     v = args.verbose
     t = args.timeout * 4
 
@@ -610,6 +637,7 @@ def measure(args: argparse.Namespace, root: Path, homes: list[Path]) -> dict[str
         log(f"pytest-isolate: skipped: {exc}")
         res["skipped"]["isolate"] = str(exc)
     res["scaling"] = bench_scaling(args, root, homes, res["retries"])
+    res["issue15"] = measure_issue15(args, root)
     log(f"memory: {args.memory_boxes} plain boxes, and a pytest run's warm worker box")
     res["memory_plain"] = memory_summary(bench_memory_plain(args, root, homes))
     try:
@@ -836,6 +864,11 @@ def table(res: dict[str, Any], meta: dict[str, Any]) -> tuple[list[Row], list[st
 
 def render(report: dict[str, Any]) -> str:
     meta, res = report["meta"], report["results"]
+    issue15 = [*res["issue15"].get("notes", []), *bench_issue15.render(res["issue15"])] if "issue15" in res else []
+    if "pool" not in res:  # --only issue15
+        load, end = meta["loadavg_start"], meta["loadavg_end"]
+        head = f"load average at start: {load[0]:.2f}, at the end: {end[0]:.2f}, on {meta['cpus']} CPUs"
+        return "\n".join([head, f"runtime: {meta['runtime']}; took {meta['elapsed']:.0f} s", "", *issue15])
     rows, notes = table(res, meta)
     header: Row = ("measure", "ratio", "value", "ratio is", "note")
     measured = [header, *(r for r in rows if any(r[1:]))]
@@ -865,6 +898,8 @@ def render(report: dict[str, Any]) -> str:
         "unmarked base's p50 (pytest 8 venv for forked/isolate); wall +X/test = (wall - base wall) / tests",
         "sources (each run with --json; their temporary files are removed):",
         *(f"  {c}" for c in meta["commands"]),
+        "",
+        *issue15,
     ]
     return "\n".join(out)
 
@@ -887,6 +922,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory-boxes", type=positive, default=3, help="plain boxes measured for memory (default: 3)")
     p.add_argument("--timeout", type=float, default=180.0, help="bound on each pytest run, seconds (default: 180)")
     p.add_argument("--retry-isolate", action="store_true", help="try pip install pytest-isolate again")
+    p.add_argument("--only", choices=("issue15",), help="measure only this section")
+    bench_issue15.add_arguments(p, prefix="i15-")
     p.add_argument("-v", "--verbose", action="store_true", help="also copy each sub-script's own table to stderr")
     p.add_argument("--json", metavar="PATH", type=Path, help="also write every result, samples included, as JSON")
     return p.parse_args(argv)
@@ -941,11 +978,12 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
     meta["loadavg_end"] = loadavg()
     meta["elapsed"] = time.monotonic() - started
-    commands = [res["pool"]["_command"], res["runtime"]["_command"], res["marker"]["_command"]]
-    if "isolate" in res:
-        commands += list(res["isolate"]["commands"].values())
-    commands += [row["command"] for row in res["scaling"]["rows"].values()]
-    meta["commands"] = commands
+    if "pool" in res:
+        commands = [res["pool"]["_command"], res["runtime"]["_command"], res["marker"]["_command"]]
+        if "isolate" in res:
+            commands += list(res["isolate"]["commands"].values())
+        commands += [row["command"] for row in res["scaling"]["rows"].values()]
+        meta["commands"] = commands
     report = {"meta": meta, "results": res}
     print(render(report))
     if args.json:

@@ -88,7 +88,17 @@ def _pbx_wrap(name, label=None):
 _pbx_fork = _pbx_os.fork
 
 
+import resource as _pbx_resource
+
+_PBX_WARM = _pbx_os.getpid()
+
+
 def _pbx_fork_marked():
+    if _pbx_os.getpid() == _PBX_WARM:
+        # The boxes this interpreter forked and reaped so far, CPU seconds (each parent in a box
+        # waits for its child, so a reaped box's whole tree is counted).
+        ru = _pbx_resource.getrusage(_pbx_resource.RUSAGE_CHILDREN)
+        _pbx_os.write(_PBX_FD, ("PBXCPU %d %.6f\n" % (_pbx_os.getpid(), ru.ru_utime + ru.ru_stime)).encode())
     _pbx_mark("fork>")
     pid = _pbx_fork()
     _pbx_mark("fork<" + ("parent" if pid else "child"))
@@ -138,9 +148,12 @@ import pytest
 GUEST = bool(os.environ.get("PYTEST_BOXLITE_GUEST"))
 MARKS = []
 LOGS = {}
+CPU = []  # the host process's CPU seconds at each logstart
 
 
 def mark(label, nodeid=None):
+    if label == "logstart":
+        CPU.append(time.process_time())
     if GUEST:
         fd = os.environ.get("PBXPROF_FD")
         if fd:
@@ -234,6 +247,7 @@ def pytest_sessionfinish(session):
     if GUEST:
         return
     guest = []
+    box_cpu = []
     for name, path in LOGS.items():
         try:
             text = open(path).read()
@@ -245,8 +259,10 @@ def pytest_sessionfinish(session):
                 guest.append((f[2], float(f[3]), int(f[1])))
             elif len(f) == 4 and f[0] == "PBXMOUNTS":
                 guest.append(("mounts:%s" % f[2], float(f[3]), int(f[1])))
+            elif len(f) == 3 and f[0] == "PBXCPU":
+                box_cpu.append(float(f[2]))
     with open(os.environ["PBXPROF_OUT"], "w") as fh:
-        json.dump({"host": MARKS, "guest": guest}, fh)
+        json.dump({"host": MARKS, "guest": guest, "host_cpu": CPU, "box_cpu": box_cpu}, fh)
 '''
 
 
@@ -328,6 +344,8 @@ def profile(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     intervals: list[float] = []
     mounts: list[tuple[int, float]] = []
     walls = []
+    host_cpu: list[float] = []
+    box_cpu: list[float] = []
     for r in range(args.runs):
         home = root / f"home{r}"
         out = root / f"marks{r}.json"
@@ -339,6 +357,10 @@ def profile(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         leak_check("profile run", home)
         walls.append(wall)
         data = json.loads(out.read_text())
+        host_cpu += [
+            b - a for a, b in zip(data["host_cpu"][args.skip :], data["host_cpu"][args.skip + 1 :], strict=False)
+        ]
+        box_cpu += [b - a for a, b in zip(data["box_cpu"][args.skip :], data["box_cpu"][args.skip + 1 :], strict=False)]
         gaps, iv, ord_ = phases(timelines(data), args.skip)
         mounts += data["_mounts"][args.skip :]
         intervals += iv
@@ -361,6 +383,9 @@ def profile(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "interval_p50": statistics.median(intervals),
         "interval_mean": statistics.fmean(intervals),
         "steady_tests": n_tests,
+        # Reaped boxes lag a test or two behind the forks; over the run the medians still tell.
+        "host_cpu_p50": statistics.median(host_cpu) if host_cpu else None,
+        "box_cpu_p50": statistics.median(box_cpu) if box_cpu else None,
         "phases": table,
         "mounts": {
             "count": statistics.median(c for c, _ in mounts) if mounts else None,
@@ -494,6 +519,11 @@ def render(res: dict[str, Any]) -> str:
             f"  {'logstart -> next logstart (per test)':<58} {p['interval_p50'] * 1e3:8.2f}ms "
             f"{p['interval_mean'] * 1e3:8.2f}ms"
         )
+        if p["host_cpu_p50"] is not None and p["box_cpu_p50"] is not None:
+            lines.append(
+                f"  CPU per test: host process {p['host_cpu_p50'] * 1e3:.2f} ms, boxes "
+                f"{p['box_cpu_p50'] * 1e3:.2f} ms (p50; the boxes: rusage of the reaped forks)"
+            )
         m = p["mounts"]
         if m["count"] is not None:
             together = f"{m['p50'] * 1e3:.2f} ms together (p50)"

@@ -12,7 +12,8 @@ host -> guest (execnet channel)
     ``RUN {nodeid, next}``            run one collected item; ``next`` is the item that follows in
                                       the same box (module fixtures stay up) or ``None``
     ``FORK {nodeid, token, sock, hostname, network}``
-                                      fork a fresh box that runs ``nodeid`` and streams to ``sock``
+                                      fork a fresh box for ``nodeid`` that connects to ``sock``
+                                      and runs each ``RUN`` sent on that stream (the first included)
     ``WAIT/POLL/KILL {pid}``          a forked box's exit status (``POLL`` does not wait)
     ``None``                          end the session
 guest -> host

@@ -403,9 +403,9 @@ def serve(channel):
                     live.close()
             self._send_side_data(since)
 
-        def fork(self, nodeid, token, sock, hostname, network, seq=None, next=None):
-            """Fork a fresh box that runs ``nodeid`` first, then each ``RUN`` the host sends on its
-            stream (module scope), until the stream ends."""
+        def fork(self, nodeid, token, sock, hostname, network):
+            """Fork a fresh box for ``nodeid`` (collected here first, so the box inherits it) that
+            runs each ``RUN`` the host sends on its stream (one, or a module's), until the stream ends."""
             # Reap boxes that have ended, and tell the host which (in FORKED): it then needs no
             # round trip per box to learn that a box it is done with has gone.
             ended = []
@@ -454,10 +454,9 @@ def serve(channel):
                     out.flush()
 
                 send(TOKEN, token=token)  # noqa: F821
-                self.seq = seq
                 self.send = send = self._locked(send)
-                self.run(nodeid, next)
-                send(DONE)  # noqa: F821
+                # Every test, the first included, starts on the host's RUN: a box may be made
+                # ahead, while the test before it still runs, and must not start before its turn.
                 commands = conn.makefile("rb")
                 while True:
                     line = commands.readline(1 << 20)

@@ -110,7 +110,14 @@ class BoxedExecutor:
         else:
             box_name = lease.handle.name
         if lease is not None and self.session.fork_boxes:
-            out, box_name, exit_with = self._run_forked(item, lease, plan, module, nextitem if shared else None)
+            # The next test's box is forked while this one runs, when it comes from the same warm
+            # interpreter and this box will not run it (module scope keeps one box per module).
+            ahead = (
+                nextitem.nodeid
+                if nextitem is not None and next_plan is not None and next_plan.spec == plan.spec and not shared
+                else None
+            )
+            out, box_name, exit_with = self._run_forked(item, lease, plan, module, nextitem if shared else None, ahead)
             if lease.handle.name not in self.runner.live_workers():
                 self._fork_parents.pop(plan.spec, None)
                 lease.release()
@@ -133,21 +140,28 @@ class BoxedExecutor:
         return True
 
     def _run_forked(
-        self, item: pytest.Item, lease: Lease, plan: BoxPlan, module: str, nextitem: pytest.Item | None
+        self,
+        item: pytest.Item,
+        lease: Lease,
+        plan: BoxPlan,
+        module: str,
+        nextitem: pytest.Item | None,
+        ahead: str | None,
     ) -> tuple[list[pytest.TestReport], str, tuple[str, int] | None]:
         """Run ``item`` in a forked box: a new one per test, or the module's (module scope).
 
-        ``nextitem`` is the next item when it shares this box (module scope, same module and spec).
+        ``nextitem`` is the next item when it shares this box (module scope, same module and spec);
+        ``ahead`` the next test's node id when it needs a new box of the same warm interpreter.
         """
         next_nodeid = nextitem.nodeid if nextitem is not None else None
         held = self._held_fork
         if held is not None and (held[0], held[1]) == (module, plan.spec) and held[2].alive:
             box = held[2]
-            out, exit_with = self.runner.run_in(box, item, next_nodeid=next_nodeid, timeout=plan.timeout)
+            out, exit_with = self.runner.run_in(box, item, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead)
         else:
             self._close_fork()
             forked, out, exit_with = self.runner.fork(
-                item, lease, network=plan.spec.network, next_nodeid=next_nodeid, timeout=plan.timeout
+                item, lease, network=plan.spec.network, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead
             )
             name = forked.name if forked is not None else f"{lease.handle.name}.{self.runner.forks}"
             if forked is None:

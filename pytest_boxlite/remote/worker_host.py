@@ -55,9 +55,13 @@ class ForkedBox:
     handle: BoxHandle  # the fork parent's box
     worker: _Worker
     child: int
-    stream: ForkStream | None
+    stream: ForkStream | None  # None until the box has connected and shown its token
     oom_before: int
     alive: bool = True
+    nodeid: str = ""  # the test it was forked for (collected in the warm interpreter first)
+    token: str = ""
+    network: bool = False
+    log_since: int = 0  # the fork parent's log size when it was forked
 
 
 @dataclasses.dataclass
@@ -154,6 +158,8 @@ class RemoteRunner:
         self._seq = 0  # every run's number: its messages carry it (see transport.drain)
         #: Forked boxes that said DONE but may not have exited yet: (worker, pid, kill-after).
         self._lingering: list[tuple[_Worker, int, float]] = []
+        #: A box forked ahead for the next test, per fork parent (see ``fork``'s ``ahead``).
+        self._ahead: dict[str, ForkedBox] = {}
         #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
         self.forks = 0
         self.fork_waits: list[float] = []
@@ -228,7 +234,8 @@ class RemoteRunner:
         return made["gateway"]
 
     def stop_worker(self, handle: BoxHandle) -> None:
-        """Drop the gateway; the box is killed right after."""
+        """Drop the gateway; the box is killed right after (with any box forked ahead in it)."""
+        self._ahead.pop(handle.name, None)
         with self._lock:
             w = self._workers.pop(handle.name, None)
             listener = self._listeners.pop(handle.name, None)
@@ -244,6 +251,8 @@ class RemoteRunner:
             return set(self._workers)
 
     def shutdown(self) -> None:
+        for parent in list(self._ahead):
+            self._drop_ahead(parent)
         with contextlib.suppress(Exception):
             self._reap_lingering(final=True)
         with self._lock:
@@ -283,77 +292,150 @@ class RemoteRunner:
         return self._finish(item, out, handle, start, timeout, forked_code=None), out.exit
 
     def fork(
-        self, item: pytest.Item, lease: Lease, *, network: bool, next_nodeid: str | None, timeout: float
+        self,
+        item: pytest.Item,
+        lease: Lease,
+        *,
+        network: bool,
+        next_nodeid: str | None,
+        timeout: float,
+        ahead: str | None = None,
     ) -> tuple[ForkedBox | None, list[pytest.TestReport], tuple[str, int] | None]:
-        """Fork a fresh box from the leased box's warm interpreter and run ``item`` in it first.
+        """Run ``item`` first in a fresh box forked from the leased box's warm interpreter.
 
         The fork gets new namespaces and empty writable layers, so it is as pristine as a newly
-        booted box, at the cost of a fork (namespace runtime).  Returns the forked box (``None``
-        when it could not start or died), ``item``'s reports and ``pytest.exit``'s arguments if
-        the test called it.  A live box takes more items (:meth:`run_in`) until :meth:`close`.
+        booted box, at the cost of a fork (namespace runtime).  The box is the one made ahead for
+        ``item`` (see ``ahead``) if there is one, else it is forked now.  ``ahead``: the node id of
+        the test that will need the next new box from this warm interpreter; that box is forked
+        while ``item`` runs (in a box of its own, which it starts only on its own ``RUN``).
+        Returns the forked box (``None`` when it could not start or died), ``item``'s reports
+        and ``pytest.exit``'s arguments if the test called it.  A live box takes more items
+        (:meth:`run_in`) until :meth:`close`.
         """
         handle = lease.handle
-        with self._lock:
-            worker = self._workers.get(handle.name)
-        self.forks += 1
-        name = f"{handle.name}.{self.forks}"
-        if worker is None:
-            return None, self._failed(item, f"box {handle.name} has no running test worker", handle, 0.0), None
-        listener = self._fork_listener(handle)
-        token = secrets.token_hex(8)
         start = time.monotonic()
-        # Failure reports quote only what this fork added to the fork parent's log.
-        size = getattr(handle, "log_size", None)
-        self._log_since[handle.name] = size() if size is not None else 0
-        self._seq += 1
-        request = {
-            "nodeid": item.nodeid,
-            "next": next_nodeid,
-            "seq": self._seq,
-            "token": token,
-            "sock": FORK_SOCKET,
-            "hostname": name[:63],
-            "network": network,
-        }
-        try:
-            worker.channel.send((msg.FORK, request))
-            kind, fields = worker.channel.receive(min(timeout, 30.0))
-        except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError) as exc:
-            return None, self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), None
-        if kind != msg.FORKED or not isinstance(fields.get("pid"), int):
-            why = f"could not fork a box: {str(fields.get('text', kind))[:2000]}"
-            return None, self._failed(item, why, handle, 0.0), None
-        ended = fields.get("ended")
-        self._reap_lingering(worker, set(ended) if isinstance(ended, list) else set())
-        box = ForkedBox(name, handle, worker, fields["pid"], None, _oom_count(handle))
-        try:
-            box.stream = self._accept_fork(worker, listener, token, box.child, start + timeout)
-        except TimeoutError:
-            out = Outcome(timed_out=True)
-        else:
+        box = self._take_ahead(handle.name, item.nodeid, network)
+        if box is None:
+            made = self._request_fork(handle, item.nodeid, network, timeout)
+            if isinstance(made, str):
+                return None, self._failed(item, made, handle, 0.0), None
+            box = made
+        # Failure reports quote only what the box's fork parent logged since the box was forked.
+        self._log_since[handle.name] = box.log_since
+        if box.stream is None:
+            try:
+                box.stream = self._accept_fork(
+                    box.worker, self._fork_listener(handle), box.token, box.child, start + timeout
+                )
+            except TimeoutError:
+                box.alive = False
+                self._fork_status(box.worker, msg.KILL, box.child)
+                return None, self._finish(item, Outcome(timed_out=True), handle, start, timeout, forked_code=None), None
             if box.stream is None:
-                died = self._fork_status(worker, msg.WAIT, box.child)
+                box.alive = False
+                died = self._fork_status(box.worker, msg.WAIT, box.child)
                 why = f"the box died before it could run the test: it {reports.describe_status(died, forked=True)}"
                 return None, self._failed(item, why, handle, time.monotonic() - start), None
-            out = drain(box.stream, item, start + timeout, box=handle.name, seq=self._seq)
-        done, exit_with = self._settle(box, item, out, start, timeout)
+        done, exit_with = self.run_in(box, item, next_nodeid=next_nodeid, timeout=timeout, start=start, ahead=ahead)
         return (box if box.alive else None), done, exit_with
 
     def run_in(
-        self, box: ForkedBox, item: pytest.Item, *, next_nodeid: str | None, timeout: float
+        self,
+        box: ForkedBox,
+        item: pytest.Item,
+        *,
+        next_nodeid: str | None,
+        timeout: float,
+        start: float | None = None,
+        ahead: str | None = None,
     ) -> tuple[list[pytest.TestReport], tuple[str, int] | None]:
-        """Run another item in a live forked box (module scope: the module's tests share one fork)."""
+        """Run an item in a live forked box (the first, or another of its module: module scope).
+
+        ``ahead``: as for :meth:`fork`, the box for that test is forked once this item has started.
+        """
         assert box.stream is not None and box.alive
-        start = time.monotonic()
+        start = time.monotonic() if start is None else start
         self._seq += 1
-        line = json.dumps([msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": self._seq}]) + "\n"
+        seq = self._seq
+        line = json.dumps([msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq}]) + "\n"
         try:
             box.stream.conn.sendall(line.encode())
         except OSError as exc:
             out = Outcome(hung_up=exc)
         else:
-            out = drain(box.stream, item, start + timeout, box=box.handle.name, seq=self._seq)
+            if ahead is not None:
+                self._fork_ahead(box.handle, ahead, box.network, timeout)
+            out = drain(box.stream, item, start + timeout, box=box.handle.name, seq=seq)
         return self._settle(box, item, out, start, timeout)
+
+    def _request_fork(self, handle: BoxHandle, nodeid: str, network: bool, timeout: float) -> ForkedBox | str:
+        """Ask ``handle``'s warm interpreter for a fresh box for ``nodeid``: the box, not yet
+        connected (see :meth:`_accept_fork`), or why there is none."""
+        with self._lock:
+            worker = self._workers.get(handle.name)
+        self.forks += 1
+        name = f"{handle.name}.{self.forks}"
+        if worker is None:
+            return f"box {handle.name} has no running test worker"
+        self._fork_listener(handle)  # listening before the box can connect
+        token = secrets.token_hex(8)
+        size = getattr(handle, "log_size", None)
+        log_since = size() if size is not None else 0
+        request = {"nodeid": nodeid, "token": token, "sock": FORK_SOCKET, "hostname": name[:63], "network": network}
+        try:
+            worker.channel.send((msg.FORK, request))
+            kind, fields = worker.channel.receive(min(timeout, 30.0))
+        except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError) as exc:
+            return self._death_reason(handle, worker, exc)
+        if kind != msg.FORKED or not isinstance(fields, dict) or not isinstance(fields.get("pid"), int):
+            text = fields.get("text", kind) if isinstance(fields, dict) else kind
+            return f"could not fork a box: {str(text)[:2000]}"
+        ended = fields.get("ended")
+        self._reap_lingering(worker, set(ended) if isinstance(ended, list) else set())
+        return ForkedBox(
+            name,
+            handle,
+            worker,
+            fields["pid"],
+            None,
+            _oom_count(handle),
+            nodeid=nodeid,
+            token=token,
+            network=network,
+            log_since=log_since,
+        )
+
+    def _fork_ahead(self, handle: BoxHandle, nodeid: str, network: bool, timeout: float) -> None:
+        """Fork the box of the test after this one now, while this one runs (see :meth:`fork`).
+
+        A box that cannot be had now is not an error of this test: the next test forks its own
+        and reports what goes wrong then.
+        """
+        self._drop_ahead(handle.name)
+        made = self._request_fork(handle, nodeid, network, timeout)
+        if not isinstance(made, str):
+            self._ahead[handle.name] = made
+
+    def _take_ahead(self, parent: str, nodeid: str, network: bool) -> ForkedBox | None:
+        """The box made ahead for ``nodeid`` from ``parent``; one made for another test is ended."""
+        box = self._ahead.pop(parent, None)
+        if box is not None and (box.nodeid, box.network) != (nodeid, network):
+            self._end_unused(box)
+            box = None
+        return box
+
+    def _drop_ahead(self, parent: str) -> None:
+        box = self._ahead.pop(parent, None)
+        if box is not None:
+            self._end_unused(box)
+
+    def _end_unused(self, box: ForkedBox) -> None:
+        """A box made ahead that no test will use: killed at the next reap (it ran no test)."""
+        if box.stream is not None:
+            with contextlib.suppress(OSError):
+                box.stream.conn.close()
+        box.alive = False
+        self._lingering.append((box.worker, box.child, time.monotonic()))
 
     def close(self, box: ForkedBox) -> None:
         """End a forked box: its stream closes, and one that lingers is killed (bounded)."""
@@ -486,6 +568,7 @@ class RemoteRunner:
             return sock
 
     def _kill(self, handle: BoxHandle) -> None:
+        self._ahead.pop(handle.name, None)  # it dies with the box
         with self._lock:
             w = self._workers.pop(handle.name, None)
             listener = self._listeners.pop(handle.name, None)
