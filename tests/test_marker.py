@@ -627,6 +627,65 @@ def test_scope_test_is_the_default_fresh_box_per_test(pytester: pytest.Pytester,
     assert box_of(reports, "test_scope_a.py::test_1_writes") != box_of(reports, "test_scope_a.py::test_2_reads")
 
 
+AHEAD_TESTS = """
+    import time
+
+    def test_1_slow(record_property):
+        record_property("start", time.time())
+        time.sleep(0.5)
+        record_property("end", time.time())
+
+    def test_2(record_property):
+        record_property("start", time.time())
+
+    def test_3(record_property):
+        record_property("start", time.time())
+"""
+
+
+def test_box_forked_ahead_starts_its_test_only_after_the_one_before(pytester: pytest.Pytester, home: Path) -> None:
+    """The next test's box is forked while a test runs, but its test starts after that test ends."""
+    pytester.makepyfile(test_ahead=AHEAD_TESTS)
+    result, reports = run(pytester, "--boxlite", f"--boxlite-home={home}")
+    no_leftovers(home)
+    assert result.parseoutcomes() == {"passed": 3}
+    first = props(reports[("test_ahead.py::test_1_slow", "call")])
+    second = props(reports[("test_ahead.py::test_2", "call")])
+    third = props(reports[("test_ahead.py::test_3", "call")])
+    assert first["end"] - first["start"] >= 0.5
+    assert second["start"] >= first["end"], (first, second)
+    assert third["start"] >= second["start"]
+    boxes = {box_of(reports, f"test_ahead.py::{name}") for name in ("test_1_slow", "test_2", "test_3")}
+    assert len(boxes) == 3
+
+
+def test_box_forked_ahead_and_never_used_is_ended(pytester: pytest.Pytester, home: Path) -> None:
+    """-x stops the session after a failure: the box forked ahead for the next test is ended with it."""
+    pytester.makepyfile(
+        test_stop="""
+        def test_1_fails():
+            assert False
+
+        def test_2_never_runs():
+            pass
+        """
+    )
+    result, reports = run(pytester, "--boxlite", "-x", f"--boxlite-home={home}")
+    no_leftovers(home)
+    assert result.parseoutcomes() == {"failed": 1}
+    assert ("test_stop.py::test_2_never_runs", "call") not in reports
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _runs_in(p, home)]
+    assert left == [], f"processes of the run's boxes outlived it: {left}"
+
+
+def _runs_in(proc: Path, home: Path) -> bool:
+    """Whether process ``proc`` (a /proc entry) was started for a box under ``home``."""
+    try:
+        return str(home) in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False  # it ended while we looked
+
+
 # --------------------------------------------------------------------------
 # 1. strict marker validation
 
