@@ -60,14 +60,16 @@ ARGS = ("-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:b
 #: Appended to the guest source before its last statement (``if __name__ == "__channelexec__":``).
 GUEST_PROBE = r"""
 import os as _pbx_os
+import resource as _pbx_resource
 import time as _pbx_time
 
 _PBX_FD = _pbx_os.dup(2)
 _pbx_os.environ["PBXPROF_FD"] = str(_PBX_FD)
+_PBX_BOX = [0]  # the box a stamp belongs to: set in each box's pid 1, inherited by its test process
 
 
 def _pbx_mark(label):
-    line = "PBXPROF %d %s %.9f\n" % (_pbx_os.getpid(), label, _pbx_time.monotonic())
+    line = "PBXPROF %d %s %.9f\n" % (_PBX_BOX[0], label, _pbx_time.monotonic())
     _pbx_os.write(_PBX_FD, line.encode())
 
 
@@ -88,17 +90,7 @@ def _pbx_wrap(name, label=None):
 _pbx_fork = _pbx_os.fork
 
 
-import resource as _pbx_resource
-
-_PBX_WARM = _pbx_os.getpid()
-
-
 def _pbx_fork_marked():
-    if _pbx_os.getpid() == _PBX_WARM:
-        # The boxes this interpreter forked and reaped so far, CPU seconds (each parent in a box
-        # waits for its child, so a reaped box's whole tree is counted).
-        ru = _pbx_resource.getrusage(_pbx_resource.RUSAGE_CHILDREN)
-        _pbx_os.write(_PBX_FD, ("PBXCPU %d %.6f\n" % (_pbx_os.getpid(), ru.ru_utime + ru.ru_stime)).encode())
     _pbx_mark("fork>")
     pid = _pbx_fork()
     _pbx_mark("fork<" + ("parent" if pid else "child"))
@@ -106,6 +98,23 @@ def _pbx_fork_marked():
 
 
 _pbx_os.fork = _pbx_fork_marked
+_pbx_clone = clone_box
+
+
+def clone_box(*a, **k):
+    # The boxes this interpreter made and reaped so far, CPU seconds (each parent in a box waits
+    # for its child, so a reaped box's whole tree is counted).
+    ru = _pbx_resource.getrusage(_pbx_resource.RUSAGE_CHILDREN)
+    _pbx_os.write(_PBX_FD, ("PBXCPU %d %.6f\n" % (_PBX_BOX[0], ru.ru_utime + ru.ru_stime)).encode())
+    _PBX_BOX[0] += 1
+    _pbx_mark("clone>")
+    pid = _pbx_clone(*a, **k)
+    if pid == 0:
+        _pbx_os.environ["PBXPROF_BOX"] = str(_PBX_BOX[0])
+    _pbx_mark("clone<" + ("parent" if pid else "child"))
+    return pid
+
+
 _pbx_mount_inner = _mount
 
 
@@ -114,24 +123,21 @@ def _mount(libc, src, target, fstype, flags, data):
     try:
         return _pbx_mount_inner(libc, src, target, fstype, flags, data)
     finally:
-        _PBX_MOUNTS.append((_pbx_time.monotonic() - t, fstype or ("bind" if flags & 4096 else "flags")))
+        _PBX_MOUNTS.append(_pbx_time.monotonic() - t)
 
 
 _PBX_MOUNTS = []
-for _n in ("_enter_user_namespace", "_mounts", "_cut_channel", "_limit_caps", "_loopback_up", "_init"):
-    if _n in globals():
-        _pbx_wrap(_n)
+for _n in ("_cut_channel", "_fresh_box", "enter_test_namespaces", "_init"):
+    _pbx_wrap(_n)
 _pbx_fresh_inner = _fresh_box
 
 
 def _fresh_box(*a, **k):
-    _pbx_mark("fresh_box>")
     try:
         return _pbx_fresh_inner(*a, **k)
     finally:
-        _pbx_mark("fresh_box<")
-        total = sum(t for t, _ in _PBX_MOUNTS)
-        _pbx_os.write(_PBX_FD, ("PBXMOUNTS %d %d %.9f\n" % (_pbx_os.getpid(), len(_PBX_MOUNTS), total)).encode())
+        line = "PBXMOUNTS %d %d %.9f\n" % (_PBX_BOX[0], len(_PBX_MOUNTS), sum(_PBX_MOUNTS))
+        _pbx_os.write(_PBX_FD, line.encode())
         del _PBX_MOUNTS[:]
 
 """
@@ -157,7 +163,8 @@ def mark(label, nodeid=None):
     if GUEST:
         fd = os.environ.get("PBXPROF_FD")
         if fd:
-            os.write(int(fd), ("PBXPROF %d %s %.9f\n" % (os.getpid(), label, time.monotonic())).encode())
+            box = int(os.environ.get("PBXPROF_BOX", "0"))
+            os.write(int(fd), ("PBXPROF %d %s %.9f\n" % (box, label, time.monotonic())).encode())
     else:
         MARKS.append((label, time.monotonic(), nodeid))
 
@@ -193,7 +200,8 @@ if not GUEST:
         ("_accept_fork", "host.accept"),
         ("_settle", "host.settle"),
         ("close", "host.close"),
-        ("_fork_listener", "host.listener"),
+        ("run_in", "host.run_in"),
+        ("_fork_ahead", "host.ahead"),
     ):
         wrap(wh.RemoteRunner, _name, _label)
     wrap(wh, "drain", "host.drain")
@@ -274,73 +282,97 @@ def write_suite(work: Path, n: int) -> None:
     (work / "test_trivial.py").write_text("".join(f"def test_{i}():\n    pass\n\n\n" for i in range(n)))
 
 
-def timelines(data: dict[str, Any]) -> list[list[tuple[str, float]]]:
-    """Each test's stamps, host and guest, in time order: logstart of one test to logstart of the next."""
+def timelines(data: dict[str, Any]) -> tuple[list[list[tuple[str, float]]], dict[int, list[tuple[str, float]]]]:
+    """Each test's stamps in time order (logstart of one test to logstart of the next: the host's,
+    and those of the box that ran the test), and every box's own stamps, by box."""
     host = data["host"]
     starts = [t for label, t, _ in host if label == "logstart"]
-    events = [(label, t) for label, t, _ in host]
+    host_events = sorted(((label, t) for label, t, _ in host), key=lambda e: e[1])
+    boxes: dict[int, list[tuple[str, float]]] = defaultdict(list)
     mounts: list[tuple[int, float]] = []
-    for label, t, _pid in data["guest"]:
+    for label, t, box in data["guest"]:
         if label.startswith("mounts:"):
             mounts.append((int(label.split(":")[1]), t))  # (count, seconds): not a stamp
         else:
-            events.append(("box." + label, t))
-    events.sort(key=lambda e: e[1])
+            boxes[box].append(("box." + label, t))
+    for stamps in boxes.values():
+        stamps.sort(key=lambda e: e[1])
+    ran = {
+        box: next(t for label, t in stamps if label == "box.guest.protocol>")
+        for box, stamps in boxes.items()
+        if any(label == "box.guest.protocol>" for label, _ in stamps)
+    }
     out = []
     for i, start in enumerate(starts):
         end = starts[i + 1] if i + 1 < len(starts) else float("inf")
-        out.append([e for e in events if start <= e[1] < end])
+        mine = [b for b, t in ran.items() if start <= t < end]
+        events = [e for e in host_events if start <= e[1] < end]
+        for b in mine[:1]:
+            events += [e for e in boxes[b] if start <= e[1] < end]
+        out.append(sorted(events, key=lambda e: e[1]))
     data["_mounts"] = mounts
-    return out
+    return out, boxes
 
 
-#: The phases of one boxed test: (name, stamp it starts at, stamp it ends at).  A stamp is a label
-#: and its occurrence in the test's time line (``box.fork<child`` #1 is the forked box's first
-#: instruction, #2 its pid 1, #3 the test process).
-PHASES: list[tuple[str, tuple[str, int], tuple[str, int]]] = [
-    ("host: dispatch, FORK request to the warm interpreter", ("logstart", 1), ("box.fork>", 1)),
-    ("fork of the warm interpreter", ("box.fork>", 1), ("box.fork<child", 1)),
-    ("child: connect to the host, cut the channel", ("box.fork<child", 1), ("box.fresh_box>", 1)),
-    ("fresh box: before unshare (libc handle)", ("box.fresh_box>", 1), ("box.enter_user_namespace>", 1)),
-    ("fresh box: unshare + id maps", ("box.enter_user_namespace>", 1), ("box.enter_user_namespace<", 1)),
-    ("fresh box: the mounts (layers, masks, tmpfs)", ("box.enter_user_namespace<", 1), ("box.fork>", 2)),
-    ("fresh box: fork of pid 1", ("box.fork>", 2), ("box.fork<child", 2)),
-    ("pid 1: /proc, hostname, nested userns, caps", ("box.fork<child", 2), ("box.fresh_box<", 1)),
-    ("fork of the test process (pid 1 stays init)", ("box.fresh_box<", 1), ("box.fork<child", 3)),
-    ("test process: token, to the runtest protocol", ("box.fork<child", 3), ("box.guest.protocol>", 1)),
-    ("box: runtest setup + its report", ("box.guest.protocol>", 1), ("box.test.call>", 1)),
-    ("box: the test itself", ("box.test.call>", 1), ("box.test.call<", 1)),
-    ("box: call/teardown reports", ("box.test.call<", 1), ("box.guest.protocol<", 1)),
-    ("reports -> host (DONE read)", ("box.guest.protocol<", 1), ("host.drain<", 1)),
-    ("host: settle, close, log the reports", ("host.drain<", 1), ("logfinish", 1)),
-    ("host: to the next test", ("logfinish", 1), ("next logstart", 1)),
+#: The test's own path (critical: the host waits through each): (name, from stamp, to stamp).
+PHASES: list[tuple[str, str, str]] = [
+    ("host: logstart -> RUN sent (the box made ahead, accepted)", "logstart", "host.run_in>"),
+    ("host: RUN sent -> the box's runtest protocol starts", "host.run_in>", "box.guest.protocol>"),
+    ("  (of which: FORK request for the next test's box)", "host.ahead>", "host.ahead<"),
+    ("box: runtest setup + its report", "box.guest.protocol>", "box.test.call>"),
+    ("box: the test itself", "box.test.call>", "box.test.call<"),
+    ("box: call/teardown reports", "box.test.call<", "box.guest.protocol<"),
+    ("reports -> host (DONE read)", "box.guest.protocol<", "host.drain<"),
+    ("host: settle, close, log the reports", "host.drain<", "logfinish"),
+    ("host: to the next test", "logfinish", "next logstart"),
+]
+#: Making one box (while the test before it runs): (name, from stamp, to stamp).
+BOX_PHASES: list[tuple[str, str, str]] = [
+    ("clone of the warm interpreter (parent's side)", "box.clone>", "box.clone<parent"),
+    ("clone -> pid 1 runs, ids mapped", "box.clone>", "box.clone<child"),
+    ("pid 1: connect to the host, cut the channel", "box.clone<child", "box.cut_channel<"),
+    ("pid 1: fresh layers, masks, tmpfs, /proc, hostname", "box.fresh_box>", "box.fresh_box<"),
+    ("pid 1: fork of the test process", "box.fork>", "box.fork<child"),
+    ("test process: own user namespace (root)", "box.enter_test_namespaces>", "box.enter_test_namespaces<"),
+    ("box made: clone -> test process waits for its RUN", "box.clone>", "box.enter_test_namespaces<"),
 ]
 
 
-def phases(lines: list[list[tuple[str, float]]], skip: int) -> tuple[dict[str, list[float]], list[float], list[str]]:
-    """Each phase's durations over the steady-state tests, the per-test intervals, and the order."""
+def _first(stamps: list[tuple[str, float]]) -> dict[str, float]:
+    at: dict[str, float] = {}
+    for label, t in stamps:
+        at.setdefault(label, t)
+    return at
+
+
+def phases(
+    lines: list[list[tuple[str, float]]], boxes: dict[int, list[tuple[str, float]]], skip: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]], list[float]]:
+    """Each phase's durations over the steady-state tests and boxes, and the per-test intervals."""
     gaps: dict[str, list[float]] = defaultdict(list)
+    box_gaps: dict[str, list[float]] = defaultdict(list)
     intervals = []
     steady = lines[skip:-1]  # the last test's interval runs into the session's end
     for i, line in enumerate(steady):
         nxt = lines[skip + i + 1][0][1]
         intervals.append(nxt - line[0][1])
-        at: dict[tuple[str, int], float] = {}
-        seen: dict[str, int] = defaultdict(int)
-        for label, t in [*line, ("next logstart", nxt)]:
-            seen[label] += 1
-            at[(label, seen[label])] = t
+        at = _first([*line, ("next logstart", nxt)])
         for name, a, b in PHASES:
             if a in at and b in at:
                 gaps[name].append(at[b] - at[a])
-    return gaps, intervals, [name for name, _, _ in PHASES]
+    for box in sorted(boxes)[skip:]:
+        at = _first(boxes[box])
+        for name, a, b in BOX_PHASES:
+            if a in at and b in at:
+                box_gaps[name].append(at[b] - at[a])
+    return gaps, box_gaps, intervals
 
 
 def profile(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     work = root / "suite"
     write_suite(work, args.tests)
     merged: dict[str, list[float]] = defaultdict(list)
-    order: list[str] = []
+    merged_box: dict[str, list[float]] = defaultdict(list)
     intervals: list[float] = []
     mounts: list[tuple[int, float]] = []
     walls = []
@@ -361,21 +393,26 @@ def profile(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             b - a for a, b in zip(data["host_cpu"][args.skip :], data["host_cpu"][args.skip + 1 :], strict=False)
         ]
         box_cpu += [b - a for a, b in zip(data["box_cpu"][args.skip :], data["box_cpu"][args.skip + 1 :], strict=False)]
-        gaps, iv, ord_ = phases(timelines(data), args.skip)
+        lines, boxes = timelines(data)
+        gaps, box_gaps, iv = phases(lines, boxes, args.skip)
         mounts += data["_mounts"][args.skip :]
         intervals += iv
-        for k in ord_:
-            if k not in order:
-                order.append(k)
         for k, v in gaps.items():
             merged[k] += v
+        for k, v in box_gaps.items():
+            merged_box[k] += v
         log(f"  run {r + 1}/{args.runs}: {wall:.2f} s, median interval {statistics.median(iv) * 1e3:.2f} ms")
     n_tests = len(intervals)
-    table = []
-    for k in order:
-        v = merged[k]
-        # A phase seen in under half the tests is an occasional event (a reap that waited): listed apart.
-        table.append({"phase": k, "p50": statistics.median(v), "n": len(v), "mean": statistics.fmean(v)})
+
+    def rows(found: dict[str, list[float]], names: list[str]) -> list[dict[str, Any]]:
+        return [
+            {"phase": k, "p50": statistics.median(found[k]), "n": len(found[k]), "mean": statistics.fmean(found[k])}
+            for k in names
+            if found.get(k)
+        ]
+
+    table = rows(merged, [name for name, _, _ in PHASES])
+    box_table = rows(merged_box, [name for name, _, _ in BOX_PHASES])
     return {
         "tests": args.tests,
         "runs": args.runs,
@@ -387,6 +424,7 @@ def profile(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "host_cpu_p50": statistics.median(host_cpu) if host_cpu else None,
         "box_cpu_p50": statistics.median(box_cpu) if box_cpu else None,
         "phases": table,
+        "box_phases": box_table,
         "mounts": {
             "count": statistics.median(c for c, _ in mounts) if mounts else None,
             "p50": statistics.median(t for _, t in mounts) if mounts else None,
@@ -504,21 +542,20 @@ def render(res: dict[str, Any]) -> str:
             + ")"
         )
         lines.append(f"  command: {p['command']}")
-        lines.append(f"  {'phase (stamp -> stamp)':<58} {'p50':>9} {'mean':>9} {'n':>5}")
+        lines.append(f"  {'the test (the host waits through each phase)':<58} {'p50':>9} {'mean':>9} {'n':>5}")
         total = 0.0
         for row in p["phases"]:
-            if row["n"] < p["steady_tests"] // 2:
-                continue
-            total += row["p50"]
+            if not row["phase"].startswith(" "):
+                total += row["p50"]
             lines.append(f"  {row['phase']:<58} {row['p50'] * 1e3:8.2f}ms {row['mean'] * 1e3:8.2f}ms {row['n']:>5}")
-        rare = [r for r in p["phases"] if r["n"] < p["steady_tests"] // 2]
-        for row in rare:
-            lines.append(f"  (occasional) {row['phase']:<45} {row['p50'] * 1e3:8.2f}ms {'':>9} {row['n']:>5}")
         lines.append(f"  {'sum of the phase medians':<58} {total * 1e3:8.2f}ms")
         lines.append(
             f"  {'logstart -> next logstart (per test)':<58} {p['interval_p50'] * 1e3:8.2f}ms "
             f"{p['interval_mean'] * 1e3:8.2f}ms"
         )
+        lines.append(f"  {'its box, made while the test before it runs':<58}")
+        for row in p["box_phases"]:
+            lines.append(f"  {row['phase']:<58} {row['p50'] * 1e3:8.2f}ms {row['mean'] * 1e3:8.2f}ms {row['n']:>5}")
         if p["host_cpu_p50"] is not None and p["box_cpu_p50"] is not None:
             lines.append(
                 f"  CPU per test: host process {p['host_cpu_p50'] * 1e3:.2f} ms, boxes "

@@ -87,8 +87,8 @@ class IdMapper:
 
     Mapping every id of this namespace (not only one's own) takes CAP_SETUID in the parent user
     namespace, which the child gives up by unsharing: the process that stays behind writes them.
-    The parent that forks the child anyway does it (the warm interpreter, or the fresh box's
-    intermediate process for the nested namespace), so no helper process is started per box.
+    The parent that forks the child anyway does it (the warm interpreter for the box's pid 1, and
+    pid 1 for the root test process's nested namespace), so no helper process is started per box.
     Made before the fork; then :meth:`serve` in the parent and :meth:`request` in the child.
     """
 
@@ -131,11 +131,13 @@ class IdMapper:
         finally:
             self.close_parent_side()
 
-    def request(self, libc, flags):
-        """In the child: unshare(CLONE_NEWUSER | flags), have the parent write the maps, become root."""
+    def request(self, libc, flags=None):
+        """In the child: unshare(CLONE_NEWUSER | flags) (``None``: it is in its new user namespace
+        already, made by :func:`clone_box`), have the parent write the maps, become root."""
         self.close_parent_side()
         try:
-            _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
+            if flags is not None:
+                _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
             os.write(self.ready_w, b"u\n")
             if os.read(self.done_r, 2) != b"m\n":
                 raise OSError(1, "could not map ids into the fresh box's user namespace")
@@ -157,6 +159,13 @@ def _id_maps(proc):
     return lines
 
 
+def _map_own_ids(uid, gid):
+    """In a new user namespace, as anyone but root: map one's own uid and gid, written by oneself."""
+    _write("/proc/self/uid_map", "%d %d 1\n" % (uid, uid))
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
+
+
 def _enter_user_namespace(libc, flags, mapper=None):
     """unshare(CLONE_NEWUSER | flags) with this process's ids mapped one to one.
 
@@ -167,13 +176,134 @@ def _enter_user_namespace(libc, flags, mapper=None):
     if os.geteuid() != 0:
         uid, gid = os.geteuid(), os.getegid()
         _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
-        _write("/proc/self/uid_map", "%d %d 1\n" % (uid, uid))
-        _write("/proc/self/setgroups", "deny")
-        _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
+        _map_own_ids(uid, gid)
         return
     if mapper is None:
         raise OSError(1, "a root box needs its parent to write its id maps (no IdMapper given)")
     mapper.request(libc, flags)
+
+
+_SIGCHLD = 17
+#: clone(2)'s number on machines where its first argument is the flags and its second the new
+#: stack (0: a copy of the caller's, as fork(2) makes).  Elsewhere :func:`clone_box` forks twice.
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220, "riscv64": 220, "ppc64le": 120, "ppc64": 120}
+#: syscall(2) through a PyDLL: the GIL stays held across the call, as os.fork() holds it across
+#: fork(2), so the child starts with the GIL that PyOS_AfterFork_Child then re-creates.
+_SYSCALL = ctypes.PyDLL(None, use_errno=True).syscall
+_SYSCALL.restype = ctypes.c_long
+_SYSCALL.argtypes = [ctypes.c_long] * 6
+
+
+def box_flags(network):
+    """The namespaces of a fresh box.  Root gets its network namespace one level down, in the
+    test process (see :func:`enter_test_namespaces`)."""
+    flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID
+    if not network and os.geteuid() != 0:
+        flags |= _CLONE_NEWNET
+    return flags
+
+
+def clone_box(network, mapper=None):
+    """``os.fork()`` into a fresh box's new namespaces: the child's pid in the parent; 0 in the
+    child, which is pid 1 of its new pid namespace with its ids mapped (root: through ``mapper``,
+    an :class:`IdMapper` the parent serves; anyone else maps their own).
+
+    One clone(2) with the namespace flags: no intermediate process.  fork(2) then unshare(2)
+    would need one, since unsharing a pid namespace moves only the caller's later children, and
+    every extra copy of this large interpreter costs milliseconds to make and to tear down.
+    """
+    flags = box_flags(network)
+    uid, gid = os.geteuid(), os.getegid()
+    number = _SYS_CLONE.get(os.uname().machine)
+    if number is None:
+        return _clone_box_by_forks(flags, mapper)
+    api = ctypes.pythonapi
+    api.PyOS_BeforeFork()
+    pid = _SYSCALL(number, flags | _SIGCHLD, 0, 0, 0, 0)
+    err = ctypes.get_errno()
+    if pid != 0:
+        api.PyOS_AfterFork_Parent()
+        if pid < 0:
+            raise OSError(err, "clone: %s" % os.strerror(err))
+        return pid
+    api.PyOS_AfterFork_Child()
+    _in_new_box(uid, gid, mapper)
+    return 0
+
+
+def _in_new_box(uid, gid, mapper):
+    """The child's first steps in its new user namespace: die with its parent, map its ids."""
+    import signal
+
+    _check(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    if uid != 0:
+        _map_own_ids(uid, gid)
+    elif mapper is None:
+        raise OSError(1, "a root box needs its parent to write its id maps (no IdMapper given)")
+    else:
+        mapper.request(_LIBC)
+
+
+def _clone_box_by_forks(flags, mapper):
+    """:func:`clone_box` where this module knows no clone(2) number: fork, unshare, fork pid 1.
+
+    The process in between waits for pid 1 and exits as it exits (a signal that killed pid 1 kills
+    it too), so the parent sees the box's status either way.
+    """
+    uid, gid = os.geteuid(), os.getegid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 70
+    try:
+        import signal
+
+        _check(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+        _check(_LIBC.unshare(flags), "unshare")
+        if uid != 0:
+            _map_own_ids(uid, gid)
+            mapper = None
+        elif mapper is None:
+            raise OSError(1, "a root box needs its parent to write its id maps (no IdMapper given)")
+        else:
+            mapper.request(_LIBC)
+        child = os.fork()
+        if child == 0:
+            _check(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+            return 0
+        _, status = os.waitpid(child, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            try:
+                signal.signal(-code, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass  # SIGKILL and SIGSTOP cannot be handled, so need no reset
+            os.kill(os.getpid(), -code)
+    except BaseException as exc:
+        sys_stderr_write("pytest-boxlite: the fresh box could not start: %r\n" % (exc,))
+    os._exit(code)
+
+
+def sys_stderr_write(text):
+    import sys
+
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass  # no stderr left to say it on: the exit status says it
+
+
+def enter_test_namespaces(network, mapper=None):
+    """In the test process, forked by the box's pid 1: root moves one user namespace further
+    down, as root of it (``mapper``: an :class:`IdMapper` pid 1 serves), so every mount made so far
+    (the fresh layers included) is locked beneath it, while the hostname, its own mounts and its
+    network namespace (low ports, loopback) are its own to change, as on a machine of its own."""
+    if os.geteuid() != 0:
+        return
+    _enter_user_namespace(_LIBC, _CLONE_NEWNS | _CLONE_NEWUTS | (0 if network else _CLONE_NEWNET), mapper)
+    if not network:
+        _loopback_up()
 
 
 def _limit_caps(libc, keep):
@@ -208,20 +338,16 @@ def _under(path, top):
     return path.startswith(top.rstrip("/") + "/")
 
 
-def _fresh_box(hostname, network, mapper=None):
-    """In the forked child: new namespaces and pristine writable layers.  Returns in the box's pid 1.
+def _fresh_box(hostname, network):
+    """In pid 1 of a box made by :func:`clone_box`: pristine writable layers, /proc, hostname.
 
     Every overlay gets a new, empty upper layer.  The masks the box had on top of its overlays
     (credential directories, the boxes' state) are laid again on top of the new layers, and
-    /tmp, /workspace, /dev/shm and /run are new tmpfs.  ``mapper`` (root only: an
-    :class:`IdMapper` the forking parent serves) writes the new user namespace's id maps.
+    /tmp, /workspace, /dev/shm and /run are new tmpfs.  Anyone but root ends with no capability
+    (root's test process moves one user namespace down instead: :func:`enter_test_namespaces`).
     """
     libc = _libc()
     uid, gid = os.geteuid(), os.getegid()
-    flags = _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID
-    if not network and uid != 0:
-        flags |= _CLONE_NEWNET  # root gets its network namespace one level down (see the end)
-    _enter_user_namespace(libc, flags, mapper)
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
     stage = "/run/.boxlite-fresh"
     os.makedirs(stage, exist_ok=True)
@@ -263,29 +389,8 @@ def _fresh_box(hostname, network, mapper=None):
         _overlay(libc, "%s/keep%d" % (stage, i), m, stage, len(overlays) + i)
     # Last, a new /run: it hides the staging area and the template's control directory.
     _mount(libc, "tmpfs", "/run", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
-    # Root's pid 1 goes one user namespace further down (see the end): this process, which stays
-    # in the fresh one, writes its maps.
-    nested = IdMapper() if uid == 0 else None
-    pid = os.fork()
-    if pid:
-        if nested is not None:
-            nested.serve(pid)
-        # The intermediate process: wait for the box's pid 1 and exit with its status.
-        _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        if code < 0:
-            import signal
-
-            try:
-                signal.signal(-code, signal.SIG_DFL)
-            except (OSError, ValueError):
-                pass  # SIGKILL and SIGSTOP cannot be handled, so need no reset
-            os.kill(os.getpid(), -code)
-        os._exit(code)
-    import signal
     import socket
 
-    _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
     _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
     for name in _PROC_COVERS:
         cover = "/proc/" + name
@@ -296,14 +401,9 @@ def _fresh_box(hostname, network, mapper=None):
     socket.sethostname(hostname)
     with open("/proc/self/oom_score_adj", "w") as fh:
         fh.write("1000")  # under memory pressure the test dies, not the warm interpreter
-    if uid == 0:
-        # Root runs one user namespace further down, as root of it: every mount made so far (the
-        # fresh layers included) is locked beneath it, while the hostname, its own mounts and its
-        # network namespace (low ports, loopback) are its own to change, as on a machine of its own.
-        _enter_user_namespace(libc, _CLONE_NEWNS | _CLONE_NEWUTS | (0 if network else _CLONE_NEWNET), nested)
-    if not network:
-        _loopback_up()
     if uid != 0:
+        if not network:
+            _loopback_up()
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
         # Anyone but root keeps no capability, as locally.

@@ -422,7 +422,7 @@ def serve(channel):
             # Root's fresh box maps every id into its new user namespace: this process writes the maps.
             mapper = IdMapper() if os.geteuid() == 0 else None  # noqa: F821 - guest/fresh.py
             try:
-                pid = os.fork()
+                pid = clone_box(network, mapper)  # noqa: F821 - guest/fresh.py
             except OSError as exc:
                 if mapper is not None:
                     mapper.close_parent_side()
@@ -431,21 +431,28 @@ def serve(channel):
                 return
             if pid:
                 self.children[pid] = None
-                channel.send((FORKED, {"pid": pid, "ended": ended}))  # noqa: F821
+                # The maps first: the box waits for them, while the host can wait for FORKED (with
+                # boxes made ahead it is not waiting on this box's test yet).
                 if mapper is not None:
                     mapper.serve(pid)
+                channel.send((FORKED, {"pid": pid, "ended": ended}))  # noqa: F821
                 return
+            # Here: pid 1 of the fresh box, in its new namespaces, ids mapped.
             code = 0
             try:
                 # Connect first: the fresh box gets a new /run, which hides the socket's directory.
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.connect(sock)
                 _cut_channel(channel)
-                _fresh_box(hostname, network, mapper)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
+                _fresh_box(hostname, network)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
+                nested = IdMapper() if os.geteuid() == 0 else None  # noqa: F821 - guest/fresh.py
                 test = os.fork()
                 if test:
                     conn.close()  # the host sees the stream end when the test process ends
+                    if nested is not None:
+                        nested.serve(test)
                     _init(test)
+                enter_test_namespaces(network, nested)  # noqa: F821 - guest/fresh.py
                 _forget_cached_host_facts()
                 out = conn.makefile("wb")
 

@@ -1,0 +1,77 @@
+"""guest/fresh.py's clone_box: one clone(2) into a fresh box's namespaces, or fork + unshare + fork
+where it knows no clone number, with the same result: the child is pid 1 of a new pid namespace in
+a new user namespace, with the ids a box gets, and the parent sees its exit status."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pytest_boxlite import guest
+
+SCRIPT = r"""
+import os
+import runpy
+import sys
+
+ns = runpy.run_path(sys.argv[1])
+if sys.argv[2] == "forks":
+    ns["_SYS_CLONE"].clear()  # the path of a machine whose clone(2) number it does not know
+outer = {n: os.readlink("/proc/self/ns/" + n) for n in ("pid", "user", "mnt", "uts", "ipc", "net")}
+mapper = ns["IdMapper"]() if os.geteuid() == 0 else None
+uid = os.geteuid()
+pid = ns["clone_box"](False, mapper)
+if pid == 0:
+    inner = {n: os.readlink("/proc/self/ns/" + n) for n in outer}
+    with open("/proc/self/uid_map") as fh:
+        uid_map = fh.read().split()
+    want_map = ["0", "0", "4294967295"] if uid == 0 else [str(uid), str(uid), "1"]
+    # Root's network namespace is made one level down, in the test process (enter_test_namespaces).
+    fails = [n for n in outer if (inner[n] == outer[n]) != (n == "net" and uid == 0)]
+    if os.getpid() != 1:
+        fails.append("pid %d" % os.getpid())
+    if uid_map != want_map:
+        fails.append("uid_map %s" % uid_map)
+    if os.geteuid() != uid:
+        fails.append("euid %d" % os.geteuid())
+    sys.stdout.write(" ".join(fails) + "\n")
+    sys.stdout.flush()
+    os._exit(9 if fails else 7)
+if mapper is not None:
+    mapper.serve(pid)
+_, status = os.waitpid(pid, 0)
+print("status", os.waitstatus_to_exitcode(status))
+"""
+
+
+def _userns_possible() -> bool:
+    """Whether this process may make user namespaces (root, or unprivileged ones allowed)."""
+    if os.geteuid() == 0:
+        return True
+    try:
+        with open("/proc/sys/kernel/unprivileged_userns_clone") as fh:
+            return fh.read().strip() == "1"
+    except OSError:
+        return True  # no such switch: the kernel allows them
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux namespaces")
+@pytest.mark.skipif(not _userns_possible(), reason="user namespaces are not allowed here")
+@pytest.mark.parametrize("path", ["clone", "forks"])
+def test_clone_box_child_is_pid_1_of_new_namespaces(path: str) -> None:
+    if path == "clone" and os.uname().machine not in ("x86_64", "aarch64", "riscv64", "ppc64le", "ppc64"):
+        pytest.skip(f"no clone(2) number for {os.uname().machine}: the fork path is the one used")
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(guest.path("fresh")), path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stderr
+    # The child's line (what differs from a fresh box: nothing), then the parent's.
+    assert lines == ["", "status 7"], (lines, proc.stderr)
