@@ -7,7 +7,7 @@ The public API: the :class:`Sandbox` a box is driven through, the :class:`Boxlit
 
 from __future__ import annotations
 
-import importlib.metadata
+from typing import TYPE_CHECKING, Any
 
 from pytest_boxlite.errors import (
     BoxDeadError,
@@ -27,15 +27,48 @@ from pytest_boxlite.errors import (
     RuntimeUnavailableError,
     SandboxFileError,
 )
-from pytest_boxlite.fixtures import BoxlitePool
-from pytest_boxlite.pool import Lease, PoolStats
-from pytest_boxlite.sandbox import ExecResult, GrepMatch, Sandbox, SearchResult
 from pytest_boxlite.spec import BoxSpec
 
-try:
-    __version__ = importlib.metadata.version("pytest-boxlite")
-except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
-    __version__ = "0+unknown"
+if TYPE_CHECKING:
+    from pytest_boxlite.fixtures import BoxlitePool
+    from pytest_boxlite.pool import Lease, PoolStats
+    from pytest_boxlite.sandbox import ExecResult, GrepMatch, Sandbox, SearchResult
+
+    __version__: str
+
+#: Names imported on first use: importing the package must not import pytest (the fixtures do),
+#: so that ``python -m pytest_boxlite.boxproc``, which starts every --boxlite-scope=worker xdist
+#: worker, starts in a fraction of the time.
+_LAZY = {
+    "BoxlitePool": "pytest_boxlite.fixtures",
+    "Lease": "pytest_boxlite.pool",
+    "PoolStats": "pytest_boxlite.pool",
+    "ExecResult": "pytest_boxlite.sandbox",
+    "GrepMatch": "pytest_boxlite.sandbox",
+    "Sandbox": "pytest_boxlite.sandbox",
+    "SearchResult": "pytest_boxlite.sandbox",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        import importlib.metadata
+
+        try:
+            version = importlib.metadata.version("pytest-boxlite")
+        except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+            version = "0+unknown"
+        globals()["__version__"] = version
+        return version
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BoxDeadError",
