@@ -10,25 +10,28 @@ Usage::
 ``time.monotonic()`` (one clock for the host and every box: pid and user namespaces do not change
 CLOCK_MONOTONIC) at fixed points:
 
-* on the host: ``logstart``, FORKED received, the forked box's connection accepted, its messages
-  drained, the reports settled, ``logreport``, ``logfinish``; the reap of earlier forked boxes
-  (``reap``) and the close of this one;
+* on the host: ``logstart``, ``run_in`` (the RUN sent to the test's box, made ahead and accepted),
+  the FORK round trip for the next test's box (``_fork_ahead``), the box's messages drained, the
+  reports settled, ``logreport``, ``logfinish``;
 * in the box: the code the host sends to the box's interpreter is extended (only in this run: the
-  conftest wraps ``RemoteRunner.__init__``) with wrappers around ``os.fork``, the fresh box's steps
-  (``_enter_user_namespace``, reading ``/proc/self/mountinfo``, the mounts, the pid-1 fork,
-  ``/proc``) and the guest's runtest protocol.  The box writes its stamps to a duplicate of its
-  stderr (the box log, which pytest's capture never redirects); the host reads the logs at the end.
+  conftest wraps ``RemoteRunner.__init__``) with wrappers around ``clone_box`` (which also numbers
+  the boxes, so every stamp says which box it is from), ``os.fork``, the fresh box's steps and the
+  guest's runtest protocol; the warm interpreter's ``RUSAGE_CHILDREN`` at each clone gives the CPU
+  of the boxes it has reaped.  The box writes its stamps to a duplicate of its stderr (the box log,
+  which pytest's capture never redirects); the host reads the logs at the end.
 
-Each test's stamps are put in time order; each gap between consecutive stamps is one phase, named
-``from -> to``; the table gives the median of each phase over the steady-state tests (the first
-``--skip`` tests of each run are left out: the fork parent's boot and its first forks) and the sum
-of the medians beside the median logstart -> logstart interval (what one test costs the run).
+Two tables, medians over the steady-state tests (the first ``--skip`` of each run are left out:
+the fork parent's boot and its first boxes): the test's own path (the phases the host waits
+through, from its logstart to the next test's, with the box that ran it), and the making of a box
+(clone -> pid 1 -> the test process waiting for its RUN), which runs while the test before it runs.
 
-**Floor.**  The same steps alone, in this process after importing pytest and collecting a module of
-``N`` tests (so the interpreter is as large as a box's warm one): a fork of the warm interpreter
-and the parent's wait; a fork whose child unshares new user, mount, uts, ipc, pid and net
-namespaces; the same plus a tmpfs mount and an overlay mount; a fork that also forks a pid 1 in
-the new pid namespace; a ``posix_spawn`` of ``/bin/sh`` (the root id-map helper).  Medians of
+**Floor.**  The same steps alone, inside a pytest session of a module of ``N`` tests in this process
+(pytest imported, the module collected: as large as a box's warm interpreter): a fork and the
+parent's wait; a fork whose child unshares new user, mount, uts, ipc, pid and net namespaces; the
+same plus id maps, a tmpfs and an overlay mount; a fork that also forks a pid 1 in the new pid
+namespace; a ``posix_spawn`` of ``/bin/sh``; guest/fresh.py's ``clone_box`` (one clone(2) into the
+box's namespaces, ids mapped); and a fork that runs one trivial test's runtest protocol (what
+pytest-forked pays per test).  Wall and CPU (the parent's and its reaped children's), medians of
 ``--floor-reps`` each.  Root only for the mount steps (skipped otherwise, with the reason).
 
 Standard library only, besides pytest and pytest_boxlite.  Progress to stderr, the table to stdout.
@@ -40,6 +43,7 @@ import argparse
 import ctypes
 import json
 import os
+import resource
 import shlex
 import shutil
 import statistics
@@ -439,12 +443,25 @@ CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID = 0x08000000, 0x40000000, 0x20000000
 ALL_NS = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID
 
 
-def _timed_child(body: Any, reps: int) -> list[float]:
-    """fork; the child runs ``body()`` and exits 0 (1 on error); the parent waits.  Seconds each."""
-    out = []
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _self_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _timed_child(body: Any, reps: int, make: Any = None) -> tuple[list[float], list[float]]:
+    """``make()`` (default: fork) a child that runs ``body()`` and exits 0 (1 on error); the parent
+    waits.  Wall seconds each, and CPU seconds each (the parent's and the reaped children's)."""
+    out, cpu = [], []
+    make = make or (lambda: (os.fork(), None))
     for _ in range(reps):
+        c0 = _children_cpu() + _self_cpu()
         t = time.monotonic()
-        pid = os.fork()
+        pid, after = make()
         if pid == 0:
             code = 1
             try:
@@ -456,23 +473,26 @@ def _timed_child(body: Any, reps: int) -> list[float]:
                 traceback.print_exc()  # the parent raises on the status; this says why
             finally:
                 os._exit(code)
+        if after is not None:
+            after(pid)
         _, status = os.waitpid(pid, 0)
         out.append(time.monotonic() - t)
+        cpu.append(_children_cpu() + _self_cpu() - c0)
         if os.waitstatus_to_exitcode(status) != 0:
             raise RuntimeError(f"floor step failed in the child (status {status})")
-    return out
+    return out, cpu
 
 
 def floor(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    import pytest  # the warm interpreter's size: pytest imported, a module collected
-
     work = root / "floor-suite"
     work.mkdir()
     (work / "pytest.ini").write_text("[pytest]\n")
     (work / "test_floor.py").write_text("".join(f"def test_{i}():\n    pass\n\n\n" for i in range(args.tests)))
-    rc = pytest.main(["-qq", "--collect-only", "-p", "no:cacheprovider", str(work)], plugins=[])
-    if rc != 0:
-        raise RuntimeError(f"collecting the floor suite failed ({rc})")
+    result: dict[str, Any] = in_session(work, lambda items: floor_steps(args, root, work, items))
+    return result
+
+
+def floor_steps(args: argparse.Namespace, root: Path, work: Path, items: list[Any]) -> dict[str, Any]:
     libc = ctypes.CDLL(None, use_errno=True)
 
     def check(ret: int, what: str) -> None:
@@ -510,12 +530,31 @@ def floor(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         os.waitpid(pid, 0)
 
     (root / "stage").mkdir()
-    steps: list[tuple[str, Any, bool]] = [
-        ("fork + _exit + wait (warm interpreter)", lambda: None, False),
-        ("  + unshare(user, mnt, uts, ipc, pid, net)", unshare, False),
-        ("  + id maps, make / private, a tmpfs and an overlay mount", unshare_mounts, True),
-        ("  + unshare, fork pid 1 and wait for it", pid1, False),
-        ("  + posix_spawn /bin/sh -c true and wait", spawn_sh, False),
+    # The box's own primitive: guest/fresh.py's clone_box (one clone(2) into new namespaces; root's
+    # ids mapped by this process, as the warm interpreter maps a box's).
+    import runpy
+
+    from pytest_boxlite import guest
+
+    fresh = runpy.run_path(str(guest.path("fresh")))
+
+    def clone_box() -> tuple[int, Any]:
+        mapper = fresh["IdMapper"]() if os.geteuid() == 0 else None
+        pid = fresh["clone_box"](False, mapper)
+        return pid, (mapper.serve if mapper is not None and pid else None)
+
+    def run_test() -> None:
+        item = items[0]
+        item.ihook.pytest_runtest_protocol(item=item, nextitem=None)
+
+    steps: list[tuple[str, Any, bool, Any]] = [
+        ("fork + _exit + wait (warm interpreter)", lambda: None, False, None),
+        ("  + unshare(user, mnt, uts, ipc, pid, net)", unshare, False, None),
+        ("  + id maps, make / private, a tmpfs and an overlay mount", unshare_mounts, True, None),
+        ("  + unshare, fork pid 1 and wait for it", pid1, False, None),
+        ("  + posix_spawn /bin/sh -c true and wait", spawn_sh, False, None),
+        ("fresh.clone_box (new namespaces, ids mapped) + _exit", lambda: None, False, clone_box),
+        ("fork + runtest protocol of a trivial test (pytest-forked)", run_test, False, None),
     ]
     rss = 0
     with open("/proc/self/status") as fh:
@@ -523,13 +562,34 @@ def floor(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             if line.startswith("VmRSS:"):
                 rss = int(line.split()[1])
     out: dict[str, Any] = {"rss_kib": rss, "steps": []}
-    for label, body, needs_root in steps:
+    for label, body, needs_root, make in steps:
         if needs_root and os.geteuid() != 0:
             out["steps"].append({"step": label, "skipped": "needs root"})
             continue
-        times = _timed_child(body, args.floor_reps)
-        out["steps"].append({"step": label, "p50": statistics.median(times), "n": len(times)})
+        times, cpu = _timed_child(body, args.floor_reps, make)
+        out["steps"].append(
+            {"step": label, "p50": statistics.median(times), "cpu_p50": statistics.median(cpu), "n": len(times)}
+        )
     return out
+
+
+def in_session(work: Path, fn: Any) -> Any:
+    """``fn(items)`` inside a pytest session of the floor suite, in this process (pytest imported,
+    the module collected: as large as a box's warm interpreter), instead of its run loop."""
+    import pytest
+
+    done: list[Any] = []
+
+    class Floor:
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtestloop(self, session: pytest.Session) -> bool:
+            done.append(fn(session.items))
+            return True
+
+    rc = pytest.main(["-qq", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", str(work)], plugins=[Floor()])
+    if not done:
+        raise RuntimeError(f"the floor suite's session ended before measuring (exit {rc})")
+    return done[0]
 
 
 def render(res: dict[str, Any]) -> str:
@@ -573,7 +633,9 @@ def render(res: dict[str, Any]) -> str:
             if "skipped" in s:
                 lines.append(f"  {s['step']:<58} skipped: {s['skipped']}")
             else:
-                lines.append(f"  {s['step']:<58} {s['p50'] * 1e3:8.2f}ms  (n={s['n']})")
+                lines.append(
+                    f"  {s['step']:<58} {s['p50'] * 1e3:8.2f}ms  CPU {s['cpu_p50'] * 1e3:6.2f}ms  (n={s['n']})"
+                )
     return "\n".join(lines)
 
 
