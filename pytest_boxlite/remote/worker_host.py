@@ -62,6 +62,9 @@ class ForkedBox:
     token: str = ""
     network: bool = False
     log_since: int = 0  # the fork parent's log size when it was forked
+    #: Why there is no box after all (the warm interpreter's answer to the FORK); ``child`` is -1
+    #: until that answer is read (see ``RemoteRunner._sync``).
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -70,6 +73,9 @@ class _Worker:
     channel: Any
     pid: int
     status_file: Path
+    #: Boxes asked for whose FORKED answer is still on the channel, oldest first: the answers come
+    #: in order, and every other request on the channel reads them first.
+    pending: list[ForkedBox] = dataclasses.field(default_factory=list)
 
 
 def guest_args(config: pytest.Config) -> list[str]:
@@ -316,10 +322,13 @@ class RemoteRunner:
         start = time.monotonic()
         box = self._take_ahead(handle.name, item.nodeid, network)
         if box is None:
-            made = self._request_fork(handle, item.nodeid, network, timeout)
+            made = self._send_fork(handle, item.nodeid, network)
             if isinstance(made, str):
                 return None, self._failed(item, made, handle, 0.0), None
             box = made
+        why = self._resolve(box, min(timeout, 30.0))
+        if why is not None:
+            return None, self._failed(item, why, handle, 0.0), None
         # Failure reports quote only what the box's fork parent logged since the box was forked.
         self._log_since[handle.name] = box.log_since
         if box.stream is None:
@@ -364,13 +373,15 @@ class RemoteRunner:
             out = Outcome(hung_up=exc)
         else:
             if ahead is not None:
-                self._fork_ahead(box.handle, ahead, box.network, timeout)
+                self._fork_ahead(box.handle, ahead, box.network)
             out = drain(box.stream, item, start + timeout, box=box.handle.name, seq=seq)
         return self._settle(box, item, out, start, timeout)
 
-    def _request_fork(self, handle: BoxHandle, nodeid: str, network: bool, timeout: float) -> ForkedBox | str:
-        """Ask ``handle``'s warm interpreter for a fresh box for ``nodeid``: the box, not yet
-        connected (see :meth:`_accept_fork`), or why there is none."""
+    def _send_fork(self, handle: BoxHandle, nodeid: str, network: bool) -> ForkedBox | str:
+        """Ask ``handle``'s warm interpreter for a fresh box for ``nodeid``: the box (its pid known
+        once :meth:`_resolve` has read the answer; not yet connected, see :meth:`_accept_fork`), or
+        why there is none.  The answer is not waited for here: a box made ahead is asked for while
+        a test runs, and the host then reads that test's reports, not the warm interpreter's clone."""
         with self._lock:
             worker = self._workers.get(handle.name)
         self.forks += 1
@@ -384,19 +395,13 @@ class RemoteRunner:
         request = {"nodeid": nodeid, "token": token, "sock": FORK_SOCKET, "hostname": name[:63], "network": network}
         try:
             worker.channel.send((msg.FORK, request))
-            kind, fields = worker.channel.receive(min(timeout, 30.0))
-        except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError) as exc:
+        except (EOFError, OSError, execnet.RemoteError) as exc:
             return self._death_reason(handle, worker, exc)
-        if kind != msg.FORKED or not isinstance(fields, dict) or not isinstance(fields.get("pid"), int):
-            text = fields.get("text", kind) if isinstance(fields, dict) else kind
-            return f"could not fork a box: {str(text)[:2000]}"
-        ended = fields.get("ended")
-        self._reap_lingering(worker, set(ended) if isinstance(ended, list) else set())
-        return ForkedBox(
+        box = ForkedBox(
             name,
             handle,
             worker,
-            fields["pid"],
+            -1,
             None,
             _oom_count(handle),
             nodeid=nodeid,
@@ -404,15 +409,48 @@ class RemoteRunner:
             network=network,
             log_since=log_since,
         )
+        worker.pending.append(box)
+        return box
 
-    def _fork_ahead(self, handle: BoxHandle, nodeid: str, network: bool, timeout: float) -> None:
+    def _resolve(self, box: ForkedBox, timeout: float) -> str | None:
+        """Wait (up to ``timeout``) for the answer to ``box``'s FORK: ``None`` once its pid is
+        known, else why there is no box."""
+        if box.child < 0 and box.error is None:
+            self._sync(box.worker, timeout)
+        return box.error
+
+    def _sync(self, worker: _Worker, timeout: float) -> None:
+        """Read every FORKED answer ``worker`` still owes, in order (each within ``timeout``)."""
+        if not worker.pending:
+            return  # also ends the recursion through _reap_lingering -> _fork_status
+        ended: set[object] = set()
+        while worker.pending:
+            box = worker.pending.pop(0)
+            try:
+                kind, fields = worker.channel.receive(timeout)
+            except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError) as exc:
+                why = self._death_reason(box.handle, worker, exc)
+                for lost in (box, *worker.pending):
+                    lost.error = why
+                worker.pending.clear()
+                break
+            if kind != msg.FORKED or not isinstance(fields, dict) or not isinstance(fields.get("pid"), int):
+                text = fields.get("text", kind) if isinstance(fields, dict) else kind
+                box.error = f"could not fork a box: {str(text)[:2000]}"
+                continue
+            box.child = fields["pid"]
+            reaped = fields.get("ended")
+            ended |= set(reaped) if isinstance(reaped, list) else set()
+        self._reap_lingering(worker, ended)
+
+    def _fork_ahead(self, handle: BoxHandle, nodeid: str, network: bool) -> None:
         """Fork the box of the test after this one now, while this one runs (see :meth:`fork`).
 
-        A box that cannot be had now is not an error of this test: the next test forks its own
-        and reports what goes wrong then.
+        A box that cannot be had now is not an error of this test: the next test reports what
+        went wrong (or forks its own).
         """
         self._drop_ahead(handle.name)
-        made = self._request_fork(handle, nodeid, network, timeout)
+        made = self._send_fork(handle, nodeid, network)
         if not isinstance(made, str):
             self._ahead[handle.name] = made
 
@@ -435,7 +473,8 @@ class RemoteRunner:
             with contextlib.suppress(OSError):
                 box.stream.conn.close()
         box.alive = False
-        self._lingering.append((box.worker, box.child, time.monotonic()))
+        if self._resolve(box, 10.0) is None:  # with an error there is no box to end
+            self._lingering.append((box.worker, box.child, time.monotonic()))
 
     def close(self, box: ForkedBox) -> None:
         """End a forked box: its stream closes, and one that lingers is killed (bounded)."""
@@ -548,6 +587,7 @@ class RemoteRunner:
         self._lingering = keep
 
     def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:
+        self._sync(worker, 10.0)  # answers owed to earlier FORKs come first on the channel
         try:
             worker.channel.send((name, {"pid": pid}))
             kind, fields = worker.channel.receive(10.0)
