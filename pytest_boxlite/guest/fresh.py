@@ -188,7 +188,11 @@ _SIGCHLD = 17
 #: stack (0: a copy of the caller's, as fork(2) makes).  Elsewhere :func:`clone_box` forks twice.
 _SYS_CLONE = {"x86_64": 56, "aarch64": 220, "riscv64": 220, "ppc64le": 120, "ppc64": 120}
 #: syscall(2) through a PyDLL: the GIL stays held across the call, as os.fork() holds it across
-#: fork(2), so the child starts with the GIL that PyOS_AfterFork_Child then re-creates.
+#: fork(2), so the child starts with the GIL that PyOS_AfterFork_Child then re-creates.  Unlike
+#: fork(3), a bare clone(2) takes none of libc's locks first (malloc's, stdio's); holding the GIL
+#: is what keeps them free: this interpreter's other thread (execnet's reader) runs without it only
+#: inside blocking reads, never inside malloc.  (A thread some conftest starts that mallocs without
+#: the GIL could hold a lock at that instant; that box would hang and fail at the test's timeout.)
 _SYSCALL = ctypes.PyDLL(None, use_errno=True).syscall
 _SYSCALL.restype = ctypes.c_long
 _SYSCALL.argtypes = [ctypes.c_long] * 6
