@@ -75,3 +75,38 @@ def test_clone_box_child_is_pid_1_of_new_namespaces(path: str) -> None:
     assert proc.returncode == 0, proc.stderr
     # The child's line (what differs from a fresh box: nothing), then the parent's.
     assert lines == ["", "status 7"], (lines, proc.stderr)
+
+
+FAILING = r"""
+import os
+import runpy
+import sys
+
+ns = runpy.run_path(sys.argv[1])
+if sys.argv[2] == "forks":
+    ns["_SYS_CLONE"].clear()
+me = os.getpid()
+pid = ns["clone_box"](False, None)  # root without a mapper: the child cannot map its ids
+print("returned in", "the parent" if os.getpid() == me else "the child")
+sys.stdout.flush()
+if pid:
+    _, status = os.waitpid(pid, 0)
+    print("status", os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="root's id maps (Linux)")
+@pytest.mark.parametrize("path", ["clone", "forks"])
+def test_clone_box_child_that_cannot_start_exits_instead_of_returning(path: str) -> None:
+    """A child whose first steps fail must never return into the caller (the warm interpreter's loop)."""
+    if path == "clone" and os.uname().machine not in ("x86_64", "aarch64", "riscv64", "ppc64le", "ppc64"):
+        pytest.skip(f"no clone(2) number for {os.uname().machine}")
+    proc = subprocess.run(
+        [sys.executable, "-c", FAILING, str(guest.path("fresh")), path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.stdout.splitlines() == ["returned in the parent", "status 70"], (proc.stdout, proc.stderr)
+    assert "the fresh box could not start" in proc.stderr

@@ -231,8 +231,18 @@ def clone_box(network, mapper=None):
             raise OSError(err, "clone: %s" % os.strerror(err))
         return pid
     api.PyOS_AfterFork_Child()
-    _in_new_box(uid, gid, mapper)
+    _in_new_box_or_exit(uid, gid, mapper)
     return 0
+
+
+def _in_new_box_or_exit(uid, gid, mapper):
+    """:func:`_in_new_box`, or exit: a child that raised would return into the warm interpreter's
+    loop with its channel still open (and speak on it as a second warm interpreter)."""
+    try:
+        _in_new_box(uid, gid, mapper)
+    except BaseException as exc:
+        sys_stderr_write("pytest-boxlite: the fresh box could not start: %r\n" % (exc,))
+        os._exit(70)
 
 
 def _in_new_box(uid, gid, mapper):
@@ -273,7 +283,11 @@ def _clone_box_by_forks(flags, mapper):
             mapper.request(_LIBC)
         child = os.fork()
         if child == 0:
-            _check(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+            try:
+                _check(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+            except BaseException as exc:  # noqa: BLE001 - said, then the box ends: see _in_new_box_or_exit
+                sys_stderr_write("pytest-boxlite: the fresh box could not start: %r\n" % (exc,))
+                os._exit(70)
             return 0
         _, status = os.waitpid(child, 0)
         code = os.waitstatus_to_exitcode(status)
