@@ -103,6 +103,9 @@ class IdMapper:
         self.proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.ready_r, self.ready_w = os.pipe()
         self.done_r, self.done_w = os.pipe()
+        #: Set by clone_box: the child was born in its user namespace, so the maps can be written
+        #: at once, without waiting for it to say it has unshared.
+        self.born_in_namespace = False
 
     def close_parent_side(self):
         for fd in (self.ready_r, self.done_w, self.proc):
@@ -119,9 +122,10 @@ class IdMapper:
 
         self.close_child_side()
         try:
-            ready, _, _ = select.select([self.ready_r], [], [], self.TIMEOUT)
-            if not ready or os.read(self.ready_r, 2) != b"u\n":
-                return  # the child ended (or hung) before unsharing: it reports that itself
+            if not self.born_in_namespace:
+                ready, _, _ = select.select([self.ready_r], [], [], self.TIMEOUT)
+                if not ready or os.read(self.ready_r, 2) != b"u\n":
+                    return  # the child ended (or hung) before unsharing: it reports that itself
             maps = _id_maps(self.proc)
             for which in ("uid", "gid"):
                 _write("%d/%s_map" % (pid, which), maps[which], dir_fd=self.proc)
@@ -138,7 +142,7 @@ class IdMapper:
         try:
             if flags is not None:
                 _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
-            os.write(self.ready_w, b"u\n")
+                os.write(self.ready_w, b"u\n")  # born in it (clone_box), the parent does not wait
             if os.read(self.done_r, 2) != b"m\n":
                 raise OSError(1, "could not map ids into the fresh box's user namespace")
         finally:
@@ -229,6 +233,8 @@ def clone_box(network, mapper=None):
         api.PyOS_AfterFork_Parent()
         if pid < 0:
             raise OSError(err, "clone: %s" % os.strerror(err))
+        if mapper is not None:
+            mapper.born_in_namespace = True
         return pid
     api.PyOS_AfterFork_Child()
     _in_new_box_or_exit(uid, gid, mapper)
@@ -273,14 +279,13 @@ def _clone_box_by_forks(flags, mapper):
         import signal
 
         _check(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
-        _check(_LIBC.unshare(flags), "unshare")
         if uid != 0:
+            _check(_LIBC.unshare(flags), "unshare")
             _map_own_ids(uid, gid)
-            mapper = None
         elif mapper is None:
             raise OSError(1, "a root box needs its parent to write its id maps (no IdMapper given)")
         else:
-            mapper.request(_LIBC)
+            mapper.request(_LIBC, flags & ~_CLONE_NEWUSER)  # unshares, then waits for the maps
         child = os.fork()
         if child == 0:
             try:
