@@ -17,7 +17,8 @@ from typing import Any
 from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxDeadError, BoxTimeoutError, ConfigError, file_error
 from pytest_boxlite.runtimes import _cgroups
-from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, RawResult
+from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxDefaults, RawResult
+from pytest_boxlite.runtimes.namespace.fork import fork_listener
 from pytest_boxlite.runtimes.namespace.layout import _MAX_INFO, WORKDIR, ctl_dir, keep_marker
 from pytest_boxlite.runtimes.namespace.leftovers import kill_box_processes, remove_box_dirs
 from pytest_boxlite.runtimes.namespace.privileges import Limits
@@ -97,7 +98,7 @@ class _Lines:
                 continue
 
 
-class NamespaceBox:
+class NamespaceBox(BoxDefaults):
     """A running namespace box.  See :class:`pytest_boxlite.runtimes.base.BoxHandle`."""
 
     runtime_name = "namespace"
@@ -318,6 +319,14 @@ class NamespaceBox:
             error=error,
         )
 
+    def fork_listener(self) -> tuple[socket.socket, str]:
+        """A listening socket in the box's guest-visible directory, for boxes forked from this one."""
+        return fork_listener(self.box_dir)
+
+    def run_attached(self, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str]) -> int:
+        """Run ``argv`` in this box with this process's own stdin/stdout/stderr (see :func:`attach`)."""
+        return attach(self.box_dir, argv, cwd=cwd, env=env)
+
     def run_helper(self, payload: bytes, *, timeout: float, max_output: int) -> RawResult:
         """Run the file helper on ``payload`` in a fork of the box's agent (no interpreter start-up)."""
         return self.exec(["<helper>"], input=payload, timeout=timeout, max_output=max_output, op="helper")
@@ -344,10 +353,6 @@ class NamespaceBox:
         if user is not None:
             extra += ["--user", str(user)]
         return [sys.executable, "-I", "-S", str(ATTACH), str(self.sock_path), *extra, "--", *argv]
-
-    def oom_killed(self) -> bool:
-        """Whether the kernel's OOM killer has fired inside this box's memory cgroup."""
-        return self._cgroups.oom_kills() > 0
 
     def oom_kills(self) -> int:
         """How many processes the OOM killer has killed in this box so far."""
@@ -430,16 +435,3 @@ def attach(
                 raise file_error(int(msg.get("errno") or 0), msg["error"], msg.get("filename"))
             if "exit" in msg:
                 return int(msg["exit"])
-
-
-def _bind(sock: socket.socket, path: Path) -> None:
-    """Bind a Unix socket at ``path``, reaching long paths through a directory descriptor."""
-    target = str(path)
-    if len(target.encode()) <= 100:
-        sock.bind(target)
-        return
-    dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        sock.bind(f"/proc/self/fd/{dirfd}/{path.name}")
-    finally:
-        os.close(dirfd)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,16 @@ def _write_private(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def _bind(sock: socket.socket, path: Path) -> None:
+    """Bind a Unix socket at ``path``, reaching long paths through a directory descriptor."""
+    target = str(path)
+    if len(target.encode()) <= 100:
+        sock.bind(target)
+        return
+    dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sock.bind(f"/proc/self/fd/{dirfd}/{path.name}")
+    finally:
+        os.close(dirfd)

@@ -6,10 +6,12 @@ import contextlib
 import os
 import shutil
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pytest_boxlite.runtimes.namespace.layout import ctl_dir, keep_marker
+from pytest_boxlite.runtimes import _cgroups
+from pytest_boxlite.runtimes.namespace.layout import _read_info, ctl_dir, keep_marker
 
 
 def _proc_start_time(pid: int) -> str | None:
@@ -54,3 +56,31 @@ def remove_box_dirs(box_dir: Path) -> None:
     shutil.rmtree(box_dir, ignore_errors=True)
     shutil.rmtree(ctl_dir(box_dir), ignore_errors=True)
     keep_marker(box_dir).unlink(missing_ok=True)
+
+
+def box_dirs(state_dir: Path) -> Iterator[Path]:
+    """The boxes' directories under a runtime's state directory (not their control directories,
+    keep marks, or anything that is not a plain directory)."""
+    if not state_dir.is_dir():
+        return
+    for box_dir in sorted(state_dir.iterdir()):
+        if box_dir.name.endswith((".ctl", ".keep")) or box_dir.is_symlink() or not box_dir.is_dir():
+            continue
+        yield box_dir
+
+
+def running(box_dir: Path) -> bool:
+    """Whether the box's recorded processes still run (checked against their start times)."""
+    return _alive(_read_info(box_dir))
+
+
+def remove_box_state(box_dir: Path) -> None:
+    """Kill a box and remove its state.
+
+    Only host-side facts are used: the pids the host recorded (checked against their start
+    times) in the box's private control directory, which no guest can see, and the box's cgroups.
+    Killing the first process of the box's pid namespace makes the kernel kill every other one.
+    """
+    kill_box_processes(_read_info(box_dir))
+    _cgroups.remove_dirs(_cgroups.find_dirs(box_dir.name))
+    remove_box_dirs(box_dir)

@@ -15,11 +15,24 @@ from typing import Any
 from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxStartError, BoxTimeoutError, RuntimeUnavailableError
 from pytest_boxlite.runtimes import _cgroups
-from pytest_boxlite.runtimes.base import BoxRecord
-from pytest_boxlite.runtimes.namespace.box import NamespaceBox, _bind
+from pytest_boxlite.runtimes.base import BoxRecord, RuntimeDefaults
+from pytest_boxlite.runtimes.namespace.box import NamespaceBox
 from pytest_boxlite.runtimes.namespace.bwrap import find_bwrap
-from pytest_boxlite.runtimes.namespace.layout import _MAX_INFO, GUEST_CTL, WORKDIR, _read_info, _write_private, ctl_dir
-from pytest_boxlite.runtimes.namespace.leftovers import _alive, _proc_start_time, kill_box_processes, remove_box_dirs
+from pytest_boxlite.runtimes.namespace.layout import (
+    _MAX_INFO,
+    GUEST_CTL,
+    WORKDIR,
+    _bind,
+    _write_private,
+    ctl_dir,
+)
+from pytest_boxlite.runtimes.namespace.leftovers import (
+    _proc_start_time,
+    box_dirs,
+    remove_box_dirs,
+    remove_box_state,
+    running,
+)
 from pytest_boxlite.runtimes.namespace.mounts import (
     _layer_args,
     _mask_plan,
@@ -39,6 +52,7 @@ from pytest_boxlite.runtimes.namespace.privileges import (
     seccomp_program_fd,
     userns_problem,
 )
+from pytest_boxlite.runtimes.namespace.provision import ensure_template
 from pytest_boxlite.spec import BoxSpec, minimal_dirs
 
 AGENT = guest.path("agent")
@@ -50,7 +64,7 @@ def _guest_path_env() -> str:
     return f"{bindir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-class NamespaceRuntime:
+class NamespaceRuntime(RuntimeDefaults):
     """Creates namespace boxes whose state lives under ``<home>/namespace``."""
 
     name = "namespace"
@@ -278,22 +292,26 @@ class NamespaceRuntime:
         return sys.executable
 
     def list_boxes(self) -> list[BoxRecord]:
-        out = []
-        for box_dir in sorted(self.state_dir.iterdir()) if self.state_dir.is_dir() else []:
-            if box_dir.name.endswith((".ctl", ".keep")) or not box_dir.is_dir():
-                continue
-            info = _read_info(box_dir)
-            state = "running" if _alive(info) else "dead"
-            out.append(
-                BoxRecord(name=box_dir.name, id=box_dir.name, runtime=self.name, state=state, home=str(self.home))
+        return [
+            BoxRecord(
+                name=box_dir.name,
+                id=box_dir.name,
+                runtime=self.name,
+                state="running" if running(box_dir) else "dead",
+                home=str(self.home),
             )
-        return out
+            for box_dir in box_dirs(self.state_dir)
+        ]
 
     def remove_box(self, name: str) -> None:
-        box_dir = self.state_dir / name
-        kill_box_processes(_read_info(box_dir))
-        _cgroups.remove_dirs(_cgroups.find_dirs(name))
-        remove_box_dirs(box_dir)
+        remove_box_state(self.state_dir / name)
+
+    def provision(
+        self, spec: BoxSpec, setup: str, *, key: str, home: Path, cwd: Path, timeout: float, name: str
+    ) -> BoxSpec:
+        """Run ``setup`` once in a box whose writes become a template; boxes of the returned spec
+        start from it (see :mod:`.provision`)."""
+        return ensure_template(self, spec, setup, key=key, home=home, cwd=cwd, timeout=timeout, name=name)
 
     def close(self) -> None:
         if self._closed:
