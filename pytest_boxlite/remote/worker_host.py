@@ -143,7 +143,7 @@ class RemoteRunner:
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
         # The message vocabulary and the per-test fork's set-up travel with the worker: one remote_exec.
-        self._source = "\n".join(guest.source(n) for n in ("messages", "fresh", "worker"))
+        self._source = "\n".join(guest.source(n) for n in ("messages", "caps", "fresh", "worker"))
         self._args = guest_args(config)
         #: Per fork parent: the socket its forks connect to, and that socket's path in the box.
         self._listeners: dict[str, tuple[socket.socket, str]] = {}
