@@ -33,7 +33,11 @@ The package, by concern:
 - :mod:`.layout`: a box's directories on the host and bounded reads of its private files;
 - :mod:`.leftovers`: a box's liveness and cleanup from the host's own record;
 - :mod:`.box`: a running box (:class:`NamespaceBox`), its agent client and :func:`attach`;
-- :mod:`.runtime`: :class:`NamespaceRuntime`, which creates boxes.
+- :mod:`.fork`: the host end of the per-test fork (the socket forked boxes report on);
+- :mod:`.provision`: templates built by ``--boxlite-setup``;
+- :mod:`.runtime`: :class:`NamespaceRuntime`, which creates boxes;
+- :mod:`.kind`: the runtime seen from a home without opening it (doctor's facts, leftovers,
+  templates, attaching to a running box), for :func:`pytest_boxlite.runtimes.kind`.
 
 The names other modules use are re-exported here.  A test that replaces a function must patch the
 module that reads it (e.g. ``privileges._read_sysctl``, ``runtime.userns_problem``), not this one.
