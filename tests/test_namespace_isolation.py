@@ -555,13 +555,14 @@ def test_a_host_forbidding_user_namespaces_is_named_with_its_fix(
 ) -> None:
     """Fault injection: ``/bin/false`` stands in for a bwrap the policy stops, and the sysctl is read
     from a fake (changing the real one would change the whole machine)."""
-    from pytest_boxlite.runtimes import namespace as ns
+    from pytest_boxlite.runtimes.namespace import privileges, runtime
 
-    monkeypatch.setattr(ns, "_read_sysctl", lambda name: value if name == sysctl else None)
+    # Patched where they are read: userns_problem reads the sysctl, the runtime calls userns_problem.
+    monkeypatch.setattr(privileges, "_read_sysctl", lambda name: value if name == sysctl else None)
     monkeypatch.setattr(os, "getuid", lambda: 1001)
-    problem = ns.userns_problem.__wrapped__("/bin/false")
+    problem = privileges.userns_problem.__wrapped__("/bin/false")
     assert problem is not None and named in problem
-    monkeypatch.setattr(ns, "userns_problem", lambda bwrap: problem)
+    monkeypatch.setattr(runtime, "userns_problem", lambda bwrap: problem)
     with pytest.raises(errors.RuntimeUnavailableError, match="namespace boxes need user namespaces"):
         NamespaceRuntime(tmp_path / "home")
 

@@ -7,6 +7,9 @@ of the package.
 
 import os
 
+# check_libc and limit_caps come from guest/caps.py, which the host sends ahead of this file in the
+# same remote_exec (this file imports nothing of the package).
+
 # --- a fresh box for one test, forked from this warm interpreter (namespace runtime) -------------
 # The child gets new user, mount, uts, ipc, network and pid namespaces; every overlay the box has
 # gets a new, empty upper layer, and /tmp, /workspace and /dev/shm new tmpfs, so the test sees the
@@ -27,8 +30,6 @@ _CLONE_NEWPID = 0x20000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _MS_REC, _MS_PRIVATE = 16384, 1 << 18
 _PR_SET_PDEATHSIG = 1
-_PR_CAPBSET_DROP = 24
-_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 #: Parts of /proc a box must not write (host-wide sysctls...): read-only, as bubblewrap does.
 _PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 
@@ -39,17 +40,9 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _check(ret, what):
-    if ret != 0:
-        import ctypes
-
-        err = ctypes.get_errno()
-        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
-
-
 def _mount(libc, src, target, fstype, flags, data):
     enc = lambda v: v.encode() if v is not None else None  # noqa: E731
-    _check(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)
+    check_libc(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)  # noqa: F821 - caps.py
 
 
 def _mounts():
@@ -98,7 +91,7 @@ def _enter_user_namespace(libc, flags):
     """unshare(CLONE_NEWUSER | flags) with this process's ids mapped one to one."""
     if os.geteuid() != 0:
         uid, gid = os.geteuid(), os.getegid()
-        _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
+        check_libc(libc.unshare(_CLONE_NEWUSER | flags), "unshare")  # noqa: F821 - caps.py
         _write("/proc/self/uid_map", "%d %d 1\n" % (uid, uid))
         _write("/proc/self/setgroups", "deny")
         _write("/proc/self/gid_map", "%d %d 1\n" % (gid, gid))
@@ -119,7 +112,7 @@ def _enter_user_namespace(libc, flags):
     os.close(go_r)
     os.close(done_w)
     try:
-        _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
+        check_libc(libc.unshare(_CLONE_NEWUSER | flags), "unshare")  # noqa: F821 - caps.py
         os.write(go_w, b"u\n")
         if os.read(done_r, 2) != b"m\n":
             raise OSError(1, "could not map ids into the fresh box's user namespace")
@@ -130,34 +123,6 @@ def _enter_user_namespace(libc, flags):
         os.close(go_w)
         os.close(done_r)
         os.waitpid(helper, 0)
-
-
-def _limit_caps(libc, keep):
-    """Keep only ``keep``: bounding, effective and permitted sets; no ambient ones."""
-    import ctypes
-
-    try:
-        with open("/proc/sys/kernel/cap_last_cap") as fh:
-            last = int(fh.read())
-    except (OSError, ValueError):
-        last = 40
-    for cap in range(last + 1):
-        if cap not in keep and libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
-            _check(-1, "dropping capability %d" % cap)
-    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-
-    mask = 0
-    for cap in keep:
-        mask |= 1 << cap
-    lo, hi = mask & 0xFFFFFFFF, mask >> 32
-    data = (Data * 2)(Data(lo, lo, 0), Data(hi, hi, 0))
-    _check(libc.capset(ctypes.byref(Header(0x20080522, 0)), data), "capset")
 
 
 def _under(path, top):
@@ -235,7 +200,7 @@ def _fresh_box(hostname, network):
     import signal
     import socket
 
-    _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    check_libc(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # noqa: F821 - caps.py
     _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
     for name in _PROC_COVERS:
         cover = "/proc/" + name
@@ -257,7 +222,7 @@ def _fresh_box(hostname, network):
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
         # Anyone but root keeps no capability, as locally.
-        _limit_caps(libc, ())
+        limit_caps(libc, ())  # noqa: F821 - from guest/caps.py, sent ahead of this file
 
 
 def _loopback_up():
