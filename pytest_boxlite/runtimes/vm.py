@@ -675,8 +675,26 @@ class VmKind:
         return f"{leftover.owner} (vm home, {len(names)} boxes)"
 
     def drop_templates(self, home: Path) -> list[str]:
-        """None dropped: vm templates are archives in the shared ``<home>/vm-templates`` store."""
-        return []
+        """Remove the template archives of ``<home>/vm-templates`` (boxes already imported from one
+        keep their copy); one that a session is building or importing right now is left alone."""
+        store = Path(home) / "vm-templates"
+        if not store.is_dir():
+            return []
+        dropped = []
+        for archive in sorted(store.glob("*.boxlite")):
+            key = archive.name.removesuffix(".boxlite")
+            try:
+                with open(store / f"{key}.lock", "w") as lock:
+                    # The lock a build or an import holds (see VmRuntime._load_template).
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    archive.unlink()
+            except (BlockingIOError, FileNotFoundError):
+                continue  # in use, or gone meanwhile
+            dropped.append(key)
+        for tmp in store.glob("*.tmp"):  # half-written exports of builds that died
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        return dropped
 
     def attach_existing(self, home: Path, name: str, argv: Sequence[str]) -> int | None:
         """``None``: a VM's bridge lives in the process that owns it, so no other process can attach."""
