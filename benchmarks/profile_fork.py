@@ -536,7 +536,8 @@ def floor_steps(args: argparse.Namespace, root: Path, work: Path, items: list[An
 
     from pytest_boxlite import guest
 
-    fresh = runpy.run_path(str(guest.path("fresh")))
+    # fresh.py calls guest/caps.py's names (the host sends caps.py ahead of it, in one namespace).
+    fresh = runpy.run_path(str(guest.path("fresh")), init_globals=runpy.run_path(str(guest.path("caps"))))
 
     def clone_box() -> tuple[int, Any]:
         mapper = fresh["IdMapper"]() if os.geteuid() == 0 else None

@@ -11,7 +11,7 @@ from typing import Any
 
 from pytest_boxlite import __version__, ledger
 from pytest_boxlite.errors import BoxliteError
-from pytest_boxlite.runtimes import choose, probe, remote_boxes, remote_clean, remote_target
+from pytest_boxlite.runtimes import choose, kinds, remote_boxes, remote_clean, remote_target
 from pytest_boxlite.settings import OPTIONS_BY_NAME, default_home
 
 
@@ -35,18 +35,6 @@ def _home_state(home: Path) -> str:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Explain what this machine can run, and why: one plain fact per line."""
-    from pytest_boxlite.runtimes import _cgroups
-    from pytest_boxlite.runtimes.namespace import (
-        DEFAULT_MEMORY_MIB,
-        find_bwrap,
-        mount_plan,
-        plan_limits,
-        seccomp_status,
-        userns_problem,
-    )
-    from pytest_boxlite.spec import BoxSpec
-
-    p = probe()
     home = _home(args)
     requested = os.environ.get(OPTIONS_BY_NAME["runtime"].env, "auto")
     print(f"pytest-boxlite {__version__}")
@@ -54,39 +42,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         f"platform:   {platform.system()} {platform.release()} {platform.machine()}, Python {platform.python_version()}"
         f", uid {os.getuid()}"
     )
-    print(f"kvm:        {'usable' if p.vm_ok else 'not usable'}: {p.kvm}")
-    print(f"boxlite:    {p.boxlite_version or 'not installed'}")
-    print(f"vm runtime: {'available' if p.vm_ok else 'unavailable'}: {p.reason}")
-    bwrap, why = find_bwrap()
-    print(f"bwrap:      {why}")
-    problem = userns_problem(bwrap) if bwrap else "no bubblewrap to try them with"
-    print(f"user ns:    {'allowed' if problem is None else 'FORBIDDEN: ' + problem}")
-    if os.geteuid() == 0:
-        ids = "the whole id range mapped one to one (chown, su work in a box)"
-    else:
-        ids = f"only uid {os.getuid()} mapped, as root in a box (no chown to other ids; root-owned host dirs read-only)"
-    print(
-        "privileges: guest root holds Docker's default capabilities of the box's own user namespace "
-        f"(no CAP_SYS_ADMIN), no_new_privs; {ids}"
-    )
-    print(f"seccomp:    {seccomp_status()}")
-    if bwrap and problem is None:
-        _, read_only = mount_plan(bwrap)
-        ro = f"; read-only (cannot overlay): {', '.join(read_only)}" if read_only else ""
-        print(f"namespace:  available: host filesystem copy-on-write{ro}")
-        spec = BoxSpec()
-        cg = _cgroups.create(
-            f"doctor-{os.getpid()}", memory_mib=DEFAULT_MEMORY_MIB, cpus=1, pids=spec.pids_limit or 4096
-        )
-        cg.remove()
-        limits = plan_limits(cg, memory_mib=DEFAULT_MEMORY_MIB, cpus=1, pids=spec.pids_limit or 4096)
-        held = ", ".join(limits.holding) or "none"
-        line = f"limits:     in force: {held}"
-        if limits.missing:
-            line += f"; NOT enforced: {'; '.join(limits.missing)} (commands and tests stay bounded by their timeouts)"
-        print(line)
-    else:
-        print(f"namespace:  unavailable: {problem if bwrap else 'no usable bubblewrap'}")
+    # Each runtime states its own facts (what this host lets it do, and why).
+    for k in kinds():
+        for label, fact in k.host_facts():
+            print(f"{label + ':':<12}{fact}")
     try:
         c = choose(requested, _remote(args))
         print(f"runtime:    {c.kind} (asked: {requested}; {c.reason})")
@@ -153,10 +112,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
             if owner is not None and ledger.owner_alive(home, owner):
                 print(f"refusing to remove {name}: its session (owner {owner}) is alive", file=sys.stderr)
                 return 1
-            if not (home / "namespace" / name).exists():
+            if not ledger.remove_named(home, name):
                 print(f"no box named {name} under {home}", file=sys.stderr)
                 return 1
-            ledger.remove_namespace_box(home, name)
             print(f"removed {name}")
         return 0
     removed = ledger.reconcile(home, include_kept=args.kept)
@@ -165,14 +123,15 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
 
 def cmd_shell(args: argparse.Namespace) -> int:
-    """Open a shell (or run a command) in a running namespace box, e.g. one kept after a failure."""
-    from pytest_boxlite.runtimes.namespace import attach, ctl_dir
-
-    box_dir = _home(args) / "namespace" / args.name
-    if "/" in args.name or not (ctl_dir(box_dir) / "agent.sock").exists():
-        print(f"no running namespace box named {args.name} under {_home(args)}", file=sys.stderr)
-        return 1
-    return attach(box_dir, args.command or ["/bin/sh", "-i"])
+    """Open a shell (or run a command) in a running box, e.g. one kept after a failure."""
+    home = _home(args)
+    argv = args.command or ["/bin/sh", "-i"]
+    for k in kinds():
+        code = k.attach_existing(home, args.name, argv)
+        if code is not None:
+            return code
+    print(f"no running box named {args.name} under {home} that a shell can reach", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError
-from pytest_boxlite.runtimes import open_runtime
-from pytest_boxlite.runtimes.namespace import NamespaceBox, attach
+from pytest_boxlite.runtimes import LOCAL_KINDS, open_runtime
 from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, worker_env
 
 
@@ -31,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pytest_boxlite.boxproc")
     parser.add_argument("--home", required=True)
     parser.add_argument("--session", required=True, help="session id: the box's name carries it")
-    parser.add_argument("--runtime", default="namespace")
+    parser.add_argument("--runtime", required=True, choices=LOCAL_KINDS)
     parser.add_argument("--image", required=True)
     parser.add_argument("--cpus", type=int)
     parser.add_argument("--memory", type=int)
@@ -75,13 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         deny = DEFAULT_ENV_DENY if args.env_deny is None else tuple(p for p in args.env_deny if p)
         guest_env = worker_env(spec, deny)
-        if isinstance(box, NamespaceBox):
-            code = attach(box.box_dir, command, cwd=args.cwd, env=guest_env)
-        else:
-            # The VM's bridge lives in this process; the attach helper reaches it like an agent.
-            argv = box.attach_argv(command, cwd=args.cwd)
-            cut = argv.index("--")
-            code = subprocess.call([*argv[:cut], "--env", json.dumps(guest_env), *argv[cut:]])
+        code = box.run_attached(command, cwd=args.cwd, env=guest_env)
         return 128 - code if code < 0 else code
     except BoxliteError as exc:
         print(f"pytest-boxlite: could not run the worker in a box: {exc}", file=sys.stderr)

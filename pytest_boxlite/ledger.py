@@ -8,23 +8,35 @@ taken" means "the owner is dead": a PID alone could have been reused.
 Box names are ``pbx-<owner>-<n>``, so any box found anywhere can be traced to
 its owner.  A box whose owner is dead is a leftover, unless it was kept for
 debugging on purpose.
+
+Each runtime kind knows its own layout on disk: it lists its leftovers and removes them
+(:class:`~pytest_boxlite.runtimes.base.RuntimeKind`); the ledger only says who owns what and
+whether that owner lives, and iterates the kinds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import os
 import re
 import secrets
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 from pytest_boxlite.errors import BoxliteError
-from pytest_boxlite.runtimes import _cgroups
-from pytest_boxlite.runtimes.namespace import _alive, _read_info, keep_marker, kill_box_processes, remove_box_dirs
+from pytest_boxlite.runtimes import Leftover, kinds
+
+__all__ = [
+    "PREFIX",
+    "Leftover",
+    "OwnerLock",
+    "new_session_id",
+    "owner_alive",
+    "owner_of",
+    "reconcile",
+    "remove_named",
+    "scan",
+]
 
 PREFIX = "pbx-"
 _NAME = re.compile(r"^pbx-(?P<owner>[a-z0-9]+(?:-[A-Za-z0-9_]+)?)-(?P<seq>\d+)$")
@@ -91,108 +103,42 @@ def owner_alive(home: Path, owner: str) -> bool:
     return False
 
 
-@dataclasses.dataclass(frozen=True)
-class Leftover:
-    """A box found on disk, with its owner and whether that owner is alive."""
+class _Owners:
+    """The ledger's answers about owners of ``home``, for the runtime kinds (see ``runtimes.base.Owners``)."""
 
-    name: str
-    runtime: str
-    owner: str | None
-    owner_alive: bool
-    running: bool
-    kept: bool
-    location: str
+    def __init__(self, home: Path) -> None:
+        self.home = home
 
+    def owner_of(self, name: str) -> str | None:
+        return owner_of(name)
 
-def _namespace_boxes(home: Path) -> Iterator[Leftover]:
-    state = home / "namespace"
-    if not state.is_dir():
-        return
-    for box_dir in sorted(state.iterdir()):
-        if box_dir.name.endswith((".ctl", ".keep")) or box_dir.is_symlink() or not box_dir.is_dir():
-            continue  # a box's private control directory, or a keep marker
-        owner = owner_of(box_dir.name)
-        yield Leftover(
-            name=box_dir.name,
-            runtime="namespace",
-            owner=owner,
-            owner_alive=owner is not None and owner_alive(home, owner),
-            running=_alive(_read_info(box_dir)),
-            kept=keep_marker(box_dir).exists(),
-            location=str(box_dir),
-        )
+    def alive(self, owner: str) -> bool:
+        return owner_alive(self.home, owner)
 
 
-def _vm_homes(home: Path) -> Iterator[tuple[str, Path]]:
-    vm = home / "vm"
-    if vm.is_dir():
-        for d in sorted(vm.iterdir()):
-            if d.is_dir():
-                yield d.name, d
-
-
-def scan(home: Path, *, with_vm: bool = True) -> list[Leftover]:
-    """Every box under ``home``: namespace boxes, and records in the vm homes of dead owners.
+def scan(home: Path) -> list[Leftover]:
+    """Every box under ``home``, of every runtime kind: namespace boxes, and the records in the vm
+    homes of dead owners.
 
     The vm home of a live owner is locked by BoxLite and cannot be opened
     from here; its boxes are reported as one entry per home.
     """
     home = Path(home)
-    found = list(_namespace_boxes(home))
-    if not with_vm:
-        return found
-    for owner, vm_home in _vm_homes(home):
-        alive = owner_alive(home, owner)
-        kept = (vm_home / "keep").exists()
-        if alive:
-            found.append(Leftover(f"(vm home of {owner})", "vm", owner, True, True, kept, str(vm_home)))
-            continue
-        for rec in _vm_records(vm_home):
-            found.append(Leftover(rec, "vm", owner, False, False, kept, str(vm_home)))
-    return found
+    owners = _Owners(home)
+    return [lo for k in kinds() for lo in k.leftovers(home, owners, each_box=True)]
 
 
-def _vm_records(vm_home: Path) -> list[str]:
-    from pytest_boxlite.runtimes.vm import VmRuntime
-
-    try:
-        rt = VmRuntime(vm_home)
-    except BoxliteError:
-        return []
-    try:
-        return [r.name for r in rt.list_boxes()]
-    finally:
-        rt.close()
-
-
-def remove_namespace_box(home: Path, name: str) -> None:
-    """Kill a namespace box and remove its state.
-
-    Only host-side facts are used: the pids the host recorded (checked against their start
-    times) in the box's private control directory, which no guest can see, and the box's cgroups.
-    Killing the first process of the box's pid namespace makes the kernel kill every other one.
-    """
-    if not name or "/" in name or name in (".", ".."):
-        raise BoxliteError(f"invalid box name {name!r}")
-    box_dir = Path(home) / "namespace" / name
-    kill_box_processes(_read_info(box_dir))
-    _cgroups.remove_dirs(_cgroups.find_dirs(name))
-    remove_box_dirs(box_dir)
-
-
-def remove_vm_home(vm_home: Path) -> int:
-    """Remove every box record of a dead owner's vm home, then the home (the shared image store stays)."""
-    from pytest_boxlite.runtimes.vm import VmRuntime
-
-    rt = VmRuntime(vm_home)
-    try:
-        names = [r.name for r in rt.list_boxes()]
-        for n in names:
-            rt.remove_box(n)
-    finally:
-        rt.close()
-    shutil.rmtree(vm_home, ignore_errors=True)
-    return len(names)
+def remove_named(home: Path, name: str) -> bool:
+    """Remove the box ``name`` of a dead (or unknown) owner; ``False`` if no runtime has a box so named."""
+    home = Path(home)
+    owners = _Owners(home)
+    for k in kinds():
+        for lo in k.leftovers(home, owners, each_box=False):
+            # Only boxes are removed by name: a vm home's entry is a unit of several, named by its owner.
+            if lo.name == name and owner_of(lo.name) == lo.owner:
+                k.remove_leftover(home, lo)
+                return True
+    return False
 
 
 def _selected(owner: str | None, owners: set[str] | None, prefix: str | None) -> bool:
@@ -213,23 +159,16 @@ def reconcile(
     """
     home = Path(home)
     removed: list[str] = []
-    for lo in _namespace_boxes(home):
-        if lo.owner_alive or (lo.kept and not include_kept):
-            continue
-        if not _selected(lo.owner, owners, owner_prefix):
-            continue
-        remove_namespace_box(home, lo.name)
-        removed.append(lo.name)
-    for owner, vm_home in _vm_homes(home):
-        if owner_alive(home, owner) or ((vm_home / "keep").exists() and not include_kept):
-            continue
-        if not _selected(owner, owners, owner_prefix):
-            continue
-        try:
-            n = remove_vm_home(vm_home)
-        except BoxliteError:
-            continue  # BoxLite still holds the home: its process is alive after all
-        removed.append(f"{owner} (vm home, {n} boxes)")
+    lookup = _Owners(home)
+    for k in kinds():
+        for lo in k.leftovers(home, lookup, each_box=False):
+            if lo.owner_alive or (lo.kept and not include_kept):
+                continue
+            if not _selected(lo.owner, owners, owner_prefix):
+                continue
+            what = k.remove_leftover(home, lo)
+            if what is not None:
+                removed.append(what)
     sessions = home / "sessions"
     if sessions.is_dir():
         for lock in sessions.glob("*.lock"):

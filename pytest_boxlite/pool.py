@@ -427,14 +427,12 @@ class BoxPool:
                 self._live -= 1  # a kept box leaves the pool's accounting on purpose
                 self._cond.notify_all()
                 self._fill_locked()
-                keep_fn = getattr(handle, "keep", None)
             elif lease.reuse and not self._closed:
                 self._warm[lease.spec].append(_Warm(handle, time.monotonic(), reusable=True))
                 self._cond.notify_all()
                 return
         if keep:
-            if keep_fn is not None:
-                keep_fn()
+            handle.keep()
             return
         self._destroy_async(handle)
 

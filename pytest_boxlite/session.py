@@ -106,14 +106,14 @@ class BoxliteSession:
 
     @property
     def fork_boxes(self) -> bool:
-        """Boxed tests get boxes forked from a warm interpreter (namespace runtime): one per test,
-        or one per module with ``--boxlite-scope=module``.
+        """Boxed tests get boxes forked from a warm interpreter (runtimes that can fork): one per
+        test, or one per module with ``--boxlite-scope=module``.
 
         Kept boxes (``--boxlite-keep``) must outlive the run, which a fork cannot: then tests get
         booted boxes of their own instead.
         """
         s = self.settings
-        return self.choice.kind == "namespace" and s.scope in ("test", "module") and not s.keep
+        return self.choice.capabilities.fork and s.scope in ("test", "module") and not s.keep
 
     @property
     def default_worker_spec(self) -> BoxSpec:
@@ -208,7 +208,7 @@ class BoxliteSession:
                 # Under auto, a VM runtime that will not open falls back to namespace, saying why.
                 runtime, self.choice = open_choice(self.choice, self.home, self.owner)
                 # A remote server's runtime removes, on opening, what dead sessions left there.
-                self.report.reconciled += list(getattr(runtime, "reaped", ()))
+                self.report.reconciled += list(runtime.reaped)
             s = self.settings
             pool = BoxPool(
                 runtime,
@@ -252,9 +252,9 @@ class BoxliteSession:
 
     def _setup_box(self, handle: BoxHandle, spec: BoxSpec) -> None:
         setup = self.settings.setup
-        if setup and self.choice.kind == "vm" and spec.template is None:
-            # No template to start from (a remote server): each VM runs the setup once, in the
-            # background, before it is leased.
+        if setup and spec.template is None:
+            # The runtime made no template to start from (a remote server): each box runs the
+            # setup once, in the background, before it is leased.
             raw = handle.exec(["/bin/sh", "-c", setup], cwd=str(self.cwd), timeout=self.settings.timeout)
             if raw.exit_code != 0 or raw.timed_out:
                 err = (raw.stdout + raw.stderr).decode("utf-8", "replace")[-3000:]
@@ -308,6 +308,4 @@ class BoxliteSession:
                 runtime.close()
         finally:
             if self._owner_lock is not None:
-                if self.report.kept and self.choice.kind == "vm" and self.choice.remote is None:
-                    (self.home / "vm" / self.owner / "keep").write_text("kept for debugging\n")
                 self._owner_lock.release()

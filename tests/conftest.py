@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from subruns import REAL_DATA_HOME, SubRun
+from subruns import REAL_DATA_HOME, SubRun, TcpServer
 
 from pytest_boxlite import ledger
 from pytest_boxlite.runtimes import Runtime, open_runtime, probe
@@ -219,3 +219,13 @@ def subruns(home: Path) -> Iterator[list[SubRun]]:
     yield started
     for s in started:
         s.kill()
+
+
+@pytest.fixture
+def tcp_server() -> Iterator[TcpServer]:
+    """A TCP server on the host's 127.0.0.1 that records what each connection sends."""
+    server = TcpServer()
+    try:
+        yield server
+    finally:
+        server.close()

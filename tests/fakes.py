@@ -24,7 +24,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from pytest_boxlite.errors import BoxDeadError, BoxStartError, BoxTimeoutError
-from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxHandle, BoxRecord, RawResult, Runtime
+from pytest_boxlite.runtimes.base import (
+    DEFAULT_MAX_OUTPUT,
+    BoxDefaults,
+    BoxHandle,
+    BoxRecord,
+    RawResult,
+    Runtime,
+    RuntimeDefaults,
+)
 from pytest_boxlite.spec import BoxSpec
 
 #: Upper bound on any wait a fake may be told to do, so a wrong test cannot hang the run.
@@ -37,7 +45,7 @@ def _ok(box: FakeBox, argv: Sequence[str]) -> RawResult:
     return RawResult(exit_code=0, stdout=b"", stderr=b"", timed_out=False, duration=0.0)
 
 
-class FakeBox:
+class FakeBox(BoxDefaults):
     """A box that lives in memory.  Conforms to :class:`~pytest_boxlite.runtimes.base.BoxHandle`."""
 
     runtime_name = "fake"
@@ -87,7 +95,7 @@ class FakeBox:
     def attach_argv(self, argv: Sequence[str], *, cwd: str | None = None, status_file: str | None = None) -> list[str]:
         return ["fake-attach", self.name, *argv]
 
-    def log_tail(self, max_bytes: int = 4000) -> str:
+    def log_tail(self, max_bytes: int = 4000, *, since: int = 0) -> str:
         return f"fake box {self.name}"[-max_bytes:]
 
     def keep(self) -> None:
@@ -98,7 +106,7 @@ class FakeBox:
         self.runtime._destroy(self)
 
 
-class FakeRuntime:
+class FakeRuntime(RuntimeDefaults):
     """A runtime whose boxes are :class:`FakeBox` objects.  Thread-safe; counts what it does."""
 
     name = "fake"

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 #: Plugins installed here that sub-runs do not need and that slow every pytest start.
@@ -128,3 +130,65 @@ class SubRun:
             return os.getpgid(self.proc.pid) == self.proc.pid
         except ProcessLookupError:
             return False
+
+
+@contextlib.contextmanager
+def host_cleanup(*paths: Path) -> Iterator[None]:
+    """Remove ``paths`` from the host afterwards, should a box's write have leaked there."""
+    try:
+        yield
+    finally:
+        for p in paths:
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+#: A test that holds a box until told to let go (or a deadline passes): the subject of the signal tests.
+HOLDER = """
+import os, time
+from pathlib import Path
+
+def test_hold(boxlite_sandbox):
+    boxlite_sandbox.write_file("/workspace/held", "yes")
+    Path(os.environ["HOLD_MARKER"]).write_text(boxlite_sandbox.name)
+    release = Path(os.environ["HOLD_RELEASE"])
+    deadline = time.monotonic() + 90
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert release.exists(), "never released"
+    assert boxlite_sandbox.read_file("/workspace/held") == "yes"
+"""
+
+
+class TcpServer:
+    """A TCP server on the host's 127.0.0.1 that records what each connection sends."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.port: int = self.sock.getsockname()[1]
+        self.received: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                with contextlib.suppress(OSError):
+                    self.received.append(conn.recv(100))
+
+    def got(self, data: bytes, timeout: float = 5.0) -> bool:
+        return wait_until(lambda: data in self.received, timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()

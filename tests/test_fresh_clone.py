@@ -17,7 +17,8 @@ import os
 import runpy
 import sys
 
-ns = runpy.run_path(sys.argv[1])
+# fresh.py calls guest/caps.py's names: the host sends caps.py ahead of it, in one namespace.
+ns = runpy.run_path(sys.argv[1], init_globals=runpy.run_path(sys.argv[3]))
 if sys.argv[2] == "forks":
     ns["_SYS_CLONE"].clear()  # the path of a machine whose clone(2) number it does not know
 outer = {n: os.readlink("/proc/self/ns/" + n) for n in ("pid", "user", "mnt", "uts", "ipc", "net")}
@@ -65,7 +66,7 @@ def test_clone_box_child_is_pid_1_of_new_namespaces(path: str) -> None:
     if path == "clone" and os.uname().machine not in ("x86_64", "aarch64", "riscv64", "ppc64le", "ppc64"):
         pytest.skip(f"no clone(2) number for {os.uname().machine}: the fork path is the one used")
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(guest.path("fresh")), path],
+        [sys.executable, "-c", SCRIPT, str(guest.path("fresh")), path, str(guest.path("caps"))],
         capture_output=True,
         text=True,
         timeout=60,
@@ -82,7 +83,8 @@ import os
 import runpy
 import sys
 
-ns = runpy.run_path(sys.argv[1])
+# fresh.py calls guest/caps.py's names: the host sends caps.py ahead of it, in one namespace.
+ns = runpy.run_path(sys.argv[1], init_globals=runpy.run_path(sys.argv[3]))
 if sys.argv[2] == "forks":
     ns["_SYS_CLONE"].clear()
 me = os.getpid()
@@ -102,7 +104,7 @@ def test_clone_box_child_that_cannot_start_exits_instead_of_returning(path: str)
     if path == "clone" and os.uname().machine not in ("x86_64", "aarch64", "riscv64", "ppc64le", "ppc64"):
         pytest.skip(f"no clone(2) number for {os.uname().machine}")
     proc = subprocess.run(
-        [sys.executable, "-c", FAILING, str(guest.path("fresh")), path],
+        [sys.executable, "-c", FAILING, str(guest.path("fresh")), path, str(guest.path("caps"))],
         capture_output=True,
         text=True,
         timeout=60,

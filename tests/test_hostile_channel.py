@@ -279,7 +279,8 @@ ATTACKS: dict[str, tuple[str, str]] = {
         """
         import ctypes
 
-        ctypes.CDLL(None).prctl(15, b"pbx-linger", 0, 0, 0)  # PR_SET_NAME: findable in the host's /proc
+        # PR_SET_NAME: findable in the host's /proc, by a name no other run on the host uses.
+        ctypes.CDLL(None).prctl(15, os.environ["PBX_LINGER"].encode(), 0, 0, 0)
         send(m.DONE)
         time.sleep(300)
         """,
@@ -402,7 +403,7 @@ def junit_cases(path: Path) -> dict[str, Case]:
     return out
 
 
-#: An unboxed test (run without ``--boxlite``): no process named ``pbx-linger`` is left on the host.
+#: An unboxed test (run without ``--boxlite``): no process named ``$PBX_LINGER`` is left on the host.
 HOST_CHECK_LINGER = """
 import os
 import time
@@ -419,7 +420,7 @@ def comm(pid):
 def test_no_lingering_box_process():
     deadline = time.monotonic() + 5.0
     while True:
-        left = [p for p in os.listdir("/proc") if p.isdigit() and comm(p) == "pbx-linger"]
+        left = [p for p in os.listdir("/proc") if p.isdigit() and comm(p) == os.environ["PBX_LINGER"]]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -658,6 +659,8 @@ def test_fork_is_gone_once_its_test_is_over(tmp_path: Path) -> None:
         ["done_then_linger"],
         boxlite_all=False,
         extra_files={"test_hostile_99_host_check.py": HOST_CHECK_LINGER},
+        # Unique per run (15 bytes at most, the kernel's comm size): CI runs other suites beside this one.
+        PBX_LINGER=f"pbx-l{os.getpid() % 10**8:08d}"[:15],
     )
     assert "INTERNALERROR" not in run.output, run.tail()
     assert run.leftovers == []

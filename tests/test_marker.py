@@ -8,7 +8,6 @@ so the checks are packed into few sub-runs.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from subruns import host_cleanup
 
 from pytest_boxlite import ledger
 
@@ -99,17 +99,6 @@ def junit_view(tc: ET.Element) -> tuple[dict[str, str], list[tuple[str, dict[str
     children = [(c.tag, dict(c.attrib), no_addresses((c.text or "").strip())) for c in tc if c.tag != "properties"]
     properties = [(p.get("name", ""), p.get("value", "")) for p in tc.iter("property")]
     return attrs, children, properties
-
-
-@contextlib.contextmanager
-def host_cleanup(*paths: Path) -> Iterator[None]:
-    """Remove ``paths`` from the host afterwards, should a box's write have leaked there."""
-    try:
-        yield
-    finally:
-        for p in paths:
-            with contextlib.suppress(OSError):
-                p.unlink()
 
 
 # --------------------------------------------------------------------------

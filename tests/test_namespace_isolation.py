@@ -14,14 +14,13 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import BoxFactory, new_box_name
+from subruns import TcpServer, host_cleanup, pids_with
 
 from pytest_boxlite import errors
 from pytest_boxlite.runtimes import Runtime, _cgroups
@@ -43,17 +42,6 @@ def py(sb: Sandbox, code: str, timeout: float = 20) -> subprocess.CompletedProce
     """Run Python code in the box; returns (exit code, stdout, stderr) like subprocess does."""
     r = sb.run([sb.handle.guest_python, "-c", textwrap.dedent(code)], timeout=timeout)
     return subprocess.CompletedProcess([], r.exit_code or 0, r.stdout, r.stderr)
-
-
-@contextlib.contextmanager
-def host_cleanup(*paths: Path) -> Iterator[None]:
-    """Remove ``paths`` from the host afterwards, should a box's write have leaked there."""
-    try:
-        yield
-    finally:
-        for p in paths:
-            with contextlib.suppress(OSError):
-                p.unlink()
 
 
 # --------------------------------------------------------------------------
@@ -245,79 +233,24 @@ def test_destroying_a_box_kills_its_processes(namespace_runtime: Runtime) -> Non
         assert sb.run([handle.guest_python, "-c", spawn, marker], timeout=20).ok
         deadline = time.monotonic() + 5
         while not found and time.monotonic() < deadline:
-            found = _host_pids_with(marker)
+            found = pids_with(marker)
             time.sleep(0.02)
         assert found, "the detached process did not start"
         handle.destroy()
         deadline = time.monotonic() + 5
-        while _host_pids_with(marker) and time.monotonic() < deadline:
+        while pids_with(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _host_pids_with(marker) == [], "a box process outlived destroy()"
+        assert pids_with(marker) == [], "a box process outlived destroy()"
     finally:
         handle.destroy()
-        for pid in _host_pids_with(marker):
+        for pid in pids_with(marker):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _host_pids_with(marker: str) -> list[int]:
-    """Host pids of live (non-zombie) processes whose command line contains ``marker``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker.encode() in cmd and state not in ("Z", "X"):
-            out.append(int(entry))
-    return out
 
 
 # --------------------------------------------------------------------------
 # network
 # --------------------------------------------------------------------------
-
-
-class _Server:
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.sock.settimeout(0.1)
-        self.port = self.sock.getsockname()[1]
-        self.received: list[bytes] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except (TimeoutError, OSError):
-                continue
-            with conn:
-                conn.settimeout(2)
-                with contextlib.suppress(OSError):
-                    self.received.append(conn.recv(100))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
-
-
-@pytest.fixture
-def tcp_server() -> Iterator[_Server]:
-    """A TCP server on the host's 127.0.0.1 that records what each connection sends."""
-    server = _Server()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 CONNECT = """
@@ -333,7 +266,7 @@ print('connected')
 """
 
 
-def test_network_is_off_by_default(ns_sandbox: Sandbox, tcp_server: _Server) -> None:
+def test_network_is_off_by_default(ns_sandbox: Sandbox, tcp_server: TcpServer) -> None:
     r = ns_sandbox.run([ns_sandbox.handle.guest_python, "-c", CONNECT, str(tcp_server.port)], timeout=20)
     assert r.exit_code == 1, r.stdout + r.stderr
     assert r.stdout.startswith("failed")
@@ -343,14 +276,12 @@ def test_network_is_off_by_default(ns_sandbox: Sandbox, tcp_server: _Server) -> 
     assert devices == ["lo"]
 
 
-def test_network_can_be_turned_on(make_namespace_box: BoxFactory, tcp_server: _Server) -> None:
+def test_network_can_be_turned_on(make_namespace_box: BoxFactory, tcp_server: TcpServer) -> None:
     sb = make_namespace_box(BoxSpec(network=True))
     r = sb.run([sb.handle.guest_python, "-c", CONNECT, str(tcp_server.port)], timeout=20)
     assert r.exit_code == 0, r.stdout + r.stderr
     assert r.stdout == "connected\n"
-    deadline = time.monotonic() + 5
-    while not tcp_server.received and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert tcp_server.got(b"hello-from-box")
     assert tcp_server.received == [b"hello-from-box"]
 
 
@@ -555,13 +486,14 @@ def test_a_host_forbidding_user_namespaces_is_named_with_its_fix(
 ) -> None:
     """Fault injection: ``/bin/false`` stands in for a bwrap the policy stops, and the sysctl is read
     from a fake (changing the real one would change the whole machine)."""
-    from pytest_boxlite.runtimes import namespace as ns
+    from pytest_boxlite.runtimes.namespace import privileges, runtime
 
-    monkeypatch.setattr(ns, "_read_sysctl", lambda name: value if name == sysctl else None)
+    # Patched where they are read: userns_problem reads the sysctl, the runtime calls userns_problem.
+    monkeypatch.setattr(privileges, "_read_sysctl", lambda name: value if name == sysctl else None)
     monkeypatch.setattr(os, "getuid", lambda: 1001)
-    problem = ns.userns_problem.__wrapped__("/bin/false")
+    problem = privileges.userns_problem.__wrapped__("/bin/false")
     assert problem is not None and named in problem
-    monkeypatch.setattr(ns, "userns_problem", lambda bwrap: problem)
+    monkeypatch.setattr(runtime, "userns_problem", lambda bwrap: problem)
     with pytest.raises(errors.RuntimeUnavailableError, match="namespace boxes need user namespaces"):
         NamespaceRuntime(tmp_path / "home")
 

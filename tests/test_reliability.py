@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
 import xml.etree.ElementTree as ET
@@ -37,7 +36,7 @@ from typing import Any
 
 import pytest
 from conftest import BoxFactory, skip_unless_vm_ok
-from subruns import QUIET, SubRun, pids_with, process_gone, pytest_argv, sub_env, wait_until
+from subruns import HOLDER, QUIET, SubRun, TcpServer, pids_with, process_gone, pytest_argv, sub_env, wait_until
 
 from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError, BoxTimeoutError, ConfigError, InvalidPathError, SandboxFileError
@@ -92,49 +91,6 @@ def host_sleeper() -> Iterator[tuple[int, str]]:
     finally:
         proc.kill()
         proc.wait(10)
-
-
-class TcpServer:
-    """A TCP server on the host's 127.0.0.1 that records what each connection sends."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.sock.settimeout(0.1)
-        self.port: int = self.sock.getsockname()[1]
-        self.received: list[bytes] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            with conn:
-                conn.settimeout(2)
-                with contextlib.suppress(OSError):
-                    self.received.append(conn.recv(100))
-
-    def got(self, data: bytes, timeout: float = 5.0) -> bool:
-        return wait_until(lambda: data in self.received, timeout)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
-
-
-@pytest.fixture
-def tcp_server() -> Iterator[TcpServer]:
-    server = TcpServer()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 @contextlib.contextmanager
@@ -212,21 +168,6 @@ def host_cmdline(pid: int) -> str:
 
 # --------------------------------------------------------------------------
 # 1. process faults
-
-HOLDER = """
-import os, time
-from pathlib import Path
-
-def test_hold(boxlite_sandbox):
-    boxlite_sandbox.write_file("/workspace/held", "yes")
-    Path(os.environ["HOLD_MARKER"]).write_text(boxlite_sandbox.name)
-    release = Path(os.environ["HOLD_RELEASE"])
-    deadline = time.monotonic() + 90
-    while not release.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert release.exists(), "never released"
-    assert boxlite_sandbox.read_file("/workspace/held") == "yes"
-"""
 
 
 class Holder(SubRun):

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from subruns import QUIET, process_gone, sub_env, wait_until
+from subruns import HOLDER, QUIET, process_gone, sub_env, wait_until
 
 from pytest_boxlite import ledger
 from pytest_boxlite.runtimes import choose, probe
@@ -28,22 +28,6 @@ SUMMARY = re.compile(
     r"boxes booted (?P<booted>\d+), leased (?P<leased>\d+), reused (?P<reused>\d+), "
     r"warm-lease hit rate (?P<rate>\d+%|n/a), lease wait p50 [\d.]+ ms max [\d.]+ ms, leaked (?P<leaked>\d+)"
 )
-
-# A test that holds a box until told to let go (or a deadline passes): the subject of the signal tests.
-HOLDER = """
-import os, time
-from pathlib import Path
-
-def test_hold(boxlite_sandbox):
-    boxlite_sandbox.write_file("/workspace/held", "yes")
-    Path(os.environ["HOLD_MARKER"]).write_text(boxlite_sandbox.name)
-    release = Path(os.environ["HOLD_RELEASE"])
-    deadline = time.monotonic() + 60
-    while not release.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert release.exists(), "never released"
-    assert boxlite_sandbox.read_file("/workspace/held") == "yes"
-"""
 
 
 def cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -8,6 +8,9 @@ template's disk is what remains to confirm on a KVM host.
 
 from __future__ import annotations
 
+import fcntl
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,29 @@ def test_unknown_template_is_a_config_error(tmp_path: Path) -> None:
             rt.create_box(BoxSpec(template="vm-template:nope"), new_box_name(), timeout=CREATE_TIMEOUT)
     finally:
         rt.close()
+
+
+def test_clean_templates_drops_vm_archives_but_not_one_in_use(tmp_path: Path) -> None:
+    """``python -m pytest_boxlite clean --templates`` removes the store's archives, except one a
+    session holds the lock of (it is being built or imported)."""
+    home = tmp_path / "home"
+    rt = VmRuntime(tmp_path / "vmhome", sdk=sdk_double)
+    try:
+        for key in ("k1", "k2"):
+            rt.ensure_template(BoxSpec(), SETUP, key=key, store=home / "vm-templates", cwd=Path("/"), timeout=60)
+    finally:
+        rt.close()
+    store = home / "vm-templates"
+    k1, k2 = sorted(p.name.removesuffix(".boxlite") for p in store.glob("*.boxlite"))
+    assert k1.startswith("k1-") and k2.startswith("k2-")
+    with open(store / f"{k2}.lock", "w") as busy:
+        fcntl.flock(busy, fcntl.LOCK_EX)
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest_boxlite", "--home", str(home), "clean", "--templates"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 0, out.stderr
+    assert f"dropped 1 template(s): {k1}" in out.stdout, out.stdout
+    assert [p.name for p in store.glob("*.boxlite")] == [f"{k2}.boxlite"]

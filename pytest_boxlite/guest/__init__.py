@@ -7,6 +7,7 @@ reaches these files only through :func:`path` and :func:`source`.
 - ``worker``: the warm pytest interpreter in a box (execnet channel to :mod:`pytest_boxlite.remote`).
 - ``messages``: the vocabulary both ends of that channel use (the host imports it too).
 - ``fresh``: the per-test fork's new namespaces and pristine layers (namespace runtime).
+- ``caps``: capability dropping and libc error checks, shared by ``agent`` and ``fresh``.
 - ``files``: the file-operation helper behind :class:`~pytest_boxlite.sandbox.Sandbox`.
 - ``agent``: the in-box agent of a namespace box (pid 2 under bwrap).
 - ``attach``: the host-side stdio bridge into a box (namespace agent or VM bridge).
@@ -18,7 +19,7 @@ import functools
 from pathlib import Path
 
 _HERE = Path(__file__).parent
-NAMES = ("messages", "worker", "fresh", "files", "agent", "attach")
+NAMES = ("messages", "worker", "caps", "fresh", "files", "agent", "attach")
 
 
 def path(name: str) -> Path:

@@ -68,9 +68,6 @@ DEFAULT_CWD = "/workspace"
 MAX_REQUEST = 4 << 20
 
 _PR_SET_DUMPABLE = 4
-_PR_CAPBSET_DROP = 24
-_PR_CAP_AMBIENT = 47
-_PR_CAP_AMBIENT_CLEAR_ALL = 4
 _CLONE_NEWUSER = 0x10000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 #: Parts of /proc no box may write, read-only as in Docker: on a root host uid 0 of the box is
@@ -84,39 +81,25 @@ HIDDEN_PROC = "/run/.boxlite-proc"
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _check(ret, what):
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
+def _sibling(name):
+    """The guest module ``name`` beside this file (``python -I`` leaves this directory off sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_boxlite_guest_" + name, os.path.join(os.path.dirname(__file__), name + ".py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+_caps = _sibling("caps")
+_check = _caps.check_libc
 
 
 def limit_caps(keep):
     """Keep only the capabilities ``keep`` (numbers): bounding set, effective, permitted; no ambient."""
-    try:
-        with open("/proc/sys/kernel/cap_last_cap") as fh:
-            last = int(fh.read())
-    except (OSError, ValueError):
-        last = 40
-    for cap in range(last + 1):
-        # EINVAL: a capability this kernel does not know; anything else is a real failure.
-        if cap not in keep and _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
-            _check(-1, "dropping capability %d from the bounding set" % cap)
-    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    mask = 0
-    for cap in keep:
-        mask |= 1 << cap
-    lo, hi = mask & 0xFFFFFFFF, mask >> 32
-    header = _CapHeader(0x20080522, 0)
-    data = (_CapData * 2)(_CapData(lo, lo, 0), _CapData(hi, hi, 0))
-    _check(_libc.capset(ctypes.byref(header), data), "capset")
+    _caps.limit_caps(_libc, keep)
 
 
 def _mount(src, target, fstype, flags, data=None):
@@ -199,7 +182,27 @@ def resolve_user(user, default):
     return uid, gid
 
 
-class _Nested:
+class _Child:
+    """A Popen look-alike (pid, poll, wait) for a child this agent forked itself."""
+
+    pid = 0
+    returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self):
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+class _Nested(_Child):
     """A command in a nested user namespace where ``uid``/``gid`` stand for the box's uid 0.
 
     For ids the box's own namespace does not map (a non-root host maps one id only).  A
@@ -259,19 +262,6 @@ class _Nested:
             self.wait()
             code, _, msg = failure.decode("utf-8", "replace").partition("\0")
             raise OSError(int(code or 0), msg)
-
-    def poll(self):
-        if self.returncode is None:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self):
-        if self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
 
 
 def spawn(argv, fds, env, cwd, uid, gid):
@@ -411,7 +401,7 @@ def _load_helper(path):
     _HELPER["module"] = module
 
 
-class _ForkedHelper:
+class _ForkedHelper(_Child):
     """A fork of the agent running the file helper: a Popen look-alike (pid, poll, wait)."""
 
     def __init__(self, fds, cwd, uid, gid):
@@ -446,19 +436,6 @@ class _ForkedHelper:
                 os._exit(code)
         self.pid = pid
         self.returncode = None
-
-    def poll(self):
-        if self.returncode is None:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self):
-        if self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
 
 
 def _serve(conn, base_env, default_user):

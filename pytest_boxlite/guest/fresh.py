@@ -8,6 +8,9 @@ of the package.
 import ctypes
 import os
 
+# check_libc and limit_caps come from guest/caps.py, which the host sends ahead of this file in the
+# same remote_exec (this file imports nothing of the package).
+
 # --- a fresh box for one test, forked from this warm interpreter (namespace runtime) -------------
 # The child gets new user, mount, uts, ipc, network and pid namespaces; every overlay the box has
 # gets a new, empty upper layer, and /tmp, /workspace and /dev/shm new tmpfs, so the test sees the
@@ -28,8 +31,6 @@ _CLONE_NEWPID = 0x20000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _MS_REC, _MS_PRIVATE = 16384, 1 << 18
 _PR_SET_PDEATHSIG = 1
-_PR_CAPBSET_DROP = 24
-_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 #: Parts of /proc a box must not write (host-wide sysctls...): read-only, as bubblewrap does.
 _PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 
@@ -43,15 +44,9 @@ def _libc():
     return _LIBC
 
 
-def _check(ret, what):
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
-
-
 def _mount(libc, src, target, fstype, flags, data):
     enc = lambda v: v.encode() if v is not None else None  # noqa: E731
-    _check(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)
+    check_libc(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)  # noqa: F821 - caps.py
 
 
 def _mounts():
@@ -141,7 +136,7 @@ class IdMapper:
         self.close_parent_side()
         try:
             if flags is not None:
-                _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
+                check_libc(libc.unshare(_CLONE_NEWUSER | flags), "unshare")  # noqa: F821 - caps.py
                 os.write(self.ready_w, b"u\n")  # born in it (clone_box), the parent does not wait
             if os.read(self.done_r, 2) != b"m\n":
                 raise OSError(1, "could not map ids into the fresh box's user namespace")
@@ -179,7 +174,7 @@ def _enter_user_namespace(libc, flags, mapper=None):
     """
     if os.geteuid() != 0:
         uid, gid = os.geteuid(), os.getegid()
-        _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare")
+        check_libc(libc.unshare(_CLONE_NEWUSER | flags), "unshare")  # noqa: F821 - caps.py
         _map_own_ids(uid, gid)
         return
     if mapper is None:
@@ -255,7 +250,7 @@ def _in_new_box(uid, gid, mapper):
     """The child's first steps in its new user namespace: die with its parent, map its ids."""
     import signal
 
-    _check(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    check_libc(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # noqa: F821 - caps.py
     if uid != 0:
         _map_own_ids(uid, gid)
     elif mapper is None:
@@ -278,9 +273,9 @@ def _clone_box_by_forks(flags, mapper):
     try:
         import signal
 
-        _check(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+        check_libc(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # noqa: F821 - caps.py
         if uid != 0:
-            _check(_LIBC.unshare(flags), "unshare")
+            check_libc(_LIBC.unshare(flags), "unshare")  # noqa: F821 - caps.py
             _map_own_ids(uid, gid)
         elif mapper is None:
             raise OSError(1, "a root box needs its parent to write its id maps (no IdMapper given)")
@@ -289,7 +284,7 @@ def _clone_box_by_forks(flags, mapper):
         child = os.fork()
         if child == 0:
             try:
-                _check(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+                check_libc(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # noqa: F821 - caps.py
             except BaseException as exc:  # noqa: BLE001 - said, then the box ends: see _in_new_box_or_exit
                 sys_stderr_write("pytest-boxlite: the fresh box could not start: %r\n" % (exc,))
                 os._exit(70)
@@ -327,34 +322,6 @@ def enter_test_namespaces(network, mapper=None):
     _enter_user_namespace(_LIBC, _CLONE_NEWNS | _CLONE_NEWUTS | (0 if network else _CLONE_NEWNET), mapper)
     if not network:
         _loopback_up()
-
-
-def _limit_caps(libc, keep):
-    """Keep only ``keep``: bounding, effective and permitted sets; no ambient ones."""
-    import ctypes
-
-    try:
-        with open("/proc/sys/kernel/cap_last_cap") as fh:
-            last = int(fh.read())
-    except (OSError, ValueError):
-        last = 40
-    for cap in range(last + 1):
-        if cap not in keep and libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
-            _check(-1, "dropping capability %d" % cap)
-    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-
-    mask = 0
-    for cap in keep:
-        mask |= 1 << cap
-    lo, hi = mask & 0xFFFFFFFF, mask >> 32
-    data = (Data * 2)(Data(lo, lo, 0), Data(hi, hi, 0))
-    _check(libc.capset(ctypes.byref(Header(0x20080522, 0)), data), "capset")
 
 
 def _under(path, top):
@@ -430,7 +397,7 @@ def _fresh_box(hostname, network):
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
         # Anyone but root keeps no capability, as locally.
-        _limit_caps(libc, ())
+        limit_caps(libc, ())  # noqa: F821 - from guest/caps.py, sent ahead of this file
 
 
 def _loopback_up():

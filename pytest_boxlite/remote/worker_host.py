@@ -4,7 +4,7 @@ Each box made for boxed tests gets a warm interpreter at boot: an execnet gatewa
 runtime's stdio bridge, running :mod:`pytest_boxlite.guest.worker`, which configures pytest from
 the host's own command line and collects the session once.  A test then costs one request on that
 channel (:meth:`RemoteRunner.run_item`), or one fork of that interpreter into a fresh box
-(:meth:`RemoteRunner.run_item_forked`, namespace runtime).  Both read the test's messages with the
+(:meth:`RemoteRunner.fork`, on runtimes that can fork).  Both read the test's messages with the
 same loop (:func:`pytest_boxlite.remote.transport.drain`) and complete what a dead or hung box did
 not report with failed reports that say what happened, with the box's log attached.
 """
@@ -37,9 +37,6 @@ from pytest_boxlite.remote import reports
 from pytest_boxlite.remote.transport import BoxSpoke, ChannelStream, ForkStream, Outcome, drain
 from pytest_boxlite.runtimes.base import BoxHandle
 from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, minimal_dirs, worker_env
-
-#: Where a forked box finds the host's listening socket (the box's control directory).
-FORK_SOCKET = "/run/pytest-boxlite/fork.sock"
 
 #: How long a forked box may go on after its DONE before it is killed.
 FORK_GRACE = 2.0
@@ -157,9 +154,10 @@ class RemoteRunner:
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
         # The message vocabulary and the per-test fork's set-up travel with the worker: one remote_exec.
-        self._source = "\n".join(guest.source(n) for n in ("messages", "fresh", "worker"))
+        self._source = "\n".join(guest.source(n) for n in ("messages", "caps", "fresh", "worker"))
         self._args = guest_args(config)
-        self._listeners: dict[str, socket.socket] = {}
+        #: Per fork parent: the socket its forks connect to, and that socket's path in the box.
+        self._listeners: dict[str, tuple[socket.socket, str]] = {}
         self._log_since: dict[str, int] = {}
         self._seq = 0  # every run's number: its messages carry it (see transport.drain)
         #: Forked boxes that said DONE but may not have exited yet: (worker, pid, kill-after).
@@ -246,7 +244,7 @@ class RemoteRunner:
             w = self._workers.pop(handle.name, None)
             listener = self._listeners.pop(handle.name, None)
         if listener is not None:
-            listener.close()
+            listener[0].close()
         if w is not None:
             with contextlib.suppress(Exception):
                 w.gateway.exit()
@@ -263,8 +261,8 @@ class RemoteRunner:
             self._reap_lingering(final=True)
         with self._lock:
             listeners, self._listeners = list(self._listeners.values()), {}
-        for listener in listeners:  # boxes that ended without passing through stop_worker
-            listener.close()
+        for sock, _ in listeners:  # boxes that ended without passing through stop_worker
+            sock.close()
         with contextlib.suppress(Exception):
             self.group.terminate(timeout=5.0)
         self._status_tmp.cleanup()
@@ -334,7 +332,7 @@ class RemoteRunner:
         if box.stream is None:
             try:
                 box.stream = self._accept_fork(
-                    box.worker, self._fork_listener(handle), box.token, box.child, start + timeout
+                    box.worker, self._fork_listener(handle)[0], box.token, box.child, start + timeout
                 )
             except TimeoutError:
                 box.alive = False
@@ -388,11 +386,10 @@ class RemoteRunner:
         name = f"{handle.name}.{self.forks}"
         if worker is None:
             return f"box {handle.name} has no running test worker"
-        self._fork_listener(handle)  # listening before the box can connect
+        _, fork_socket = self._fork_listener(handle)  # listening before the box can connect
         token = secrets.token_hex(8)
-        size = getattr(handle, "log_size", None)
-        log_since = size() if size is not None else 0
-        request = {"nodeid": nodeid, "token": token, "sock": FORK_SOCKET, "hostname": name[:63], "network": network}
+        log_since = handle.log_size()
+        request = {"nodeid": nodeid, "token": token, "sock": fork_socket, "hostname": name[:63], "network": network}
         try:
             worker.channel.send((msg.FORK, request))
         except (EOFError, OSError, execnet.RemoteError) as exc:
@@ -403,7 +400,7 @@ class RemoteRunner:
             worker,
             -1,
             None,
-            _oom_count(handle),
+            handle.oom_kills(),
             nodeid=nodeid,
             token=token,
             network=network,
@@ -496,7 +493,7 @@ class RemoteRunner:
         elif not out.done:
             box.alive = False
             code = self._fork_status(box.worker, msg.WAIT, box.child)
-            if _oom_count(box.handle) > box.oom_before:
+            if box.handle.oom_kills() > box.oom_before:
                 out.hung_up = BoxSpoke(_OOM)
         if out.done:
             self.fork_waits.append(time.monotonic() - start - sum(r.duration for r in out.reports))
@@ -596,16 +593,13 @@ class RemoteRunner:
         code = fields.get("code") if kind == msg.STATUS and isinstance(fields, dict) else None
         return code if isinstance(code, int) else None
 
-    def _fork_listener(self, handle: BoxHandle) -> socket.socket:
+    def _fork_listener(self, handle: BoxHandle) -> tuple[socket.socket, str]:
+        """The socket this box's forks connect to (one per fork parent), and its path in the box."""
         with self._lock:
-            sock = self._listeners.get(handle.name)
-            if sock is None:
-                path = Path(getattr(handle, "box_dir")) / "fork.sock"  # noqa: B009 - namespace boxes only
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.bind(_short_path(path))
-                sock.listen(4)
-                self._listeners[handle.name] = sock
-            return sock
+            known = self._listeners.get(handle.name)
+            if known is None:
+                known = self._listeners[handle.name] = handle.fork_listener()
+            return known
 
     def _kill(self, handle: BoxHandle) -> None:
         self._ahead.pop(handle.name, None)  # it dies with the box
@@ -613,7 +607,7 @@ class RemoteRunner:
             w = self._workers.pop(handle.name, None)
             listener = self._listeners.pop(handle.name, None)
         if listener is not None:
-            listener.close()
+            listener[0].close()
         with contextlib.suppress(Exception):
             handle.destroy()
         if w is not None:
@@ -623,8 +617,7 @@ class RemoteRunner:
     def _death_reason(self, handle: BoxHandle, worker: _Worker, exc: BaseException) -> str:
         with self._lock:
             self._workers.pop(handle.name, None)
-        oom = getattr(handle, "oom_killed", None)
-        if oom is not None and oom():
+        if handle.oom_kills() > 0:
             return _OOM
         how = reports.how_it_died(worker.status_file)
         gone = "" if handle.alive(timeout=1.0) else "; the box itself is gone"
@@ -633,23 +626,8 @@ class RemoteRunner:
     def _log(self, handle: BoxHandle) -> tuple[str, str] | None:
         """The box log's tail as a report section (for a forked box: only what it wrote)."""
         since = self._log_since.get(handle.name)
-        tail = handle.log_tail() if since is None else handle.log_tail(since=since)  # type: ignore[call-arg]
+        tail = handle.log_tail(since=since or 0)
         return (f"boxlite log of {handle.name}", tail) if tail.strip() else None
 
     def _failed(self, item: pytest.Item, why: str, handle: BoxHandle, duration: float) -> list[pytest.TestReport]:
         return reports.failed_phase(item, "setup", why, self._log(handle), duration)
-
-
-def _short_path(path: Path) -> str:
-    """``sun_path`` holds ~108 bytes: bind long paths through a directory descriptor."""
-    target = str(path)
-    if len(target.encode()) <= 100:
-        return target
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    # The descriptor must stay open while the path is used; it is kept for the process's life.
-    return f"/proc/self/fd/{fd}/{path.name}"
-
-
-def _oom_count(handle: BoxHandle) -> int:
-    counter = getattr(handle, "oom_kills", None)
-    return int(counter()) if counter is not None else 0

@@ -8,7 +8,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pytest_boxlite.errors import ConfigError, RuntimeUnavailableError
-from pytest_boxlite.runtimes.base import BoxHandle, BoxRecord, RawResult, Runtime
+from pytest_boxlite.runtimes.base import (
+    BoxDefaults,
+    BoxHandle,
+    BoxRecord,
+    Capabilities,
+    Leftover,
+    Owners,
+    RawResult,
+    Runtime,
+    RuntimeDefaults,
+    RuntimeKind,
+)
 from pytest_boxlite.runtimes.probe import Probe, probe
 from pytest_boxlite.spec import BoxSpec
 
@@ -16,14 +27,23 @@ if TYPE_CHECKING:
     from pytest_boxlite.runtimes.rest import RemoteTarget
 
 __all__ = [
+    "LOCAL_KINDS",
     "RUNTIME_CHOICES",
+    "BoxDefaults",
     "BoxHandle",
     "BoxRecord",
+    "Capabilities",
     "Choice",
+    "Leftover",
+    "Owners",
     "Probe",
     "RawResult",
     "Runtime",
+    "RuntimeDefaults",
+    "RuntimeKind",
     "choose",
+    "kind",
+    "kinds",
     "open_choice",
     "open_runtime",
     "probe",
@@ -33,6 +53,26 @@ __all__ = [
 ]
 
 RUNTIME_CHOICES = ("auto", "vm", "namespace")
+#: The runtimes that run boxes on this host, in the order ``doctor`` shows them.
+LOCAL_KINDS = ("vm", "namespace")
+
+
+def kind(name: str) -> RuntimeKind:
+    """The host-side operations of runtime kind ``name`` (nothing is opened or booted)."""
+    if name == "namespace":
+        from pytest_boxlite.runtimes.namespace.kind import KIND as namespace_kind
+
+        return namespace_kind
+    if name == "vm":
+        from pytest_boxlite.runtimes.vm import KIND as vm_kind
+
+        return vm_kind
+    raise ConfigError(f"unknown runtime {name!r}; choose one of {', '.join(LOCAL_KINDS)}")
+
+
+def kinds() -> list[RuntimeKind]:
+    """Every local runtime kind, whether or not it works on this host."""
+    return [kind(name) for name in LOCAL_KINDS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +85,11 @@ class Choice:
     fallback: str | None = None
     #: The remote BoxLite server boxes run on (``--boxlite-url``); ``None``: this host.
     remote: RemoteTarget | None = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the chosen runtime can do (known before it opens: the session plans with it)."""
+        return kind(self.kind).capabilities
 
 
 def remote_target(

@@ -1,11 +1,26 @@
-"""The runtime protocol: what every kind of box (micro-VM, namespace) provides."""
+"""The runtime protocol: what every kind of box (micro-VM, namespace) provides.
+
+Three parts, so that code outside ``runtimes/`` never asks which runtime it has:
+
+* :class:`BoxHandle`, a started box.  Its optional capabilities (keeping a box, the log's
+  size, OOM kills, a fast file helper, forking, attaching) are declared here with defaults in
+  :class:`BoxDefaults`, which a runtime's box class inherits and overrides where it can do better.
+* :class:`Runtime`, an opened runtime on one home (defaults in :class:`RuntimeDefaults`),
+  including provisioning (``--boxlite-setup``).
+* :class:`RuntimeKind`, what a kind of runtime says and does from a home directory alone,
+  without opening anything: its :class:`Capabilities`, host facts for ``doctor``, its leftovers
+  and their removal, its templates, attaching to a running box.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.spec import BoxSpec
 
 #: Default cap on captured bytes per output stream of one command.
@@ -77,13 +92,79 @@ class BoxHandle(Protocol):
         """
         ...
 
-    def log_tail(self, max_bytes: int = 4000) -> str:
-        """The tail of the box's console or runtime log, for failure reports."""
+    def log_tail(self, max_bytes: int = 4000, *, since: int = 0) -> str:
+        """The tail of the box's console or runtime log, for failure reports.
+
+        ``since`` is a :meth:`log_size` taken earlier: only what the log gained after it.
+        """
         ...
 
     def destroy(self) -> None:
         """Stop the box and remove every trace of it.  Idempotent."""
         ...
+
+    # -- optional capabilities (defaults in BoxDefaults) ---------------------------------
+    def keep(self) -> None:
+        """Let the box outlive this process (``--boxlite-keep``), for ``shell`` and ``clean``."""
+        ...
+
+    def log_size(self) -> int:
+        """The box log's current length, for a later :meth:`log_tail` ``since``."""
+        ...
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel's OOM killer has killed in this box so far."""
+        ...
+
+    def run_helper(self, payload: bytes, *, timeout: float, max_output: int) -> RawResult | None:
+        """Run the file helper on ``payload`` the runtime's fast way, or ``None``: run it with :meth:`exec`."""
+        ...
+
+    def fork_listener(self) -> tuple[socket.socket, str]:
+        """A new listening Unix socket that boxes forked from this one connect to, and its path as
+        they see it (for :attr:`Capabilities.fork` runtimes)."""
+        ...
+
+    def run_attached(self, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str]) -> int:
+        """Run ``argv`` in the box with this process's stdin/stdout/stderr; return its exit status."""
+        ...
+
+
+class BoxDefaults:
+    """The defaults of :class:`BoxHandle`'s optional capabilities, for a box class to inherit."""
+
+    runtime_name: str
+
+    def keep(self) -> None:
+        """Nothing to mark: the box is just not destroyed, and stays listed until ``clean``."""
+
+    def log_size(self) -> int:
+        """``0``: the whole log is this box's."""
+        return 0
+
+    def oom_kills(self) -> int:
+        """``0``: the runtime cannot tell."""
+        return 0
+
+    def run_helper(self, payload: bytes, *, timeout: float, max_output: int) -> RawResult | None:
+        """``None``: the helper runs as a guest command."""
+        return None
+
+    def fork_listener(self) -> tuple[socket.socket, str]:
+        """Refused: only :attr:`Capabilities.fork` runtimes fork, and callers check that first."""
+        raise BoxliteError(f"{self.runtime_name} boxes cannot be forked")
+
+    def run_attached(self, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str]) -> int:
+        """Refused: this runtime has no way to hand a process's stdio to a box."""
+        raise BoxliteError(f"{self.runtime_name} boxes cannot run a command attached to this process")
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a kind of runtime can do beyond the protocol's core, for code choosing a strategy."""
+
+    #: Boxed tests can run in boxes forked per test from a warm interpreter (:meth:`BoxHandle.fork_listener`).
+    fork: bool = False
 
 
 class Runtime(Protocol):
@@ -92,6 +173,22 @@ class Runtime(Protocol):
     name: str
     #: One line saying what isolation this runtime gives.
     isolation: str
+
+    @property
+    def reaped(self) -> Sequence[str]:
+        """What dead sessions left that opening this runtime removed (a remote server), for the report."""
+        ...
+
+    def provision(
+        self, spec: BoxSpec, setup: str, *, key: str, home: Path, cwd: Path, timeout: float, name: str
+    ) -> BoxSpec:
+        """The spec whose boxes start with ``setup`` (a shell command run in ``cwd``) already done.
+
+        ``key`` identifies ``spec`` and ``setup`` (and the files the command names); ``name`` is a
+        box name the runtime may use to build a template.  A runtime that makes no template
+        returns ``spec`` unchanged, with no ``template``: each box then runs ``setup`` at boot.
+        """
+        ...
 
     def create_box(self, spec: BoxSpec, name: str, *, timeout: float) -> BoxHandle:
         """Create and start a box; return once it accepts commands."""
@@ -107,4 +204,71 @@ class Runtime(Protocol):
 
     def close(self) -> None:
         """Release the runtime.  Idempotent."""
+        ...
+
+
+class RuntimeDefaults:
+    """The defaults of :class:`Runtime`'s optional parts, for a runtime class to inherit."""
+
+    reaped: Sequence[str] = ()
+
+    def provision(
+        self, spec: BoxSpec, setup: str, *, key: str, home: Path, cwd: Path, timeout: float, name: str
+    ) -> BoxSpec:
+        """No template: ``spec`` unchanged, so each box runs ``setup`` when it boots."""
+        return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Leftover:
+    """A box (or a runtime's unit of boxes) found on disk, with its owner and whether that owner is alive."""
+
+    name: str
+    runtime: str
+    owner: str | None
+    owner_alive: bool
+    running: bool
+    kept: bool
+    location: str
+
+
+class Owners(Protocol):
+    """Who owns a box, and whether that owner lives (the ledger's answers, handed to a runtime kind)."""
+
+    def owner_of(self, name: str) -> str | None:
+        """The owner id a box name carries, or ``None`` for a box that is not ours."""
+        ...
+
+    def alive(self, owner: str) -> bool:
+        """Whether ``owner``'s process still holds its lock."""
+        ...
+
+
+class RuntimeKind(Protocol):
+    """A kind of runtime as this host sees it without opening one: nothing here boots a box."""
+
+    name: str
+    capabilities: Capabilities
+
+    def host_facts(self) -> list[tuple[str, str]]:
+        """``(label, fact)`` lines for ``doctor``: what this host lets the runtime do, and why."""
+        ...
+
+    def leftovers(self, home: Path, owners: Owners, *, each_box: bool) -> list[Leftover]:
+        """Every box of this kind under ``home``.  Without ``each_box``, one entry per thing
+        :meth:`remove_leftover` removes (which may hold several boxes); never opens a live owner's state."""
+        ...
+
+    def remove_leftover(self, home: Path, leftover: Leftover) -> str | None:
+        """Remove one of :meth:`leftovers` (``each_box=False``) and say what went; ``None`` when it
+        turned out to be in use after all and was left alone."""
+        ...
+
+    def drop_templates(self, home: Path) -> list[str]:
+        """Remove every provisioned template of ``home`` (``clean --templates``); returns their keys."""
+        ...
+
+    def attach_existing(self, home: Path, name: str, argv: Sequence[str]) -> int | None:
+        """Run ``argv`` attached to this process in the running box ``name`` (``shell``); its exit
+        status, or ``None`` when there is no such running box of this kind."""
         ...

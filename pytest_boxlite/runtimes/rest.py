@@ -255,7 +255,10 @@ def _hold_scratch(scratch: Path) -> int:
 class RemoteVmBox(VmBox):
     """A micro-VM on a remote server: a :class:`VmBox` whose logs stay on the server."""
 
-    def log_tail(self, max_bytes: int = 4000) -> str:
+    def keep(self) -> None:
+        """Nothing to mark on this host: the box lives on the server, which this host's ``clean`` never touches."""
+
+    def log_tail(self, max_bytes: int = 4000, *, since: int = 0) -> str:
         rt = self._rt
         assert isinstance(rt, RestRuntime)
         return f"(box {self.name} runs on {rt.target.display}; its console log stays on that server)"

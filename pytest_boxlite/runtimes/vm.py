@@ -39,9 +39,11 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -60,7 +62,17 @@ from pytest_boxlite.errors import (
     file_error,
 )
 from pytest_boxlite.runtimes._vmbridge import VmBridge
-from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxRecord, RawResult
+from pytest_boxlite.runtimes.base import (
+    DEFAULT_MAX_OUTPUT,
+    BoxDefaults,
+    BoxRecord,
+    Capabilities,
+    Leftover,
+    Owners,
+    RawResult,
+    RuntimeDefaults,
+)
+from pytest_boxlite.runtimes.probe import probe
 from pytest_boxlite.spec import BoxSpec
 
 T = TypeVar("T")
@@ -144,7 +156,7 @@ async def send_input(stdin: Any, data: bytes) -> None:
         await stdin.send_input(bytes(view[off : off + INPUT_CHUNK]))
 
 
-class VmBox:
+class VmBox(BoxDefaults):
     """A started micro-VM.  See :class:`pytest_boxlite.runtimes.base.BoxHandle`."""
 
     runtime_name = "vm"
@@ -292,8 +304,11 @@ class VmBox:
         except Exception:  # noqa: BLE001 - any SDK failure means the box cannot be used
             return False
 
-    def log_tail(self, max_bytes: int = 4000) -> str:
-        """The tails of the box's console log and of its shim's stderr (where boot failures land)."""
+    def log_tail(self, max_bytes: int = 4000, *, since: int = 0) -> str:
+        """The tails of the box's console log and of its shim's stderr (where boot failures land).
+
+        ``since`` is ignored: these logs are several files, and :meth:`log_size` is always 0.
+        """
         box_dir = self._rt.home / "boxes" / self.id
         logs = [*sorted(box_dir.glob("**/*.log"))[-2:], box_dir / "shim.stderr"]
         tail = b""
@@ -303,6 +318,17 @@ class VmBox:
                 fh.seek(max(0, fh.tell() - max_bytes // len(logs)))
                 tail += f"--- {log.name} ---\n".encode() + fh.read()
         return tail.decode("utf-8", "replace")
+
+    def keep(self) -> None:
+        """Mark this owner's vm home as kept, so ``clean`` leaves its boxes until ``--kept``."""
+        (self._rt.home / "keep").write_text("kept for debugging\n")
+
+    def run_attached(self, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str]) -> int:
+        """Run ``argv`` with this process's stdio: the VM's bridge lives in this process, and the
+        attach helper reaches it like a namespace box's agent (the helper sets ``env`` in the guest)."""
+        full = self.attach_argv(argv, cwd=cwd)
+        cut = full.index("--")
+        return subprocess.call([*full[:cut], "--env", json.dumps(dict(env)), *full[cut:]])
 
     def destroy(self) -> None:
         if self._dead and self._box is None:
@@ -332,7 +358,7 @@ def prepare_home(base: Path, owner: str) -> Path:
     return home
 
 
-class VmRuntime:
+class VmRuntime(RuntimeDefaults):
     """BoxLite runtime on one home directory (one per process: BoxLite locks the home)."""
 
     name = "vm"
@@ -405,6 +431,12 @@ class VmRuntime:
             raise
         except Exception as exc:  # OverflowError for cpus > 255 too: a bad spec, not a crash
             raise BoxStartError(f"boxlite could not create box {name} ({spec.describe()}): {exc}") from exc
+
+    def provision(
+        self, spec: BoxSpec, setup: str, *, key: str, home: Path, cwd: Path, timeout: float, name: str
+    ) -> BoxSpec:
+        """A template shared by every home of ``home`` (in ``<home>/vm-templates``): see :meth:`ensure_template`."""
+        return self.ensure_template(spec, setup, key=key, store=Path(home) / "vm-templates", cwd=cwd, timeout=timeout)
 
     def ensure_template(
         self, spec: BoxSpec, setup: str, *, key: str, store: Path, cwd: Path, timeout: float
@@ -584,6 +616,104 @@ class VmRuntime:
             # The home is this owner's alone and holds no box any more: leave nothing for the
             # ledger to count as a leftover (the shared image store is only linked from here).
             shutil.rmtree(self.home, ignore_errors=True)
+
+
+def vm_homes(home: Path) -> Path:
+    """Where the per-owner vm homes of ``home`` live (see :func:`prepare_home`)."""
+    return Path(home) / "vm"
+
+
+class VmKind:
+    """The vm runtime's host-side operations (a :class:`~pytest_boxlite.runtimes.base.RuntimeKind`)."""
+
+    name = "vm"
+    capabilities = Capabilities()
+
+    def host_facts(self) -> list[tuple[str, str]]:
+        """KVM, the boxlite wheel, and whether micro-VMs can boot here (the host probe, milliseconds)."""
+        p = probe()
+        return [
+            ("kvm", f"{'usable' if p.vm_ok else 'not usable'}: {p.kvm}"),
+            ("boxlite", p.boxlite_version or "not installed"),
+            ("vm runtime", f"{'available' if p.vm_ok else 'unavailable'}: {p.reason}"),
+        ]
+
+    def leftovers(self, home: Path, owners: Owners, *, each_box: bool = True) -> list[Leftover]:
+        """The vm homes of ``home``: a live owner's as one entry (BoxLite locks it), a dead owner's
+        as one entry per box record with ``each_box`` (opening the home), else one per home."""
+        found: list[Leftover] = []
+        base = vm_homes(home)
+        for vm_home in sorted(base.iterdir()) if base.is_dir() else []:
+            if not vm_home.is_dir():
+                continue
+            owner = vm_home.name
+            alive = owners.alive(owner)
+            kept = (vm_home / "keep").exists()
+            if alive or not each_box:
+                found.append(Leftover(f"(vm home of {owner})", self.name, owner, alive, alive, kept, str(vm_home)))
+                continue
+            for rec in _records(vm_home):
+                found.append(Leftover(rec, self.name, owner, False, False, kept, str(vm_home)))
+        return found
+
+    def remove_leftover(self, home: Path, leftover: Leftover) -> str | None:
+        """Remove every box record of a dead owner's vm home, then the home (the shared image store
+        stays); ``None`` when BoxLite still holds the home (its process is alive after all)."""
+        assert leftover.owner is not None
+        vm_home = vm_homes(home) / leftover.owner
+        try:
+            rt = VmRuntime(vm_home)
+            try:
+                names = [r.name for r in rt.list_boxes()]
+                for n in names:
+                    rt.remove_box(n)
+            finally:
+                rt.close()
+        except BoxliteError:
+            return None  # BoxLite still holds the home, or refuses its records: left for a later clean
+        shutil.rmtree(vm_home, ignore_errors=True)
+        return f"{leftover.owner} (vm home, {len(names)} boxes)"
+
+    def drop_templates(self, home: Path) -> list[str]:
+        """Remove the template archives of ``<home>/vm-templates`` (boxes already imported from one
+        keep their copy); one that a session is building or importing right now is left alone."""
+        store = Path(home) / "vm-templates"
+        if not store.is_dir():
+            return []
+        dropped = []
+        for archive in sorted(store.glob("*.boxlite")):
+            key = archive.name.removesuffix(".boxlite")
+            try:
+                with open(store / f"{key}.lock", "w") as lock:
+                    # The lock a build or an import holds (see VmRuntime._load_template).
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    archive.unlink()
+            except (BlockingIOError, FileNotFoundError):
+                continue  # in use, or gone meanwhile
+            dropped.append(key)
+        for tmp in store.glob("*.tmp"):  # half-written exports of builds that died
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        return dropped
+
+    def attach_existing(self, home: Path, name: str, argv: Sequence[str]) -> int | None:
+        """``None``: a VM's bridge lives in the process that owns it, so no other process can attach."""
+        return None
+
+
+def _records(vm_home: Path) -> list[str]:
+    """The box records of a dead owner's vm home (none if BoxLite cannot open it)."""
+    try:
+        rt = VmRuntime(vm_home)
+    except BoxliteError:
+        return []
+    try:
+        return [r.name for r in rt.list_boxes()]
+    finally:
+        rt.close()
+
+
+KIND = VmKind()
 
 
 def resource_options(bl: Any, spec: BoxSpec) -> dict[str, Any]:

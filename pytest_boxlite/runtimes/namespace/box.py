@@ -1,0 +1,437 @@
+"""A running namespace box (:class:`NamespaceBox`), its agent client, and :func:`attach`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pytest_boxlite import guest
+from pytest_boxlite.errors import BoxDeadError, BoxTimeoutError, ConfigError, file_error
+from pytest_boxlite.runtimes import _cgroups
+from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxDefaults, RawResult
+from pytest_boxlite.runtimes.namespace.fork import fork_listener
+from pytest_boxlite.runtimes.namespace.layout import _MAX_INFO, WORKDIR, ctl_dir, keep_marker
+from pytest_boxlite.runtimes.namespace.leftovers import kill_box_processes, remove_box_dirs
+from pytest_boxlite.runtimes.namespace.privileges import Limits
+
+ATTACH = guest.path("attach")
+_MAX_LOG_READ = 1 << 20
+
+
+def _connect(path: Path, timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    target = str(path)
+    dirfd = None
+    try:
+        sock.settimeout(timeout)
+        if len(target.encode()) > 100:
+            # sun_path holds ~108 bytes; reach long paths through a directory descriptor (which
+            # fails, like the connect, once the box's directory is gone: the socket closes then too).
+            dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            target = f"/proc/self/fd/{dirfd}/{path.name}"
+        sock.connect(target)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        if dirfd is not None:
+            os.close(dirfd)
+    return sock
+
+
+class _Lines:
+    """Newline-delimited JSON from the agent, read under a deadline."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+        self.eof = False
+
+    def feed(self) -> None:
+        try:
+            chunk = self.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.eof = True
+        self.buf += chunk
+
+    def pop(self) -> dict[str, Any] | None:
+        if b"\n" not in self.buf:
+            if len(self.buf) > _MAX_INFO:
+                raise BoxDeadError("the box agent sent an oversized message")
+            return None
+        line, self.buf = self.buf.split(b"\n", 1)
+        try:
+            msg = json.loads(line.decode())
+        except ValueError:
+            raise BoxDeadError("the box agent sent a malformed message") from None
+        if not isinstance(msg, dict):
+            raise BoxDeadError("the box agent sent a malformed message")
+        return msg
+
+    def read(self, deadline: float) -> dict[str, Any]:
+        while True:
+            msg = self.pop()
+            if msg is not None:
+                return msg
+            if self.eof:
+                raise BoxDeadError("the box agent closed the connection")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BoxTimeoutError("the box agent did not answer in time")
+            self.sock.settimeout(left)
+            try:
+                self.feed()
+            except TimeoutError:
+                continue
+
+
+class NamespaceBox(BoxDefaults):
+    """A running namespace box.  See :class:`pytest_boxlite.runtimes.base.BoxHandle`."""
+
+    runtime_name = "namespace"
+    binary_stdout = True
+    workdir = WORKDIR
+
+    def __init__(
+        self,
+        name: str,
+        box_dir: Path,
+        proc: subprocess.Popen[bytes],
+        cgroups: _cgroups.CgroupSet,
+        watchdog: int,
+        *,
+        identity: tuple[int, int] = (0, 0),
+        limits: Limits | None = None,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.id = name
+        #: What the guest sees (read-only) at /run/pytest-boxlite; the host binds fork sockets here.
+        self.box_dir = box_dir
+        #: The host's private directory: agent socket, box log, info.
+        self.ctl_dir = ctl_dir(box_dir)
+        self.sock_path = self.ctl_dir / "agent.sock"
+        self.log_path = self.ctl_dir / "box.log"
+        self._proc = proc
+        self._cgroups = cgroups
+        self.guest_python = sys.executable
+        #: Default ``(uid, gid)`` of commands in this box (see :func:`box_identity`).
+        self.identity = identity
+        self.limits = limits or Limits((), ())
+        self.limits_missing = list(self.limits.missing)
+        self._info = dict(info or {})
+        self._watchdog = watchdog
+        self._destroyed = False
+
+    def keep(self) -> None:
+        """Let the box outlive this process (for debugging); ``python -m pytest_boxlite clean`` removes it.
+
+        The mark lives outside the box's directory (which the guest sees), so only the host can set it.
+        """
+        keep_marker(self.box_dir).write_text(str(time.time()))
+        os.write(self._watchdog, b"k")
+
+    # -- requests -------------------------------------------------------
+    def _request(self, req: dict[str, Any], fds: Sequence[int], timeout: float) -> tuple[socket.socket, _Lines]:
+        if self._destroyed:
+            raise BoxDeadError(f"box {self.name} has been destroyed")
+        try:
+            sock = _connect(self.sock_path, timeout)
+        except OSError as exc:
+            raise BoxDeadError(f"box {self.name} does not answer: {exc}") from exc
+        try:
+            socket.send_fds(sock, [(json.dumps(req) + "\n").encode()], list(fds))
+        except OSError as exc:
+            sock.close()
+            raise BoxDeadError(f"box {self.name} dropped a request: {exc}") from exc
+        return sock, _Lines(sock)
+
+    def alive(self, timeout: float = 2.0) -> bool:
+        if self._destroyed or self._proc.poll() is not None:
+            return False
+        try:
+            sock, lines = self._request({"op": "ping"}, [], timeout)
+        except (BoxDeadError, BoxTimeoutError):
+            return False
+        with sock:
+            try:
+                return "pong" in lines.read(time.monotonic() + timeout)
+            except (BoxDeadError, BoxTimeoutError, ValueError):
+                return False
+
+    def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        input: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        op: str = "exec",
+    ) -> RawResult:
+        if user is not None and not isinstance(user, (str, int)):
+            raise ConfigError(f"user must be a name or 'uid[:gid]', got {user!r}")
+        start = time.monotonic()
+        deadline = start + timeout
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        in_w: int | None = None
+        if input is None:
+            in_r = os.open(os.devnull, os.O_RDONLY)
+        else:
+            in_r, in_w = os.pipe()
+        req: dict[str, Any] = {"op": op, "argv": list(argv), "env": dict(env or {}), "cwd": cwd}
+        if user is not None:
+            req["user"] = "0:0" if str(user) == "root" else str(user)
+        try:
+            sock, lines = self._request(req, [in_r, out_w, err_w], min(timeout, 10.0) + 1.0)
+        except BaseException:
+            for fd in (out_r, err_r, in_w):
+                if fd is not None:
+                    os.close(fd)
+            raise
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        with sock, contextlib.ExitStack() as stack:
+            for fd in (out_r, err_r):
+                stack.callback(os.close, fd)
+            try:
+                first = lines.read(max(deadline, time.monotonic() + 5.0))
+            except BaseException:
+                if in_w is not None:
+                    os.close(in_w)
+                raise
+            if "error" in first:
+                if in_w is not None:
+                    os.close(in_w)
+                raise file_error(int(first.get("errno") or 0), first["error"], first.get("filename"))
+            return self._pump(sock, lines, out_r, err_r, in_w, input or b"", start, deadline, max_output)
+
+    def _pump(
+        self,
+        sock: socket.socket,
+        lines: _Lines,
+        out_r: int,
+        err_r: int,
+        in_w: int | None,
+        payload: bytes,
+        start: float,
+        deadline: float,
+        max_output: int,
+    ) -> RawResult:
+        sel = selectors.DefaultSelector()
+        bufs = {out_r: bytearray(), err_r: bytearray()}
+        dropped = {out_r: 0, err_r: 0}
+        sel.register(out_r, selectors.EVENT_READ)
+        sel.register(err_r, selectors.EVENT_READ)
+        sock.setblocking(False)
+        sel.register(sock, selectors.EVENT_READ)
+        view = memoryview(payload)
+        if in_w is not None:
+            os.set_blocking(in_w, False)
+            sel.register(in_w, selectors.EVENT_WRITE)
+        exit_code: int | None = None
+        # The exit message may have arrived together with the pid message.
+        while (early := lines.pop()) is not None:
+            if "exit" in early:
+                exit_code = int(early["exit"])
+        timed_out = False
+        error: str | None = None
+        hard_deadline: float | None = None  # after a kill, or after exit while pipes stay open
+        try:
+            while True:
+                open_pipes = [fd for fd in (out_r, err_r) if fd in sel.get_map()]
+                if exit_code is not None and not open_pipes:
+                    break
+                now = time.monotonic()
+                if not timed_out and exit_code is None and now >= deadline:
+                    timed_out = True
+                    with contextlib.suppress(OSError):
+                        sock.send(b'{"signal": 9}\n')
+                    hard_deadline = now + 5.0
+                if exit_code is not None and hard_deadline is None:
+                    # Background children may hold the pipes open; don't wait on them for long.
+                    hard_deadline = now + 0.5
+                if hard_deadline is not None and now >= hard_deadline:
+                    if exit_code is None:
+                        error = "the guest process did not exit after SIGKILL"
+                    break
+                wait_until = hard_deadline if hard_deadline is not None else deadline
+                for key, _ in sel.select(max(0.0, wait_until - now)):
+                    fd = key.fd
+                    if key.fileobj is sock:
+                        lines.feed()
+                        while (msg := lines.pop()) is not None:
+                            if "exit" in msg:
+                                exit_code = int(msg["exit"])
+                        if lines.eof:
+                            sel.unregister(sock)
+                            if exit_code is None:
+                                error = "the box agent hung up before the process exited"
+                                raise BoxDeadError(f"box {self.name}: {error}")
+                    elif fd == in_w:
+                        try:
+                            n = os.write(fd, view[:65536])
+                        except (BrokenPipeError, OSError):
+                            n = len(view)
+                        view = view[n:]
+                        if not view:
+                            sel.unregister(fd)
+                            os.close(fd)
+                            in_w = None
+                    else:
+                        chunk = os.read(fd, 1 << 16)
+                        if not chunk:
+                            sel.unregister(fd)
+                            continue
+                        room = max_output - len(bufs[fd])
+                        if room > 0:
+                            bufs[fd] += chunk[:room]
+                        dropped[fd] += max(0, len(chunk) - max(room, 0))
+        finally:
+            sel.close()
+            if in_w is not None:
+                os.close(in_w)
+        return RawResult(
+            exit_code=exit_code,
+            stdout=bytes(bufs[out_r]),
+            stderr=bytes(bufs[err_r]),
+            timed_out=timed_out,
+            duration=time.monotonic() - start,
+            stdout_dropped=dropped[out_r],
+            stderr_dropped=dropped[err_r],
+            error=error,
+        )
+
+    def fork_listener(self) -> tuple[socket.socket, str]:
+        """A listening socket in the box's guest-visible directory, for boxes forked from this one."""
+        return fork_listener(self.box_dir)
+
+    def run_attached(self, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str]) -> int:
+        """Run ``argv`` in this box with this process's own stdin/stdout/stderr (see :func:`attach`)."""
+        return attach(self.box_dir, argv, cwd=cwd, env=env)
+
+    def run_helper(self, payload: bytes, *, timeout: float, max_output: int) -> RawResult:
+        """Run the file helper on ``payload`` in a fork of the box's agent (no interpreter start-up)."""
+        return self.exec(["<helper>"], input=payload, timeout=timeout, max_output=max_output, op="helper")
+
+    def attach_argv(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: str | None = None,
+        status_file: str | None = None,
+        user: str | None = None,
+    ) -> list[str]:
+        """A host command whose stdin/stdout/stderr are those of ``argv`` running in this box.
+
+        With ``status_file``, the command's raw exit status is written there when it ends.  It
+        runs as ``user`` ("uid[:gid]" or a name), else as the box's identity (:func:`box_identity`).
+        """
+        # The command's stderr goes to the box log, which failure reports quote.
+        extra = ["--stderr", str(self.log_path)]
+        if cwd:
+            extra += ["--cwd", cwd]
+        if status_file:
+            extra += ["--status", status_file]
+        if user is not None:
+            extra += ["--user", str(user)]
+        return [sys.executable, "-I", "-S", str(ATTACH), str(self.sock_path), *extra, "--", *argv]
+
+    def oom_kills(self) -> int:
+        """How many processes the OOM killer has killed in this box so far."""
+        return self._cgroups.oom_kills()
+
+    def log_tail(self, max_bytes: int = 4000, *, since: int = 0) -> str:
+        """The last ``max_bytes`` of the box log, from byte offset ``since`` on.
+
+        Guests write to the log (their stderr), so it is opened without following links and read
+        bounded; its path is in the host's private directory, which no guest can reach.
+        """
+        max_bytes = max(0, min(max_bytes, _MAX_LOG_READ))
+        try:
+            fd = os.open(self.log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return ""
+        try:
+            size = os.fstat(fd).st_size
+            os.lseek(fd, max(since, size - max_bytes, 0), os.SEEK_SET)
+            return os.read(fd, max_bytes).decode("utf-8", "replace")
+        except OSError:
+            return ""
+        finally:
+            os.close(fd)
+
+    def log_size(self) -> int:
+        """Current length of the box log, to quote only what a later step adds."""
+        try:
+            return os.stat(self.log_path, follow_symlinks=False).st_size
+        except OSError:
+            return 0
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        with contextlib.suppress(OSError):
+            os.close(self._watchdog)
+        if self._proc.poll() is None:
+            # The pid namespace's first process: its death takes every process of the box along.
+            kill_box_processes(self._info)
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+        self._cgroups.remove()
+        remove_box_dirs(self.box_dir)
+
+
+def attach(
+    box_dir: Path,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    user: str | None = None,
+) -> int:
+    """Run ``argv`` in an existing box with *this* process's stdin/stdout/stderr; return its exit code.
+
+    The descriptors themselves are handed to the box, so the stream is
+    binary-clean and nothing is copied through this process.  If this process
+    dies, the agent kills the command.  It runs as ``user``, else as the box's identity.
+    """
+    sock = _connect(ctl_dir(box_dir) / "agent.sock", 10.0)
+    with sock:
+        req: dict[str, Any] = {"op": "exec", "argv": list(argv), "env": dict(env or {}), "cwd": cwd}
+        if user is not None:
+            req["user"] = str(user)
+        socket.send_fds(sock, [(json.dumps(req) + "\n").encode()], [0, 1, 2])
+        lines = _Lines(sock)
+        sock.settimeout(None)
+        while True:
+            msg = lines.pop()
+            if msg is None:
+                if lines.eof:
+                    raise BoxDeadError(f"box {box_dir.name} hung up")
+                lines.feed()
+                continue
+            if "error" in msg:
+                raise file_error(int(msg.get("errno") or 0), msg["error"], msg.get("filename"))
+            if "exit" in msg:
+                return int(msg["exit"])

@@ -1,0 +1,108 @@
+"""The namespace runtime as this host sees it without opening it: doctor's facts, leftovers,
+templates, and attaching to a running box (``python -m pytest_boxlite``, the ledger)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from pytest_boxlite.runtimes import _cgroups
+from pytest_boxlite.runtimes.base import Capabilities, Leftover, Owners
+from pytest_boxlite.runtimes.namespace import provision
+from pytest_boxlite.runtimes.namespace.box import attach
+from pytest_boxlite.runtimes.namespace.bwrap import find_bwrap
+from pytest_boxlite.runtimes.namespace.layout import ctl_dir, keep_marker
+from pytest_boxlite.runtimes.namespace.leftovers import box_dirs, remove_box_state, running
+from pytest_boxlite.runtimes.namespace.mounts import mount_plan
+from pytest_boxlite.runtimes.namespace.privileges import DEFAULT_MEMORY_MIB, plan_limits, seccomp_status, userns_problem
+from pytest_boxlite.spec import BoxSpec
+
+
+def state_dir(home: Path) -> Path:
+    """Where the namespace boxes of ``home`` live (see :class:`~.runtime.NamespaceRuntime`)."""
+    return Path(home) / "namespace"
+
+
+class NamespaceKind:
+    """The namespace runtime's host-side operations (a :class:`~pytest_boxlite.runtimes.base.RuntimeKind`)."""
+
+    name = "namespace"
+    #: Boxes fork per test from a warm interpreter: new namespaces over the parent's mounts.
+    capabilities = Capabilities(fork=True)
+
+    def host_facts(self) -> list[tuple[str, str]]:
+        """bubblewrap, user namespaces, the privilege model, seccomp, the mount plan and the limits."""
+        facts: list[tuple[str, str]] = []
+        bwrap, why = find_bwrap()
+        facts.append(("bwrap", why))
+        problem = userns_problem(bwrap) if bwrap else "no bubblewrap to try them with"
+        facts.append(("user ns", "allowed" if problem is None else "FORBIDDEN: " + problem))
+        if os.geteuid() == 0:
+            ids = "the whole id range mapped one to one (chown, su work in a box)"
+        else:
+            ids = (
+                f"only uid {os.getuid()} mapped, as root in a box (no chown to other ids; root-owned host dirs "
+                "read-only)"
+            )
+        facts.append(
+            (
+                "privileges",
+                "guest root holds Docker's default capabilities of the box's own user namespace "
+                f"(no CAP_SYS_ADMIN), no_new_privs; {ids}",
+            )
+        )
+        facts.append(("seccomp", seccomp_status()))
+        if not (bwrap and problem is None):
+            facts.append(("namespace", f"unavailable: {problem if bwrap else 'no usable bubblewrap'}"))
+            return facts
+        _, read_only = mount_plan(bwrap)
+        ro = f"; read-only (cannot overlay): {', '.join(read_only)}" if read_only else ""
+        facts.append(("namespace", f"available: host filesystem copy-on-write{ro}"))
+        pids = BoxSpec().pids_limit or 4096
+        # A probe cgroup, made and removed at once: which caps a box would get here.
+        cg = _cgroups.create(f"doctor-{os.getpid()}", memory_mib=DEFAULT_MEMORY_MIB, cpus=1, pids=pids)
+        cg.remove()
+        limits = plan_limits(cg, memory_mib=DEFAULT_MEMORY_MIB, cpus=1, pids=pids)
+        line = f"in force: {', '.join(limits.holding) or 'none'}"
+        if limits.missing:
+            line += f"; NOT enforced: {'; '.join(limits.missing)} (commands and tests stay bounded by their timeouts)"
+        facts.append(("limits", line))
+        return facts
+
+    def leftovers(self, home: Path, owners: Owners, *, each_box: bool = True) -> list[Leftover]:
+        """Every namespace box under ``home`` (one entry per box, whatever ``each_box``)."""
+        found = []
+        for box_dir in box_dirs(state_dir(home)):
+            owner = owners.owner_of(box_dir.name)
+            found.append(
+                Leftover(
+                    name=box_dir.name,
+                    runtime=self.name,
+                    owner=owner,
+                    owner_alive=owner is not None and owners.alive(owner),
+                    running=running(box_dir),
+                    kept=keep_marker(box_dir).exists(),
+                    location=str(box_dir),
+                )
+            )
+        return found
+
+    def remove_leftover(self, home: Path, leftover: Leftover) -> str | None:
+        """Kill the box and remove its state (host-side facts only, see :func:`remove_box_state`)."""
+        remove_box_state(state_dir(home) / leftover.name)
+        return leftover.name
+
+    def drop_templates(self, home: Path) -> list[str]:
+        """Remove the templates ``--boxlite-setup`` built for ``home``."""
+        return provision.drop_templates(home)
+
+    def attach_existing(self, home: Path, name: str, argv: Sequence[str]) -> int | None:
+        """Run ``argv`` in the running box ``name`` with this process's stdio, through its agent."""
+        box_dir = state_dir(home) / name
+        if "/" in name or name in ("", ".", "..") or not (ctl_dir(box_dir) / "agent.sock").exists():
+            return None
+        return attach(box_dir, argv)
+
+
+KIND = NamespaceKind()

@@ -1,0 +1,304 @@
+"""The mount plan: how the host's filesystem appears in a box (copy-on-write overlays, read-only
+binds), and the mask layers that hide credentials and the boxlite home from guests."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+
+from pytest_boxlite.errors import BoxStartError
+
+#: Credential directories masked by an empty tmpfs inside every box (in every home it can read).
+_SECRET_DIRS = (
+    ".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".config/gcloud", ".config/gh", ".config/hub",
+    ".password-store", ".terraform.d", ".oci", ".config/op", ".config/rclone",
+)  # fmt: skip
+#: Credential files masked by /dev/null.
+_SECRET_FILES = (
+    ".netrc", ".git-credentials", ".pypirc", ".npmrc", ".yarnrc", ".yarnrc.yml", ".m2/settings.xml",
+    ".m2/settings-security.xml", ".cargo/credentials", ".cargo/credentials.toml", ".vault-token", ".pgpass",
+    ".my.cnf", ".boto", ".s3cfg", ".config/pip/pip.conf", ".pip/pip.conf", ".gem/credentials",
+    ".config/hub", ".dockercfg",
+)  # fmt: skip
+_SKIP_TOP = {"proc", "dev", "sys", "tmp", "run", "lost+found"}
+
+
+def _mounts_below(top: str) -> bool:
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return False
+    prefix = top.rstrip("/") + "/"
+    return any(line.split()[4].startswith(prefix) for line in lines if len(line.split()) > 4)
+
+
+@lru_cache(maxsize=1)
+def mount_plan(bwrap: str) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+    """How the host's top-level directories appear in a box.
+
+    Returns ``(entries, read_only)``; each entry is ``("overlay", path)``,
+    ``("symlink", target, path)`` or ``("ro", path)``.  A directory with other
+    filesystems mounted below it cannot be an overlay lower layer inside a
+    user namespace on some kernels; each such directory is tried once and, if
+    the overlay fails, bound read-only instead (writes there fail rather than
+    reach the host).
+    """
+    entries: list[tuple[str, ...]] = []
+    read_only: list[str] = []
+    for entry in sorted(os.scandir("/"), key=lambda e: e.name):
+        if entry.name in _SKIP_TOP:
+            continue
+        path = entry.path
+        if entry.is_symlink():
+            entries.append(("symlink", os.readlink(path), path))
+            continue
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        if _mounts_below(path):
+            probe = [bwrap, "--unshare-user", "--uid", "0", "--gid", "0", "--overlay-src", path, "--tmp-overlay", path]
+            probe += ["--ro-bind", "/usr", "/usr"]
+            probe += [
+                a
+                for d in ("bin", "lib", "lib64")
+                if os.path.islink("/" + d)
+                for a in ("--symlink", os.readlink("/" + d), "/" + d)
+            ]
+            if subprocess.run([*probe, "true"], capture_output=True, timeout=10).returncode != 0:
+                entries.append(("ro", path))
+                read_only.append(path)
+                continue
+        entries.append(("overlay", path))
+    return tuple(entries), tuple(read_only)
+
+
+def _layer_args(
+    bwrap: str,
+    template: str | None = None,
+    persist: Path | None = None,
+    masks: Mapping[str, str] | None = None,
+) -> list[str]:
+    """bwrap arguments for the mount plan: each directory copy-on-write over the host.
+
+    ``template`` adds a provisioned template's layers on top of the host's;
+    ``persist`` keeps this box's writes in that directory (to build a template);
+    ``masks`` maps a directory to its mask layer (see :func:`_mask_plan`), laid on top.
+    """
+    masks = masks or {}
+    entries, _ = mount_plan(bwrap)
+    args: list[str] = []
+    for entry in entries:
+        kind, path = entry[0], entry[-1]
+        if kind == "symlink":
+            args += ["--symlink", entry[1], path]
+        elif kind == "ro":
+            args += ["--ro-bind", path, path]
+        else:
+            layer = path.strip("/")
+            args += ["--overlay-src", path]
+            if template is not None and (Path(template) / "upper" / layer).is_dir():
+                args += ["--overlay-src", str(Path(template) / "upper" / layer)]
+            if path in masks:
+                args += ["--overlay-src", masks[path]]
+            if persist is not None:
+                upper, work = persist / "upper" / layer, persist / "work" / layer
+                upper.mkdir(parents=True, exist_ok=True)
+                work.mkdir(parents=True, exist_ok=True)
+                args += ["--overlay", str(upper), str(work), path]
+            else:
+                args += ["--tmp-overlay", path]
+    return args
+
+
+_PRIVATE_TOPS = ("/tmp", "/run", "/dev", "/proc", "/sys")
+
+
+def _own_dirs() -> list[str]:
+    """What every box needs at the host's paths: this package (the agent and the file helper run
+    from it) and the interpreter that runs them, wherever they are installed, even under /tmp."""
+    exe = os.path.realpath(sys.executable)
+    return [
+        str(Path(__file__).resolve().parents[2]),  # the pytest_boxlite package
+        sys.prefix,
+        sys.exec_prefix,
+        sys.base_prefix,
+        os.path.dirname(exe),
+    ]
+
+
+def _mirrored(mounts: Sequence[str]) -> list[str]:
+    """The host directories that the box would otherwise hide (under /tmp, /run), to show copy-on-write."""
+    return [m for m in mounts if any(m == t or m.startswith(t + "/") for t in _PRIVATE_TOPS)]
+
+
+def _mirror_args(mounts: Sequence[str], masks: Mapping[str, str] | None = None) -> list[str]:
+    """Make host directories that the box would otherwise hide (under /tmp, /run) visible copy-on-write."""
+    masks = masks or {}
+    args: list[str] = []
+    for m in _mirrored(mounts):
+        args += ["--overlay-src", m]
+        if m in masks:
+            args += ["--overlay-src", masks[m]]
+        args += ["--tmp-overlay", m]
+    return args
+
+
+def _homes() -> list[Path]:
+    """Home directories whose credentials a box must not see: ours, root's, and every /home/* we can list."""
+    homes = [Path.home(), Path("/root")]
+    with contextlib.suppress(OSError):
+        homes += [Path(e.path) for e in os.scandir("/home") if e.is_dir(follow_symlinks=False)]
+    out: list[Path] = []
+    for h in homes:
+        if h not in out:
+            out.append(h)
+    return out
+
+
+def _readable(path: Path, want_dir: bool) -> Path | None:
+    """``path`` (links resolved) if it exists, is of the wanted kind and readable by us; never raises.
+
+    Paths this user cannot reach (another user's home) are simply not masked: nothing in a box
+    of this user can read them either.
+    """
+    try:
+        os.lstat(path)  # most candidates do not exist: fail fast, before resolving links
+        real = Path(os.path.realpath(path))
+        st = os.stat(real)
+    except (OSError, ValueError):
+        return None
+    import stat as _stat
+
+    kind_ok = _stat.S_ISDIR(st.st_mode) if want_dir else _stat.S_ISREG(st.st_mode)
+    if not kind_ok or not os.access(real, os.R_OK):
+        return None
+    return real
+
+
+def _secrets(home: Path) -> tuple[list[Path], list[Path]]:
+    """``(directories, files)`` to hide from guests: credentials in readable homes, and the boxlite home."""
+    dirs: list[Path] = []
+    files: list[Path] = []
+    for h in _homes():
+        for d in _SECRET_DIRS:
+            real = _readable(h / d, want_dir=True)
+            if real is not None and real not in dirs:
+                dirs.append(real)
+        for f in _SECRET_FILES:
+            real = _readable(h / f, want_dir=False)
+            if real is not None and real not in files:
+                files.append(real)
+    # Other boxes' control sockets and logs live here: a guest must not reach them.
+    real_home = _readable(home, want_dir=True)
+    if real_home is not None and real_home not in dirs:
+        dirs.append(real_home)
+    return dirs, files
+
+
+def private_tmp() -> Path:
+    """``/tmp/pytest-boxlite-<uid>``: this user's own directory on the host's /tmp (checked, never a link).
+
+    Layers stacked over the host's directories (templates, masks) live here: overlayfs refuses a
+    layer inside another one, and /tmp is the one host directory boxes never overlay.
+    """
+    base = Path("/tmp") / f"pytest-boxlite-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(base, 0o700)
+    st = os.lstat(base)
+    import stat as _stat
+
+    if not _stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise BoxStartError(f"{base} is not a directory owned by uid {os.getuid()}; remove it and retry")
+    if st.st_mode & 0o077:
+        os.chmod(base, 0o700)
+    return base
+
+
+_OPAQUE = "user.overlay.opaque"
+
+
+def _build_mask_layer(root: Path, entries: Sequence[tuple[str, str, str]]) -> set[str]:
+    """Create mask layers under ``root``: per (top, relative path, kind) an opaque empty directory or an
+    empty file.  Returns the tops whose layer could not be made (no user xattrs on this /tmp)."""
+    failed: set[str] = set()
+    tops = sorted({t for t, _, _ in entries})
+    for n, top in enumerate(tops):
+        layer = root / str(n)
+        layer.mkdir(parents=True, exist_ok=True)
+        for t, rel, kind in entries:
+            if t != top:
+                continue
+            target = layer / rel
+            target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+            try:
+                if kind == "dir":
+                    target.mkdir(exist_ok=True, mode=0o700)
+                    os.setxattr(target, _OPAQUE, b"y", follow_symlinks=False)
+                else:
+                    target.touch(mode=0o600)
+            except OSError:
+                failed.add(top)
+    return failed
+
+
+@lru_cache(maxsize=64)
+def _mask_plan_cached(entries: tuple[tuple[str, str, str], ...]) -> tuple[tuple[tuple[str, str], ...], frozenset[str]]:
+    tops = sorted({t for t, _, _ in entries})
+    key = hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
+    root = private_tmp() / "masks" / key
+    if not (root / "ready").exists():
+        tmp = root.with_name(f"{key}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        failed = _build_mask_layer(tmp, entries)
+        (tmp / "ready").write_text(json.dumps(sorted(failed)))
+        with contextlib.suppress(OSError):
+            os.rename(tmp, root)
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        failed_tops = frozenset(json.loads((root / "ready").read_text()))
+    except (OSError, ValueError):
+        failed_tops = frozenset(tops)
+    layers = tuple((top, str(root / str(n))) for n, top in enumerate(tops) if top not in failed_tops)
+    return layers, failed_tops
+
+
+def _mask_plan(home: Path, tops: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """How to hide credentials and the boxlite home: ``(layers, mount arguments)``.
+
+    A secret inside a copy-on-write directory is hidden by one more overlay layer on top of it:
+    an opaque empty directory or an empty file at its path.  Unlike a mount laid over it, a
+    layer leaves nothing to unmount, and the per-test fork can stack its fresh layer over the
+    directory (overlayfs cannot use a lower directory that has locked mounts below it).
+    Secrets elsewhere (a read-only bound directory) get a mount: an empty tmpfs or /dev/null.
+    """
+    dirs, files = _secrets(home)
+    entries: list[tuple[str, str, str]] = []
+    mounts: list[str] = []
+    by_top: dict[str, list[tuple[Path, str]]] = {}
+    for path, kind in [(d, "dir") for d in dirs] + [(f, "file") for f in files]:
+        p = str(path)
+        top = max((t for t in tops if p.startswith(t.rstrip("/") + "/")), key=len, default=None)
+        if top is None:
+            if not any(p == t or p.startswith(t + "/") for t in _PRIVATE_TOPS):
+                mounts += ["--tmpfs", p] if kind == "dir" else ["--ro-bind", "/dev/null", p]
+            continue  # under the box's private /tmp or /run: not visible anyway
+        entries.append((top, os.path.relpath(p, top), kind))
+        by_top.setdefault(top, []).append((path, kind))
+    if not entries:
+        return {}, mounts
+    key = tuple(sorted(entries))
+    layers, failed = _mask_plan_cached(key)
+    if not all(os.path.isdir(layer) for _, layer in layers):  # /tmp was cleaned meanwhile: build again
+        _mask_plan_cached.cache_clear()
+        layers, failed = _mask_plan_cached(key)
+    for top in failed:
+        for path, kind in by_top.get(top, []):
+            mounts += ["--tmpfs", str(path)] if kind == "dir" else ["--ro-bind", "/dev/null", str(path)]
+    return dict(layers), mounts

@@ -1,0 +1,343 @@
+"""The namespace runtime: creating boxes (one bubblewrap sandbox each) under ``<home>/namespace``."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pytest_boxlite import guest
+from pytest_boxlite.errors import BoxStartError, BoxTimeoutError, RuntimeUnavailableError
+from pytest_boxlite.runtimes import _cgroups
+from pytest_boxlite.runtimes.base import BoxRecord, RuntimeDefaults
+from pytest_boxlite.runtimes.namespace.box import NamespaceBox
+from pytest_boxlite.runtimes.namespace.bwrap import find_bwrap
+from pytest_boxlite.runtimes.namespace.layout import (
+    _MAX_INFO,
+    GUEST_CTL,
+    WORKDIR,
+    _bind,
+    _write_private,
+    ctl_dir,
+)
+from pytest_boxlite.runtimes.namespace.leftovers import (
+    _proc_start_time,
+    box_dirs,
+    remove_box_dirs,
+    remove_box_state,
+    running,
+)
+from pytest_boxlite.runtimes.namespace.mounts import (
+    _layer_args,
+    _mask_plan,
+    _mirror_args,
+    _mirrored,
+    _own_dirs,
+    mount_plan,
+)
+from pytest_boxlite.runtimes.namespace.privileges import (
+    DEFAULT_MEMORY_MIB,
+    Limits,
+    _host_root,
+    _write_id_maps,
+    box_identity,
+    limits_for,
+    plan_limits,
+    seccomp_program_fd,
+    userns_problem,
+)
+from pytest_boxlite.runtimes.namespace.provision import ensure_template
+from pytest_boxlite.spec import BoxSpec, minimal_dirs
+
+AGENT = guest.path("agent")
+HELPER = guest.path("files")
+
+
+def _guest_path_env() -> str:
+    bindir = os.path.dirname(sys.executable)
+    return f"{bindir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class NamespaceRuntime(RuntimeDefaults):
+    """Creates namespace boxes whose state lives under ``<home>/namespace``."""
+
+    name = "namespace"
+    isolation = (
+        "Linux namespaces via bubblewrap: copy-on-write view of the host filesystem, private /tmp, "
+        "own user/pid/ipc/uts/network namespaces, guest root holds only Docker's default capabilities "
+        "of the box's own user namespace, no_new_privs, seccomp; the kernel is shared with the host "
+        "(weaker than a VM)"
+    )
+
+    def __init__(self, home: Path) -> None:
+        bwrap, why = find_bwrap()
+        if bwrap is None:
+            raise RuntimeUnavailableError(why)
+        problem = userns_problem(bwrap)
+        if problem is not None:
+            raise RuntimeUnavailableError(f"namespace boxes need user namespaces: {problem}")
+        self.bwrap = bwrap
+        self.home = Path(home)
+        self.state_dir = self.home / "namespace"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._closed = False
+
+    def limits_for(self, spec: BoxSpec) -> Limits:
+        """Which of ``spec``'s caps would hold on this host (a probe cgroup is made and removed)."""
+        return limits_for(spec)
+
+    def limits_header(self, spec: BoxSpec) -> str | None:
+        """The report-header line for ``spec`` when a requested cap cannot hold here, else ``None``."""
+        return self.limits_for(spec).header_line()
+
+    def _bwrap_argv(
+        self, spec: BoxSpec, name: str, box_dir: Path, persist: Path | None, info_fd: int, block_fd: int | None
+    ) -> list[str]:
+        mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
+        tops = [e[-1] for e in mount_plan(self.bwrap)[0] if e[0] == "overlay"] + _mirrored(mirror_from)
+        masks, mask_mounts = _mask_plan(self.home, tops)
+        argv = [
+            self.bwrap,
+            "--unshare-user", "--uid", "0", "--gid", "0",
+            "--info-fd", str(info_fd),
+            # Every capability of the box's own user namespace, for the agent's set-up only: it drops
+            # to Docker's default set before it runs anything (see guest/agent.py).
+            "--cap-add", "ALL",
+            # The agent is the pid namespace's first process: unkillable from inside, and its end
+            # (the host's watchdog pipe closing) ends every process of the box.
+            "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--new-session",
+            "--hostname", name[:63],
+            *_layer_args(self.bwrap, spec.template, persist, masks),
+            "--proc", "/proc", "--dev", "/dev", "--ro-bind", "/sys", "/sys",
+            "--tmpfs", "/tmp", "--tmpfs", "/run",
+            "--dir", WORKDIR,
+            *_mirror_args(mirror_from, masks),
+            *mask_mounts,
+            "--ro-bind", str(box_dir), GUEST_CTL,
+            "--chdir", WORKDIR,
+        ]  # fmt: skip
+        if block_fd is not None:
+            # A root host writes the box's id maps itself (the whole range, one to one) before it runs.
+            argv[argv.index("--info-fd") : argv.index("--info-fd")] = ["--userns-block-fd", str(block_fd)]
+        if not spec.network:
+            argv.append("--unshare-net")
+        return argv
+
+    def _base_env(self, spec: BoxSpec, name: str) -> dict[str, str]:
+        env = {
+            "PATH": _guest_path_env(),
+            "HOME": "/root",
+            "LANG": "C.UTF-8",
+            "HOSTNAME": name[:63],
+            "TERM": "dumb",
+            "BOXLITE_BOX": name,
+            "BOXLITE_RUNTIME": "namespace",
+        }
+        env.update(dict(spec.env))
+        return env
+
+    def create_box(self, spec: BoxSpec, name: str, *, timeout: float, persist: Path | None = None) -> NamespaceBox:
+        """Create and start a box.  With ``persist``, its writes are kept there (template building)."""
+        if self._closed:
+            raise BoxStartError("the namespace runtime is closed")
+        if not name or "/" in name or name.startswith(".") or name.endswith((".ctl", ".keep")):
+            raise BoxStartError(f"invalid box name {name!r}")
+        box_dir = self.state_dir / name
+        try:
+            box_dir.mkdir(mode=0o755)
+            ctl_dir(box_dir).mkdir(mode=0o700)
+        except FileExistsError:
+            raise BoxStartError(f"a box named {name!r} already exists in {self.state_dir}") from None
+        identity = box_identity(spec)
+        cg = _cgroups.create(
+            name,
+            memory_mib=spec.memory_mib or DEFAULT_MEMORY_MIB,
+            cpus=spec.cpus,
+            pids=spec.pids_limit,
+        )
+        limits = plan_limits(cg, memory_mib=spec.memory_mib, cpus=spec.cpus, pids=spec.pids_limit)
+        try:
+            return self._start(spec, name, box_dir, cg, timeout, persist, identity, limits)
+        except BaseException:
+            cg.remove()
+            remove_box_dirs(box_dir)
+            raise
+
+    def _start(
+        self,
+        spec: BoxSpec,
+        name: str,
+        box_dir: Path,
+        cg: _cgroups.CgroupSet,
+        timeout: float,
+        persist: Path | None,
+        identity: tuple[int, int],
+        limits: Limits,
+    ) -> NamespaceBox:
+        deadline = time.monotonic() + timeout
+        ctl = ctl_dir(box_dir)
+        root = _host_root()
+        # The agent's socket is made here, in the private directory, and handed over as a descriptor.
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Not bwrap's --die-with-parent: that fires when the *thread* that forked
+        # bwrap ends.  A pipe only this process writes to dies with the process.
+        watch_r, watch_w = os.pipe()
+        info_r, info_w = os.pipe()
+        block_r, block_w = os.pipe() if root else (None, None)
+        seccomp_fd = seccomp_program_fd()
+        child_only = [fd for fd in (watch_r, info_w, block_r, seccomp_fd) if fd is not None]
+        try:
+            _bind(listener, ctl / "agent.sock")
+            listener.listen(64)
+            cfg = {
+                "listen_fd": listener.fileno(),
+                "watchdog_fd": watch_r,
+                "env": self._base_env(spec, name),
+                "helper": str(HELPER),
+                "user": list(identity),
+                "nproc": limits.nproc,
+            }
+            agent = [self.guest_python_for(spec), "-I", "-S", str(AGENT), json.dumps(cfg)]
+            bwrap = self._bwrap_argv(spec, name, box_dir, persist, info_w, block_r)
+            if seccomp_fd is not None:
+                bwrap += ["--seccomp", str(seccomp_fd)]
+            # The shell joins the box's cgroups first so bwrap and everything under it is limited.
+            join = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 97; shift; n=$((n-1)); done; exec "$@"'
+            procs = cg.procs_files()
+            log = os.open(ctl / "box.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                proc = subprocess.Popen(
+                    ["/bin/sh", "-c", join, "sh", str(len(procs)), *procs, *bwrap, "--", *agent],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    # Nothing of this process's environment reaches the box (no host secrets in
+                    # /proc/1/environ): the agent gives commands the box's own base environment.
+                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                    start_new_session=True,
+                    pass_fds=(listener.fileno(), *child_only),
+                )
+            finally:
+                os.close(log)
+        except BaseException:
+            for fd in (watch_w, info_r, block_w):
+                if fd is not None:
+                    os.close(fd)
+            raise
+        finally:
+            listener.close()
+            for fd in child_only:
+                os.close(fd)
+        assert proc.stdout is not None
+        info: dict[str, Any] = {
+            "name": name,
+            "pid": proc.pid,
+            "start_time": _proc_start_time(proc.pid),
+            "spec": spec.describe(),
+            "identity": list(identity),
+            "created": time.time(),
+        }
+        box = NamespaceBox(name, box_dir, proc, cg, watch_w, identity=identity, limits=limits, info=info)
+        try:
+            init_pid = _read_child_pid(info_r, deadline)
+            if init_pid is not None:
+                info["init_pid"] = init_pid
+                info["init_start_time"] = _proc_start_time(init_pid)
+                box._info = dict(info)
+            if block_w is not None:
+                if init_pid is None:
+                    raise BoxStartError(f"namespace box {name}: bubblewrap did not report its sandbox")
+                _write_id_maps(init_pid)
+                os.write(block_w, b"1")
+            _write_private(ctl / "info.json", json.dumps(info).encode())
+            ready = self._wait_ready(proc, max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            box.destroy()
+            raise
+        finally:
+            os.close(info_r)
+            if block_w is not None:
+                os.close(block_w)
+        proc.stdout.close()
+        if not ready:
+            tail = box.log_tail()
+            box.destroy()
+            raise BoxStartError(
+                f"namespace box {name} did not start within {timeout:.0f}s: {tail.strip() or 'no output'}"
+            )
+        return box
+
+    @staticmethod
+    def _wait_ready(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+        assert proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        try:
+            if not sel.select(timeout):
+                return False
+            return proc.stdout.readline(256).startswith(b"ready")
+        finally:
+            sel.close()
+
+    @staticmethod
+    def guest_python_for(spec: BoxSpec) -> str:
+        # The namespace guest sees the host's filesystem, so the host interpreter is there.
+        return sys.executable
+
+    def list_boxes(self) -> list[BoxRecord]:
+        return [
+            BoxRecord(
+                name=box_dir.name,
+                id=box_dir.name,
+                runtime=self.name,
+                state="running" if running(box_dir) else "dead",
+                home=str(self.home),
+            )
+            for box_dir in box_dirs(self.state_dir)
+        ]
+
+    def remove_box(self, name: str) -> None:
+        remove_box_state(self.state_dir / name)
+
+    def provision(
+        self, spec: BoxSpec, setup: str, *, key: str, home: Path, cwd: Path, timeout: float, name: str
+    ) -> BoxSpec:
+        """Run ``setup`` once in a box whose writes become a template; boxes of the returned spec
+        start from it (see :mod:`.provision`)."""
+        return ensure_template(self, spec, setup, key=key, home=home, cwd=cwd, timeout=timeout, name=name)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+
+def _read_child_pid(fd: int, deadline: float) -> int | None:
+    """bubblewrap's ``--info-fd`` report: the host pid of the sandbox's first process."""
+    buf = b""
+    sel = selectors.DefaultSelector()
+    sel.register(fd, selectors.EVENT_READ)
+    try:
+        while len(buf) < _MAX_INFO:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                raise BoxTimeoutError("bubblewrap did not report its sandbox in time")
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+            try:
+                pid = json.loads(buf).get("child-pid")
+            except ValueError:
+                continue
+            return pid if isinstance(pid, int) and pid > 0 else None
+    finally:
+        sel.close()
+    return None
