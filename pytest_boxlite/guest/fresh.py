@@ -190,11 +190,30 @@ _SYS_CLONE = {"x86_64": 56, "aarch64": 220, "riscv64": 220, "ppc64le": 120, "ppc
 #: fork(2), so the child starts with the GIL that PyOS_AfterFork_Child then re-creates.  Unlike
 #: fork(3), a bare clone(2) takes none of libc's locks first (malloc's, stdio's); holding the GIL
 #: is what keeps them free: this interpreter's other thread (execnet's reader) runs without it only
-#: inside blocking reads, never inside malloc.  (A thread some conftest starts that mallocs without
-#: the GIL could hold a lock at that instant; that box would hang and fail at the test's timeout.)
+#: inside blocking reads, never inside malloc.
 _SYSCALL = ctypes.PyDLL(None, use_errno=True).syscall
 _SYSCALL.restype = ctypes.c_long
 _SYSCALL.argtypes = [ctypes.c_long] * 6
+
+
+def _threads():
+    try:
+        return frozenset(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+#: The threads this interpreter had when this file ran (before any test code was imported): its
+#: own and execnet's.  A thread started later (by a conftest, a test module, a C library) may run
+#: without the GIL inside malloc, holding a lock a bare clone(2) would copy locked into the box
+#: (that box would hang): with any such thread alive, boxes are made with fork(3), which takes
+#: libc's locks first.
+_KNOWN_THREADS = _threads()
+
+
+def _only_known_threads():
+    now = _threads()
+    return now is not None and _KNOWN_THREADS is not None and now <= _KNOWN_THREADS
 
 
 def box_flags(network):
@@ -214,11 +233,13 @@ def clone_box(network, mapper=None):
     One clone(2) with the namespace flags: no intermediate process.  fork(2) then unshare(2)
     would need one, since unsharing a pid namespace moves only the caller's later children, and
     every extra copy of this large interpreter costs milliseconds to make and to tear down.
+    That path stays for machines whose clone(2) number this file does not know, and for an
+    interpreter that has started threads of its own (see :data:`_KNOWN_THREADS`).
     """
     flags = box_flags(network)
     uid, gid = os.geteuid(), os.getegid()
     number = _SYS_CLONE.get(os.uname().machine)
-    if number is None:
+    if number is None or not _only_known_threads():
         return _clone_box_by_forks(flags, mapper)
     api = ctypes.pythonapi
     api.PyOS_BeforeFork()
