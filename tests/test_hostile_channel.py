@@ -269,6 +269,14 @@ ATTACKS: dict[str, tuple[str, str]] = {
         channel.send("not a reply")
         """,
     ),
+    "warm_forked_garbage": (
+        "",
+        """
+        # A forged answer to the host's next FORK, its list of ended boxes full of what is no pid.
+        channel = closure_cells(type(plugin()).fork)["channel"]
+        channel.send((m.FORKED, {"pid": 1, "ended": [[1], {"a": 1}, "2", 10**40, 1.5, None] * 1000}))
+        """,
+    ),
     "xdist_foreign_nodeid": (
         "request",
         "xdist_worker().sendevent('testreport', data=report(request, nodeid='test_hostile.py::test_ghost'))",
@@ -635,6 +643,17 @@ def test_fork_cannot_speak_for_the_warm_interpreter(tmp_path: Path) -> None:
     assert "INTERNALERROR" not in run.output, run.tail()
     assert run.returncode in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED), run.tail()
     assert run.case("test_warm_channel_from_fork_next").outcome == "passed", run.tail()
+
+
+def test_forged_fork_answer_fails_no_more_than_a_test(tmp_path: Path) -> None:
+    # Boxes are forked one test ahead: the forged answer is read as the answer of a FORK sent two
+    # tests later, so tests follow it.
+    after = "".join(f"def test_after_{i}():\n    pass\n\n\n" for i in range(4))
+    run = run_attacks(tmp_path / "forged", ["warm_forked_garbage"], extra_files={"test_hostile_99_after.py": after})
+    assert "INTERNALERROR" not in run.output, run.tail()
+    assert run.returncode in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED), run.tail()
+    assert run.case("test_after_3").outcome == "passed", run.tail()
+    assert run.leftovers == []
 
 
 @xfail(

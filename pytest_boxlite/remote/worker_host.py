@@ -38,6 +38,9 @@ from pytest_boxlite.remote.transport import BoxSpoke, ChannelStream, ForkStream,
 from pytest_boxlite.runtimes.base import BoxHandle
 from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, minimal_dirs, worker_env
 
+#: At most this many pids of one FORKED's list of ended boxes are read (one per box made since
+#: the last FORK is what an honest warm interpreter sends).
+_ENDED_CAP = 1024
 #: How long a forked box may go on after its DONE before it is killed.
 FORK_GRACE = 2.0
 _OOM = "the test process in the box was killed by the kernel's OOM killer (the box's memory cap)"
@@ -437,7 +440,8 @@ class RemoteRunner:
                 continue
             box.child = fields["pid"]
             reaped = fields.get("ended")
-            ended |= set(reaped) if isinstance(reaped, list) else set()
+            if isinstance(reaped, list):  # the box's word: only pids count, and only so many
+                ended |= {p for p in reaped[:_ENDED_CAP] if type(p) is int}
         self._reap_lingering(worker, ended)
 
     def _fork_ahead(self, handle: BoxHandle, nodeid: str, network: bool) -> None:
