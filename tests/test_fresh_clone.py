@@ -66,21 +66,26 @@ def _userns_possible() -> bool:
         return True  # no such switch: the kernel allows them
 
 
+def run_script(script: str, path: str) -> subprocess.CompletedProcess[str]:
+    """``script`` in a new interpreter, with guest/fresh.py and caps.py's paths and the ``path`` to take."""
+    if path == "clone" and os.uname().machine not in ("x86_64", "aarch64", "riscv64", "ppc64le", "ppc64"):
+        pytest.skip(f"no clone(2) number for {os.uname().machine}: the fork path is the one used")
+    return subprocess.run(
+        [sys.executable, "-c", script, str(guest.path("fresh")), path, str(guest.path("caps"))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux namespaces")
 @pytest.mark.skipif(not _userns_possible(), reason="user namespaces are not allowed here")
 @pytest.mark.parametrize("path", ["clone", "forks", "thread"])
 def test_clone_box_child_is_pid_1_of_new_namespaces(path: str) -> None:
     """Either path makes the same box; a thread the interpreter did not have at load time sends
     it down fork(3)'s path (a bare clone(2) could copy a libc lock that thread holds)."""
-    if path == "clone" and os.uname().machine not in ("x86_64", "aarch64", "riscv64", "ppc64le", "ppc64"):
-        pytest.skip(f"no clone(2) number for {os.uname().machine}: the fork path is the one used")
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(guest.path("fresh")), path, str(guest.path("caps"))],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_script(SCRIPT, path)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr
     # The child's line (what differs from a fresh box: nothing), then the parent's.
@@ -111,14 +116,6 @@ if pid:
 @pytest.mark.parametrize("path", ["clone", "forks"])
 def test_clone_box_child_that_cannot_start_exits_instead_of_returning(path: str) -> None:
     """A child whose first steps fail must never return into the caller (the warm interpreter's loop)."""
-    if path == "clone" and os.uname().machine not in ("x86_64", "aarch64", "riscv64", "ppc64le", "ppc64"):
-        pytest.skip(f"no clone(2) number for {os.uname().machine}")
-    proc = subprocess.run(
-        [sys.executable, "-c", FAILING, str(guest.path("fresh")), path, str(guest.path("caps"))],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_script(FAILING, path)
     assert proc.stdout.splitlines() == ["returned in the parent", "status 70"], (proc.stdout, proc.stderr)
     assert "the fresh box could not start" in proc.stderr
