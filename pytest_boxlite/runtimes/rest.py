@@ -465,34 +465,22 @@ class RestRuntime(VmRuntime):
                 removed.append(f"{name} (on {self.target.display}, lease lapsed)")
         return removed
 
-    def list_boxes(self) -> list[BoxRecord]:
-        infos = self._call(lambda: self._rt.list_info(), f"list boxes on {self.target.display}")
-        return [
-            BoxRecord(
-                name=str(i.name or i.id),
-                id=str(i.id),
-                runtime=self.name,
-                state=str(i.state.status),
-                home=self.target.display,
-            )
-            for i in infos
-        ]
+    def _bookkeeping(self, factory: Callable[[], Awaitable[T]], what: str) -> T:
+        """Over the network: retried on transport errors (see :meth:`_call`)."""
+        return self._call(factory, f"{what} on {self.target.display}")
+
+    @property
+    def _boxes_at(self) -> str:
+        return self.target.display
+
+    @property
+    def _where(self) -> str:
+        return f"on {self.target.display}"
 
     def remove_box(self, name: str) -> None:
         with self._held_lock:
             self._held.pop(name, None)
-        not_found = self.sdk.NotFoundError
-
-        async def remove() -> None:
-            with contextlib.suppress(not_found):  # already gone (or reaped by its timers) is not an error
-                await self._rt.remove(name, force=True)
-
-        try:
-            self._call(remove, f"remove {name} on {self.target.display}")
-        except BoxliteError:
-            raise
-        except Exception as exc:  # a raw SDK error must not escape to callers that catch BoxliteError
-            raise BoxDeadError(f"boxlite could not remove box {name} on {self.target.display}: {exc}") from exc
+        super().remove_box(name)
 
     def close(self) -> None:
         if getattr(self, "_closed", True):

@@ -560,18 +560,33 @@ class VmRuntime(RuntimeDefaults):
         except Exception as exc:
             raise BoxStartError(f"boxlite could not clone template {key} as {name}: {exc}") from exc
 
+    # -- the seam RestRuntime overrides: how a bookkeeping call is made, and where the boxes are --
+    def _bookkeeping(self, factory: Callable[[], Awaitable[T]], what: str) -> T:
+        """One bookkeeping call on the SDK's loop, bounded."""
+        return self.loop.call(factory, BOOKKEEPING_TIMEOUT, what)
+
+    @property
+    def _boxes_at(self) -> str:
+        """Where this runtime's boxes are, for their records."""
+        return str(self.home)
+
+    @property
+    def _where(self) -> str:
+        """Where this runtime's boxes are, for error messages."""
+        return f"in {self.home}"
+
     def list_boxes(self) -> list[BoxRecord]:
         async def listing() -> Any:
             return await self._rt.list_info()
 
-        infos = self.loop.call(listing, BOOKKEEPING_TIMEOUT, "list boxes")
+        infos = self._bookkeeping(listing, "list boxes")
         return [
             BoxRecord(
                 name=str(i.name or i.id),
                 id=str(i.id),
                 runtime=self.name,
                 state=str(i.state.status),
-                home=str(self.home),
+                home=self._boxes_at,
             )
             for i in infos
         ]
@@ -580,15 +595,15 @@ class VmRuntime(RuntimeDefaults):
         not_found = self.sdk.NotFoundError
 
         async def remove() -> None:
-            with contextlib.suppress(not_found):  # already gone is not an error
+            with contextlib.suppress(not_found):  # already gone (or reaped by a server's timers) is not an error
                 await self._rt.remove(name, force=True)
 
         try:
-            self.loop.call(remove, BOOKKEEPING_TIMEOUT, f"remove {name}")
+            self._bookkeeping(remove, f"remove {name}")
         except BoxliteError:
             raise
         except Exception as exc:  # a raw SDK error must not escape to callers that catch BoxliteError
-            raise BoxDeadError(f"boxlite could not remove box {name} in {self.home}: {exc}") from exc
+            raise BoxDeadError(f"boxlite could not remove box {name} {self._where}: {exc}") from exc
 
     def close(self) -> None:
         if getattr(self, "_closed", True):
