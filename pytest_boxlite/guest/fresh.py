@@ -253,31 +253,42 @@ def clone_box(network, mapper=None):
             mapper.born_in_namespace = True
         return pid
     api.PyOS_AfterFork_Child()
-    _in_new_box_or_exit(uid, gid, mapper)
+    _or_exit(_in_new_box, uid, gid, mapper)
     return 0
 
 
-def _in_new_box_or_exit(uid, gid, mapper):
-    """:func:`_in_new_box`, or exit: a child that raised would return into the warm interpreter's
+def _or_exit(step, *args):
+    """``step(*args)``, or exit: a child that raised would return into the warm interpreter's
     loop with its channel still open (and speak on it as a second warm interpreter)."""
     try:
-        _in_new_box(uid, gid, mapper)
+        step(*args)
     except BaseException as exc:
         sys_stderr_write("pytest-boxlite: the fresh box could not start: %r\n" % (exc,))
         os._exit(70)
 
 
-def _in_new_box(uid, gid, mapper):
-    """The child's first steps in its new user namespace: die with its parent, map its ids."""
+def _die_with_parent():
     import signal
 
     check_libc(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # noqa: F821 - caps.py
+
+
+def _in_new_box(uid, gid, mapper, flags=None):
+    """The child's first steps into its new user namespace: die with its parent, map its ids.
+
+    ``flags``: the namespaces it has still to unshare (fork(3)'s path); ``None``: clone(2) made
+    it in them already.
+    """
+    _die_with_parent()
     if uid != 0:
+        if flags is not None:
+            check_libc(_LIBC.unshare(flags), "unshare")  # noqa: F821 - caps.py
         _map_own_ids(uid, gid)
     elif mapper is None:
         raise OSError(1, "a root box needs its parent to write its id maps (no IdMapper given)")
     else:
-        mapper.request(_LIBC)
+        # Root: unshares (unless born in the namespace), then waits for the maps its parent writes.
+        mapper.request(_LIBC, None if flags is None else flags & ~_CLONE_NEWUSER)
 
 
 def _clone_box_by_forks(flags, mapper):
@@ -294,21 +305,10 @@ def _clone_box_by_forks(flags, mapper):
     try:
         import signal
 
-        check_libc(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # noqa: F821 - caps.py
-        if uid != 0:
-            check_libc(_LIBC.unshare(flags), "unshare")  # noqa: F821 - caps.py
-            _map_own_ids(uid, gid)
-        elif mapper is None:
-            raise OSError(1, "a root box needs its parent to write its id maps (no IdMapper given)")
-        else:
-            mapper.request(_LIBC, flags & ~_CLONE_NEWUSER)  # unshares, then waits for the maps
+        _in_new_box(uid, gid, mapper, flags)
         child = os.fork()
         if child == 0:
-            try:
-                check_libc(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # noqa: F821 - caps.py
-            except BaseException as exc:  # noqa: BLE001 - said, then the box ends: see _in_new_box_or_exit
-                sys_stderr_write("pytest-boxlite: the fresh box could not start: %r\n" % (exc,))
-                os._exit(70)
+            _or_exit(_die_with_parent)
             return 0
         _, status = os.waitpid(child, 0)
         code = os.waitstatus_to_exitcode(status)
