@@ -341,6 +341,18 @@ class HostPlugin(_SessionRole, NoLifecycle):
         return self.executor.release_template(spec)
 
     # -- hooks ----------------------------------------------------------------------------------
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        super().pytest_sessionstart(session)
+        # Under --boxlite every test needs the default box: boot it now, so that its boot and the
+        # box's own collection of the session overlap the host's collection (test modules that
+        # import heavy libraries) instead of starting at the first collected item.  Only a run that
+        # collects and then deselects everything pays for a box it does not use (--collect-only and
+        # the like register no HostPlugin at all: _boots_nothing).
+        s = self.session.settings
+        if s.all and s.scope in ("test", "module"):
+            self.session.want(self.session.default_worker_spec)
+
     def pytest_itemcollected(self, item: pytest.Item) -> None:
         # Start booting while collection goes on; bad marker arguments are reported after collection.
         # Only the session's default specs are kept warm: a test with its own image, cpus, ... boots
