@@ -1,30 +1,55 @@
 """``python -m pytest_boxlite.boxproc``: run one command inside a box of its own.
 
-Used for ``--boxlite-scope=worker``: an xdist worker (or, without ``-n``, the
-whole session) is started as ``popen//python=<this command> -- python``, so
-the worker process lives in a box.  This process owns the box: it takes an
-owner lock, creates the box, hands its own stdin/stdout/stderr to the
-command inside (binary-clean, no copying), and destroys the box when the
-command ends.  If this process is killed, the box's watchdog ends the box
-and the next session's reconciliation removes what is left.
+Used for ``--boxlite-scope=worker``.  Two ways:
+
+* ``boxproc [options] -- COMMAND``: create a box, run COMMAND in it with this process's own
+  stdin/stdout/stderr (binary-clean, no copying), destroy the box when it ends.  The whole
+  session in one box (``--boxlite-scope=worker`` without ``-n``) runs this way.
+* ``boxproc [options] --serve-fd N``: a *box server* for one xdist worker slot, accepting on the
+  listening Unix socket it inherits as descriptor N.  The controller
+  starts one per local worker when it configures, so the boxes boot side by side and ahead of
+  time, instead of one after the other inside xdist's gateway set-up (which waits for each
+  worker's interpreter before starting the next).  The worker's gateway command is then the
+  small :mod:`pytest_boxlite.guest.attach` client with ``--via SOCKET``: it hands its
+  stdin/stdout/stderr to this server, which runs the worker in the box already booted.  After a
+  worker ends its box is destroyed; a restarted worker (``--max-worker-restart``) gets a new one.
+
+Either way this process owns the box: it takes an owner lock, and destroys the box when the
+command ends, when the client hangs up, or when it gets SIGTERM/SIGHUP.  A server also ends when
+its parent (the controller) dies.  If this process is killed, the box's watchdog ends the box and
+the next session's reconciliation removes what is left.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import select
+import shutil
 import signal
+import socket
 import sys
+import threading
 from pathlib import Path
 
 from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.runtimes import LOCAL_KINDS, open_runtime
+from pytest_boxlite.runtimes.base import BoxHandle, Runtime
 from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, worker_env
 
+#: Bound on a client's request line (its argv): it is our own client, but the socket is a file.
+MAX_REQUEST = 64 * 1024
+#: How often a waiting server checks that its parent is still alive.
+PARENT_CHECK = 1.0
+#: How long a worker may take to end after its box was destroyed under it.
+END_GRACE = 10.0
+_PR_SET_PDEATHSIG = 1
 
-def main(argv: list[str] | None = None) -> int:
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pytest_boxlite.boxproc")
     parser.add_argument("--home", required=True)
     parser.add_argument("--session", required=True, help="session id: the box's name carries it")
@@ -40,23 +65,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cwd")
     parser.add_argument("--boot-timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--serve-fd", type=int, metavar="N", help="serve worker boxes to attach clients on the listening socket N"
+    )
+    parser.add_argument(
+        "--serve-dir", metavar="DIR", help="the controller's directory of box servers, removed if the controller dies"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("no command given")
-    home = Path(args.home)
-    owner = f"{args.session}-p{os.getpid()}"
-    lock = ledger.OwnerLock(home, owner)
-    lock.acquire()
-    # SIGTERM/SIGHUP must run the cleanup below, not end this process on the spot.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
-    runtime = None
-    box = None
-    try:
+    return parser
+
+
+class _Boxes:
+    """This process's owner lock, runtime and boxes, all made from one set of arguments."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.home = Path(args.home)
+        self.owner = f"{args.session}-p{os.getpid()}"
         env = tuple((k, v) for k, _, v in (e.partition("=") for e in args.env))
-        spec = BoxSpec(
+        self.spec = BoxSpec(
             image=args.image,
             cpus=args.cpus,
             memory_mib=args.memory,
@@ -66,24 +93,194 @@ def main(argv: list[str] | None = None) -> int:
             # The worker runs as the host user, as it would locally (root only where the host is root).
             user=f"{os.getuid()}:{os.getgid()}",
         )
-        runtime = open_runtime(args.runtime, home, owner)
-        box = runtime.create_box(spec, f"pbx-{owner}-1", timeout=args.boot_timeout)
+        deny = DEFAULT_ENV_DENY if args.env_deny is None else tuple(p for p in args.env_deny if p)
+        self.guest_env = worker_env(self.spec, deny)
+        self.lock = ledger.OwnerLock(self.home, self.owner)
+        self.runtime: Runtime | None = None
+        self.made = 0
+
+    def __enter__(self) -> _Boxes:
+        self.lock.acquire()
+        return self
+
+    def create(self) -> BoxHandle:
+        if self.runtime is None:
+            self.runtime = open_runtime(self.args.runtime, self.home, self.owner)
+        self.made += 1
+        return self.runtime.create_box(self.spec, f"pbx-{self.owner}-{self.made}", timeout=self.args.boot_timeout)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+        self.lock.release()
+
+
+def _destroy(box: BoxHandle | None) -> None:
+    if box is None:
+        return
+    # SIGTERM/SIGHUP exit through the cleanup, which destroys this box again: held off until this
+    # destroy is done, so that it is never cut short halfway (a box record left behind).
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP})
+    try:
+        box.destroy()
+    except Exception as exc:  # noqa: BLE001 - said; the box's watchdog and the next reconcile get the rest
+        print(f"pytest-boxlite: could not destroy box {box.name}: {exc}", file=sys.stderr)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.serve_fd is not None and command:
+        parser.error("--serve-fd takes no command: its clients name theirs")
+    if args.serve_fd is None and not command:
+        parser.error("no command given")
+    # SIGTERM/SIGHUP must run the cleanup below, not end this process on the spot.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    with _Boxes(args) as boxes:
+        return _run_one(boxes, command) if args.serve_fd is None else _serve(boxes, args.serve_fd, args.serve_dir)
+
+
+def _run_one(boxes: _Boxes, command: list[str]) -> int:
+    box = None
+    try:
+        box = boxes.create()
         # The command inherits SIGINT from the terminal's process group; so do we: let the box handle it.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        deny = DEFAULT_ENV_DENY if args.env_deny is None else tuple(p for p in args.env_deny if p)
-        guest_env = worker_env(spec, deny)
-        code = box.run_attached(command, cwd=args.cwd, env=guest_env)
+        code = box.run_attached(command, cwd=boxes.args.cwd, env=boxes.guest_env)
         return 128 - code if code < 0 else code
     except BoxliteError as exc:
         print(f"pytest-boxlite: could not run the worker in a box: {exc}", file=sys.stderr)
         return 3
     finally:
-        if box is not None:
-            with contextlib.suppress(Exception):
-                box.destroy()
-        if runtime is not None:
-            runtime.close()
-        lock.release()
+        _exiting()
+        _destroy(box)
+
+
+def _exiting() -> None:
+    """On the way out: SIGTERM/SIGHUP no longer interrupt the cleanup (one already started it)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+# -- the box server ---------------------------------------------------------------------------------
+
+
+def _serve(boxes: _Boxes, fd: int, directory: str | None) -> int:
+    parent = os.getppid()
+    # Descriptors 0-2 become each worker's own while it runs: this server's messages (and a
+    # traceback) go to its log, the stderr it was started with, whatever 2 is at the time.
+    sys.stderr = open(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+    # The controller's death (even kill -9) ends this server, whose exit destroys its box.
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    # Ctrl-C reaches the whole terminal's process group: the controller decides what ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The controller made and bound the socket (in a directory only its user can enter) before
+    # starting this process, so a worker that connects early never finds it missing.
+    listener = socket.socket(fileno=fd)
+    box: BoxHandle | None = None
+    error: str | None = None
+    try:
+        try:
+            box = boxes.create()  # ahead of the worker that will use it: the point of serving
+        except BoxliteError as exc:
+            error = str(exc)
+        while os.getppid() == parent:
+            ready, _, _ = select.select([listener], [], [], PARENT_CHECK)
+            if not ready:
+                continue
+            conn, _ = listener.accept()
+            with conn:
+                if box is None and error is None:
+                    try:
+                        box = boxes.create()
+                    except BoxliteError as exc:
+                        error = str(exc)
+                _serve_client(conn, box, error, boxes)
+            # One worker per box: a restarted worker gets a new one.
+            _destroy(box)
+            box, error = None, None
+        return 0
+    finally:
+        _exiting()
+        _destroy(box)
+        listener.close()
+        if directory and os.getppid() != parent:
+            # The controller died (kill -9) without removing its servers' sockets and logs.
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _send(conn: socket.socket, message: dict[str, object]) -> None:
+    with contextlib.suppress(OSError):
+        conn.sendall((json.dumps(message) + "\n").encode())
+
+
+def _serve_client(conn: socket.socket, box: BoxHandle | None, error: str | None, boxes: _Boxes) -> None:
+    """Run one client's command in ``box`` with the client's stdio; answer its exit status."""
+    if not _same_user(conn):
+        return  # not our user's client (the directory should have kept it out): say nothing to it
+    conn.settimeout(10.0)
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+    except OSError:
+        return
+    try:
+        request = json.loads(data.decode()) if data.endswith(b"\n") else None
+        argv = request.get("argv") if isinstance(request, dict) else None
+        if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)) or len(fds) != 3:
+            _send(conn, {"error": "malformed request to the worker's box server"})
+            return
+        if box is None:
+            _send(conn, {"error": error or "no box"})
+            return
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["exit"] = box.run_attached(argv, cwd=boxes.args.cwd, env=boxes.guest_env)
+        except BoxliteError as exc:
+            outcome["error"] = str(exc)
+        except BaseException as exc:  # noqa: BLE001 - reported to the client, which exits with it
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+
+    worker = threading.Thread(target=run, name="boxlite-worker-box", daemon=True)
+    worker.start()
+    conn.settimeout(None)
+    # The client speaks again only to pass on a signal (SIGINT, SIGTERM, SIGHUP), or hangs up when
+    # it dies: either way the worker must end, and destroying its box ends it.
+    while worker.is_alive():
+        ready, _, _ = select.select([conn], [], [], 0.5)
+        if ready:
+            with contextlib.suppress(OSError):
+                conn.recv(4096)
+            _destroy(box)
+            worker.join(END_GRACE)
+            break
+    # The worker's pipes live on only in the box: let go of them here.
+    for target in (0, 1, 2):
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, target)
+        os.close(null)
+    _send(conn, {"exit": outcome["exit"]} if "exit" in outcome else {"error": outcome.get("error", "the box ended")})
+
+
+def _same_user(conn: socket.socket) -> bool:
+    import struct
+
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return bool(uid == os.getuid())
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from pytest_boxlite.runtimes import BoxHandle, header_notes, kind_notes, preflig
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.settings import Settings, add_options, resolve
 from pytest_boxlite.spec import BoxSpec
-from pytest_boxlite.xdist_support import REMOTE_KEY, forget_controller_home
+from pytest_boxlite.xdist_support import REMOTE_KEY, WorkerBoxServers, forget_controller_home
 
 _BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
 _PLAN_KEY = pytest.StashKey[BoxPlan]()
@@ -234,6 +234,7 @@ class ControllerPlugin(_SessionRole):
         self._remote_specs = remote_specs(config)
         #: Some worker runs on this machine (then its home is prepared, reconciled and reaped here).
         self.has_local = len(self._remote_specs) < len(tx_specs(config)) or not self._remote_specs
+        self._box_servers: WorkerBoxServers | None = None
         if session.settings.scope == "worker":
             from pytest_boxlite.xdist_support import box_worker_specs
 
@@ -246,7 +247,7 @@ class ControllerPlugin(_SessionRole):
                     "or -p no:rerunfailures."
                 )
 
-            box_worker_specs(session, config)
+            self._box_servers = box_worker_specs(session, config)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -294,6 +295,8 @@ class ControllerPlugin(_SessionRole):
 
     def _shutdown(self) -> None:
         self.session.shutdown()
+        if self._box_servers is not None:
+            self._box_servers.stop()
         if self.has_local:
             self.session.reap_workers()
 

@@ -18,8 +18,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shlex
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -106,12 +109,77 @@ def remote_specs(config: pytest.Config) -> list[str]:
     return [s for s in tx_specs(config) if is_remote(s)]
 
 
-def box_worker_specs(box: BoxliteSession, config: pytest.Config) -> None:
+class WorkerBoxServers:
+    """One box server per local ``--boxlite-scope=worker`` worker (``boxproc --serve-fd``).
+
+    Started when the controller configures, so every worker's box boots at once and ahead of
+    xdist's gateway set-up, which starts the workers one after the other and waits for each.
+    Each server owns its boxes (an owner lock of its own, as ``boxproc`` always did); the
+    controller ends them at its shutdown, and a server also ends when the controller dies.
+    """
+
+    #: How long a server may take to destroy its box and end after SIGTERM.
+    STOP_TIMEOUT = 15.0
+
+    def __init__(self, cmd: list[str], count: int) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="pbx-workers-"))  # 0700: only this user connects
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.sockets: list[Path] = []
+        self.logs: list[Path] = []
+        try:
+            for i in range(count):
+                self._start(cmd, i)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, cmd: list[str], i: int) -> None:
+        path, log = self.dir / f"{i}.sock", self.dir / f"{i}.log"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with listener, open(log, "wb") as err:
+            listener.bind(str(path))
+            listener.listen(4)
+            fd = listener.fileno()
+            self.procs.append(
+                subprocess.Popen(
+                    [*cmd, "--serve-fd", str(fd), "--serve-dir", str(self.dir)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    pass_fds=[fd],
+                )
+            )
+        self.sockets.append(path)
+        self.logs.append(log)
+
+    def python(self, i: int, python: str) -> str:
+        """The gateway's ``python=`` for worker slot ``i``: the attach client, then the worker's interpreter."""
+        from pytest_boxlite import guest
+
+        client = [sys.executable, "-I", "-S", str(guest.path("attach")), "--via", str(self.sockets[i])]
+        return shlex.join([*client, "--log", str(self.logs[i]), "--", python])
+
+    def stop(self) -> None:
+        """End every server (each destroys its box first), bounded; then remove their sockets."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(self.STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # its box's watchdog and the controller's reap_workers get the rest
+                proc.wait(5.0)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def box_worker_specs(box: BoxliteSession, config: pytest.Config) -> WorkerBoxServers:
     """Rewrite xdist's local ``popen`` gateways so each worker starts inside its own box.
 
-    A remote gateway cannot be wrapped from here (the box command names this machine's
-    interpreter, home and directories; a ``socket=`` gateway takes no interpreter at all): that is a
-    usage error naming the spec and the ways out.
+    Returns the box servers (one per worker, booting now) that the gateways attach to; the
+    caller stops them at the end of the session.  A remote gateway cannot be wrapped from here
+    (the box command names this machine's interpreter, home and directories; a ``socket=``
+    gateway takes no interpreter at all): that is a usage error naming the spec and the ways out.
     """
     specs = tx_specs(config)
     remote = [s for s in specs if is_remote(s)]
@@ -131,13 +199,15 @@ def box_worker_specs(box: BoxliteSession, config: pytest.Config) -> None:
         mounts=box.worker_mounts,
         cwd=str(config.invocation_params.dir),
     )
+    servers = WorkerBoxServers(cmd, len(specs))
     out = []
-    for s in specs:
+    for i, s in enumerate(specs):
         xs = execnet.XSpec(s)
         # A popen with its own interpreter runs that interpreter inside the box.
-        python = shlex.join([*cmd, "--", xs.python or sys.executable])
+        python = servers.python(i, xs.python or sys.executable)
         out.append(f"{s}//python={python}" if not xs.python else s.replace(f"python={xs.python}", f"python={python}"))
     config.option.tx = out
+    return servers
 
 
 # -- the remote worker's side ----------------------------------------------------------------------

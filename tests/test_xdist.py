@@ -39,8 +39,9 @@ RUNTIME = ("--boxlite-runtime=namespace",)
 
 #: A box of an xdist worker: ``pbx-<session>-<worker>-<n>``, forked boxes add ``.<k>``.
 WORKER_BOX = re.compile(r"^pbx-(?P<session>[0-9a-f]+)-(?P<worker>gw\d+)-(?P<seq>\d+)(?:\.\d+)?$")
-#: The box of a whole worker (``--boxlite-scope=worker``): owner ``<session>-p<host pid>``.
-WORKER_SCOPE_BOX = re.compile(r"^pbx-(?P<session>[0-9a-f]+)-p(?P<pid>\d+)-1$")
+#: The box of a whole worker (``--boxlite-scope=worker``): owner ``<session>-p<host pid>`` (the box
+#: server of the worker's slot; a restarted worker gets the slot's next box, ``-2``, ...).
+WORKER_SCOPE_BOX = re.compile(r"^pbx-(?P<session>[0-9a-f]+)-p(?P<pid>\d+)-(?P<seq>\d+)$")
 SUMMARY = re.compile(
     r"boxes booted (?P<booted>\d+), (?:forked (?P<forked>\d+) \(overhead p50 [\d.]+ ms\), )?"
     r"leased (?P<leased>\d+), reused (?P<reused>\d+), warm-lease hit rate (?:\d+%|n/a), "
@@ -507,7 +508,7 @@ def test_worker_scope_n2_each_worker_in_its_own_box(tmp_path: Path, home: Path, 
     sessions = set()
     for p in props.values():
         m = WORKER_SCOPE_BOX.match(p["pbx_host"])
-        assert m, p
+        assert m and m["seq"] == "1", p  # the box its slot's server booted ahead
         sessions.add(m["session"])
         hosts.setdefault(p["pbx_worker"], set()).add(p["pbx_host"])
     assert set(hosts) == {"gw0", "gw1"}, hosts
@@ -550,11 +551,58 @@ def test_worker_scope_restarted_worker_gets_a_fresh_box(tmp_path: Path, home: Pa
     hosts: dict[str, set[str]] = {}
     for p in passed:
         assert p["pbx_worker"] in ("gw2", "gw3"), p
-        assert WORKER_SCOPE_BOX.match(p["pbx_host"]), p
+        m = WORKER_SCOPE_BOX.match(p["pbx_host"])
+        assert m and m["seq"] == "2", p  # its slot's second box: the crashed worker's box is gone
         hosts.setdefault(p["pbx_worker"], set()).add(p["pbx_host"])
     assert all(len(h) == 1 for h in hosts.values()), hosts
     assert len({next(iter(h)) for h in hosts.values()}) == len(hosts), hosts
     no_leftovers(home, out)
+
+
+KILLED_IN_BOX = """
+import os, subprocess, sys, time
+import pytest
+
+
+@pytest.mark.parametrize("i", range(2))
+def test_hold(i):
+    # A process in the worker's box, tagged so that the host can see whether it outlives the run.
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", os.environ["PBX_TAG"]])
+    time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_worker_scope_kill9_of_the_controller_leaves_no_box_server_or_box(
+    tmp_path: Path, home: Path, subruns: list[SubRun]
+) -> None:
+    """The box servers of --boxlite-scope=worker die with their controller, even by SIGKILL, and take
+    their boxes (and every process in them) and their sockets with them."""
+    proj = tmp_path / "proj"
+    write(proj, "test_killed.py", KILLED_IN_BOX)
+    tag = f"pbx-worker-kill9-{uuid.uuid4().hex}"
+    run = SubRun(proj, home, "kill9", "-n", "2", "--boxlite-scope=worker", "test_killed.py", env=sub_env(PBX_TAG=tag))
+    subruns.append(run)
+    held = wait_until(lambda: len(pids_with(tag)) == 2 or run.proc.poll() is not None, 120)
+    assert held and run.proc.poll() is None, run.output
+    servers = [p for p in pids_with("--serve-fd") if f"--home {home} " in " ".join(_cmdline(p))]
+    server_dirs = {Path(a) for pid in servers for a in _cmdline(pid) if "pbx-workers-" in a}
+    assert len(servers) == 2 and len(server_dirs) == 1, (servers, server_dirs)
+    assert len(ledger.scan(home)) == 2
+
+    os.kill(run.pid, signal.SIGKILL)
+    assert run.wait(30) == -signal.SIGKILL
+    assert wait_until(lambda: all(process_gone(p) for p in servers), 30), "a box server outlived its controller"
+    assert wait_until(lambda: not pids_with(tag), 30), "processes in the workers' boxes outlived the run"
+    no_leftovers(home, run.output)  # destroyed by their servers, not merely left for the next reconcile
+    assert wait_until(lambda: not any(d.exists() for d in server_dirs), 10), server_dirs
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
 
 
 WHOLE_SESSION = """

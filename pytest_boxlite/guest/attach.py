@@ -6,6 +6,11 @@ runs ARGV in the box whose agent listens on SOCKET, handing it this process's st
 It exits with the command's status (128+N for a signal), and is what an
 execnet ``popen//python=...`` gateway (and so an xdist worker) runs to live
 inside a box.  If this process dies, the agent kills the command.
+
+``attach.py --via SOCKET [--log FILE] -- ARGV...`` hands the same three descriptors to a box
+server instead (``python -m pytest_boxlite.boxproc --serve-fd``, one per ``--boxlite-scope=worker``
+xdist worker, whose box booted ahead of time), which runs ARGV in its box with them.  FILE is
+the server's log, quoted when the server fails.
 """
 
 import json
@@ -28,7 +33,77 @@ def _connect(path):
     return sock
 
 
+def _log_tail(log):
+    if not log:
+        return ""
+    try:
+        fd = os.open(log, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 4000))
+            return fh.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def via_server(argv):
+    """Run ARGV in a box server's box (see the module's docstring); exit as ``boxproc`` would."""
+    path, rest, log = argv[0], argv[1:], None
+    if rest[:1] == ["--log"]:
+        log, rest = rest[1], rest[2:]
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+
+    def fail(why):
+        tail = _log_tail(log)
+        sys.stderr.write(
+            "pytest-boxlite: could not run the worker in a box: %s\n%s" % (why, tail + "\n" if tail else "")
+        )
+        return 3
+
+    try:
+        sock = _connect(path)
+        socket.send_fds(sock, [(json.dumps({"argv": rest}) + "\n").encode()], [0, 1, 2])
+    except OSError as exc:
+        return fail("its box server is not there (%s)" % (exc.strerror or exc))
+    for fd in (0, 1):
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, fd)
+        os.close(null)
+
+    def forward(signum, frame):
+        try:
+            sock.sendall((json.dumps({"signal": signum}) + "\n").encode())
+        except OSError:
+            pass
+
+    # A terminal's Ctrl-C reaches this client (in the controller's process group), not the worker
+    # in the box: passed on, the server ends the worker's box, as the signal ends a plain worker.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    buf = b""
+    while True:
+        try:
+            chunk = sock.recv(4096)
+        except InterruptedError:
+            continue
+        if not chunk:
+            return fail("its box server ended")
+        buf = (buf + chunk)[-65536:]
+        if b"\n" in buf:
+            try:
+                msg = json.loads(buf.split(b"\n", 1)[0].decode())
+            except ValueError:
+                return fail("its box server answered garbage")
+            if isinstance(msg, dict) and isinstance(msg.get("exit"), int):
+                code = msg["exit"]
+                return 128 - code if code < 0 else code
+            return fail(str(msg.get("error") if isinstance(msg, dict) else msg)[:2000])
+
+
 def main(argv):
+    if argv[:1] == ["--via"]:
+        return via_server(argv[1:])
     path = argv[0]
     rest = argv[1:]
     cwd = None

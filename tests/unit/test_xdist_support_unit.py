@@ -7,12 +7,15 @@ used).  The whole path over real socket hosts is ``tests/test_xdist_remote.py``.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any, cast
 
 import execnet
 import pytest
+from subruns import wait_until
 
 from pytest_boxlite import reporting
 from pytest_boxlite.session import BoxliteSession
@@ -32,6 +35,12 @@ from unit.test_session_unit import make_settings
 pytestmark = pytest.mark.timeout(30)
 
 
+def ls(home: Path) -> str:
+    """``python -m pytest_boxlite ls``: the boxes in ``home``, one per line."""
+    cmd = [sys.executable, "-m", "pytest_boxlite", "--home", str(home), "ls"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+
+
 def test_specs_are_expanded_and_only_plain_popen_is_local(pytester: pytest.Pytester) -> None:
     config = pytester.parseconfig(
         "-d", "--tx", "2*popen", "--tx", "popen//chdir=/x", "--tx", "popen//via=gw0", "--tx", "3*socket=10.0.0.1:8888"
@@ -49,12 +58,23 @@ def test_worker_scope_boxes_every_local_popen_and_refuses_remote_specs(
 ) -> None:
     session = BoxliteSession(make_settings(tmp_path, scope="worker"), session_id="abc", worker_id=None)
     config = pytester.parseconfig("-d", "--tx", "2*popen", "--tx", "popen//python=/opt/py3")
-    box_worker_specs(session, config)
-    specs = config.option.tx
-    assert len(specs) == 3, specs
-    for spec in specs:
-        assert spec.startswith("popen//") and "pytest_boxlite.boxproc" in spec, spec
-    assert specs[2].endswith("-- /opt/py3"), specs[2]
+    servers = box_worker_specs(session, config)
+    try:
+        specs = config.option.tx
+        assert len(specs) == 3, specs
+        # Each gateway attaches to its own box server, started now (booting its box ahead of xdist).
+        for i, spec in enumerate(specs):
+            assert spec.startswith("popen//") and f"--via {servers.sockets[i]} " in spec, spec
+            assert servers.sockets[i].is_socket() and servers.procs[i].poll() is None
+        assert specs[2].endswith("-- /opt/py3"), specs[2]
+        assert oct(servers.dir.stat().st_mode & 0o777) == "0o700"
+        # Each server boots its box without waiting for a worker.
+        assert wait_until(lambda: ls(tmp_path).count("pbx-abc-p") == 3, timeout=25), ls(tmp_path)
+    finally:
+        servers.stop()
+    assert [p.returncode for p in servers.procs] == [143] * 3  # 128 + SIGTERM: through its cleanup, not killed
+    assert not servers.dir.exists()
+    assert ls(tmp_path) == "no boxes"
 
     config = pytester.parseconfig("-d", "--tx", "popen", "--tx", "socket=127.0.0.1:9")
     with pytest.raises(pytest.UsageError, match=r"'socket=127\.0\.0\.1:9'.*--boxlite-scope=test or module"):
