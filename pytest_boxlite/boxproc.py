@@ -139,9 +139,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command given")
     # SIGTERM/SIGHUP must run the cleanup below, not end this process on the spot.
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+        signal.signal(sig, _exit_on_signal)
     with _Boxes(args) as boxes:
         return _run_one(boxes, command) if args.serve_fd is None else _serve(boxes, args.serve_fd, args.serve_dir)
+
+
+#: The signal that ended this process, if one did (SIGTERM, SIGHUP).
+_ended_by: list[int] = []
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    _ended_by.append(signum)
+    sys.exit(128 + signum)
 
 
 def _run_one(boxes: _Boxes, command: list[str]) -> int:
@@ -211,8 +220,12 @@ def _serve(boxes: _Boxes, fd: int, directory: str | None) -> int:
         _exiting()
         _destroy(box)
         listener.close()
-        if directory and os.getppid() != parent:
-            # The controller died (kill -9) without removing its servers' sockets and logs.
+        if directory and _ended_by:
+            # Told to end: by the controller's stop (which removes the directory too), or by the
+            # controller's death (PR_SET_PDEATHSIG; then nobody else removes its sockets and logs).
+            # Not on a crash: the log, with the traceback, is what the worker's client quotes.
+            # (Whether the parent died cannot be told from getppid(): while the dying controller
+            # has threads left, this process is first handed to one of them, same pid.)
             shutil.rmtree(directory, ignore_errors=True)
 
 
