@@ -42,7 +42,7 @@ from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, worker_env
 
 #: Bound on a client's request line (its argv): it is our own client, but the socket is a file.
 MAX_REQUEST = 64 * 1024
-#: How often a waiting server checks that its parent is still alive.
+#: How often a waiting server looks at its parent (PR_SET_PDEATHSIG is what ends it in time).
 PARENT_CHECK = 1.0
 #: How long a worker may take to end after its box was destroyed under it.
 END_GRACE = 10.0
@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         "--serve-fd", type=int, metavar="N", help="serve worker boxes to attach clients on the listening socket N"
     )
     parser.add_argument(
-        "--serve-dir", metavar="DIR", help="the controller's directory of box servers, removed if the controller dies"
+        "--serve-dir", metavar="DIR", help="the directory of the box servers, removed when a signal ends this one"
     )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     return parser
