@@ -43,6 +43,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -61,6 +62,7 @@ from pytest_boxlite.errors import (
     RuntimeUnavailableError,
     file_error,
 )
+from pytest_boxlite.runtimes._forkrelay import ForkRelay
 from pytest_boxlite.runtimes._vmbridge import VmBridge
 from pytest_boxlite.runtimes.base import (
     DEFAULT_MAX_OUTPUT,
@@ -164,6 +166,8 @@ class VmBox(BoxDefaults):
     binary_stdout = False
     workdir = WORKDIR
     guest_python = "python3"
+    #: A VM's root and volumes are no overlays: a forked box renews every writable directory.
+    fork_renews_all = True
 
     def __init__(self, runtime: VmRuntime, box: Any, name: str) -> None:
         self._rt = runtime
@@ -173,6 +177,23 @@ class VmBox(BoxDefaults):
         self._dead = False
         self._bridge: VmBridge | None = None
         self._bridge_lock = threading.Lock()
+        self._relays: list[ForkRelay] = []
+
+    def fork_listener(self) -> tuple[socket.socket, str]:
+        """A host socket that boxes forked in this VM reach through a relay in the guest.
+
+        The guest cannot reach a host socket, so a relay command (:mod:`pytest_boxlite.guest.relay`)
+        started through this box's stdio bridge listens on a new private guest directory and
+        carries each connection over its stdio (:class:`~pytest_boxlite.runtimes._forkrelay.ForkRelay`).
+        Closing the returned socket ends the relay; so does :meth:`destroy`.
+        """
+        if self._dead:
+            raise BoxDeadError(f"box {self.name} is dead")
+        relay = ForkRelay(lambda argv: self.attach_argv(argv, cwd="/"), self.guest_python)
+        with self._bridge_lock:
+            self._relays = [r for r in self._relays if r.alive]
+            self._relays.append(relay)
+        return relay.listener, relay.guest_path
 
     def attach_argv(self, argv: Sequence[str], *, cwd: str | None = None, status_file: str | None = None) -> list[str]:
         """A host command whose stdio are those of ``argv`` in this VM (through this process's bridge)."""
@@ -333,6 +354,10 @@ class VmBox(BoxDefaults):
     def destroy(self) -> None:
         if self._dead and self._box is None:
             return
+        with self._bridge_lock:
+            relays, self._relays = self._relays, []
+        for relay in relays:
+            relay.close()
         with self._bridge_lock:
             if self._bridge is not None:
                 self._bridge.close()
@@ -642,7 +667,9 @@ class VmKind:
     """The vm runtime's host-side operations (a :class:`~pytest_boxlite.runtimes.base.RuntimeKind`)."""
 
     name = "vm"
-    capabilities = Capabilities()
+    #: Boxed tests fork per test inside a booted VM (the guest's namespaces, fresh layers; the
+    #: forks reach the host through a relay over the SDK's exec stdio: VmBox.fork_listener).
+    capabilities = Capabilities(fork=True)
 
     def host_facts(self) -> list[tuple[str, str]]:
         """KVM, the boxlite wheel, and whether micro-VMs can boot here (the host probe, milliseconds)."""
