@@ -71,6 +71,7 @@ class ForkRelay:
         self._conns: dict[int, socket.socket] = {}
         self._threads: list[threading.Thread] = []
         self.error: str | None = None
+        self._ready = False  # the guest relay said it listens
         guest_dir = guest_dir or f"/run/boxlite-relay-{secrets.token_hex(8)}"
         self.guest_path = f"{guest_dir}/fork.sock"
         try:
@@ -88,7 +89,7 @@ class ForkRelay:
         self._spawn(self._drain_stderr, "stderr")
         started = threading.Event()
         self._reader = self._spawn(lambda: self._read(started), "reader")
-        if not started.wait(start_timeout) or self.error is not None:
+        if not started.wait(start_timeout) or not self._ready:
             why = self.error or f"no answer within {start_timeout:.0f}s"
             self.close()
             raise RelayError(f"the fork relay did not start in the box: {why}")
@@ -109,6 +110,7 @@ class ForkRelay:
                 if payload is None:
                     return
                 if kind == READY:
+                    self._ready = True
                     started.set()
                 elif kind == OPEN:
                     self._open(cid)
@@ -157,9 +159,9 @@ class ForkRelay:
 
     def _from_host(self, cid: int, conn: socket.socket) -> None:
         """Pump one host connection's bytes to the guest until either end closes it."""
-        conn.settimeout(None)
         while True:
             try:
+                conn.settimeout(None)  # in the loop: a connection dropped meanwhile is closed here
                 data = conn.recv(MAX_PAYLOAD)
             except OSError:
                 data = b""
