@@ -261,3 +261,22 @@ def test_kill9_of_the_session_leaves_no_relay(tmp_path: Path) -> None:
     out = run(proj, home, "--boxlite", "test_ok.py")
     assert "1 passed" in out, out
     assert_nothing_left(out, home)
+
+
+def test_a_guest_kernel_without_user_namespaces_boots_a_box_per_test(tmp_path: Path) -> None:
+    """Where the VM's kernel refuses the forked box's namespaces (the double's guest made to refuse
+    user namespaces), the warm interpreter says so once at start, the run says why in one line,
+    and every boxed test gets a booted box instead: no test fails for it."""
+    proj = project(tmp_path, test_pristine=PRISTINE)
+    home = tmp_path / "home"
+    env = {**double_env(), "BOXLITE_DOUBLE_NO_USERNS": "1"}
+    argv = [sys.executable, "-m", "pytest", *QUIET, "-p", "no:randomly", f"--boxlite-home={home}"]
+    argv += ["--boxlite-runtime=vm", "--boxlite", "-rA", "test_pristine.py"]
+    r = subprocess.run(argv, cwd=proj, env=env, capture_output=True, text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert "3 passed" in out, out
+    notes = [line for line in out.splitlines() if "boxes cannot be forked per test here" in line]
+    assert len(notes) == 1 and "unshare" in notes[0], out
+    booted = stat(out, "booted")
+    assert booted is not None and booted >= 3 and stat(out, "forked") == 0, out
+    assert_nothing_left(out, home)
