@@ -282,7 +282,8 @@ def test_boxed_tests_fork_unless_told_to_boot(make_session: SessionFactory) -> N
 
 def test_a_kernel_that_refuses_the_fork_makes_the_session_boot(make_session: SessionFactory) -> None:
     session = make_session()
-    assert session.fork_boxes and session.fork_refused is None
+    before = (session.fork_boxes, session.fork_refused)
     session.refuse_fork("unshare: no user namespaces")
-    assert not session.fork_boxes
-    assert session.fork_refused == "unshare: no user namespaces"
+    after = (session.fork_boxes, session.fork_refused)
+    assert before == (True, None)
+    assert after == (False, "unshare: no user namespaces")
