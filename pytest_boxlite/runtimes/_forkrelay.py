@@ -21,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import select
 import shutil
 import socket
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import IO
 
@@ -67,7 +69,8 @@ class ForkRelay:
         self.listener = _RelayListener(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.relay = self
         self._closed = False
-        self._lock = threading.Lock()  # frames to the guest, one at a time; the connection table
+        self._lock = threading.Lock()  # the connection table; never held while blocked
+        self._write_lock = threading.Lock()  # frames to the guest, one at a time
         self._conns: dict[int, socket.socket] = {}
         self._threads: list[threading.Thread] = []
         self.error: str | None = None
@@ -79,8 +82,10 @@ class ForkRelay:
             self.listener.listen(MAX_CONNS)
             argv = attach_argv([guest_python, "-I", "-S", "-c", guest.source("relay"), guest_dir])
             self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0
             )
+            assert self._proc.stdin is not None
+            os.set_blocking(self._proc.stdin.fileno(), False)  # writes are bounded: see _send
         except BaseException:
             self.listener.relay = None
             self.listener.close()
@@ -184,13 +189,23 @@ class ForkRelay:
             self._send(_frame(CLOSE, cid))
 
     def _send(self, data: bytes) -> bool:
+        """Write one frame to the guest relay's stdin, bounded by :data:`SEND_TIMEOUT`: a guest
+        that stops reading is ended (it cannot hold a thread, nor :meth:`close`, for ever)."""
         proc = self._proc
         if proc is None or proc.stdin is None:
             return False
-        with self._lock:
+        view = memoryview(data)
+        deadline = time.monotonic() + SEND_TIMEOUT
+        with self._write_lock:
             try:
-                proc.stdin.write(data)
-                proc.stdin.flush()
+                fd = proc.stdin.fileno()
+                while view:
+                    _, ready, _ = select.select([], [fd], [], max(0.0, deadline - time.monotonic()))
+                    if not ready:
+                        self.error = f"the box's fork relay read nothing for {SEND_TIMEOUT:.0f}s"
+                        proc.kill()
+                        return False
+                    view = view[os.write(fd, view) :]
             except (OSError, ValueError):
                 return False
         return True
@@ -235,9 +250,17 @@ class ForkRelay:
         self.listener.close()
         proc = self._proc
         if proc is not None:
-            with contextlib.suppress(OSError, ValueError):
-                assert proc.stdin is not None
-                proc.stdin.close()  # the relay's cue to end
+            # The descriptor is closed only with no frame half-written to it (nor its number reused
+            # under a writer): a writer stuck on a guest that reads nothing ends once it is killed.
+            if not self._write_lock.acquire(timeout=JOIN_TIMEOUT):
+                proc.kill()
+                self._write_lock.acquire()
+            try:
+                with contextlib.suppress(OSError, ValueError):
+                    assert proc.stdin is not None
+                    proc.stdin.close()  # the relay's cue to end
+            finally:
+                self._write_lock.release()
             try:
                 proc.wait(JOIN_TIMEOUT)
             except subprocess.TimeoutExpired:
@@ -273,8 +296,12 @@ def _frame(kind: int, cid: int, payload: bytes = b"") -> bytes:
 
 
 def _read_exact(stream: IO[bytes], n: int) -> bytes | None:
-    """``n`` bytes from ``stream``, or ``None`` at its end (a partial frame included)."""
-    data = stream.read(n)
-    if data is None or len(data) < n:
-        return None
+    """``n`` bytes from ``stream`` (unbuffered: reads may be short), or ``None`` at its end (a
+    partial frame included)."""
+    data = b""
+    while len(data) < n:
+        chunk = stream.read(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
     return data

@@ -7,6 +7,7 @@ drop what names no connection it knows, refuse connections over the cap, and end
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from pytest_boxlite.guest.relay import CLOSE, DATA, HEADER, MAX_CONNS, MAX_PAYLOAD, OPEN, READY
+from pytest_boxlite.runtimes import _forkrelay as forkrelay
 from pytest_boxlite.runtimes._forkrelay import ForkRelay, RelayError
 
 pytestmark = pytest.mark.timeout(60)
@@ -209,3 +211,29 @@ def test_closing_the_listener_ends_the_relay(tmp_path: Path) -> None:
 def test_header_layout_is_what_the_guest_writes() -> None:
     # One layout on both ends: 1-byte kind, 4-byte id, 4-byte length, big-endian.
     assert HEADER.size == 9 and struct.pack(">BII", DATA, 1, 2) == frame(DATA, 1, length=2)
+
+
+#: A fake guest relay that says it listens, opens one connection, then never reads its stdin.
+DEAF_GUEST = """
+import sys, time
+sys.stdout.buffer.write(bytes.fromhex(sys.argv[1])); sys.stdout.buffer.flush()
+time.sleep(60)
+"""
+
+
+def test_a_guest_that_reads_nothing_is_ended_in_bounded_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forkrelay, "SEND_TIMEOUT", 1.0)
+    frames = frame(READY, 0) + frame(OPEN, 1)
+    relay = ForkRelay(lambda argv: [sys.executable, "-c", DEAF_GUEST, frames.hex()], "python3")
+    try:
+        host, _ = relay.listener.accept()
+        host.settimeout(10)
+        with contextlib.suppress(OSError):  # the relay may hang up on us while we still send
+            host.sendall(b"x" * (4 << 20))  # far more than a pipe holds
+        assert wait_for(lambda: relay.error is not None), "a relay stuck on a deaf guest"
+        assert "read nothing" in str(relay.error)
+        host.close()
+    finally:
+        start = time.monotonic()
+        relay.close()
+        assert time.monotonic() - start < 10
