@@ -402,7 +402,8 @@ def _fresh_box(hostname, network, renew_all=False):
                 open(held, "w").close()
             _mount(libc, m, held, None, _MS_BIND, None)
     if renew_all:
-        plain_root = _renew_plain(libc, stage, private + ("/workspace",))
+        # Root here is root of the VM's kernel (clone_box's real_root): it can pivot into an overlay of /.
+        plain_root = _renew_plain(libc, stage, private + ("/workspace",), pivot=uid == 0)
     for i, m in enumerate(overlays):
         if m not in hidden:
             _overlay(libc, m, m, stage, i)
@@ -477,15 +478,22 @@ def _mount_table():
     return out
 
 
-def _renew_plain(libc, stage, private):
+#: pivot_root(2)'s number (glibc has no wrapper), where this file knows it.
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203}
+_MNT_DETACH = 2
+
+
+def _renew_plain(libc, stage, private, pivot=False):
     """Renew what is writable in the box but no overlay (a VM's disk, its writable volumes).
 
     Each writable mount that is no overlay, no mask on one and not in ``private`` (renewed as new
-    tmpfs anyway), and each directory directly in / when / itself is such a mount, gets an overlay
-    of itself with an empty upper layer in ``stage``; a file mount gets a copy.  Mounts beneath
-    one are held and laid back on top of its overlay (an overlay shows only its lower directory).
-    Returns the flags of / when it is writable and no overlay (to be made read-only by the caller:
-    a file created directly in / would outlive the box), else ``None``.
+    tmpfs anyway) gets an overlay of itself with an empty upper layer in ``stage``; a file mount
+    gets a copy.  Mounts beneath one are held and laid back on top of its overlay (an overlay
+    shows only its lower directory).  When / itself is such a mount: with ``pivot`` (root of the
+    VM's kernel, whose mounts are not locked), the box moves into an overlay of / (see
+    :func:`_pivot_into_overlay`) and ``None`` is returned; without, each directory directly in /
+    gets an overlay and the flags of / are returned, for the caller to make / read-only (a file
+    created directly in / would outlive the box).
     """
     table = _mount_table()
     top = {}
@@ -503,7 +511,9 @@ def _renew_plain(libc, stage, private):
     ]
     root_flags = None
     fs, opts = top.get("/", ("", ()))
-    if fs != "overlay" and "rw" in opts:
+    root_plain = fs != "overlay" and "rw" in opts
+    pivot = pivot and root_plain and os.uname().machine in _SYS_PIVOT_ROOT
+    if root_plain and not pivot:
         root_flags = 0
         for opt in opts:
             root_flags |= _FLAG_OF.get(opt, 0)
@@ -537,7 +547,36 @@ def _renew_plain(libc, stage, private):
             continue  # a socket, a device: nothing a test writes into
         for i, m in enumerate(held):
             _mount(libc, "%s/hold%d" % (work, n - len(held) + i), m, None, _MS_BIND | _MS_REC, None)
+    if pivot:
+        _pivot_into_overlay(libc, work, list(top), n + 1)
     return root_flags
+
+
+def _pivot_into_overlay(libc, work, points, n):
+    """Make an overlay of / (empty upper layer) the box's root, every mount laid in it in place.
+
+    An overlay of / shows only the root file system, so each mount tree on it (``points``: every
+    mount point of the box, renewed ones included) is bound whole into the same place in the new
+    root; then pivot_root(".", ".") stacks the old root on the new one and detaching it leaves the
+    new one alone.  The working directory is taken along (the same path, in the new root).
+    """
+    import ctypes
+
+    new = "%s/root" % work
+    os.mkdir(new)
+    _overlay(libc, "/", new, work, n)
+    firsts = [m for m in points if m != "/" and not any(_under(m, o) for o in points if o != "/")]
+    # The tree that holds the new root itself goes first, while the new root has no mounts yet:
+    # its copy then carries one bare copy of it, not of every tree bound after.
+    for m in sorted(firsts, key=lambda p: (not _under(new, p), p)):
+        _mount(libc, m, new + m, None, _MS_BIND | _MS_REC, None)
+    cwd = os.getcwd()
+    os.chdir(new)
+    number = ctypes.c_long(_SYS_PIVOT_ROOT[os.uname().machine])
+    check_libc(0 if libc.syscall(number, b".", b".") == 0 else -1, "pivot_root")  # noqa: F821 - caps.py
+    check_libc(libc.umount2(b".", _MNT_DETACH), "detaching the old root")  # noqa: F821 - caps.py
+    os.chdir("/")
+    os.chdir(cwd)
 
 
 def fork_refused():

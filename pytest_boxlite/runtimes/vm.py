@@ -22,6 +22,18 @@ the rootdir fails with EROFS.  A copy-on-write view would need an overlay
 mounted inside the guest, which needs privileges the container may not have;
 that is unverified, so it is not attempted.
 
+Boxed tests fork per test inside a VM booted once per worker (``--boxlite-fresh=fork``, the
+default): the warm interpreter in the guest forks each test's box (new mount, pid, uts, ipc and
+network namespaces, a pristine overlay of / and of every writable mount, the test process one
+user namespace further down; ``guest/fresh.py``), and the forked box's connection reaches the
+host through a relay command over the SDK's exec stdio (:meth:`VmBox.fork_listener`).  Tests of
+one worker then share the VM's kernel; ``--boxlite-fresh=boot`` gives each test a VM (and a
+kernel) of its own.  Where the guest kernel refuses the namespaces, the warm interpreter says so
+at start and every test gets a booted VM.  Unverified on a real VM: user namespaces in libkrun's
+kernel (probed), overlayfs with a tmpfs upper layer (``userxattr``) over the guest's root file
+system and virtio-fs volumes, pivot_root in BoxLite's container, and the relay's latency over
+real exec streams.
+
 Still to confirm on a host that boots VMs (none here can): whether the OCI
 runtime creates a missing working directory (#13: sidestepped, the box gets
 ``mkdir -p /workspace`` from ``/`` once it is up), whether an oversized
