@@ -190,6 +190,9 @@ def boxed_side_by_side(n: int, rounds: int, work: Path) -> None:
         print(f"{label:28}{med * 1000:>9.1f} ms{med / ns:>13.2f}x   {counts.get(label, '?')}")
     ratio = statistics.median(overhead["vm (fork)"]) / ns
     print(f"vm (fork) / namespace = {ratio:.2f}x (goal <= 1.5x): {'holds' if ratio <= 1.5 else 'MISSED'}")
+    # Each round's pair ran back to back: their ratios show how much of the spread is the machine's.
+    per_round = [v / n_ for v, n_ in zip(overhead["vm (fork)"], overhead[SIDE_BY_SIDE[0][0]], strict=True)]
+    print(f"per-round vm (fork) / namespace: {', '.join(f'{x:.2f}x' for x in per_round)}")
 
 
 def main() -> int:
