@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/bench_vm.py [--repeat N] [--tests N]
+    python benchmarks/bench_vm.py --boxed-only [--tests N] [--rounds N]
 
 Where no micro-VM boots (this project's machines), ``vm`` here is the vm
 runtime's real code (SDK calls, exec streams, base64 file transfers, the stdio
@@ -16,6 +17,14 @@ micro-VM's.  For each runtime it prints, as p50 over ``--repeat`` runs:
 * 1 MiB and 20 MiB ``write_bytes`` + ``read_bytes`` round trips (sha256-checked);
 * boxed-test overhead: ``--tests`` trivial tests with ``--boxlite`` minus the
   same run without it, per test (real pytest sub-runs).
+
+Then, side by side and interleaved in one run (medians over ``--rounds``), the boxed-test
+overhead per test of: namespace (a box forked per test), vm with the default
+``--boxlite-fresh=fork`` (a box forked per test inside a VM booted once per worker, its
+connection carried by the fork relay over the SDK's exec stdio) and vm with
+``--boxlite-fresh=boot`` (a VM booted per test), with the ratio of each to namespace (issue 15's
+vm goal: fork <= 1.5x namespace) and the boots and forks each run reported.  ``--boxed-only``
+prints only this table.
 
 The table goes to stdout, progress to stderr; every box is destroyed and the
 temporary home removed.
@@ -126,14 +135,79 @@ def boxed_overhead(kind: str, n: int, work: Path) -> float:
     return (boxed - local) / n
 
 
+#: The side-by-side configurations: label, runtime, extra arguments of the boxed run.
+SIDE_BY_SIDE = (
+    ("namespace (fork)", "namespace", ["--boxlite"]),
+    ("vm (fork)", "vm", ["--boxlite"]),
+    ("vm (--boxlite-fresh=boot)", "vm", ["--boxlite", "--boxlite-fresh=boot"]),
+)
+
+
+def sub_env(kind: str) -> dict[str, str]:
+    """A sub-run's environment: on vm where no VM boots, every Python process uses the SDK double."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    if kind == "vm" and not probe().vm_ok:
+        site = ROOT / "tests" / "sdk_double" / "site"
+        env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(site)]), BOXLITE_SDK_DOUBLE="1")
+    return env
+
+
+def boxed_side_by_side(n: int, rounds: int, work: Path) -> None:
+    """Print the per-test overhead of each :data:`SIDE_BY_SIDE` configuration, interleaved."""
+    proj = work / "proj-side-by-side"
+    proj.mkdir()
+    (proj / "test_t.py").write_text(f"import pytest\n@pytest.mark.parametrize('i', range({n}))\ndef test_t(i): pass\n")
+    overhead: dict[str, list[float]] = {label: [] for label, _, _ in SIDE_BY_SIDE}
+    counts: dict[str, str] = {}
+    for r in range(rounds):
+        for label, kind, extra in SIDE_BY_SIDE:
+            base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
+            base += ["-p", "no:randomly", f"--boxlite-home={work / ('home-sbs-' + kind)}", f"--boxlite-runtime={kind}"]
+            times = []
+            for args in ([], extra):  # the same environment without and with boxes
+                t = time.perf_counter()
+                p = subprocess.run(
+                    [*base, *args, "test_t.py"],
+                    cwd=proj,
+                    env=sub_env(kind),
+                    capture_output=True,
+                    text=True,
+                    timeout=1800,
+                )
+                times.append(time.perf_counter() - t)
+                if p.returncode != 0 or f"{n} passed" not in p.stdout:
+                    raise RuntimeError(f"{label}: sub-run failed:\n{p.stdout[-3000:]}{p.stderr[-2000:]}")
+                for line in p.stdout.splitlines():
+                    if line.startswith("boxes booted "):
+                        counts[label] = ", ".join(line.split(", ")[:2]).split(" (")[0]
+            overhead[label].append((times[1] - times[0]) / n)
+            log(f"round {r + 1}/{rounds}: {label}: {overhead[label][-1] * 1000:.1f} ms per test")
+    ns = statistics.median(overhead[SIDE_BY_SIDE[0][0]])
+    print(f"\nboxed-test overhead per test, {n} trivial tests, median of {rounds} interleaved rounds:")
+    print(f"{'':28}{'per test':>12}{'vs namespace':>14}   boxes")
+    for label, _, _ in SIDE_BY_SIDE:
+        med = statistics.median(overhead[label])
+        print(f"{label:28}{med * 1000:>9.1f} ms{med / ns:>13.2f}x   {counts.get(label, '?')}")
+    ratio = statistics.median(overhead["vm (fork)"]) / ns
+    print(f"vm (fork) / namespace = {ratio:.2f}x (goal <= 1.5x): {'holds' if ratio <= 1.5 else 'MISSED'}")
+    # Each round's pair ran back to back: their ratios show how much of the spread is the machine's.
+    per_round = [v / n_ for v, n_ in zip(overhead["vm (fork)"], overhead[SIDE_BY_SIDE[0][0]], strict=True)]
+    print(f"per-round vm (fork) / namespace: {', '.join(f'{x:.2f}x' for x in per_round)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--tests", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the side-by-side table")
+    ap.add_argument("--boxed-only", action="store_true", help="only the side-by-side boxed-test table")
     args = ap.parse_args()
     rows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-vm-") as tmp:
         work = Path(tmp)
+        if args.boxed_only:
+            boxed_side_by_side(args.tests, args.rounds, work)
+            return 0
         for kind in ("namespace", "vm"):
             res = bench_runtime(kind, work / f"rt-{kind}", args.repeat)
             label = str(res.pop("label"))
@@ -145,6 +219,8 @@ def main() -> int:
     print(f"{'':22}" + "".join(f"{lab:>20}" for lab in labels))
     for k in keys:
         print(f"{k:22}" + "".join(f"{rows[lab][k] * 1000:>17.1f} ms" for lab in labels))
+    with tempfile.TemporaryDirectory(prefix="bench-vm-") as tmp:
+        boxed_side_by_side(args.tests, args.rounds, Path(tmp))
     return 0
 
 

@@ -103,17 +103,31 @@ class BoxliteSession:
         self.cwd = Path.cwd()
         #: What a test worker must see at the same paths as the host.
         self.worker_mounts = worker_mounts
+        #: Why boxed tests cannot be forked after all (the guest kernel said so), or ``None``.
+        self.fork_refused: str | None = None
 
     @property
     def fork_boxes(self) -> bool:
         """Boxed tests get boxes forked from a warm interpreter (runtimes that can fork): one per
         test, or one per module with ``--boxlite-scope=module``.
 
-        Kept boxes (``--boxlite-keep``) must outlive the run, which a fork cannot: then tests get
-        booted boxes of their own instead.
+        Kept boxes (``--boxlite-keep``) must outlive the run, which a fork cannot, and
+        ``--boxlite-fresh=boot`` asks for a box booted per test (on vm: a VM, so a kernel, per
+        test): then tests get booted boxes of their own instead.  So does a session whose warm
+        interpreter found that its kernel refuses the fork's namespaces (:meth:`refuse_fork`).
         """
         s = self.settings
-        return self.choice.capabilities.fork and s.scope in ("test", "module") and not s.keep
+        return (
+            self.choice.capabilities.fork
+            and s.scope in ("test", "module")
+            and not s.keep
+            and s.fresh == "fork"
+            and self.fork_refused is None
+        )
+
+    def refuse_fork(self, why: str) -> None:
+        """The boxes' kernel refuses the per-test fork's namespaces: boot a box per test from now on."""
+        self.fork_refused = why
 
     @property
     def default_worker_spec(self) -> BoxSpec:

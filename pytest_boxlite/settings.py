@@ -154,6 +154,15 @@ OPTIONS: tuple[Option, ...] = (
         "test|module|worker",
     ),
     Option(
+        "fresh",
+        _choice("fork", "boot"),
+        lambda: "fork",
+        "how a boxed test's fresh box is made: fork (default: forked in a box booted once per worker; on vm "
+        "the tests of a worker share one VM kernel) or boot (a box booted per test; on vm a whole VM per test: "
+        "kernel isolation between tests, at a boot's price)",
+        "fork|boot",
+    ),
+    Option(
         "setup",
         _nonempty,
         lambda: None,
@@ -220,6 +229,7 @@ class Settings:
     url: str | None = None
     credential_file: str | None = None
     env_deny: tuple[str, ...] = DEFAULT_ENV_DENY
+    fresh: str = "fork"
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
 

@@ -49,6 +49,7 @@ LAYERS: dict[str, tuple[str, str, list[str], Any, Any, Any]] = {
     "memory": ("256", "512", ["--boxlite-memory", "768"], 256, 512, 768),
     "keep": ("true", "no", ["--boxlite-keep"], True, False, True),
     "scope": ("module", "test", ["--boxlite-scope", "module"], "module", "test", "module"),
+    "fresh": ("boot", "fork", ["--boxlite-fresh", "boot"], "boot", "fork", "boot"),
     "boot_timeout": ("31", "32", ["--boxlite-boot-timeout", "33"], 31.0, 32.0, 33.0),
     "lease_timeout": ("41", "42", ["--boxlite-lease-timeout", "43"], 41.0, 42.0, 43.0),
 }
@@ -171,6 +172,7 @@ BAD_VALUES = [
     ("memory", "10", "must be at least 64"),
     ("keep", "perhaps", "must be one of 1/0, true/false"),
     ("scope", "class", "must be one of: test, module"),
+    ("fresh", "clone", "must be one of: fork, boot"),
     ("lease_timeout", "-5", "must be a number of seconds > 0"),
 ]
 SOURCES = ["ini", "env", "cli"]

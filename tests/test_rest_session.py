@@ -33,7 +33,8 @@ BOXED = textwrap.dedent(
     import pytest
 
     def in_remote_box():
-        return os.environ.get("PYTEST_BOXLITE_GUEST") == "1" and os.path.isdir("/run/boxlite-double")
+        # Not /run/boxlite-double: a box forked per test has a /run of its own.
+        return os.environ.get("PYTEST_BOXLITE_GUEST") == "1" and os.uname().nodename != HOST_NODENAME
 
     @pytest.mark.boxlite
     def test_boxed_passes():
@@ -78,7 +79,7 @@ def _cli(home: Path, url: str, *args: str, **env: str) -> subprocess.CompletedPr
 def test_boxed_suite_on_a_remote_server(server: ServerProcess, tmp_path: Path) -> None:
     proj = tmp_path / "proj"
     proj.mkdir()
-    (proj / "test_boxed.py").write_text(BOXED)
+    (proj / "test_boxed.py").write_text(BOXED.replace("HOST_NODENAME", repr(os.uname().nodename)))
     home = tmp_path / "home"
     xml = tmp_path / "report.xml"
     argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", f"--boxlite-url={server.url}"]

@@ -11,6 +11,7 @@ reaches these files only through :func:`path` and :func:`source`.
 - ``files``: the file-operation helper behind :class:`~pytest_boxlite.sandbox.Sandbox`.
 - ``agent``: the in-box agent of a namespace box (pid 2 under bwrap).
 - ``attach``: the host-side stdio bridge into a box (namespace agent or VM bridge).
+- ``relay``: the guest end of a VM's fork relay (forked boxes' connections over one command's stdio).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import functools
 from pathlib import Path
 
 _HERE = Path(__file__).parent
-NAMES = ("messages", "worker", "caps", "fresh", "files", "agent", "attach")
+NAMES = ("messages", "worker", "caps", "fresh", "files", "agent", "attach", "relay")
 
 
 def path(name: str) -> Path:

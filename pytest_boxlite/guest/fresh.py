@@ -225,7 +225,7 @@ def box_flags(network):
     return flags
 
 
-def clone_box(network, mapper=None):
+def clone_box(network, mapper=None, real_root=False):
     """``os.fork()`` into a fresh box's new namespaces: the child's pid in the parent; 0 in the
     child, which is pid 1 of its new pid namespace with its ids mapped (root: through ``mapper``,
     an :class:`IdMapper` the parent serves; anyone else maps their own).
@@ -237,10 +237,17 @@ def clone_box(network, mapper=None):
     interpreter that has started threads of its own (see :data:`_KNOWN_THREADS`).
     """
     flags = box_flags(network)
+    if real_root:
+        # A VM's root makes the box's layers as root of its own kernel, in no new user namespace:
+        # mounts of a new user namespace's are locked, and an overlay cannot take a directory
+        # with locked mounts beneath it (its disk's /etc with the runtime's /etc/hosts) as its
+        # lower layer.  The test process still moves one user namespace down
+        # (enter_test_namespaces), so every layer is locked beneath the test all the same.
+        flags &= ~_CLONE_NEWUSER
     uid, gid = os.geteuid(), os.getegid()
     number = _SYS_CLONE.get(os.uname().machine)
     if number is None or not _only_known_threads():
-        return _clone_box_by_forks(flags, mapper)
+        return _clone_box_by_forks(flags, mapper, real_root)
     api = ctypes.pythonapi
     api.PyOS_BeforeFork()
     pid = _SYSCALL(number, flags | _SIGCHLD, 0, 0, 0, 0)
@@ -253,7 +260,10 @@ def clone_box(network, mapper=None):
             mapper.born_in_namespace = True
         return pid
     api.PyOS_AfterFork_Child()
-    _or_exit(_in_new_box, uid, gid, mapper)
+    if real_root:
+        _or_exit(_die_with_parent)
+    else:
+        _or_exit(_in_new_box, uid, gid, mapper)
     return 0
 
 
@@ -291,7 +301,7 @@ def _in_new_box(uid, gid, mapper, flags=None):
         mapper.request(_LIBC, None if flags is None else flags & ~_CLONE_NEWUSER)
 
 
-def _clone_box_by_forks(flags, mapper):
+def _clone_box_by_forks(flags, mapper, real_root=False):
     """:func:`clone_box` where this module knows no clone(2) number: fork, unshare, fork pid 1.
 
     The process in between waits for pid 1 and exits as it exits (a signal that killed pid 1 kills
@@ -305,7 +315,11 @@ def _clone_box_by_forks(flags, mapper):
     try:
         import signal
 
-        _in_new_box(uid, gid, mapper, flags)
+        if real_root:
+            _die_with_parent()
+            check_libc(_LIBC.unshare(flags), "unshare")  # noqa: F821 - caps.py
+        else:
+            _in_new_box(uid, gid, mapper, flags)
         child = os.fork()
         if child == 0:
             _or_exit(_die_with_parent)
@@ -349,13 +363,16 @@ def _under(path, top):
     return path.startswith(top.rstrip("/") + "/")
 
 
-def _fresh_box(hostname, network):
+def _fresh_box(hostname, network, renew_all=False):
     """In pid 1 of a box made by :func:`clone_box`: pristine writable layers, /proc, hostname.
 
     Every overlay gets a new, empty upper layer.  The masks the box had on top of its overlays
     (credential directories, the boxes' state) are laid again on top of the new layers, and
     /tmp, /workspace, /dev/shm and /run are new tmpfs.  Anyone but root ends with no capability
     (root's test process moves one user namespace down instead: :func:`enter_test_namespaces`).
+
+    ``renew_all`` (a VM: its root is a disk, its volumes virtio-fs, no overlays): every other
+    writable directory is renewed too (:func:`_renew_plain`) and the root itself made read-only.
     """
     libc = _libc()
     uid, gid = os.geteuid(), os.getegid()
@@ -384,6 +401,9 @@ def _fresh_box(hostname, network):
             else:
                 open(held, "w").close()
             _mount(libc, m, held, None, _MS_BIND, None)
+    if renew_all:
+        # Root here is root of the VM's kernel (clone_box's real_root): it can pivot into an overlay of /.
+        plain_root = _renew_plain(libc, stage, private + ("/workspace",), pivot=uid == 0)
     for i, m in enumerate(overlays):
         if m not in hidden:
             _overlay(libc, m, m, stage, i)
@@ -400,6 +420,11 @@ def _fresh_box(hostname, network):
         _overlay(libc, "%s/keep%d" % (stage, i), m, stage, len(overlays) + i)
     # Last, a new /run: it hides the staging area and the template's control directory.
     _mount(libc, "tmpfs", "/run", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+    if renew_all and plain_root is not None:
+        # What the box would write directly in / would reach the next box (the directories in it
+        # are renewed, / itself cannot be): / is read-only, with the flags it had (locked ones
+        # cannot be dropped in this user namespace).
+        _mount(libc, None, "/", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | plain_root, None)
     import socket
 
     _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
@@ -419,6 +444,171 @@ def _fresh_box(hostname, network):
         os.setresuid(uid, uid, uid)
         # Anyone but root keeps no capability, as locally.
         limit_caps(libc, ())  # noqa: F821 - from guest/caps.py, sent ahead of this file
+
+
+#: File systems that hold no one's files (the kernel's views): never renewed.
+_VIRTUAL = frozenset(
+    (
+        "proc", "sysfs", "devtmpfs", "devpts", "mqueue", "cgroup", "cgroup2", "securityfs", "debugfs",
+        "tracefs", "bpf", "pstore", "hugetlbfs", "fusectl", "configfs", "binfmt_misc", "efivarfs",
+        "autofs", "nsfs",
+    )
+)  # fmt: skip
+#: Per-mount options as mount(2) flags, to remount with the flags a mount already has.
+_FLAG_OF = {
+    "ro": _MS_RDONLY,
+    "nosuid": _MS_NOSUID,
+    "nodev": _MS_NODEV,
+    "noexec": _MS_NOEXEC,
+    "noatime": 1024,
+    "nodiratime": 2048,
+    "relatime": 1 << 21,
+    "strictatime": 1 << 24,
+}
+
+
+def _mount_table():
+    """``(mount point, fstype, per-mount options)`` of every mount this process sees, in mount order."""
+    out = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            f = line.split()
+            point = f[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+            out.append((point, f[f.index("-") + 1], f[5].split(",")))
+    return out
+
+
+#: pivot_root(2)'s number (glibc has no wrapper), where this file knows it.
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203}
+_MNT_DETACH = 2
+
+
+def _renew_plain(libc, stage, private, pivot=False):
+    """Renew what is writable in the box but no overlay (a VM's disk, its writable volumes).
+
+    Each writable mount that is no overlay, no mask on one and not in ``private`` (renewed as new
+    tmpfs anyway) gets an overlay of itself with an empty upper layer in ``stage``; a file mount
+    gets a copy.  Mounts beneath one are held and laid back on top of its overlay (an overlay
+    shows only its lower directory).  When / itself is such a mount: with ``pivot`` (root of the
+    VM's kernel, whose mounts are not locked), the box moves into an overlay of / (see
+    :func:`_pivot_into_overlay`) and ``None`` is returned; without, each directory directly in /
+    gets an overlay and the flags of / are returned, for the caller to make / read-only (a file
+    created directly in / would outlive the box).
+    """
+    table = _mount_table()
+    top = {}
+    for m, fs, opts in table:
+        top[m] = (fs, opts)  # the last mount on a point is the one seen
+    overlays = [m for m, (fs, _) in top.items() if fs == "overlay"]
+
+    def skipped(m):
+        return any(m == p or _under(m, p) for p in private) or any(_under(m, o) for o in overlays)
+
+    targets = [
+        m
+        for m, (fs, opts) in top.items()
+        if m != "/" and fs != "overlay" and fs not in _VIRTUAL and "rw" in opts and not skipped(m)
+    ]
+    root_flags = None
+    fs, opts = top.get("/", ("", ()))
+    root_plain = fs != "overlay" and "rw" in opts
+    pivot = pivot and root_plain and os.uname().machine in _SYS_PIVOT_ROOT
+    if root_plain and not pivot:
+        root_flags = 0
+        for opt in opts:
+            root_flags |= _FLAG_OF.get(opt, 0)
+        for name in os.listdir("/"):
+            m = "/" + name
+            if m not in top and not skipped(m) and os.path.isdir(m) and not os.path.islink(m):
+                targets.append(m)
+    work = stage + "/plain"
+    os.mkdir(work)
+    n = 0
+    for target in sorted(targets, key=lambda p: (p.count("/"), p)):
+        beneath = [m for m in top if _under(m, target)]
+        held = [m for m in beneath if not any(_under(m, o) for o in beneath)]
+        for m in held:
+            n += 1
+            keep = "%s/hold%d" % (work, n)
+            if os.path.isdir(m):
+                os.mkdir(keep)
+            else:
+                open(keep, "w").close()
+            _mount(libc, m, keep, None, _MS_BIND | _MS_REC, None)
+        n += 1
+        if os.path.isdir(target):
+            _overlay(libc, target, target, work, n)
+        elif os.path.isfile(target):
+            copy = "%s/file%d" % (work, n)
+            with open(target, "rb") as src, open(copy, "wb") as dst:
+                dst.write(src.read())
+            _mount(libc, copy, target, None, _MS_BIND, None)
+        else:
+            continue  # a socket, a device: nothing a test writes into
+        for i, m in enumerate(held):
+            _mount(libc, "%s/hold%d" % (work, n - len(held) + i), m, None, _MS_BIND | _MS_REC, None)
+    if pivot:
+        _pivot_into_overlay(libc, work, list(top), n + 1)
+    return root_flags
+
+
+def _pivot_into_overlay(libc, work, points, n):
+    """Make an overlay of / (empty upper layer) the box's root, every mount laid in it in place.
+
+    An overlay of / shows only the root file system, so each mount tree on it (``points``: every
+    mount point of the box, renewed ones included) is bound whole into the same place in the new
+    root; then pivot_root(".", ".") stacks the old root on the new one and detaching it leaves the
+    new one alone.  The working directory is taken along (the same path, in the new root).
+    """
+    import ctypes
+
+    new = "%s/root" % work
+    os.mkdir(new)
+    _overlay(libc, "/", new, work, n)
+    firsts = [m for m in points if m != "/" and not any(_under(m, o) for o in points if o != "/")]
+    # The tree that holds the new root itself goes first, while the new root has no mounts yet:
+    # its copy then carries one bare copy of it, not of every tree bound after.
+    for m in sorted(firsts, key=lambda p: (not _under(new, p), p)):
+        _mount(libc, m, new + m, None, _MS_BIND | _MS_REC, None)
+    cwd = os.getcwd()
+    os.chdir(new)
+    number = ctypes.c_long(_SYS_PIVOT_ROOT[os.uname().machine])
+    check_libc(0 if libc.syscall(number, b".", b".") == 0 else -1, "pivot_root")  # noqa: F821 - caps.py
+    check_libc(libc.umount2(b".", _MNT_DETACH), "detaching the old root")  # noqa: F821 - caps.py
+    os.chdir("/")
+    os.chdir(cwd)
+
+
+def fork_refused():
+    """Why this kernel refuses a fresh box's namespaces (asked in a child that tries them and a
+    tmpfs in them), or ``None``.  Bounded: the child is killed after 10 s."""
+    import select
+    import signal
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        why = b""
+        try:
+            flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID | _CLONE_NEWNET
+            check_libc(_LIBC.unshare(flags), "unshare of the fresh box's namespaces")  # noqa: F821 - caps.py
+            _mount(_LIBC, "tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700")
+        except BaseException as exc:
+            why = str(exc).encode()[:500] or repr(exc).encode()[:500]
+        os.write(w, why)
+        os._exit(0)
+    os.close(w)
+    try:
+        ready, _, _ = select.select([r], [], [], 10.0)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            return "the probe of the fresh box's namespaces did not answer within 10 s"
+        why = os.read(r, 1000).decode("utf-8", "replace")
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    return why or None
 
 
 def _loopback_up():

@@ -232,6 +232,10 @@ def serve(channel):
             if entry.endswith(("site-packages", "dist-packages")) and os.path.isdir(entry):
                 site.addsitedir(entry)
     os.environ.update(cfg["env"])
+    # Asked once, before pytest is imported (a fork is cheapest now): can this kernel make the
+    # per-test box's namespaces?  A VM's kernel may lack user namespaces; the host then boots a
+    # box per test instead of failing every test.
+    fork_problem = fork_refused() if cfg.get("probe_fork") else None  # noqa: F821 - guest/fresh.py
     import json
     import socket
 
@@ -305,7 +309,10 @@ def serve(channel):
         def pytest_runtestloop(self, session):
             self.session = session
             self._watch_cache(session.config)
-            channel.send((READY, {"pid": os.getpid(), "collected": len(self.items)}))  # noqa: F821
+            ready = {"pid": os.getpid(), "collected": len(self.items)}
+            if fork_problem is not None:
+                ready["fork_problem"] = fork_problem
+            channel.send((READY, ready))  # noqa: F821
             while True:
                 msg = channel.receive()
                 if msg is None:
@@ -403,9 +410,12 @@ def serve(channel):
                     live.close()
             self._send_side_data(since)
 
-        def fork(self, nodeid, token, sock, hostname, network):
+        def fork(self, nodeid, token, sock, hostname, network, renew_all=False):
             """Fork a fresh box for ``nodeid`` (collected here first, so the box inherits it) that
-            runs each ``RUN`` the host sends on its stream (one, or a module's), until the stream ends."""
+            runs each ``RUN`` the host sends on its stream (one, or a module's), until the stream ends.
+
+            ``renew_all``: the box is a VM, whose writable directories are no overlays (see
+            ``_fresh_box``)."""
             # Reap boxes that have ended, and tell the host which (in FORKED): it then needs no
             # round trip per box to learn that a box it is done with has gone.
             ended = []
@@ -420,9 +430,11 @@ def serve(channel):
                 channel.send((ERROR, {"text": error}))  # noqa: F821
                 return
             # Root's fresh box maps every id into its new user namespace: this process writes the maps.
-            mapper = IdMapper() if os.geteuid() == 0 else None  # noqa: F821 - guest/fresh.py
+            # On a VM (renew_all) root forks the box as root of the VM's kernel: no maps to write.
+            real_root = bool(renew_all) and os.geteuid() == 0
+            mapper = IdMapper() if os.geteuid() == 0 and not real_root else None  # noqa: F821 - guest/fresh.py
             try:
-                pid = clone_box(network, mapper)  # noqa: F821 - guest/fresh.py
+                pid = clone_box(network, mapper, real_root) if real_root else clone_box(network, mapper)  # noqa: F821
             except OSError as exc:
                 if mapper is not None:
                     mapper.close_parent_side()
@@ -444,7 +456,7 @@ def serve(channel):
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.connect(sock)
                 _cut_channel(channel)
-                _fresh_box(hostname, network)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
+                _fresh_box(hostname, network, renew_all)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
                 nested = IdMapper() if os.geteuid() == 0 else None  # noqa: F821 - guest/fresh.py
                 test = os.fork()
                 if test:

@@ -104,7 +104,12 @@ class BoxedExecutor:
         lease: Lease | None = None
         box_name = ""
         try:
-            lease = self._fork_parent(plan) if self.session.fork_boxes else self._lease(module, plan)
+            if self.session.fork_boxes:
+                lease = self._fork_parent(plan)
+                if self._fork_refused(plan, lease):
+                    lease = self._lease(module, plan)
+            else:
+                lease = self._lease(module, plan)
         except BoxliteError as exc:
             out = reports.failed_phase(item, "setup", self._lease_error(item, str(exc)), None, 0.0)
         else:
@@ -216,6 +221,21 @@ class BoxedExecutor:
             lease = pool.lease(plan.spec)
         self._fork_parents[plan.spec] = lease
         return lease
+
+    def _fork_refused(self, plan: BoxPlan, lease: Lease) -> bool:
+        """Whether the fork parent's kernel refused the fresh box's namespaces (a VM kernel without
+        user namespaces): then the session boots a box per test from now on, saying so once."""
+        why = self.runner.fork_problems.get(lease.handle.name)
+        if why is None:
+            return False
+        self.session.refuse_fork(why)
+        self._fork_parents.pop(plan.spec, None)
+        lease.release()
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.ensure_newline()
+            tr.write_line(f"boxlite: boxes cannot be forked per test here ({why}): each boxed test boots a box")
+        return True
 
     def _waiting_for(self) -> str:
         if self.session.settings.setup:

@@ -170,6 +170,8 @@ class RemoteRunner:
         #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
         self.forks = 0
         self.fork_waits: list[float] = []
+        #: Why a box's warm interpreter cannot fork fresh boxes (its kernel refuses the namespaces).
+        self.fork_problems: dict[str, str] = {}
         self._status_tmp = tempfile.TemporaryDirectory(prefix="boxlite-status-")
         self.status_dir = Path(self._status_tmp.name)
 
@@ -201,6 +203,9 @@ class RemoteRunner:
                     "resolved": resolved_options(self.config),
                     "prefix": sys.prefix,
                     "xdist": xdist_identity(self.config),
+                    # A VM's kernel is not the host's: whether it can make a forked box's
+                    # namespaces is asked once, at start (the host's own was checked already).
+                    "probe_fork": handle.fork_renews_all,
                 }
             )
             # Collection of the whole session happens before READY: bounded by the boot timeout.
@@ -214,8 +219,11 @@ class RemoteRunner:
                 raise
             tail = handle.log_tail()
             raise BoxliteError(f"pytest did not start inside box {handle.name}: {exc}\n{tail}".rstrip()) from exc
+        problem = fields.get("fork_problem")
         with self._lock:
             self._workers[handle.name] = _Worker(gw, channel, fields["pid"], status_file)
+            if problem is not None:
+                self.fork_problems[handle.name] = str(problem)[:500]  # the box's word: shown, capped
 
     def _make_gateway(self, spec_str: str, handle: BoxHandle) -> Any:
         """``makegateway``, bounded by the boot timeout (execnet's own call has no timeout)."""
@@ -393,6 +401,8 @@ class RemoteRunner:
         token = secrets.token_hex(8)
         log_since = handle.log_size()
         request = {"nodeid": nodeid, "token": token, "sock": fork_socket, "hostname": name[:63], "network": network}
+        if handle.fork_renews_all:
+            request["renew_all"] = True  # absent otherwise: namespace boxes are forked as they always were
         try:
             worker.channel.send((msg.FORK, request))
         except (EOFError, OSError, execnet.RemoteError) as exc:

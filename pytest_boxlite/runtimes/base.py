@@ -66,6 +66,9 @@ class BoxHandle(Protocol):
     binary_stdout: bool
     #: Default working directory of commands.
     workdir: str
+    #: A box forked from this one (:meth:`fork_listener`) renews every writable directory, not
+    #: only its overlays' upper layers: the box's root and mounts are no overlays (a VM's disk).
+    fork_renews_all: bool
 
     def exec(
         self,
@@ -134,6 +137,9 @@ class BoxDefaults:
     """The defaults of :class:`BoxHandle`'s optional capabilities, for a box class to inherit."""
 
     runtime_name: str
+    #: Only the overlays are renewed in a forked box: everything else writable is a fresh tmpfs
+    #: already (namespace boxes).
+    fork_renews_all = False
 
     def keep(self) -> None:
         """Nothing to mark: the box is just not destroyed, and stays listed until ``clean``."""

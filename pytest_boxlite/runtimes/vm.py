@@ -22,6 +22,18 @@ the rootdir fails with EROFS.  A copy-on-write view would need an overlay
 mounted inside the guest, which needs privileges the container may not have;
 that is unverified, so it is not attempted.
 
+Boxed tests fork per test inside a VM booted once per worker (``--boxlite-fresh=fork``, the
+default): the warm interpreter in the guest forks each test's box (new mount, pid, uts, ipc and
+network namespaces, a pristine overlay of / and of every writable mount, the test process one
+user namespace further down; ``guest/fresh.py``), and the forked box's connection reaches the
+host through a relay command over the SDK's exec stdio (:meth:`VmBox.fork_listener`).  Tests of
+one worker then share the VM's kernel; ``--boxlite-fresh=boot`` gives each test a VM (and a
+kernel) of its own.  Where the guest kernel refuses the namespaces, the warm interpreter says so
+at start and every test gets a booted VM.  Unverified on a real VM: user namespaces in libkrun's
+kernel (probed), overlayfs with a tmpfs upper layer (``userxattr``) over the guest's root file
+system and virtio-fs volumes, pivot_root in BoxLite's container, and the relay's latency over
+real exec streams.
+
 Still to confirm on a host that boots VMs (none here can): whether the OCI
 runtime creates a missing working directory (#13: sidestepped, the box gets
 ``mkdir -p /workspace`` from ``/`` once it is up), whether an oversized
@@ -43,6 +55,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -61,6 +74,7 @@ from pytest_boxlite.errors import (
     RuntimeUnavailableError,
     file_error,
 )
+from pytest_boxlite.runtimes._forkrelay import ForkRelay
 from pytest_boxlite.runtimes._vmbridge import VmBridge
 from pytest_boxlite.runtimes.base import (
     DEFAULT_MAX_OUTPUT,
@@ -164,6 +178,8 @@ class VmBox(BoxDefaults):
     binary_stdout = False
     workdir = WORKDIR
     guest_python = "python3"
+    #: A VM's root and volumes are no overlays: a forked box renews every writable directory.
+    fork_renews_all = True
 
     def __init__(self, runtime: VmRuntime, box: Any, name: str) -> None:
         self._rt = runtime
@@ -173,6 +189,23 @@ class VmBox(BoxDefaults):
         self._dead = False
         self._bridge: VmBridge | None = None
         self._bridge_lock = threading.Lock()
+        self._relays: list[ForkRelay] = []
+
+    def fork_listener(self) -> tuple[socket.socket, str]:
+        """A host socket that boxes forked in this VM reach through a relay in the guest.
+
+        The guest cannot reach a host socket, so a relay command (:mod:`pytest_boxlite.guest.relay`)
+        started through this box's stdio bridge listens on a new private guest directory and
+        carries each connection over its stdio (:class:`~pytest_boxlite.runtimes._forkrelay.ForkRelay`).
+        Closing the returned socket ends the relay; so does :meth:`destroy`.
+        """
+        if self._dead:
+            raise BoxDeadError(f"box {self.name} is dead")
+        relay = ForkRelay(lambda argv: self.attach_argv(argv, cwd="/"), self.guest_python)
+        with self._bridge_lock:
+            self._relays = [r for r in self._relays if r.alive]
+            self._relays.append(relay)
+        return relay.listener, relay.guest_path
 
     def attach_argv(self, argv: Sequence[str], *, cwd: str | None = None, status_file: str | None = None) -> list[str]:
         """A host command whose stdio are those of ``argv`` in this VM (through this process's bridge)."""
@@ -333,6 +366,10 @@ class VmBox(BoxDefaults):
     def destroy(self) -> None:
         if self._dead and self._box is None:
             return
+        with self._bridge_lock:
+            relays, self._relays = self._relays, []
+        for relay in relays:
+            relay.close()
         with self._bridge_lock:
             if self._bridge is not None:
                 self._bridge.close()
@@ -642,7 +679,9 @@ class VmKind:
     """The vm runtime's host-side operations (a :class:`~pytest_boxlite.runtimes.base.RuntimeKind`)."""
 
     name = "vm"
-    capabilities = Capabilities()
+    #: Boxed tests fork per test inside a booted VM (the guest's namespaces, fresh layers; the
+    #: forks reach the host through a relay over the SDK's exec stdio: VmBox.fork_listener).
+    capabilities = Capabilities(fork=True)
 
     def host_facts(self) -> list[tuple[str, str]]:
         """KVM, the boxlite wheel, and whether micro-VMs can boot here (the host probe, milliseconds)."""

@@ -137,6 +137,10 @@ _throttle_bps = float(os.environ.get("BOXLITE_DOUBLE_THROTTLE_BPS") or 0)
 #: Whether the container runtime creates a missing ``working_dir`` is unverified (review #13): by
 #: default the double does not, so the plugin must not rely on it; set this to model the other answer.
 CREATE_WORKING_DIR = os.environ.get("BOXLITE_DOUBLE_CREATE_WORKING_DIR") == "1"
+#: Whether BoxLite's guest kernel (libkrun's) allows user namespaces is unverified: by default the
+#: double's guest does (as this host's kernel does); set this to model a guest kernel that refuses
+#: them (bwrap --disable-userns: no process in the box can make a user namespace).
+NO_USER_NAMESPACES = os.environ.get("BOXLITE_DOUBLE_NO_USERNS") == "1"
 
 
 def set_throttle(bytes_per_second: float | None) -> None:
@@ -759,6 +763,8 @@ class _BoxState:
         argv += ["--bind", str(ctl), _CTL]
         if self.rt.network_mode(self.opts) == "disabled":
             argv.append("--unshare-net")
+        if NO_USER_NAMESPACES:
+            argv.append("--disable-userns")
         watch_r, watch_w = os.pipe()
         agent = [_image_python(), "-I", "-S", "-c", _GUEST_SOURCE, f"{_CTL}/agent.sock", str(watch_r)]
         shim_err = open(self.dir / "shim.stderr", "ab")  # noqa: SIM115 - handed to the child

@@ -256,3 +256,34 @@ def test_a_failing_setup_fails_the_lease_with_its_output(
         session.pool().lease(session.default_spec)
     assert lifecycle.steps("after_boot") == [], "the owner's step ran in a box whose setup failed"
     assert fake_runtime.boxes == {}
+
+
+# -- how boxed tests get their fresh box ---------------------------------------------
+
+
+def test_both_runtimes_can_fork() -> None:
+    # Known before anything opens (the session plans with it); vm forks inside its booted VM.
+    assert Choice("vm", "test").capabilities.fork
+    assert Choice("namespace", "test").capabilities.fork
+
+
+def test_boxed_tests_fork_unless_told_to_boot(make_session: SessionFactory) -> None:
+    """A box is forked per test by default; ``--boxlite-fresh=boot`` (on vm: a VM per test),
+    ``--boxlite-keep`` and worker scope boot boxes instead.  (namespace here: vm cannot be
+    chosen on a host where no VM boots; both share this decision.)"""
+    runtime = "namespace"
+    assert make_session(runtime=runtime).fork_boxes
+    assert make_session(runtime=runtime, scope="module").fork_boxes
+    assert not make_session(runtime=runtime, fresh="boot").fork_boxes
+    assert not make_session(runtime=runtime, scope="module", fresh="boot").fork_boxes
+    assert not make_session(runtime=runtime, keep=True).fork_boxes
+    assert not make_session(runtime=runtime, scope="worker").fork_boxes
+
+
+def test_a_kernel_that_refuses_the_fork_makes_the_session_boot(make_session: SessionFactory) -> None:
+    session = make_session()
+    before = (session.fork_boxes, session.fork_refused)
+    session.refuse_fork("unshare: no user namespaces")
+    after = (session.fork_boxes, session.fork_refused)
+    assert before == (True, None)
+    assert after == (False, "unshare: no user namespaces")
