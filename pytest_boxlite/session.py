@@ -210,6 +210,8 @@ class BoxliteSession:
                 # A remote server's runtime removes, on opening, what dead sessions left there.
                 self.report.reconciled += list(runtime.reaped)
             s = self.settings
+            # Sandbox boxes forked from a zygote end with this process: kept ones must be booted.
+            runtime.allow_forked_boxes(not s.keep)
             pool = BoxPool(
                 runtime,
                 namer=self._namer,
@@ -295,6 +297,8 @@ class BoxliteSession:
                 self.report.stats = pool.stats.asdict()
                 self.report.kept = list(pool.stats.kept)
             if runtime is not None:
+                # The runtime's own template boxes (zygotes) go first: they are no leak.
+                runtime.stop_forking()
                 # Anything of ours still listed after the pool shut down is a leak: report it, then reap it.
                 mine = [
                     r.name

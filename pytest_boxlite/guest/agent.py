@@ -522,6 +522,179 @@ def _watchdog(fd):
         os._exit(0)
 
 
+def _harden(cfg):
+    """What the agent does before it serves anything (see the module docstring): process limit,
+    Docker's capabilities, the file helper.  ``/proc`` is sealed and the spare one hidden by the
+    caller first (a forked box does both on its own new ``/proc``)."""
+    if cfg.get("nproc"):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NPROC, (int(cfg["nproc"]), int(cfg["nproc"])))
+    limit_caps(DOCKER_CAPS)
+    _check(_libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+
+
+def _serve_forever(srv, watchdog_fd, base_env, default_user):
+    threading.Thread(target=_watchdog, args=(watchdog_fd,), daemon=True).start()
+    threading.Thread(target=_reap_orphans, daemon=True).start()
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=_serve, args=(conn, base_env, default_user), daemon=True).start()
+
+
+# --- the zygote: a warm template box that sandbox boxes are forked from -----------------------
+#
+# A zygote is a box booted like any other, whose agent serves no command at all: only ``ping``
+# and ``spawn``.  On ``spawn`` it clones a child into new user, mount, pid, uts, ipc (and, unless
+# the spec shares the host's, network) namespaces with guest/fresh.py's code, the very code that
+# gives each boxed test its pristine box: every overlay gets a new, empty upper layer, /tmp,
+# /workspace, /dev/shm and /run new tmpfs, /proc a new procfs of the new pid namespace.  The
+# child then becomes the new box's pid 1 agent, serving on the socket the host sent with the
+# request, watched by its own watchdog pipe, its stderr in its own log: from the host's side it
+# is a box like a booted one, in cgroups of its own (the host moves it there before it goes on).
+#
+# The zygote stays single-threaded so that fresh.py's clone(2) copies no lock another thread
+# holds (see fresh.py's _KNOWN_THREADS): no watchdog or reaper thread, one select loop instead.
+# Its children die with it (PR_SET_PDEATHSIG, and their pid namespaces are nested in its own,
+# which the kernel empties when it ends), and it dies with the host (its watchdog pipe).
+
+_ZYGOTE_REQUEST_TIMEOUT = 10.0
+
+
+def _load_fresh():
+    """guest/fresh.py, run with guest/caps.py's names as its globals (as the host's remote_exec
+    sends them ahead of it to a test worker): the fork code is shared, not copied."""
+    path = os.path.join(os.path.dirname(__file__), "fresh.py")
+    with open(path) as fh:
+        code = compile(fh.read(), path, "exec")
+    names = {"__name__": "_boxlite_guest_fresh", "check_libc": _caps.check_libc, "limit_caps": _caps.limit_caps}
+    exec(code, names)  # noqa: S102 - our own guest module, by path, as _sibling loads caps.py
+    return names
+
+
+def _reap_children():
+    """Collect the zygote's ended children (forked boxes), never blocking."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _zygote(cfg, srv, watchdog_fd):
+    import select
+
+    fresh = _load_fresh()
+    while True:
+        _reap_children()
+        try:
+            ready, _, _ = select.select([srv, watchdog_fd], [], [], 1.0)
+        except InterruptedError:
+            continue
+        if watchdog_fd in ready:
+            try:
+                data = os.read(watchdog_fd, 4096)
+            except OSError:
+                data = b""
+            if not data:
+                os._exit(0)  # the host is gone: so is the zygote, and with it every box it forked
+        if srv in ready:
+            conn, _ = srv.accept()
+            _zygote_serve(conn, cfg, fresh)
+
+
+def _zygote_serve(conn, cfg, fresh):
+    """One request to the zygote; in the parent it returns, in a forked child it never does."""
+    fds = []
+    try:
+        conn.settimeout(_ZYGOTE_REQUEST_TIMEOUT)
+        req, fds = _read_request(conn)
+        op = req.get("op")
+        if op == "ping":
+            _send(conn, {"pong": os.getpid()})
+            return
+        if op != "spawn":
+            # The zygote never runs a command: it is the template every forked box starts from.
+            _send(conn, {"error": "a zygote runs no command (op %r)" % (op,), "errno": 1})
+            return
+        if len(fds) != 3:
+            _send(conn, {"error": "spawn needs 3 descriptors, got %d" % len(fds), "errno": 22})
+            return
+        mapper = fresh["IdMapper"]() if os.geteuid() == 0 else None
+        try:
+            pid = fresh["clone_box"](bool(req.get("network")), mapper, fresh["sandbox_flags"](bool(req.get("network"))))
+        except OSError as exc:
+            if mapper is not None:
+                mapper.close_parent_side()
+                mapper.close_child_side()
+            _send(conn, {"error": "clone: %s" % exc, "errno": exc.errno or 0})
+            return
+        if pid == 0:
+            _forked_box(conn, fds, req, cfg, fresh)  # never returns
+        if mapper is not None:
+            mapper.serve(pid)
+    except Exception as exc:  # the zygote must survive any single bad request
+        try:
+            _send(conn, {"error": "zygote: %s: %s" % (type(exc).__name__, exc), "errno": 0})
+        except OSError:
+            pass
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        conn.close()
+
+
+def _forked_box(conn, fds, req, cfg, fresh):
+    """In the zygote's child, pid 1 of its new namespaces: become the new box's agent."""
+    code = 70
+    try:
+        # Nothing of the zygote's stays open here: its listening socket and its watchdog pipe.
+        for fd in _PRIVATE_FDS:
+            os.close(fd)
+        listen_fd, watchdog_fd, log_fd = fds
+        del _PRIVATE_FDS[:]
+        _PRIVATE_FDS.extend([listen_fd, watchdog_fd])
+        for fd in _PRIVATE_FDS:
+            os.set_inheritable(fd, False)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", closefd=False)
+        conn.settimeout(_ZYGOTE_REQUEST_TIMEOUT)
+        # The kernel tells the host (SO_PASSCRED) this process's pid as the host sees it; the host
+        # moves it into the new box's cgroups and records it, then says go.
+        _send(conn, {"forked": os.getpid()})
+        if conn.recv(3) != b"go\n":
+            os._exit(71)
+        with open("/proc/self/oom_score_adj") as fh:
+            oom_adj = fh.read().strip()
+        network = bool(req.get("network"))
+        fresh["_fresh_box"](str(req["hostname"]), network)
+        # _fresh_box favours the warm interpreter under memory pressure: a box's agent has none.
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write(oom_adj)
+        if not network:
+            fresh["_loopback_up"]()
+        _hide_spare_proc()
+        _harden(req)
+        srv = socket.socket(fileno=listen_fd)
+        _send(conn, {"ready": os.getpid()})
+        conn.close()
+        _serve_forever(srv, watchdog_fd, req["env"], tuple(req["user"]))
+    except BaseException as exc:
+        try:
+            sys.stderr.write("pytest-boxlite agent: the forked box could not start: %r\n" % (exc,))
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
 def main():
     cfg = json.loads(sys.argv[1])
     # First of all: nothing in the box may ptrace us or open our descriptors through /proc.
@@ -533,23 +706,15 @@ def main():
         os.set_inheritable(fd, False)
     _seal_proc()
     _hide_spare_proc()
-    if cfg.get("nproc"):
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_NPROC, (int(cfg["nproc"]), int(cfg["nproc"])))
-    limit_caps(DOCKER_CAPS)
+    _harden(cfg)
     _load_helper(cfg["helper"])
-    threading.Thread(target=_watchdog, args=(watchdog_fd,), daemon=True).start()
-    threading.Thread(target=_reap_orphans, daemon=True).start()
     srv = socket.socket(fileno=listen_fd)
-    default_user = tuple(cfg["user"])
-    base_env = cfg["env"]
     # Tell the host we are ready: it waits for this line on our stdout.
     sys.stdout.write("ready %d\n" % os.getpid())
     sys.stdout.flush()
-    while True:
-        conn, _ = srv.accept()
-        threading.Thread(target=_serve, args=(conn, base_env, default_user), daemon=True).start()
+    if cfg.get("zygote"):
+        _zygote(cfg, srv, watchdog_fd)
+    _serve_forever(srv, watchdog_fd, cfg["env"], tuple(cfg["user"]))
 
 
 if __name__ == "__main__":

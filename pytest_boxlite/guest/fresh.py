@@ -225,10 +225,20 @@ def box_flags(network):
     return flags
 
 
-def clone_box(network, mapper=None):
+def sandbox_flags(network):
+    """The namespaces of a sandbox box that a zygote agent forks (see guest/agent.py): every one
+    a booted box has of its own, the network included unless the spec shares the host's.  Unlike
+    a test's box (:func:`box_flags`), its pid 1 is the agent, root of the new user namespace, so
+    it owns the new network namespace as bubblewrap's agent owns a booted box's."""
+    flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID
+    return flags if network else flags | _CLONE_NEWNET
+
+
+def clone_box(network, mapper=None, flags=None):
     """``os.fork()`` into a fresh box's new namespaces: the child's pid in the parent; 0 in the
     child, which is pid 1 of its new pid namespace with its ids mapped (root: through ``mapper``,
-    an :class:`IdMapper` the parent serves; anyone else maps their own).
+    an :class:`IdMapper` the parent serves; anyone else maps their own).  ``flags``: the
+    namespaces, when not :func:`box_flags`'s (a sandbox box forked by a zygote agent).
 
     One clone(2) with the namespace flags: no intermediate process.  fork(2) then unshare(2)
     would need one, since unsharing a pid namespace moves only the caller's later children, and
@@ -236,7 +246,7 @@ def clone_box(network, mapper=None):
     That path stays for machines whose clone(2) number this file does not know, and for an
     interpreter that has started threads of its own (see :data:`_KNOWN_THREADS`).
     """
-    flags = box_flags(network)
+    flags = box_flags(network) if flags is None else flags
     uid, gid = os.geteuid(), os.getegid()
     number = _SYS_CLONE.get(os.uname().machine)
     if number is None or not _only_known_threads():

@@ -206,6 +206,15 @@ class Runtime(Protocol):
         """Release the runtime.  Idempotent."""
         ...
 
+    def allow_forked_boxes(self, allowed: bool) -> None:
+        """Whether new boxes may be forked from a warm template box of their spec instead of
+        booted, on runtimes that can (such a box cannot outlive this process)."""
+        ...
+
+    def stop_forking(self) -> None:
+        """Stop the warm template boxes new boxes are forked from (before leftovers are counted)."""
+        ...
+
 
 class RuntimeDefaults:
     """The defaults of :class:`Runtime`'s optional parts, for a runtime class to inherit."""
@@ -217,6 +226,14 @@ class RuntimeDefaults:
     ) -> BoxSpec:
         """No template: ``spec`` unchanged, so each box runs ``setup`` when it boots."""
         return spec
+
+    def allow_forked_boxes(self, allowed: bool) -> None:
+        """Every box is booted here: nothing to allow."""
+        return None
+
+    def stop_forking(self) -> None:
+        """Nothing is kept to fork from."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
