@@ -69,6 +69,7 @@ MAX_REQUEST = 4 << 20
 
 _PR_SET_DUMPABLE = 4
 _CLONE_NEWUSER = 0x10000000
+_CLONE_NEWCGROUP = 0x02000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 #: Parts of /proc no box may write, read-only as in Docker: on a root host uid 0 of the box is
 #: uid 0 to the kernel's sysctl permission checks (core_pattern, sysrq-trigger...).
@@ -587,6 +588,11 @@ def _zygote(cfg, srv, watchdog_fd):
     import select
 
     fresh = _load_fresh()
+    import gc
+
+    # Every object so far out of the collector's sight: a collection in a forked box would
+    # otherwise touch (and so copy) every page of the zygote's heap.
+    gc.freeze()
     while True:
         _reap_children()
         try:
@@ -619,8 +625,8 @@ def _zygote_serve(conn, cfg, fresh):
             # The zygote never runs a command: it is the template every forked box starts from.
             _send(conn, {"error": "a zygote runs no command (op %r)" % (op,), "errno": 1})
             return
-        if len(fds) != 3:
-            _send(conn, {"error": "spawn needs 3 descriptors, got %d" % len(fds), "errno": 22})
+        if len(fds) < 3:
+            _send(conn, {"error": "spawn needs at least 3 descriptors, got %d" % len(fds), "errno": 22})
             return
         mapper = fresh["IdMapper"]() if os.geteuid() == 0 else None
         try:
@@ -653,19 +659,28 @@ def _forked_box(conn, fds, req, cfg, fresh):
     """In the zygote's child, pid 1 of its new namespaces: become the new box's agent."""
     code = 70
     try:
-        # Nothing of the zygote's stays open here: its listening socket and its watchdog pipe.
-        for fd in _PRIVATE_FDS:
-            os.close(fd)
-        listen_fd, watchdog_fd, log_fd = fds
-        del _PRIVATE_FDS[:]
-        _PRIVATE_FDS.extend([listen_fd, watchdog_fd])
-        for fd in _PRIVATE_FDS:
-            os.set_inheritable(fd, False)
+        listen_fd, watchdog_fd, log_fd = fds[:3]
+        # The box's own log from here on (the zygote's stays the zygote's).
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
         sys.stdout = open(1, "w", closefd=False)
         sys.stderr = open(2, "w", closefd=False)
+        # Then into the box's own cgroups (the host opened their task files for it): a process
+        # that moves itself, one thread, takes no lock the whole machine waits on (the host moving
+        # it would take cgroup_threadgroup_rwsem, an RCU grace period: milliseconds).
+        for fd in fds[3:]:
+            os.write(fd, b"0")
+            os.close(fd)
+        # And a cgroup namespace whose root is that cgroup, as bubblewrap gives a booted box.
+        _check(_libc.unshare(_CLONE_NEWCGROUP), "unshare(CLONE_NEWCGROUP)")
+        # Nothing of the zygote's stays open here: its listening socket and its watchdog pipe.
+        for fd in _PRIVATE_FDS:
+            os.close(fd)
+        del _PRIVATE_FDS[:]
+        _PRIVATE_FDS.extend([listen_fd, watchdog_fd])
+        for fd in _PRIVATE_FDS:
+            os.set_inheritable(fd, False)
         conn.settimeout(_ZYGOTE_REQUEST_TIMEOUT)
         # The kernel tells the host (SO_PASSCRED) this process's pid as the host sees it; the host
         # moves it into the new box's cgroups and records it, then says go.

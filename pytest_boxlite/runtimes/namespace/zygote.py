@@ -181,7 +181,7 @@ class ForkedProcess:
         return self.returncode
 
 
-def _first_line_with_pid(conn: socket.socket, deadline: float) -> tuple[dict[str, Any], int | None]:
+def _first_line_with_pid(conn: socket.socket, deadline: float, ctl: Path) -> tuple[dict[str, Any], int | None]:
     """The first message on ``conn`` and the host pid of its sender (``SO_PASSCRED`` is set)."""
     buf = b""
     pid: int | None = None
@@ -198,7 +198,7 @@ def _first_line_with_pid(conn: socket.socket, deadline: float) -> tuple[dict[str
             if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(cdata) >= _UCRED.size:
                 pid = _UCRED.unpack(cdata[: _UCRED.size])[0]
         if not data:
-            raise ForkRefused("the zygote hung up without forking the box")
+            raise ForkRefused(f"the zygote hung up without forking the box: {_log_tail(ctl)}")
         buf += data
         if len(buf) > 65536:
             raise BoxDeadError("the zygote sent an oversized message")
@@ -249,7 +249,13 @@ def fork_from(
             "user": list(identity),
             "nproc": limits.nproc,
         }
-        socket.send_fds(conn, [(json.dumps(req) + "\n").encode()], [listener.fileno(), watch_r, log])
+        joins = _join_fds(cg)
+        try:
+            fds = [listener.fileno(), watch_r, log, *joins]
+            socket.send_fds(conn, [(json.dumps(req) + "\n").encode()], fds)
+        finally:
+            for fd in joins:
+                os.close(fd)
     except BaseException:
         os.close(watch_w)
         if conn is not None:
@@ -263,7 +269,7 @@ def fork_from(
     proc: ForkedProcess | None = None
     try:
         with conn:
-            first, pid = _first_line_with_pid(conn, deadline)
+            first, pid = _first_line_with_pid(conn, deadline, ctl)
             if "error" in first:
                 raise ForkRefused(f"zygote {zygote.name} could not fork a box: {first['error']}")
             if "forked" not in first or pid is None or pid <= 0 or pid == zygote.agent_pid:
@@ -271,12 +277,6 @@ def fork_from(
             proc = ForkedProcess(pid, _proc_start_time(pid))
             if proc.poll() is not None:
                 raise ForkRefused(f"the box forked by {zygote.name} ended at once: {_log_tail(ctl)}")
-            # Its own cgroups before it runs anything of the box's: the same limits as a booted box.
-            for procs in cg.procs_files():
-                try:
-                    Path(procs).write_text(str(pid))
-                except OSError as exc:
-                    raise BoxStartError(f"forked box {name}: cannot join {procs}: {exc}") from exc
             info: dict[str, Any] = {
                 "name": name,
                 "pid": pid,
@@ -307,6 +307,22 @@ def fork_from(
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
         raise
+
+
+def _join_fds(cg: _cgroups.CgroupSet) -> list[int]:
+    """Descriptors, opened here, of the files through which the forked box's first process moves
+    itself into ``cg``'s cgroups: ``tasks`` on cgroup v1 (writing ``0`` there moves the writer's
+    thread alone, which needs no global lock), else ``cgroup.procs``."""
+    fds: list[int] = []
+    try:
+        for d in cg.dirs:
+            tasks = d / "tasks"
+            fds.append(os.open(tasks if tasks.exists() else d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        raise BoxStartError(f"cannot open the box's cgroup {exc.filename}: {exc.strerror}") from exc
+    return fds
 
 
 def _log_tail(ctl: Path) -> str:
