@@ -690,7 +690,9 @@ def _forked_box(conn, fds, req, cfg, fresh):
         with open("/proc/self/oom_score_adj") as fh:
             oom_adj = fh.read().strip()
         network = bool(req.get("network"))
+        warm_tops = fresh["top_mounts"]()
         fresh["_fresh_box"](str(req["hostname"]), network)
+        fresh["fresh_root"](warm_tops)
         # _fresh_box favours the warm interpreter under memory pressure: a box's agent has none.
         with open("/proc/self/oom_score_adj", "w") as fh:
             fh.write(oom_adj)

@@ -441,3 +441,54 @@ def _loopback_up():
             fcntl.ioctl(s.fileno(), 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
     except OSError:
         pass
+
+
+#: pivot_root(2)'s number where this file knows it; elsewhere a sandbox box is booted instead.
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203}
+_MNT_DETACH = 2
+
+
+def top_mounts():
+    """The top-level mount points (``/usr``, ``/tmp``...) this process sees."""
+    return {m for m, _ in _mounts() if m != "/" and m.count("/") == 1}
+
+
+def fresh_root(keep):
+    """In a sandbox box made by :func:`clone_box` (after :func:`_fresh_box`): a new, empty root.
+
+    The box's root directory is the warm box's own tmpfs (bubblewrap's), shared by every box
+    cloned from it: a top-level entry one box makes or removes (``mkdir /data``, ``rm /bin``)
+    would reach the next box and the warm box itself.  So the box moves to a new tmpfs root of
+    its own holding the same entries: the mount points in ``keep`` (those of the warm box, with
+    the fresh layers on them) bound recursively, every other entry made anew (directories empty,
+    as bubblewrap made them: ``/workspace``), then pivot_root and the old root detached.
+    """
+    libc = _libc()
+    new = "/run/.boxlite-root"
+    os.mkdir(new, 0o755)
+    _mount(libc, "tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+    for entry in sorted(os.listdir("/")):
+        path, target = "/" + entry, new + "/" + entry
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), target)
+        elif path in keep:
+            if os.path.isdir(path):
+                os.mkdir(target, 0o755)
+            else:
+                open(target, "w").close()
+            # /run holds the new root itself: only its own mount (ours, so nothing is locked under it).
+            _mount(libc, path, target, None, _MS_BIND | (0 if path == "/run" else _MS_REC), None)
+        elif os.path.isdir(path):
+            if os.listdir(path) and path not in top_mounts():
+                raise OSError(39, "the warm box's root holds files in %s: cannot make it anew" % path)
+            os.mkdir(target, os.stat(path).st_mode & 0o7777)
+        else:
+            raise OSError(22, "unexpected entry %s in the warm box's root" % path)
+    number = _SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise OSError(38, "pivot_root: unknown system call number on %s" % os.uname().machine)
+    os.mkdir(new + "/.old-root", 0o700)
+    check_libc(libc.syscall(number, new.encode(), (new + "/.old-root").encode()), "pivot_root")  # noqa: F821 - caps.py
+    os.chdir("/")
+    check_libc(libc.umount2(b"/.old-root", _MNT_DETACH), "umount /.old-root")  # noqa: F821 - caps.py
+    os.rmdir("/.old-root")

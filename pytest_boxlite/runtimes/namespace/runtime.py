@@ -108,8 +108,7 @@ class NamespaceRuntime(RuntimeDefaults):
         self, spec: BoxSpec, name: str, box_dir: Path, persist: Path | None, info_fd: int, block_fd: int | None
     ) -> list[str]:
         mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
-        tops = [e[-1] for e in mount_plan(self.bwrap)[0] if e[0] == "overlay"] + _mirrored(mirror_from)
-        masks, mask_mounts = _mask_plan(self.home, tops)
+        masks, mask_mounts = self._masks(spec)
         argv = [
             self.bwrap,
             "--unshare-user", "--uid", "0", "--gid", "0",
@@ -137,6 +136,19 @@ class NamespaceRuntime(RuntimeDefaults):
         if not spec.network:
             argv.append("--unshare-net")
         return argv
+
+    def _masks(self, spec: BoxSpec) -> tuple[dict[str, str], list[str]]:
+        """The mask layers and mounts hiding credentials (those on the host now) in a box of ``spec``."""
+        mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
+        tops = [e[-1] for e in mount_plan(self.bwrap)[0] if e[0] == "overlay"] + _mirrored(mirror_from)
+        return _mask_plan(self.home, tops)
+
+    def _fork_plan(self, spec: BoxSpec) -> tuple[object, ...]:
+        """What a zygote of ``spec`` must have been booted with for a box forked from it to be what a
+        box booted now would be: the masks over the credentials the host has *now* (a ~/.netrc
+        made after the zygote booted must be hidden all the same: then a new zygote is booted)."""
+        masks, mounts = self._masks(spec)
+        return (tuple(sorted(masks.items())), tuple(mounts))
 
     def _base_env(self, spec: BoxSpec, name: str) -> dict[str, str]:
         env = {
@@ -172,7 +184,7 @@ class NamespaceRuntime(RuntimeDefaults):
             raise BoxStartError("the namespace runtime is closed")
         _check_name(name)
         if persist is None and not spec.worker:
-            zygote = self._zygotes.get(spec, name, timeout)
+            zygote = self._zygotes.get(spec, name, timeout, self._fork_plan)
             if zygote is not None:
                 try:
                     return self._make(spec, name, lambda *a: fork_from(zygote, *a), timeout)

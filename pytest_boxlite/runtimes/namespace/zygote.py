@@ -33,7 +33,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,8 @@ class Zygotes:
         self._lock = threading.Lock()
         self._boxes: dict[BoxSpec, NamespaceBox] = {}
         self._refused: dict[BoxSpec, str] = {}
+        self._plans: dict[str, Hashable] = {}
+        self._retired: list[NamespaceBox] = []
         self._seq = itertools.count(1)
         self._stopped = False
         #: Whether boxes may be forked at all (the session turns it on).
@@ -78,25 +80,42 @@ class Zygotes:
         #: Why boxes of some spec are booted although forking is allowed (the last refusal).
         self.fallback: str | None = None
 
-    def get(self, spec: BoxSpec, name: str, timeout: float) -> NamespaceBox | None:
-        """The live zygote of ``spec`` (booted now if there is none), or ``None``: boot the box."""
+    def get(self, spec: BoxSpec, name: str, timeout: float, plan: Callable[[BoxSpec], Hashable]) -> NamespaceBox | None:
+        """The live zygote of ``spec`` (booted now if there is none), or ``None``: boot the box.
+
+        ``plan(spec)`` says what a box booted now would be made of beyond its spec (the masks
+        over the host's credentials): a zygote booted under another plan is replaced.
+        """
         if not self.allowed:
             return None
+        now = plan(spec)
         with self._lock:
             if self._stopped or spec in self._refused:
                 return None
             zygote = self._boxes.get(spec)
-            if zygote is not None and zygote.running():
+            if zygote is not None and zygote.running() and self._plans.get(zygote.name) == now:
                 return zygote
             if zygote is not None:
-                zygote.destroy()  # it died (killed from outside): its boxes went with it
+                # Dead (killed from outside: its boxes went with it), or booted under another plan:
+                # boxes forked from it before stay as they are, as booted ones would.
+                self._retire(zygote)
                 del self._boxes[spec]
             zname = zygote_name(name, next(self._seq))
             if zname is None:
                 return None
             zygote = self._boot(spec, zname, timeout)
             self._boxes[spec] = zygote
+            self._plans[zygote.name] = now
             return zygote
+
+    def _retire(self, zygote: NamespaceBox) -> None:
+        """A zygote no new box comes from: destroyed once no box forked from it is left (they
+        end with it), or at :meth:`stop`."""
+        self._plans.pop(zygote.name, None)
+        if zygote.running():
+            self._retired.append(zygote)
+        else:
+            zygote.destroy()
 
     def refuse(self, spec: BoxSpec, why: str) -> None:
         """The host refused a fork for ``spec``: boot its boxes from now on, and say why."""
@@ -111,8 +130,9 @@ class Zygotes:
         """Destroy every zygote; later boxes are booted.  Idempotent."""
         with self._lock:
             self._stopped = True
-            boxes = list(self._boxes.values())
+            boxes = [*self._boxes.values(), *self._retired]
             self._boxes.clear()
+            self._retired.clear()
         for zygote in boxes:
             zygote.destroy()
 
