@@ -773,3 +773,15 @@ def test_forked_boxes_and_their_zygote_die_with_a_sigkilled_host_and_are_reaped(
         for rec in rt.list_boxes():
             rt.remove_box(rec.name)
         rt.close()
+
+
+def test_a_box_can_make_a_sandbox_of_its_own(namespace_runtime: Runtime) -> None:
+    """A command can make its own user and pid namespaces with a new /proc (unshare --mount-proc), in a
+    forked box as in a booted one: the agent keeps a spare, hidden, fully visible procfs for that."""
+    h = namespace_runtime.create_box(BoxSpec(), new_box_name(), timeout=30)
+    try:
+        r = Sandbox(h).execute_command("unshare --user --map-root-user --pid --fork --mount-proc sh -c 'echo $$'")
+        assert r.ok and r.stdout.strip() == "1", r
+        assert "no spare /proc" not in h.log_tail()
+    finally:
+        h.destroy()

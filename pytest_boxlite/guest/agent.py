@@ -118,15 +118,17 @@ def _seal_proc():
         _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
 
 
-def _hide_spare_proc():
-    """A fully visible procfs that no path reaches (see the module docstring, step 2)."""
+def _hide_spare_proc(root=""):
+    """A fully visible procfs that no path reaches (see the module docstring, step 3), in the tree
+    at ``root`` (a forked box makes it in its new root before it moves there)."""
+    hidden = root + HIDDEN_PROC
     try:
-        os.makedirs(HIDDEN_PROC, mode=0o700, exist_ok=True)
-        _mount("tmpfs", HIDDEN_PROC, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0700,size=4k")
-        os.mkdir(HIDDEN_PROC + "/p", 0o700)
-        _mount("proc", HIDDEN_PROC + "/p", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        os.makedirs(hidden, mode=0o700, exist_ok=True)
+        _mount("tmpfs", hidden, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0700,size=4k")
+        os.mkdir(hidden + "/p", 0o700)
+        _mount("proc", hidden + "/p", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
         # Stacked on the same mount point: the procfs is still mounted, but nothing leads to it.
-        _mount("tmpfs", HIDDEN_PROC, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0,size=4k")
+        _mount("tmpfs", hidden, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0,size=4k")
     except OSError as exc:
         sys.stderr.write("pytest-boxlite agent: no spare /proc (forked boxes get none): %s\n" % exc)
 
@@ -685,20 +687,27 @@ def _forked_box(conn, fds, req, cfg, fresh):
         # The kernel tells the host (SO_PASSCRED) this process's pid as the host sees it; the host
         # moves it into the new box's cgroups and records it, then says go.
         _send(conn, {"forked": os.getpid()})
-        if conn.recv(3) != b"go\n":
-            os._exit(71)
+        word = b""
+        while len(word) < 3:
+            more = conn.recv(3 - len(word))
+            if not more:
+                break
+            word += more
+        if word != b"go\n":
+            os._exit(71)  # the host gave up on this box (it cannot have been recorded)
         with open("/proc/self/oom_score_adj") as fh:
             oom_adj = fh.read().strip()
         network = bool(req.get("network"))
         warm_tops = fresh["top_mounts"]()
         fresh["_fresh_box"](str(req["hostname"]), network)
-        fresh["fresh_root"](warm_tops)
+        # The spare /proc goes into the new root before the old one (and the zygote's spare /proc
+        # in it) is detached: the kernel mounts a new procfs only where a fully visible one exists.
+        fresh["fresh_root"](warm_tops, _hide_spare_proc)
         # _fresh_box favours the warm interpreter under memory pressure: a box's agent has none.
         with open("/proc/self/oom_score_adj", "w") as fh:
             fh.write(oom_adj)
         if not network:
             fresh["_loopback_up"]()
-        _hide_spare_proc()
         _harden(req)
         srv = socket.socket(fileno=listen_fd)
         _send(conn, {"ready": os.getpid()})

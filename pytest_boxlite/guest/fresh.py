@@ -453,7 +453,7 @@ def top_mounts():
     return {m for m, _ in _mounts() if m != "/" and m.count("/") == 1}
 
 
-def fresh_root(keep):
+def fresh_root(keep, before_pivot):
     """In a sandbox box made by :func:`clone_box` (after :func:`_fresh_box`): a new, empty root.
 
     The box's root directory is the warm box's own tmpfs (bubblewrap's), shared by every box
@@ -462,6 +462,7 @@ def fresh_root(keep):
     its own holding the same entries: the mount points in ``keep`` (those of the warm box, with
     the fresh layers on them) bound recursively, every other entry made anew (directories empty,
     as bubblewrap made them: ``/workspace``), then pivot_root and the old root detached.
+    ``before_pivot(new_root)`` runs just before the move, with the new root's path.
     """
     libc = _libc()
     new = "/run/.boxlite-root"
@@ -487,6 +488,7 @@ def fresh_root(keep):
     number = _SYS_PIVOT_ROOT.get(os.uname().machine)
     if number is None:
         raise OSError(38, "pivot_root: unknown system call number on %s" % os.uname().machine)
+    before_pivot(new)
     os.mkdir(new + "/.old-root", 0o700)
     check_libc(libc.syscall(number, new.encode(), (new + "/.old-root").encode()), "pivot_root")  # noqa: F821 - caps.py
     os.chdir("/")
