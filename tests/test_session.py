@@ -12,9 +12,11 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -485,12 +487,16 @@ def _leaked(output: str) -> str:
     return m["leaked"]
 
 
-def run_forked_session(pytester: pytest.Pytester, home: Path, *args: str) -> tuple[str, list[dict[str, object]]]:
-    pytester.makepyfile(test_forked=FORKED)
-    record = pytester.path / "record.jsonl"
+def run_forked_session(
+    pytester: pytest.Pytester, home: Path, *args: str, project: Path | None = None
+) -> tuple[str, list[dict[str, object]]]:
+    """Run FORKED in ``project`` (default: pytester's directory) with ``args``; its output and records."""
+    project = project or pytester.path
+    (project / "test_forked.py").write_text(FORKED)
+    record = project / "record.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", *args, "test_forked.py"],
-        cwd=pytester.path,
+        cwd=project,
         env={**sub_env(), "RECORD": str(record)},
         capture_output=True,
         text=True,
@@ -519,7 +525,14 @@ def test_a_session_forks_its_sandboxes_from_one_zygote_and_leaves_nothing(
 @pytest.mark.timeout(240)
 def test_setup_template_reaches_forked_sandboxes(pytester: pytest.Pytester, home: Path) -> None:
     """``--boxlite-setup``: the zygote starts from the template, so every forked box has its files."""
-    out, rows = run_forked_session(pytester, home, "--boxlite-setup", "echo provisioned > /etc/pbx-setup-mark")
+    # The setup runs in the invocation directory, which must be one boxes see (not under the host's /tmp).
+    project = Path(tempfile.mkdtemp(prefix="pbx-setup-", dir="/var/tmp"))
+    try:
+        out, rows = run_forked_session(
+            pytester, home, "--boxlite-setup", "echo provisioned > /etc/pbx-setup-mark", project=project
+        )
+    finally:
+        shutil.rmtree(project, ignore_errors=True)
     assert all(r["forked_from"] for r in rows), rows
     assert all(r["seen"] == "provisioned\n" for r in rows), rows
     assert _leaked(out) == "0", out

@@ -63,6 +63,12 @@ def zygote_name(box_name: str, k: int) -> str | None:
     return f"{m.group('head')}0{k}" if m else None
 
 
+def is_zygote_name(name: str) -> bool:
+    """Whether ``name`` is a zygote's (see :func:`zygote_name`), not a box's that a pool leases."""
+    m = _SEQ_NAME.match(name)
+    return m is not None and name[m.end("head")] == "0"
+
+
 class Zygotes:
     """One zygote per spec, booted on first use by ``boot(spec, name, timeout)``."""
 
