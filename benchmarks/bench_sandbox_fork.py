@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -109,8 +110,22 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     return out
 
 
+def _tree_cpu(pid: int | None) -> float:
+    """CPU seconds of ``pid`` and of the children it has reaped (a zygote: its forked boxes)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def phases(k: int) -> dict[str, Any]:
-    """Median seconds per phase of ``k`` forked boxes, and of ``k`` booted ones, one at a time."""
+    """Median seconds per phase of ``k`` forked boxes, and of ``k`` booted ones, one at a time; and
+    the CPU each forked box costs (this process; the zygote and the boxes it reaped)."""
     from pytest_boxlite.runtimes.namespace import NamespaceRuntime
     from pytest_boxlite.sandbox import Sandbox
     from pytest_boxlite.spec import BoxSpec
@@ -129,6 +144,9 @@ def phases(k: int) -> dict[str, Any]:
                 )
                 first.destroy()
                 create, command, destroy = [], [], []
+                zygote = rt._zygotes._boxes.get(spec) if fork else None
+                zpid = zygote.agent_pid if zygote is not None else None
+                cpu0, zcpu0 = _self_cpu(), _tree_cpu(zpid)
                 for i in range(2, k + 2):
                     t0 = time.perf_counter()
                     h = rt.create_box(spec, f"pbx-phase{mode[0]}-{i}", timeout=60)
@@ -145,6 +163,10 @@ def phases(k: int) -> dict[str, Any]:
                     "command": statistics.median(command),
                     "destroy": statistics.median(destroy),
                 }
+                if fork:
+                    time.sleep(1.5)  # the zygote reaps its ended boxes within a second
+                    res[mode]["cpu_host"] = (_self_cpu() - cpu0) / k
+                    res[mode]["cpu_zygote_and_boxes"] = (_tree_cpu(zpid) - zcpu0) / k
         finally:
             rt.close()
     return res
@@ -171,6 +193,12 @@ def render(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
                     f"  {k}: create {v['create'] * 1e3:.1f} ms, execute_command('true') {v['command'] * 1e3:.1f} ms, "
                     f"destroy {v['destroy'] * 1e3:.1f} ms"
                 )
+                if "cpu_host" in v:
+                    lines.append(
+                        f"  {k}: CPU per box (create + command + destroy): this process "
+                        f"{v['cpu_host'] * 1e3:.1f} ms, zygote and the box itself "
+                        f"{v['cpu_zygote_and_boxes'] * 1e3:.1f} ms"
+                    )
             else:
                 lines.append(f"  {k}: {v * 1e3:.1f} ms")
     return lines
