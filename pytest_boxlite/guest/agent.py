@@ -9,6 +9,8 @@ as a descriptor: the socket's path lives in the host's private control directory
 which no guest can see.  One connection is one request:
 
 * ``{"op": "ping"}`` -> ``{"pong": pid}``
+* ``{"op": "spawn", ...}`` (a *zygote* only, which serves nothing else): fork a new box from
+  this one (see "the zygote" below and :mod:`pytest_boxlite.runtimes.namespace.zygote`).
 * ``{"op": "helper"}`` with three descriptors: like ``exec``, but the file
   helper (:mod:`pytest_boxlite.guest.files`) runs in a fork of this agent, which
   has it imported already: no interpreter start-up per file operation.
@@ -527,8 +529,8 @@ def _watchdog(fd):
 
 def _harden(cfg):
     """What the agent does before it serves anything (see the module docstring): process limit,
-    Docker's capabilities, the file helper.  ``/proc`` is sealed and the spare one hidden by the
-    caller first (a forked box does both on its own new ``/proc``)."""
+    Docker's capabilities, not dumpable.  ``/proc`` is sealed and the spare one hidden by the
+    caller first (a forked box does both in its own new tree)."""
     if cfg.get("nproc"):
         import resource
 
@@ -551,10 +553,12 @@ def _serve_forever(srv, watchdog_fd, base_env, default_user):
 # and ``spawn``.  On ``spawn`` it clones a child into new user, mount, pid, uts, ipc (and, unless
 # the spec shares the host's, network) namespaces with guest/fresh.py's code, the very code that
 # gives each boxed test its pristine box: every overlay gets a new, empty upper layer, /tmp,
-# /workspace, /dev/shm and /run new tmpfs, /proc a new procfs of the new pid namespace.  The
-# child then becomes the new box's pid 1 agent, serving on the socket the host sent with the
-# request, watched by its own watchdog pipe, its stderr in its own log: from the host's side it
-# is a box like a booted one, in cgroups of its own (the host moves it there before it goes on).
+# /dev/shm and /run new tmpfs, /proc a new procfs of the new pid namespace, and the box a new
+# root of its own (fresh.py's fresh_root: /workspace and any top-level entry made anew).  The
+# child first moves itself into the box's own cgroups (the host sends their files' descriptors)
+# and a cgroup namespace of its own, then becomes the new box's pid 1 agent, serving on the
+# socket the host sent with the request, watched by its own watchdog pipe, its stderr in its own
+# log: from the host's side it is a box like a booted one.
 #
 # The zygote stays single-threaded so that fresh.py's clone(2) copies no lock another thread
 # holds (see fresh.py's _KNOWN_THREADS): no watchdog or reaper thread, one select loop instead.
@@ -587,11 +591,10 @@ def _reap_children():
 
 
 def _zygote(cfg, srv, watchdog_fd):
+    import gc
     import select
 
     fresh = _load_fresh()
-    import gc
-
     # Every object so far out of the collector's sight: a collection in a forked box would
     # otherwise touch (and so copy) every page of the zygote's heap.
     gc.freeze()
@@ -685,7 +688,7 @@ def _forked_box(conn, fds, req, cfg, fresh):
             os.set_inheritable(fd, False)
         conn.settimeout(_ZYGOTE_REQUEST_TIMEOUT)
         # The kernel tells the host (SO_PASSCRED) this process's pid as the host sees it; the host
-        # moves it into the new box's cgroups and records it, then says go.
+        # records it (so cleanup finds this box whatever happens next), then says go.
         _send(conn, {"forked": os.getpid()})
         word = b""
         while len(word) < 3:
