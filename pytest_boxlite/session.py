@@ -31,6 +31,8 @@ class SessionReport:
     leaked: list[str] = dataclasses.field(default_factory=list)
     reconciled: list[str] = dataclasses.field(default_factory=list)
     kept: list[str] = dataclasses.field(default_factory=list)
+    #: Why sandbox boxes were booted although forking was allowed (the host refused a fork).
+    fork_fallback: str | None = None
     #: Stats sent by xdist workers, merged into the controller's summary.
     worker_stats: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
@@ -299,6 +301,7 @@ class BoxliteSession:
             if runtime is not None:
                 # The runtime's own template boxes (zygotes) go first: they are no leak.
                 runtime.stop_forking()
+                self.report.fork_fallback = runtime.fork_fallback
                 # Anything of ours still listed after the pool shut down is a leak: report it, then reap it.
                 mine = [
                     r.name

@@ -517,6 +517,7 @@ def test_a_session_forks_its_sandboxes_from_one_zygote_and_leaves_nothing(
     assert all(r["forked_from"] for r in rows), rows
     assert len({r["forked_from"] for r in rows}) == 1, rows
     assert all(r["seen"] == "" for r in rows), f"a box saw another box's file: {rows}"
+    assert "not forked" not in out, out
     assert _leaked(out) == "0", out
     assert ledger.scan(home) == []
     assert cli(home, "ls").stdout.strip() == "no boxes"
@@ -546,3 +547,29 @@ def test_keep_boots_sandboxes_rather_than_forking_them(pytester: pytest.Pytester
     assert [r["forked_from"] for r in rows] == [None, None, None]
     assert all(r["seen"] == "" for r in rows), rows
     assert _leaked(out) == "0", out
+
+
+REFUSING_CONFTEST = """
+from pytest_boxlite.runtimes.namespace import runtime
+from pytest_boxlite.runtimes.namespace.zygote import ForkRefused
+
+
+def refuse(zygote, *args):
+    raise ForkRefused(f"zygote {zygote.name} could not fork a box: clone: [Errno 1] simulated refusal")
+
+
+# As a host that forbids what the fork needs (nested user namespaces, a mount) would answer.
+runtime.fork_from = refuse
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_fork_boots_the_sandboxes_and_the_summary_says_why(pytester: pytest.Pytester, home: Path) -> None:
+    pytester.makeconftest(REFUSING_CONFTEST)
+    out, rows = run_forked_session(pytester, home)
+    assert [r["forked_from"] for r in rows] == [None, None, None]
+    assert all(r["seen"] == "" for r in rows), rows
+    assert "sandbox boxes were booted, not forked from a warm box: zygote pbx-" in out, out
+    assert "simulated refusal" in out
+    assert _leaked(out) == "0", out
+    assert ledger.scan(home) == []

@@ -215,11 +215,21 @@ class Runtime(Protocol):
         """Stop the warm template boxes new boxes are forked from (before leftovers are counted)."""
         ...
 
+    @property
+    def fork_fallback(self) -> str | None:
+        """Why boxes were booted where forking was allowed (the host refused a fork), or ``None``."""
+        ...
+
 
 class RuntimeDefaults:
     """The defaults of :class:`Runtime`'s optional parts, for a runtime class to inherit."""
 
     reaped: Sequence[str] = ()
+
+    @property
+    def fork_fallback(self) -> str | None:
+        """No fork is ever tried here, so none was refused."""
+        return None
 
     def provision(
         self, spec: BoxSpec, setup: str, *, key: str, home: Path, cwd: Path, timeout: float, name: str
