@@ -93,6 +93,8 @@ def summary(
         tr.write_line(f"LEAKED boxes (removed at exit): {', '.join(rep.leaked)}", red=True)
     if rep.reconciled:
         tr.write_line(f"removed {len(rep.reconciled)} leftover box(es) of dead sessions: {', '.join(rep.reconciled)}")
+    if rep.fork_fallback:
+        tr.write_line(f"sandbox boxes were booted, not forked from a warm box: {rep.fork_fallback}", yellow=True)
     home = "" if session.settings.sources.get("home") == "default" else f" --home {shlex.quote(str(session.home))}"
     for name in rep.kept:
         tr.write_line(

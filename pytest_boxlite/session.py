@@ -31,6 +31,8 @@ class SessionReport:
     leaked: list[str] = dataclasses.field(default_factory=list)
     reconciled: list[str] = dataclasses.field(default_factory=list)
     kept: list[str] = dataclasses.field(default_factory=list)
+    #: Why sandbox boxes were booted although forking was allowed (the host refused a fork).
+    fork_fallback: str | None = None
     #: Stats sent by xdist workers, merged into the controller's summary.
     worker_stats: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
@@ -224,6 +226,8 @@ class BoxliteSession:
                 # A remote server's runtime removes, on opening, what dead sessions left there.
                 self.report.reconciled += list(runtime.reaped)
             s = self.settings
+            # Sandbox boxes forked from a zygote end with this process: kept ones must be booted.
+            runtime.allow_forked_boxes(not s.keep)
             pool = BoxPool(
                 runtime,
                 namer=self._namer,
@@ -309,6 +313,9 @@ class BoxliteSession:
                 self.report.stats = pool.stats.asdict()
                 self.report.kept = list(pool.stats.kept)
             if runtime is not None:
+                # The runtime's own template boxes (zygotes) go first: they are no leak.
+                runtime.stop_forking()
+                self.report.fork_fallback = runtime.fork_fallback
                 # Anything of ours still listed after the pool shut down is a leak: report it, then reap it.
                 mine = [
                     r.name

@@ -20,7 +20,9 @@ from pytest_boxlite.runtimes import Runtime, open_runtime, probe
 from pytest_boxlite.sandbox import Sandbox
 from pytest_boxlite.spec import BoxSpec
 
-RUNTIME_KINDS = ["namespace", "vm"]
+#: ``namespace-forked``: the namespace runtime with forking on (as a session has it), so its
+#: sandbox boxes are forked from a zygote; ``namespace`` boots each box.
+RUNTIME_KINDS = ["namespace", "namespace-forked", "vm"]
 #: Unique per test session (and per xdist worker): part of every box name.
 SESSION_HEX = uuid.uuid4().hex[:8]
 BOX_PREFIX = f"pbx-test{SESSION_HEX}-"
@@ -74,6 +76,10 @@ class _Runtimes:
                 from pytest_boxlite.runtimes.vm import VmRuntime, prepare_home
 
                 self._open[kind] = VmRuntime(prepare_home(self.home, self.owner), sdk=sdk_double)
+            elif kind == "namespace-forked":
+                rt = open_runtime("namespace", self.home, owner=self.owner)
+                rt.allow_forked_boxes(True)
+                self._open[kind] = rt
             else:
                 self._open[kind] = open_runtime(kind, self.home, owner=self.owner)
         return self._open[kind]
@@ -119,10 +125,18 @@ def runtime(runtimes: _Runtimes, runtime_kind: str) -> Runtime:
     return runtimes.get(runtime_kind)
 
 
+@pytest.fixture(scope="session", params=["booted", "forked"])
+def namespace_mode(request: pytest.FixtureRequest) -> str:
+    """How the namespace runtime makes sandbox boxes: ``booted`` (bubblewrap each) or ``forked``
+    (from the spec's zygote, as a session does): every guarantee must hold both ways."""
+    mode: str = request.param
+    return mode
+
+
 @pytest.fixture(scope="session")
-def namespace_runtime(runtimes: _Runtimes) -> Runtime:
-    """The namespace runtime, for tests that are about that runtime only."""
-    return runtimes.get("namespace")
+def namespace_runtime(runtimes: _Runtimes, namespace_mode: str) -> Runtime:
+    """The namespace runtime, for tests that are about that runtime only (booted and forked boxes)."""
+    return runtimes.get("namespace" if namespace_mode == "booted" else "namespace-forked")
 
 
 BoxFactory = Callable[..., Sandbox]

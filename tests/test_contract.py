@@ -62,7 +62,8 @@ def ws(sb: Sandbox, *parts: str) -> str:
 
 
 def test_identity(sandbox: Sandbox, runtime_kind: str) -> None:
-    assert sandbox.runtime == runtime_kind
+    assert sandbox.runtime == runtime_kind.removesuffix("-forked")
+    assert (getattr(sandbox.handle, "forked_from", None) is not None) == runtime_kind.endswith("-forked")
     assert sandbox.name.startswith("pbx-test")
     assert sandbox.id
     assert sandbox.workdir.startswith("/")

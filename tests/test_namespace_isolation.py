@@ -17,6 +17,7 @@ import textwrap
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import BoxFactory, new_box_name
@@ -25,6 +26,7 @@ from subruns import TcpServer, host_cleanup, pids_with
 from pytest_boxlite import errors
 from pytest_boxlite.runtimes import Runtime, _cgroups
 from pytest_boxlite.runtimes.namespace import NamespaceRuntime
+from pytest_boxlite.runtimes.namespace.box import NamespaceBox
 from pytest_boxlite.sandbox import Sandbox
 from pytest_boxlite.spec import BoxSpec
 
@@ -502,3 +504,284 @@ def test_a_working_bwrap_reports_no_user_namespace_problem(namespace_runtime: Ru
     from pytest_boxlite.runtimes.namespace import userns_problem
 
     assert userns_problem(namespace_runtime.bwrap) is None  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------
+# sandbox boxes forked from a zygote (namespace_runtime runs every test above both ways)
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def forked_runtime(runtimes: Any) -> NamespaceRuntime:
+    """The namespace runtime with forking on, as a session has it."""
+    rt = runtimes.get("namespace-forked")
+    assert isinstance(rt, NamespaceRuntime)
+    return rt
+
+
+def _forked(rt: NamespaceRuntime, spec: BoxSpec | None = None) -> NamespaceBox:
+    h = rt.create_box(spec or BoxSpec(), new_box_name(), timeout=30)
+    assert h.forked_from is not None, f"box {h.name} was booted, not forked (fallback: {rt.fork_fallback})"
+    return h
+
+
+def _zygote(rt: NamespaceRuntime, h: NamespaceBox) -> NamespaceBox:
+    [zygote] = [z for z in rt._zygotes._boxes.values() if z.name == h.forked_from]
+    return zygote
+
+
+def test_the_next_forked_box_of_a_spec_is_pristine(forked_runtime: NamespaceRuntime) -> None:
+    """What one sandbox writes (in /tmp, /workspace, $HOME, /etc, a new directory) the next one of the
+    same spec, forked from the same zygote, never sees; and the zygote's own files are untouched."""
+    tag = unique("pbx-pristine")
+    first = _forked(forked_runtime)
+    try:
+        dirs = "/tmp /workspace $HOME /etc /usr/local/bin"
+        write = f"for d in {dirs}; do echo {tag} > $d/{tag} || exit 1; done; mkdir /{tag}"
+        assert Sandbox(first).execute_command(write).ok
+        assert Sandbox(first).execute_command(f"cat /etc/{tag}").stdout.strip() == tag
+        second = _forked(forked_runtime)
+        try:
+            assert second.forked_from == first.forked_from
+            look = f"for d in {dirs} /; do test -e $d/{tag} && echo seen $d; done; true"
+            assert Sandbox(second).execute_command(look).stdout == ""
+            assert Sandbox(second).execute_command("ls -A /tmp /workspace").stdout.split() == ["/tmp:", "/workspace:"]
+        finally:
+            second.destroy()
+    finally:
+        first.destroy()
+    for d in ("/tmp", "/etc", "/usr/local/bin", str(Path.home())):
+        assert not (Path(d) / tag).exists(), f"a forked box's write reached the host's {d}"
+
+
+NAMESPACES = ("user", "mnt", "pid", "net", "uts", "ipc", "cgroup")
+
+
+def _box_namespaces(h: NamespaceBox) -> dict[str, str]:
+    out = Sandbox(h).execute_command(" ".join(f"readlink /proc/self/ns/{n};" for n in NAMESPACES)).stdout.split()
+    return dict(zip(NAMESPACES, out, strict=True))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads the zygote's namespaces from the host, which takes root")
+def test_forked_boxes_have_namespaces_of_their_own(forked_runtime: NamespaceRuntime) -> None:
+    """Each forked box is in user, mount, pid, network, uts, ipc and cgroup namespaces of its own:
+    not its zygote's, not its sibling's (the network too: the spec has none)."""
+    a, b = _forked(forked_runtime), _forked(forked_runtime)
+    try:
+        zygote = _zygote(forked_runtime, a)
+        assert zygote.agent_pid is not None
+        of_zygote = {n: os.readlink(f"/proc/{zygote.agent_pid}/ns/{n}") for n in NAMESPACES}
+        of_a, of_b = _box_namespaces(a), _box_namespaces(b)
+        for n in NAMESPACES:
+            assert len({of_zygote[n], of_a[n], of_b[n]}) == 3, (n, of_zygote[n], of_a[n], of_b[n])
+        # The box's pid 1 is its agent, and it sees no other process than its own.
+        ps = Sandbox(a).execute_command("ls /proc | grep -E '^[0-9]+$'").stdout.split()
+        assert "1" in ps and len(ps) <= 4, ps  # the agent, and sh, ls and grep
+        assert Sandbox(a).execute_command("hostname").stdout.strip() == a.name
+    finally:
+        a.destroy()
+        b.destroy()
+
+
+def _cgroup_of(pid: int, controller: str) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(",") or (controllers == "" and controller == ""):
+            return path
+    raise AssertionError(f"pid {pid} has no {controller!r} cgroup")
+
+
+def test_a_forked_box_has_the_cgroup_limits_of_a_booted_one(namespace_runtime: Runtime) -> None:
+    """Its own memory and pids cgroups with the spec's limits, which hold: a memory hog is OOM-killed
+    (counted by oom_kills, the box lives on), a fork bomb hits the pids cap."""
+    spec = BoxSpec(memory_mib=96, pids_limit=40)
+    h = namespace_runtime.create_box(spec, new_box_name(), timeout=30)
+    try:
+        assert isinstance(h, NamespaceBox)
+        cg = h._cgroups
+        if "memory" not in cg.applied or "pids" not in cg.applied:
+            pytest.skip(f"this host cannot apply the limits: {cg.missing}")
+        assert h.agent_pid is not None
+        for d in cg.dirs:
+            tasks = d / "cgroup.procs"
+            assert h.agent_pid in {int(p) for p in tasks.read_text().split()}, f"the box's pid 1 is not in {d}"
+        hog = "python3 -c 'b = bytearray(400 << 20); b[::4096] = b\"x\" * (400 << 8)' ; echo rc=$?"
+        r = Sandbox(h).execute_command(hog, timeout=60)
+        assert "rc=137" in r.stdout, r
+        assert h.oom_kills() >= 1
+        bomb = "for i in $(seq 60); do sleep 5 & done 2>&1 | head -1; wait; echo done"
+        r = Sandbox(h).execute_command(bomb, timeout=60)
+        # dash says "Cannot fork", bash "Resource temporarily unavailable": EAGAIN from the pids cap.
+        assert "Cannot fork" in r.stdout + r.stderr or "Resource temporarily unavailable" in r.stdout + r.stderr, r
+        assert Sandbox(h).execute_command("echo alive").stdout.strip() == "alive"
+    finally:
+        h.destroy()
+
+
+def test_destroying_a_forked_box_kills_everything_in_it_and_nothing_else(forked_runtime: NamespaceRuntime) -> None:
+    """Detached and double-forked processes go with the box; its sibling and the zygote live on;
+    destroy is idempotent and removes the box's cgroups and directories."""
+    marker = unique("pbx-forked-destroy")
+    a, b = _forked(forked_runtime), _forked(forked_runtime)
+    try:
+        detach = f"(setsid sh -c 'sleep 600; echo {marker}' &) ; (setsid sleep 601 &) ; true"
+        assert Sandbox(a).execute_command(detach).ok
+        assert wait_for(lambda: pids_with(marker), 5), "the detached process did not start"
+        name, dirs = a.name, list(a._cgroups.dirs)
+        a.destroy()
+        a.destroy()
+        assert wait_for(lambda: not pids_with(marker), 5), "a box process outlived destroy()"
+        assert not a.alive()
+        assert all(not d.exists() for d in dirs)
+        assert _cgroups.find_dirs(name) == []
+        assert not (forked_runtime.state_dir / name).exists()
+        assert Sandbox(b).execute_command("echo sibling").stdout.strip() == "sibling"
+        assert _zygote(forked_runtime, b).running()
+    finally:
+        a.destroy()
+        b.destroy()
+
+
+def wait_for(cond: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return bool(cond())
+
+
+def test_a_forked_box_logs_to_its_own_log(forked_runtime: NamespaceRuntime) -> None:
+    """log_tail is the box's own: what its commands write there, not its zygote's or a sibling's."""
+    a, b = _forked(forked_runtime), _forked(forked_runtime)
+    try:
+        tag = unique("pbx-log")
+        argv = a.attach_argv(["sh", "-c", f"echo {tag} >&2"])
+        assert subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=30).returncode == 0
+        assert tag in a.log_tail()
+        assert tag not in b.log_tail()
+        assert tag not in _zygote(forked_runtime, a).log_tail()
+        assert a.log_size() > 0
+    finally:
+        a.destroy()
+        b.destroy()
+
+
+def test_the_zygote_runs_no_command_and_forks_only_boxes(forked_runtime: NamespaceRuntime) -> None:
+    """Asked to run a command or the file helper, the zygote refuses; its only children are the
+    agents of the boxes forked from it."""
+    boxes = [_forked(forked_runtime) for _ in range(2)]
+    try:
+        zygote = _zygote(forked_runtime, boxes[0])
+        for op in ("exec", "helper"):
+            with pytest.raises(errors.BoxliteError, match="runs no command"):
+                zygote.exec(["touch", "/tmp/zygote-was-here"], timeout=10, op=op)
+        assert zygote.alive()
+        children = set()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    status = Path(f"/proc/{entry}/status").read_text()
+                    if f"\nPPid:\t{zygote.agent_pid}\n" in status:
+                        children.add(int(entry))
+        assert children <= {b.agent_pid for b in boxes}, children
+        assert {b.agent_pid for b in boxes} <= children
+    finally:
+        for b in boxes:
+            b.destroy()
+
+
+def test_a_forked_box_cannot_be_kept(forked_runtime: NamespaceRuntime) -> None:
+    """It ends with its zygote (and so with this process): keeping it is refused, clearly (sessions
+    with --boxlite-keep boot their boxes instead)."""
+    h = _forked(forked_runtime)
+    try:
+        with pytest.raises(errors.BoxliteError, match="must be booted"):
+            h.keep()
+    finally:
+        h.destroy()
+
+
+def test_a_refused_fork_falls_back_to_booting_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the host refuses what a fork needs, boxes of the spec are booted, and the runtime says why."""
+    from pytest_boxlite.runtimes.namespace import runtime as runtime_module
+    from pytest_boxlite.runtimes.namespace.zygote import ForkRefused
+
+    def refuse(*args: object) -> NamespaceBox:
+        raise ForkRefused("clone: [Errno 1] Operation not permitted (simulated)")
+
+    monkeypatch.setattr(runtime_module, "fork_from", refuse)
+    rt = NamespaceRuntime(tmp_path)
+    try:
+        rt.allow_forked_boxes(True)
+        h = rt.create_box(BoxSpec(), "pbx-fallback-1", timeout=30)
+        try:
+            assert h.forked_from is None
+            assert Sandbox(h).execute_command("echo booted").stdout.strip() == "booted"
+            assert rt.fork_fallback is not None and "Operation not permitted" in rt.fork_fallback
+            # The refusal holds for the spec: no zygote is booted again for it.
+            h2 = rt.create_box(BoxSpec(), "pbx-fallback-2", timeout=30)
+            h2.destroy()
+            assert h2.forked_from is None
+            assert [r.name for r in rt.list_boxes()] == ["pbx-fallback-1"]
+        finally:
+            h.destroy()
+    finally:
+        rt.close()
+    assert rt.list_boxes() == []
+
+
+ZYGOTE_CHILD = """
+import sys, time
+from pathlib import Path
+from pytest_boxlite.runtimes.namespace import NamespaceRuntime
+from pytest_boxlite.spec import BoxSpec
+
+rt = NamespaceRuntime(Path(sys.argv[1]))
+rt.allow_forked_boxes(True)
+box = rt.create_box(BoxSpec(), sys.argv[2], timeout=30)
+print(box.forked_from, box.agent_pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_forked_boxes_and_their_zygote_die_with_a_sigkilled_host_and_are_reaped(tmp_path: Path) -> None:
+    """kill -9 of the process that forked a box: the box and its zygote end (the watchdog, the
+    nested pid namespace), and removing what is left leaves no cgroup, directory or process."""
+    rt = NamespaceRuntime(tmp_path)
+    name = new_box_name()
+    child = subprocess.Popen([sys.executable, "-c", ZYGOTE_CHILD, str(tmp_path), name], stdout=subprocess.PIPE)
+    try:
+        line = _readline(child, 30).split()
+        assert len(line) == 2, line
+        zygote_name, agent = line[0], int(line[1])
+        assert {r.name: r.state for r in rt.list_boxes()} == {name: "running", zygote_name: "running"}
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert wait_for(lambda: all(r.state == "dead" for r in rt.list_boxes()), 10), rt.list_boxes()
+        assert wait_for(lambda: not os.path.exists(f"/proc/{agent}"), 10)
+        for rec in rt.list_boxes():
+            rt.remove_box(rec.name)
+        assert rt.list_boxes() == []
+        assert _cgroups.find_dirs(name) == [] and _cgroups.find_dirs(zygote_name) == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        if child.stdout is not None:
+            child.stdout.close()
+        for rec in rt.list_boxes():
+            rt.remove_box(rec.name)
+        rt.close()
+
+
+def test_a_box_can_make_a_sandbox_of_its_own(namespace_runtime: Runtime) -> None:
+    """A command can make its own user and pid namespaces with a new /proc (unshare --mount-proc), in a
+    forked box as in a booted one: the agent keeps a spare, hidden, fully visible procfs for that."""
+    h = namespace_runtime.create_box(BoxSpec(), new_box_name(), timeout=30)
+    try:
+        r = Sandbox(h).execute_command("unshare --user --map-root-user --pid --fork --mount-proc sh -c 'echo $$'")
+        assert r.ok and r.stdout.strip() == "1", r
+        assert "no spare /proc" not in h.log_tail()
+    finally:
+        h.destroy()

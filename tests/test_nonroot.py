@@ -152,6 +152,17 @@ def test_sandbox_commands_run_as_root_in_the_box(boxlite_sandbox):
     assert lines[1] == "{nproc}"  # the pids cap, as RLIMIT_NPROC when no pids cgroup can be made
     assert int(lines[3], 16) & (1 << 21) == 0  # no CAP_SYS_ADMIN
     assert boxlite_sandbox.run(["id", "-u"], user="{uid}", timeout=30).stdout.strip() == "{uid}"
+
+
+def test_sandbox_a_is_forked_and_writes(boxlite_sandbox):
+    assert boxlite_sandbox.handle.forked_from  # from the session's zygote, not booted
+    assert boxlite_sandbox.execute_command("touch /etc/pbx-nonroot-mark /workspace/mark", timeout=30).ok
+
+
+def test_sandbox_b_is_forked_and_pristine(boxlite_sandbox):
+    assert boxlite_sandbox.handle.forked_from
+    r = boxlite_sandbox.execute_command("ls /etc/pbx-nonroot-mark /workspace/mark", timeout=30)
+    assert r.exit_code != 0 and "No such file" in r.stderr, r
 """
 
 
@@ -161,7 +172,7 @@ def test_boxed_tests_and_sandboxes_work_as_an_ordinary_user(work: Workdir) -> No
     work.write("test_nonroot_boxed.py", BOXED.format(uid=work.uid, gid=work.gid, nproc=nproc))
     r = work.pytest("--boxlite-runtime=namespace", "-p", "no:randomly", "-rA")
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert "4 passed" in r.stdout
+    assert "6 passed" in r.stdout
     assert work.boxes() == "no boxes"
 
 

@@ -376,3 +376,52 @@ def test_warm_lease_is_faster_than_cold(make_pool: PoolFactory) -> None:
         assert wait_until(lambda: cold_pool.live == 0)
     assert cold_pool.stats.warm_hits == 0
     assert statistics.median(warm) < statistics.median(cold), f"warm {warm} vs cold {cold}"
+
+
+# -- boxes forked from a zygote ---------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_a_forking_runtime_refills_the_pool_with_pristine_forked_boxes(rt: NamespaceRuntime) -> None:
+    """With forking on (as a session has it), every box the pool boots after the first is forked from
+    one zygote; each lease is pristine, concurrent leases stay under the cap, and once the pool and
+    the zygote are stopped nothing is left."""
+    rt.allow_forked_boxes(True)
+    pool = BoxPool(rt, namer=make_namer(uuid.uuid4().hex[:8]), replicas=3, boot_timeout=30, lease_timeout=60)
+    zygotes: set[str | None] = set()
+    seen_boxes: set[str] = set()
+    errors_seen: list[BaseException] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            lease = pool.lease(SPEC)
+            try:
+                sb = lease.sandbox
+                r = sb.execute_command(f"ls /etc/pbx-pool-* 2>/dev/null; echo {i} > /etc/pbx-pool-{i}")
+                assert r.ok and r.stdout == "", f"lease {i} saw another lease's file: {r.stdout!r}"
+                with lock:
+                    zygotes.add(getattr(lease.handle, "forked_from", None))
+                    seen_boxes.add(lease.handle.name)
+            finally:
+                lease.release()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors_seen.append(exc)
+
+    try:
+        pool.prewarm(SPEC, count=2)
+        for _ in range(4):
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert pool.live <= 3
+        assert errors_seen == []
+        assert len(seen_boxes) == 24, "a box served two leases"
+        assert len(zygotes) == 1 and None not in zygotes, zygotes
+        assert pool.stats.boot_failures == 0
+    finally:
+        pool.shutdown()
+        rt.stop_forking()
+    assert rt.list_boxes() == []

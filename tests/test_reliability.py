@@ -41,6 +41,7 @@ from subruns import HOLDER, QUIET, SubRun, TcpServer, pids_with, process_gone, p
 from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError, BoxTimeoutError, ConfigError, InvalidPathError, SandboxFileError
 from pytest_boxlite.runtimes.namespace import limits_for
+from pytest_boxlite.runtimes.namespace.zygote import is_zygote_name
 from pytest_boxlite.sandbox import Sandbox
 from pytest_boxlite.spec import BoxSpec
 
@@ -194,6 +195,11 @@ def boxes_of(home: Path, owner: str | None) -> dict[str, ledger.Leftover]:
     return {r.name: r for r in ledger.scan(home) if r.owner == owner}
 
 
+def pool_boxes_running(home: Path, owner: str | None) -> int:
+    """How many of ``owner``'s pool boxes run (not the zygote its sandbox boxes are forked from)."""
+    return sum(r.running for n, r in boxes_of(home, owner).items() if not is_zygote_name(n))
+
+
 @pytest.mark.timeout(180)
 def test_kill9_mid_run_next_start_reconciles_and_spares_a_live_session(
     pytester: pytest.Pytester, home: Path, subruns: list[SubRun]
@@ -208,10 +214,11 @@ def test_kill9_mid_run_next_start_reconciles_and_spares_a_live_session(
     victim_owner, live_owner = ledger.owner_of(victim_box), ledger.owner_of(live_box)
     assert victim_owner and live_owner and victim_owner != live_owner
 
-    # One leased box and two warm ones (replicas=3), all running.
-    assert wait_until(lambda: sum(r.running for r in boxes_of(home, victim_owner).values()) == 3, 60), ledger.scan(home)
+    # One leased box and two warm ones (replicas=3), all running, and the zygote they were forked from.
+    assert wait_until(lambda: pool_boxes_running(home, victim_owner) == 3, 60), ledger.scan(home)
     victim_pids = {n: p for n, p in box_pids(home).items() if ledger.owner_of(n) == victim_owner}
-    assert wait_until(lambda: len(boxes_of(home, live_owner)) == 2, 60), ledger.scan(home)
+    assert sum(map(is_zygote_name, victim_pids)) == 1, victim_pids
+    assert wait_until(lambda: len([n for n in boxes_of(home, live_owner) if not is_zygote_name(n)]) == 2, 60)
     live_before = {n: p for n, p in box_pids(home).items() if ledger.owner_of(n) == live_owner}
     assert live_box in live_before
 

@@ -12,9 +12,11 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -454,3 +456,120 @@ def test_ls_and_clean_on_an_empty_home(home: Path, tmp_path: Path) -> None:
         assert clean.stdout.strip() == "removed 0 box(es)"
     with contextlib.suppress(FileNotFoundError):
         assert list((tmp_path / "never-created").iterdir()) == []
+
+
+# -- sandbox boxes forked from a zygote ---------------------------------------------
+
+FORKED = """
+import json, os
+from pathlib import Path
+
+def _record(sb, i):
+    seen = sb.execute_command("cat /etc/pbx-setup-mark 2>/dev/null; ls /etc/pbx-written-* 2>/dev/null; true").stdout
+    sb.execute_command(f"echo {i} > /etc/pbx-written-{i}")
+    with open(os.environ["RECORD"], "a") as fh:
+        fh.write(json.dumps({"name": sb.name, "forked_from": sb.handle.forked_from, "seen": seen}) + "\\n")
+
+def test_a(boxlite_sandbox):
+    _record(boxlite_sandbox, "a")
+
+def test_b(boxlite_sandbox):
+    _record(boxlite_sandbox, "b")
+
+def test_c(boxlite_sandbox):
+    _record(boxlite_sandbox, "c")
+"""
+
+
+def _leaked(output: str) -> str:
+    m = SUMMARY.search(output)
+    assert m, "no boxlite summary line:\n" + output[-5000:]
+    return m["leaked"]
+
+
+def run_forked_session(
+    pytester: pytest.Pytester, home: Path, *args: str, project: Path | None = None
+) -> tuple[str, list[dict[str, object]]]:
+    """Run FORKED in ``project`` (default: pytester's directory) with ``args``; its output and records."""
+    project = project or pytester.path
+    (project / "test_forked.py").write_text(FORKED)
+    record = project / "record.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", *args, "test_forked.py"],
+        cwd=project,
+        env={**sub_env(), "RECORD": str(record)},
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, [json.loads(line) for line in record.read_text().splitlines()]
+
+
+@pytest.mark.timeout(120)
+def test_a_session_forks_its_sandboxes_from_one_zygote_and_leaves_nothing(
+    pytester: pytest.Pytester, home: Path
+) -> None:
+    """A session's boxlite_sandbox boxes are forked (not booted), each pristine; the zygote is no
+    leak, and nothing of the session is left once it ends."""
+    out, rows = run_forked_session(pytester, home)
+    assert len(rows) == 3
+    assert all(r["forked_from"] for r in rows), rows
+    assert len({r["forked_from"] for r in rows}) == 1, rows
+    assert all(r["seen"] == "" for r in rows), f"a box saw another box's file: {rows}"
+    assert "not forked" not in out, out
+    assert _leaked(out) == "0", out
+    assert ledger.scan(home) == []
+    assert cli(home, "ls").stdout.strip() == "no boxes"
+
+
+@pytest.mark.timeout(240)
+def test_setup_template_reaches_forked_sandboxes(pytester: pytest.Pytester, home: Path) -> None:
+    """``--boxlite-setup``: the zygote starts from the template, so every forked box has its files."""
+    # The setup runs in the invocation directory, which must be one boxes see (not under the host's /tmp).
+    project = Path(tempfile.mkdtemp(prefix="pbx-setup-", dir="/var/tmp"))
+    try:
+        out, rows = run_forked_session(
+            pytester, home, "--boxlite-setup", "echo provisioned > /etc/pbx-setup-mark", project=project
+        )
+    finally:
+        shutil.rmtree(project, ignore_errors=True)
+    assert all(r["forked_from"] for r in rows), rows
+    assert all(r["seen"] == "provisioned\n" for r in rows), rows
+    assert _leaked(out) == "0", out
+    assert ledger.scan(home) == []
+
+
+@pytest.mark.timeout(120)
+def test_keep_boots_sandboxes_rather_than_forking_them(pytester: pytest.Pytester, home: Path) -> None:
+    """A forked box cannot outlive its session: under --boxlite-keep every box is booted."""
+    out, rows = run_forked_session(pytester, home, "--boxlite-keep")
+    assert [r["forked_from"] for r in rows] == [None, None, None]
+    assert all(r["seen"] == "" for r in rows), rows
+    assert _leaked(out) == "0", out
+
+
+REFUSING_CONFTEST = """
+from pytest_boxlite.runtimes.namespace import runtime
+from pytest_boxlite.runtimes.namespace.zygote import ForkRefused
+
+
+def refuse(zygote, *args):
+    raise ForkRefused(f"zygote {zygote.name} could not fork a box: clone: [Errno 1] simulated refusal")
+
+
+# As a host that forbids what the fork needs (nested user namespaces, a mount) would answer.
+runtime.fork_from = refuse
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_fork_boots_the_sandboxes_and_the_summary_says_why(pytester: pytest.Pytester, home: Path) -> None:
+    pytester.makeconftest(REFUSING_CONFTEST)
+    out, rows = run_forked_session(pytester, home)
+    assert [r["forked_from"] for r in rows] == [None, None, None]
+    assert all(r["seen"] == "" for r in rows), rows
+    assert "sandbox boxes were booted, not forked from a warm box: zygote pbx-" in out, out
+    assert "simulated refusal" in out
+    assert _leaked(out) == "0", out
+    assert ledger.scan(home) == []

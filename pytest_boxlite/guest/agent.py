@@ -9,6 +9,8 @@ as a descriptor: the socket's path lives in the host's private control directory
 which no guest can see.  One connection is one request:
 
 * ``{"op": "ping"}`` -> ``{"pong": pid}``
+* ``{"op": "spawn", ...}`` (a *zygote* only, which serves nothing else): fork a new box from
+  this one (see "the zygote" below and :mod:`pytest_boxlite.runtimes.namespace.zygote`).
 * ``{"op": "helper"}`` with three descriptors: like ``exec``, but the file
   helper (:mod:`pytest_boxlite.guest.files`) runs in a fork of this agent, which
   has it imported already: no interpreter start-up per file operation.
@@ -69,6 +71,7 @@ MAX_REQUEST = 4 << 20
 
 _PR_SET_DUMPABLE = 4
 _CLONE_NEWUSER = 0x10000000
+_CLONE_NEWCGROUP = 0x02000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 #: Parts of /proc no box may write, read-only as in Docker: on a root host uid 0 of the box is
 #: uid 0 to the kernel's sysctl permission checks (core_pattern, sysrq-trigger...).
@@ -117,15 +120,17 @@ def _seal_proc():
         _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
 
 
-def _hide_spare_proc():
-    """A fully visible procfs that no path reaches (see the module docstring, step 2)."""
+def _hide_spare_proc(root=""):
+    """A fully visible procfs that no path reaches (see the module docstring, step 3), in the tree
+    at ``root`` (a forked box makes it in its new root before it moves there)."""
+    hidden = root + HIDDEN_PROC
     try:
-        os.makedirs(HIDDEN_PROC, mode=0o700, exist_ok=True)
-        _mount("tmpfs", HIDDEN_PROC, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0700,size=4k")
-        os.mkdir(HIDDEN_PROC + "/p", 0o700)
-        _mount("proc", HIDDEN_PROC + "/p", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        os.makedirs(hidden, mode=0o700, exist_ok=True)
+        _mount("tmpfs", hidden, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0700,size=4k")
+        os.mkdir(hidden + "/p", 0o700)
+        _mount("proc", hidden + "/p", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
         # Stacked on the same mount point: the procfs is still mounted, but nothing leads to it.
-        _mount("tmpfs", HIDDEN_PROC, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0,size=4k")
+        _mount("tmpfs", hidden, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0,size=4k")
     except OSError as exc:
         sys.stderr.write("pytest-boxlite agent: no spare /proc (forked boxes get none): %s\n" % exc)
 
@@ -522,6 +527,203 @@ def _watchdog(fd):
         os._exit(0)
 
 
+def _harden(cfg):
+    """What the agent does before it serves anything (see the module docstring): process limit,
+    Docker's capabilities, not dumpable.  ``/proc`` is sealed and the spare one hidden by the
+    caller first (a forked box does both in its own new tree)."""
+    if cfg.get("nproc"):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NPROC, (int(cfg["nproc"]), int(cfg["nproc"])))
+    limit_caps(DOCKER_CAPS)
+    _check(_libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+
+
+def _serve_forever(srv, watchdog_fd, base_env, default_user):
+    threading.Thread(target=_watchdog, args=(watchdog_fd,), daemon=True).start()
+    threading.Thread(target=_reap_orphans, daemon=True).start()
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=_serve, args=(conn, base_env, default_user), daemon=True).start()
+
+
+# --- the zygote: a warm template box that sandbox boxes are forked from -----------------------
+#
+# A zygote is a box booted like any other, whose agent serves no command at all: only ``ping``
+# and ``spawn``.  On ``spawn`` it clones a child into new user, mount, pid, uts, ipc (and, unless
+# the spec shares the host's, network) namespaces with guest/fresh.py's code, the very code that
+# gives each boxed test its pristine box: every overlay gets a new, empty upper layer, /tmp,
+# /dev/shm and /run new tmpfs, /proc a new procfs of the new pid namespace, and the box a new
+# root of its own (fresh.py's fresh_root: /workspace and any top-level entry made anew).  The
+# child first moves itself into the box's own cgroups (the host sends their files' descriptors)
+# and a cgroup namespace of its own, then becomes the new box's pid 1 agent, serving on the
+# socket the host sent with the request, watched by its own watchdog pipe, its stderr in its own
+# log: from the host's side it is a box like a booted one.
+#
+# The zygote stays single-threaded so that fresh.py's clone(2) copies no lock another thread
+# holds (see fresh.py's _KNOWN_THREADS): no watchdog or reaper thread, one select loop instead.
+# Its children die with it (PR_SET_PDEATHSIG, and their pid namespaces are nested in its own,
+# which the kernel empties when it ends), and it dies with the host (its watchdog pipe).
+
+_ZYGOTE_REQUEST_TIMEOUT = 10.0
+
+
+def _load_fresh():
+    """guest/fresh.py, run with guest/caps.py's names as its globals (as the host's remote_exec
+    sends them ahead of it to a test worker): the fork code is shared, not copied."""
+    path = os.path.join(os.path.dirname(__file__), "fresh.py")
+    with open(path) as fh:
+        code = compile(fh.read(), path, "exec")
+    names = {"__name__": "_boxlite_guest_fresh", "check_libc": _caps.check_libc, "limit_caps": _caps.limit_caps}
+    exec(code, names)  # noqa: S102 - our own guest module, by path, as _sibling loads caps.py
+    return names
+
+
+def _reap_children():
+    """Collect the zygote's ended children (forked boxes), never blocking."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _zygote(cfg, srv, watchdog_fd):
+    import gc
+    import select
+
+    fresh = _load_fresh()
+    # Every object so far out of the collector's sight: a collection in a forked box would
+    # otherwise touch (and so copy) every page of the zygote's heap.
+    gc.freeze()
+    while True:
+        _reap_children()
+        try:
+            ready, _, _ = select.select([srv, watchdog_fd], [], [], 1.0)
+        except InterruptedError:
+            continue
+        if watchdog_fd in ready:
+            try:
+                data = os.read(watchdog_fd, 4096)
+            except OSError:
+                data = b""
+            if not data:
+                os._exit(0)  # the host is gone: so is the zygote, and with it every box it forked
+        if srv in ready:
+            conn, _ = srv.accept()
+            _zygote_serve(conn, cfg, fresh)
+
+
+def _zygote_serve(conn, cfg, fresh):
+    """One request to the zygote; in the parent it returns, in a forked child it never does."""
+    fds = []
+    try:
+        conn.settimeout(_ZYGOTE_REQUEST_TIMEOUT)
+        req, fds = _read_request(conn)
+        op = req.get("op")
+        if op == "ping":
+            _send(conn, {"pong": os.getpid()})
+            return
+        if op != "spawn":
+            # The zygote never runs a command: it is the template every forked box starts from.
+            _send(conn, {"error": "a zygote runs no command (op %r)" % (op,), "errno": 1})
+            return
+        if len(fds) < 3:
+            _send(conn, {"error": "spawn needs at least 3 descriptors, got %d" % len(fds), "errno": 22})
+            return
+        mapper = fresh["IdMapper"]() if os.geteuid() == 0 else None
+        try:
+            pid = fresh["clone_box"](bool(req.get("network")), mapper, fresh["sandbox_flags"](bool(req.get("network"))))
+        except OSError as exc:
+            if mapper is not None:
+                mapper.close_parent_side()
+                mapper.close_child_side()
+            _send(conn, {"error": "clone: %s" % exc, "errno": exc.errno or 0})
+            return
+        if pid == 0:
+            _forked_box(conn, fds, req, cfg, fresh)  # never returns
+        if mapper is not None:
+            mapper.serve(pid)
+    except Exception as exc:  # the zygote must survive any single bad request
+        try:
+            _send(conn, {"error": "zygote: %s: %s" % (type(exc).__name__, exc), "errno": 0})
+        except OSError:
+            pass
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        conn.close()
+
+
+def _forked_box(conn, fds, req, cfg, fresh):
+    """In the zygote's child, pid 1 of its new namespaces: become the new box's agent."""
+    code = 70
+    try:
+        listen_fd, watchdog_fd, log_fd = fds[:3]
+        # The box's own log from here on (the zygote's stays the zygote's).
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", closefd=False)
+        # Then into the box's own cgroups (the host opened their task files for it): a process
+        # that moves itself, one thread, takes no lock the whole machine waits on (the host moving
+        # it would take cgroup_threadgroup_rwsem, an RCU grace period: milliseconds).
+        for fd in fds[3:]:
+            os.write(fd, b"0")
+            os.close(fd)
+        # And a cgroup namespace whose root is that cgroup, as bubblewrap gives a booted box.
+        _check(_libc.unshare(_CLONE_NEWCGROUP), "unshare(CLONE_NEWCGROUP)")
+        # Nothing of the zygote's stays open here: its listening socket and its watchdog pipe.
+        for fd in _PRIVATE_FDS:
+            os.close(fd)
+        del _PRIVATE_FDS[:]
+        _PRIVATE_FDS.extend([listen_fd, watchdog_fd])
+        for fd in _PRIVATE_FDS:
+            os.set_inheritable(fd, False)
+        conn.settimeout(_ZYGOTE_REQUEST_TIMEOUT)
+        # The kernel tells the host (SO_PASSCRED) this process's pid as the host sees it; the host
+        # records it (so cleanup finds this box whatever happens next), then says go.
+        _send(conn, {"forked": os.getpid()})
+        word = b""
+        while len(word) < 3:
+            more = conn.recv(3 - len(word))
+            if not more:
+                break
+            word += more
+        if word != b"go\n":
+            os._exit(71)  # the host gave up on this box (it cannot have been recorded)
+        with open("/proc/self/oom_score_adj") as fh:
+            oom_adj = fh.read().strip()
+        network = bool(req.get("network"))
+        warm_tops = fresh["top_mounts"]()
+        fresh["_fresh_box"](str(req["hostname"]), network)
+        # The spare /proc goes into the new root before the old one (and the zygote's spare /proc
+        # in it) is detached: the kernel mounts a new procfs only where a fully visible one exists.
+        fresh["fresh_root"](warm_tops, _hide_spare_proc)
+        # _fresh_box favours the warm interpreter under memory pressure: a box's agent has none.
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write(oom_adj)
+        if not network:
+            fresh["_loopback_up"]()
+        _harden(req)
+        srv = socket.socket(fileno=listen_fd)
+        _send(conn, {"ready": os.getpid()})
+        conn.close()
+        _serve_forever(srv, watchdog_fd, req["env"], tuple(req["user"]))
+    except BaseException as exc:
+        try:
+            sys.stderr.write("pytest-boxlite agent: the forked box could not start: %r\n" % (exc,))
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
 def main():
     cfg = json.loads(sys.argv[1])
     # First of all: nothing in the box may ptrace us or open our descriptors through /proc.
@@ -533,23 +735,15 @@ def main():
         os.set_inheritable(fd, False)
     _seal_proc()
     _hide_spare_proc()
-    if cfg.get("nproc"):
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_NPROC, (int(cfg["nproc"]), int(cfg["nproc"])))
-    limit_caps(DOCKER_CAPS)
+    _harden(cfg)
     _load_helper(cfg["helper"])
-    threading.Thread(target=_watchdog, args=(watchdog_fd,), daemon=True).start()
-    threading.Thread(target=_reap_orphans, daemon=True).start()
     srv = socket.socket(fileno=listen_fd)
-    default_user = tuple(cfg["user"])
-    base_env = cfg["env"]
     # Tell the host we are ready: it waits for this line on our stdout.
     sys.stdout.write("ready %d\n" % os.getpid())
     sys.stdout.flush()
-    while True:
-        conn, _ = srv.accept()
-        threading.Thread(target=_serve, args=(conn, base_env, default_user), daemon=True).start()
+    if cfg.get("zygote"):
+        _zygote(cfg, srv, watchdog_fd)
+    _serve_forever(srv, watchdog_fd, cfg["env"], tuple(cfg["user"]))
 
 
 if __name__ == "__main__":

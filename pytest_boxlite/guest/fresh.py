@@ -225,10 +225,20 @@ def box_flags(network):
     return flags
 
 
-def clone_box(network, mapper=None, real_root=False):
+def sandbox_flags(network):
+    """The namespaces of a sandbox box that a zygote agent forks (see guest/agent.py): every one
+    a booted box has of its own, the network included unless the spec shares the host's.  Unlike
+    a test's box (:func:`box_flags`), its pid 1 is the agent, root of the new user namespace, so
+    it owns the new network namespace as bubblewrap's agent owns a booted box's."""
+    flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWUTS | _CLONE_NEWIPC | _CLONE_NEWPID
+    return flags if network else flags | _CLONE_NEWNET
+
+
+def clone_box(network, mapper=None, real_root=False, flags=None):
     """``os.fork()`` into a fresh box's new namespaces: the child's pid in the parent; 0 in the
     child, which is pid 1 of its new pid namespace with its ids mapped (root: through ``mapper``,
-    an :class:`IdMapper` the parent serves; anyone else maps their own).
+    an :class:`IdMapper` the parent serves; anyone else maps their own).  ``flags``: the
+    namespaces, when not :func:`box_flags`'s (a sandbox box forked by a zygote agent).
 
     One clone(2) with the namespace flags: no intermediate process.  fork(2) then unshare(2)
     would need one, since unsharing a pid namespace moves only the caller's later children, and
@@ -236,7 +246,7 @@ def clone_box(network, mapper=None, real_root=False):
     That path stays for machines whose clone(2) number this file does not know, and for an
     interpreter that has started threads of its own (see :data:`_KNOWN_THREADS`).
     """
-    flags = box_flags(network)
+    flags = box_flags(network) if flags is None else flags
     if real_root:
         # A VM's root makes the box's layers as root of its own kernel, in no new user namespace:
         # mounts of a new user namespace's are locked, and an overlay cannot take a directory
@@ -621,3 +631,56 @@ def _loopback_up():
             fcntl.ioctl(s.fileno(), 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x40, b""))
     except OSError:
         pass
+
+
+#: pivot_root(2)'s number where this file knows it; elsewhere a sandbox box is booted instead.
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203}
+_MNT_DETACH = 2
+
+
+def top_mounts():
+    """The top-level mount points (``/usr``, ``/tmp``...) this process sees."""
+    return {m for m, _ in _mounts() if m != "/" and m.count("/") == 1}
+
+
+def fresh_root(keep, before_pivot):
+    """In a sandbox box made by :func:`clone_box` (after :func:`_fresh_box`): a new, empty root.
+
+    The box's root directory is the warm box's own tmpfs (bubblewrap's), shared by every box
+    cloned from it: a top-level entry one box makes or removes (``mkdir /data``, ``rm /bin``)
+    would reach the next box and the warm box itself.  So the box moves to a new tmpfs root of
+    its own holding the same entries: the mount points in ``keep`` (those of the warm box, with
+    the fresh layers on them) bound recursively, every other entry made anew (directories empty,
+    as bubblewrap made them: ``/workspace``), then pivot_root and the old root detached.
+    ``before_pivot(new_root)`` runs just before the move, with the new root's path.
+    """
+    libc = _libc()
+    new = "/run/.boxlite-root"
+    os.mkdir(new, 0o755)
+    _mount(libc, "tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+    for entry in sorted(os.listdir("/")):
+        path, target = "/" + entry, new + "/" + entry
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), target)
+        elif path in keep:
+            if os.path.isdir(path):
+                os.mkdir(target, 0o755)
+            else:
+                open(target, "w").close()
+            # /run holds the new root itself: only its own mount (ours, so nothing is locked under it).
+            _mount(libc, path, target, None, _MS_BIND | (0 if path == "/run" else _MS_REC), None)
+        elif os.path.isdir(path):
+            if os.listdir(path) and path not in top_mounts():
+                raise OSError(39, "the warm box's root holds files in %s: cannot make it anew" % path)
+            os.mkdir(target, os.stat(path).st_mode & 0o7777)
+        else:
+            raise OSError(22, "unexpected entry %s in the warm box's root" % path)
+    number = _SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise OSError(38, "pivot_root: unknown system call number on %s" % os.uname().machine)
+    before_pivot(new)
+    os.mkdir(new + "/.old-root", 0o700)
+    check_libc(libc.syscall(number, new.encode(), (new + "/.old-root").encode()), "pivot_root")  # noqa: F821 - caps.py
+    os.chdir("/")
+    check_libc(libc.umount2(b"/.old-root", _MNT_DETACH), "umount /.old-root")  # noqa: F821 - caps.py
+    os.rmdir("/.old-root")

@@ -212,17 +212,44 @@ class Runtime(Protocol):
         """Release the runtime.  Idempotent."""
         ...
 
+    def allow_forked_boxes(self, allowed: bool) -> None:
+        """Whether new boxes may be forked from a warm template box of their spec instead of
+        booted, on runtimes that can (such a box cannot outlive this process)."""
+        ...
+
+    def stop_forking(self) -> None:
+        """Stop the warm template boxes new boxes are forked from (before leftovers are counted)."""
+        ...
+
+    @property
+    def fork_fallback(self) -> str | None:
+        """Why boxes were booted where forking was allowed (the host refused a fork), or ``None``."""
+        ...
+
 
 class RuntimeDefaults:
     """The defaults of :class:`Runtime`'s optional parts, for a runtime class to inherit."""
 
     reaped: Sequence[str] = ()
 
+    @property
+    def fork_fallback(self) -> str | None:
+        """No fork is ever tried here, so none was refused."""
+        return None
+
     def provision(
         self, spec: BoxSpec, setup: str, *, key: str, home: Path, cwd: Path, timeout: float, name: str
     ) -> BoxSpec:
         """No template: ``spec`` unchanged, so each box runs ``setup`` when it boots."""
         return spec
+
+    def allow_forked_boxes(self, allowed: bool) -> None:
+        """Every box is booted here: nothing to allow."""
+        return None
+
+    def stop_forking(self) -> None:
+        """Nothing is kept to fork from."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,10 +12,10 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pytest_boxlite import guest
-from pytest_boxlite.errors import BoxDeadError, BoxTimeoutError, ConfigError, file_error
+from pytest_boxlite.errors import BoxDeadError, BoxliteError, BoxTimeoutError, ConfigError, file_error
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxDefaults, RawResult
 from pytest_boxlite.runtimes.namespace.fork import fork_listener
@@ -98,6 +98,19 @@ class _Lines:
                 continue
 
 
+class BoxProcess(Protocol):
+    """What a box holds of the process it started: a booted box's ``Popen`` of bubblewrap, or a
+    forked box's pid 1 (:class:`~pytest_boxlite.runtimes.namespace.zygote.ForkedProcess`)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class NamespaceBox(BoxDefaults):
     """A running namespace box.  See :class:`pytest_boxlite.runtimes.base.BoxHandle`."""
 
@@ -109,13 +122,14 @@ class NamespaceBox(BoxDefaults):
         self,
         name: str,
         box_dir: Path,
-        proc: subprocess.Popen[bytes],
+        proc: BoxProcess,
         cgroups: _cgroups.CgroupSet,
         watchdog: int,
         *,
         identity: tuple[int, int] = (0, 0),
         limits: Limits | None = None,
         info: dict[str, Any] | None = None,
+        forked_from: str | None = None,
     ) -> None:
         self.name = name
         self.id = name
@@ -135,12 +149,30 @@ class NamespaceBox(BoxDefaults):
         self._info = dict(info or {})
         self._watchdog = watchdog
         self._destroyed = False
+        #: The zygote this box was forked from (``None``: booted).
+        self.forked_from = forked_from
+
+    @property
+    def agent_pid(self) -> int | None:
+        """The host pid of the box's pid 1 (its agent), when known."""
+        pid = self._info.get("init_pid")
+        return pid if isinstance(pid, int) else None
+
+    def running(self) -> bool:
+        """Whether the box's process still runs (no request: see :meth:`alive` for one)."""
+        return not self._destroyed and self._proc.poll() is None
 
     def keep(self) -> None:
         """Let the box outlive this process (for debugging); ``python -m pytest_boxlite clean`` removes it.
 
         The mark lives outside the box's directory (which the guest sees), so only the host can set it.
+        A forked box cannot outlive its zygote, which ends with this process: that is refused.
         """
+        if self.forked_from is not None:
+            raise BoxliteError(
+                f"box {self.name} was forked from zygote {self.forked_from} and ends with it: "
+                "a box to keep must be booted (sessions with --boxlite-keep boot their boxes)"
+            )
         keep_marker(self.box_dir).write_text(str(time.time()))
         os.write(self._watchdog, b"k")
 

@@ -183,18 +183,24 @@ def _readable(path: Path, want_dir: bool) -> Path | None:
 
 
 def _secrets(home: Path) -> tuple[list[Path], list[Path]]:
-    """``(directories, files)`` to hide from guests: credentials in readable homes, and the boxlite home."""
+    """``(directories, files)`` to hide from guests: credentials in readable homes, and the boxlite home.
+
+    Asked before every box (a forked one too: see ``NamespaceRuntime._fork_plan``), so the common
+    case, a candidate that does not exist, costs one ``lstat`` of a string and nothing more.
+    """
     dirs: list[Path] = []
     files: list[Path] = []
     for h in _homes():
-        for d in _SECRET_DIRS:
-            real = _readable(h / d, want_dir=True)
-            if real is not None and real not in dirs:
-                dirs.append(real)
-        for f in _SECRET_FILES:
-            real = _readable(h / f, want_dir=False)
-            if real is not None and real not in files:
-                files.append(real)
+        base = str(h).rstrip("/") + "/"
+        for names, want_dir, found in ((_SECRET_DIRS, True, dirs), (_SECRET_FILES, False, files)):
+            for name in names:
+                try:
+                    os.lstat(base + name)
+                except (OSError, ValueError):
+                    continue
+                real = _readable(Path(base + name), want_dir=want_dir)
+                if real is not None and real not in found:
+                    found.append(real)
     # Other boxes' control sockets and logs live here: a guest must not reach them.
     real_home = _readable(home, want_dir=True)
     if real_home is not None and real_home not in dirs:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,15 @@ from pytest_boxlite.runtimes.namespace.privileges import (
     userns_problem,
 )
 from pytest_boxlite.runtimes.namespace.provision import ensure_template
+from pytest_boxlite.runtimes.namespace.zygote import ForkRefused, Zygotes, fork_from
 from pytest_boxlite.spec import BoxSpec, minimal_dirs
 
 AGENT = guest.path("agent")
+#: How a box is started in its directories and cgroups (a boot or a fork): spec, name, box
+#: directory, cgroups, timeout, identity, limits, base environment.
+_Starter = Callable[
+    [BoxSpec, str, Path, _cgroups.CgroupSet, float, tuple[int, int], Limits, dict[str, str]], NamespaceBox
+]
 HELPER = guest.path("files")
 
 
@@ -87,6 +94,7 @@ class NamespaceRuntime(RuntimeDefaults):
         self.state_dir = self.home / "namespace"
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._closed = False
+        self._zygotes = Zygotes(self._boot_zygote)
 
     def limits_for(self, spec: BoxSpec) -> Limits:
         """Which of ``spec``'s caps would hold on this host (a probe cgroup is made and removed)."""
@@ -100,8 +108,7 @@ class NamespaceRuntime(RuntimeDefaults):
         self, spec: BoxSpec, name: str, box_dir: Path, persist: Path | None, info_fd: int, block_fd: int | None
     ) -> list[str]:
         mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
-        tops = [e[-1] for e in mount_plan(self.bwrap)[0] if e[0] == "overlay"] + _mirrored(mirror_from)
-        masks, mask_mounts = _mask_plan(self.home, tops)
+        masks, mask_mounts = self._masks(spec)
         argv = [
             self.bwrap,
             "--unshare-user", "--uid", "0", "--gid", "0",
@@ -130,6 +137,19 @@ class NamespaceRuntime(RuntimeDefaults):
             argv.append("--unshare-net")
         return argv
 
+    def _masks(self, spec: BoxSpec) -> tuple[dict[str, str], list[str]]:
+        """The mask layers and mounts hiding credentials (those on the host now) in a box of ``spec``."""
+        mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
+        tops = [e[-1] for e in mount_plan(self.bwrap)[0] if e[0] == "overlay"] + _mirrored(mirror_from)
+        return _mask_plan(self.home, tops)
+
+    def _fork_plan(self, spec: BoxSpec) -> tuple[object, ...]:
+        """What a zygote of ``spec`` must have been booted with for a box forked from it to be what a
+        box booted now would be: the masks over the credentials the host has *now* (a ~/.netrc
+        made after the zygote booted must be hidden all the same: then a new zygote is booted)."""
+        masks, mounts = self._masks(spec)
+        return (tuple(sorted(masks.items())), tuple(mounts))
+
     def _base_env(self, spec: BoxSpec, name: str) -> dict[str, str]:
         env = {
             "PATH": _guest_path_env(),
@@ -143,12 +163,52 @@ class NamespaceRuntime(RuntimeDefaults):
         env.update(dict(spec.env))
         return env
 
+    def allow_forked_boxes(self, allowed: bool) -> None:
+        """Whether :meth:`create_box` forks new boxes from a zygote of their spec (see
+        :mod:`.zygote`) instead of booting each.  Off until the session turns it on: a forked box
+        dies with its zygote, so a session that keeps boxes (``--boxlite-keep``) boots them."""
+        self._zygotes.allowed = allowed
+
+    def stop_forking(self) -> None:
+        """Destroy the zygotes (and with them any box still forked from one)."""
+        self._zygotes.stop()
+
     def create_box(self, spec: BoxSpec, name: str, *, timeout: float, persist: Path | None = None) -> NamespaceBox:
-        """Create and start a box.  With ``persist``, its writes are kept there (template building)."""
+        """Create and start a box.  With ``persist``, its writes are kept there (template building).
+
+        Where forking is allowed (:meth:`allow_forked_boxes`), a sandbox box (not a test worker's,
+        not a template build) is forked from its spec's zygote, booted on first use; a host
+        that refuses the fork gets booted boxes, and :attr:`fork_fallback` says why.
+        """
         if self._closed:
             raise BoxStartError("the namespace runtime is closed")
-        if not name or "/" in name or name.startswith(".") or name.endswith((".ctl", ".keep")):
-            raise BoxStartError(f"invalid box name {name!r}")
+        _check_name(name)
+        if persist is None and not spec.worker:
+            zygote = self._zygotes.get(spec, name, timeout, self._fork_plan)
+            if zygote is not None:
+                try:
+                    return self._make(spec, name, lambda *a: fork_from(zygote, *a), timeout)
+                except ForkRefused as exc:
+                    self._zygotes.refuse(spec, str(exc))
+        return self._make(spec, name, lambda *a: self._start(*a, persist=persist), timeout)
+
+    @property
+    def fork_fallback(self) -> str | None:
+        """Why boxes are booted where they would be forked (the host refused a fork), or ``None``."""
+        return self._zygotes.fallback
+
+    def _boot_zygote(self, spec: BoxSpec, name: str, timeout: float) -> NamespaceBox:
+        _check_name(name)
+        return self._make(spec, name, lambda *a: self._start(*a, persist=None, zygote=True), timeout)
+
+    def _make(
+        self,
+        spec: BoxSpec,
+        name: str,
+        start: _Starter,
+        timeout: float,
+    ) -> NamespaceBox:
+        """The box's directories and cgroups, then ``start`` (a boot or a fork) in them."""
         box_dir = self.state_dir / name
         try:
             box_dir.mkdir(mode=0o755)
@@ -164,7 +224,7 @@ class NamespaceRuntime(RuntimeDefaults):
         )
         limits = plan_limits(cg, memory_mib=spec.memory_mib, cpus=spec.cpus, pids=spec.pids_limit)
         try:
-            return self._start(spec, name, box_dir, cg, timeout, persist, identity, limits)
+            return start(spec, name, box_dir, cg, timeout, identity, limits, self._base_env(spec, name))
         except BaseException:
             cg.remove()
             remove_box_dirs(box_dir)
@@ -177,9 +237,12 @@ class NamespaceRuntime(RuntimeDefaults):
         box_dir: Path,
         cg: _cgroups.CgroupSet,
         timeout: float,
-        persist: Path | None,
         identity: tuple[int, int],
         limits: Limits,
+        env: dict[str, str],
+        *,
+        persist: Path | None,
+        zygote: bool = False,
     ) -> NamespaceBox:
         deadline = time.monotonic() + timeout
         ctl = ctl_dir(box_dir)
@@ -199,10 +262,11 @@ class NamespaceRuntime(RuntimeDefaults):
             cfg = {
                 "listen_fd": listener.fileno(),
                 "watchdog_fd": watch_r,
-                "env": self._base_env(spec, name),
+                "env": env,
                 "helper": str(HELPER),
                 "user": list(identity),
                 "nproc": limits.nproc,
+                "zygote": zygote,
             }
             agent = [self.guest_python_for(spec), "-I", "-S", str(AGENT), json.dumps(cfg)]
             bwrap = self._bwrap_argv(spec, name, box_dir, persist, info_w, block_r)
@@ -317,6 +381,12 @@ class NamespaceRuntime(RuntimeDefaults):
         if self._closed:
             return
         self._closed = True
+        self._zygotes.stop()
+
+
+def _check_name(name: str) -> None:
+    if not name or "/" in name or name.startswith(".") or name.endswith((".ctl", ".keep")):
+        raise BoxStartError(f"invalid box name {name!r}")
 
 
 def _read_child_pid(fd: int, deadline: float) -> int | None:
