@@ -46,6 +46,44 @@ def _log_tail(log):
         return ""
 
 
+def _hand_over(sock, request, fds):
+    """Send ``request`` with ``fds`` on ``sock``.  Then this process holds none of its stdio open
+    (they live on in the box) and passes SIGINT, SIGTERM and SIGHUP on over ``sock``."""
+    socket.send_fds(sock, [(json.dumps(request) + "\n").encode()], fds)
+    for fd in (0, 1):
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, fd)
+        os.close(null)
+
+    def forward(signum, frame):
+        try:
+            sock.sendall((json.dumps({"signal": signum}) + "\n").encode())
+        except OSError:
+            pass
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+
+
+def _messages(sock):
+    """The peer's JSON lines (``None`` for one that is not JSON) until it hangs up; bounded."""
+    buf = b""
+    while True:
+        try:
+            chunk = sock.recv(4096)
+        except InterruptedError:
+            continue
+        if not chunk:
+            return
+        buf = (buf + chunk)[-65536:]  # the peer's lines are short: never grow without bound
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            try:
+                yield json.loads(line.decode())
+            except ValueError:
+                yield None
+
+
 def via_server(argv):
     """Run ARGV in a box server's box (see the module's docstring); exit as ``boxproc`` would."""
     path, rest, log = argv[0], argv[1:], None
@@ -63,42 +101,17 @@ def via_server(argv):
 
     try:
         sock = _connect(path)
-        socket.send_fds(sock, [(json.dumps({"argv": rest}) + "\n").encode()], [0, 1, 2])
+        # A terminal's Ctrl-C reaches this client (in the controller's process group), not the
+        # worker in the box: passed on, the server ends the worker's box, as it ends a plain worker.
+        _hand_over(sock, {"argv": rest}, [0, 1, 2])
     except OSError as exc:
         return fail("its box server is not there (%s)" % (exc.strerror or exc))
-    for fd in (0, 1):
-        null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(null, fd)
-        os.close(null)
-
-    def forward(signum, frame):
-        try:
-            sock.sendall((json.dumps({"signal": signum}) + "\n").encode())
-        except OSError:
-            pass
-
-    # A terminal's Ctrl-C reaches this client (in the controller's process group), not the worker
-    # in the box: passed on, the server ends the worker's box, as the signal ends a plain worker.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, forward)
-    buf = b""
-    while True:
-        try:
-            chunk = sock.recv(4096)
-        except InterruptedError:
-            continue
-        if not chunk:
-            return fail("its box server ended")
-        buf = (buf + chunk)[-65536:]
-        if b"\n" in buf:
-            try:
-                msg = json.loads(buf.split(b"\n", 1)[0].decode())
-            except ValueError:
-                return fail("its box server answered garbage")
-            if isinstance(msg, dict) and isinstance(msg.get("exit"), int):
-                code = msg["exit"]
-                return 128 - code if code < 0 else code
-            return fail(str(msg.get("error") if isinstance(msg, dict) else msg)[:2000])
+    for msg in _messages(sock):
+        if isinstance(msg, dict) and isinstance(msg.get("exit"), int):
+            code = msg["exit"]
+            return 128 - code if code < 0 else code
+        return fail(str(msg.get("error") if isinstance(msg, dict) else "its box server answered garbage")[:2000])
+    return fail("its box server ended")
 
 
 def main(argv):
@@ -130,46 +143,21 @@ def main(argv):
     req = {"op": "exec", "argv": rest, "env": env, "cwd": cwd}
     if user is not None:
         req["user"] = user
-    socket.send_fds(sock, [(json.dumps(req) + "\n").encode()], [0, 1, stderr_fd])
-    # Our own stdio now lives on in the box; keep nothing that could hold the pipes open.
-    for fd in (0, 1):
-        null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(null, fd)
-        os.close(null)
-
-    def forward(signum, frame):
-        try:
-            sock.sendall((json.dumps({"signal": signum}) + "\n").encode())
-        except OSError:
-            pass
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, forward)
-    buf = b""
-    while True:
-        try:
-            chunk = sock.recv(4096)
-        except InterruptedError:
+    _hand_over(sock, req, [0, 1, stderr_fd])
+    for msg in _messages(sock):
+        if not isinstance(msg, dict):
             continue
-        if not chunk:
-            return 255  # the box is gone (destroyed or crashed); the caller sees the channel close
-        buf = (buf + chunk)[-65536:]  # the agent's lines are short: never grow without bound
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            try:
-                msg = json.loads(line.decode())
-            except ValueError:
-                continue
-            if "error" in msg:
-                sys.stderr.write("boxlite attach: %s: %s\n" % (rest[0] if rest else "", msg["error"]))
-                return 127
-            if "exit" in msg:
-                code = int(msg["exit"])
-                if status_file:
-                    # The raw status (negative: killed by that signal), for whoever wants to say how it died.
-                    with open(status_file, "w") as fh:
-                        fh.write("%d\n" % code)
-                return 128 - code if code < 0 else code
+        if "error" in msg:
+            sys.stderr.write("boxlite attach: %s: %s\n" % (rest[0] if rest else "", msg["error"]))
+            return 127
+        if "exit" in msg:
+            code = int(msg["exit"])
+            if status_file:
+                # The raw status (negative: killed by that signal), for whoever wants to say how it died.
+                with open(status_file, "w") as fh:
+                    fh.write("%d\n" % code)
+            return 128 - code if code < 0 else code
+    return 255  # the box is gone (destroyed or crashed); the caller sees the channel close
 
 
 if __name__ == "__main__":
