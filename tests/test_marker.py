@@ -577,10 +577,17 @@ SCOPE_TESTS = """
         record_property("saw", os.path.exists("/workspace/x"))
         with open("/workspace/x", "w") as f:
             f.write("from test 1")
+        # A new top-level directory: root can make one (on the box's own root directory).
+        try:
+            os.mkdir("/pbx-scope-top")
+            record_property("made_top", True)
+        except OSError:
+            record_property("made_top", False)
 
     def test_2_reads(record_property):
         record_property("host", socket.gethostname())
         record_property("saw", os.path.exists("/workspace/x"))
+        record_property("saw_top", os.path.exists("/pbx-scope-top"))
 """
 
 
@@ -596,10 +603,12 @@ def test_scope_module_shares_a_box_in_order(pytester: pytest.Pytester, home: Pat
         second = props(reports[(f"{module}::test_2_reads", "call")])
         assert first["saw"] is False, module
         assert second["saw"] is True, module
+        assert second["saw_top"] is first["made_top"], module
         assert first["host"] == second["host"], module
         assert box_of(reports, f"{module}::test_1_writes") == box_of(reports, f"{module}::test_2_reads")
     assert box_of(reports, "test_scope_a.py::test_1_writes") != box_of(reports, "test_scope_b.py::test_1_writes")
     assert not Path("/workspace/x").exists()
+    assert not Path("/pbx-scope-top").exists()
 
 
 def test_scope_test_is_the_default_fresh_box_per_test(pytester: pytest.Pytester, home: Path) -> None:
@@ -612,6 +621,8 @@ def test_scope_test_is_the_default_fresh_box_per_test(pytester: pytest.Pytester,
     second = props(reports[("test_scope_a.py::test_2_reads", "call")])
     assert first["saw"] is False
     assert second["saw"] is False
+    assert first["made_top"] is (os.geteuid() == 0)  # root's box lets it make one: it must not last
+    assert second["saw_top"] is False
     assert first["host"] != second["host"]
     assert box_of(reports, "test_scope_a.py::test_1_writes") != box_of(reports, "test_scope_a.py::test_2_reads")
 
