@@ -226,8 +226,9 @@ class BoxliteSession:
                 # A remote server's runtime removes, on opening, what dead sessions left there.
                 self.report.reconciled += list(runtime.reaped)
             s = self.settings
-            # Sandbox boxes forked from a zygote end with this process: kept ones must be booted.
-            runtime.allow_forked_boxes(not s.keep)
+            # Sandbox boxes forked from a zygote end with this process: kept ones must be booted,
+            # and --boxlite-fresh=boot asks for every box booted.
+            runtime.allow_forked_boxes(not s.keep and s.fresh == "fork")
             pool = BoxPool(
                 runtime,
                 namer=self._namer,

@@ -157,9 +157,10 @@ OPTIONS: tuple[Option, ...] = (
         "fresh",
         _choice("fork", "boot"),
         lambda: "fork",
-        "how a boxed test's fresh box is made: fork (default: forked in a box booted once per worker; on vm "
-        "the tests of a worker share one VM kernel) or boot (a box booted per test; on vm a whole VM per test: "
-        "kernel isolation between tests, at a boot's price)",
+        "how fresh boxes are made: fork (default: a boxed test's box is forked in a box booted once per worker, "
+        "on vm the tests of a worker share one VM kernel; namespace sandboxes are forked from a warm box of "
+        "their spec) or boot (every box booted; on vm a whole VM per test: kernel isolation between tests, "
+        "at a boot's price)",
         "fork|boot",
     ),
     Option(

@@ -541,9 +541,13 @@ def test_setup_template_reaches_forked_sandboxes(pytester: pytest.Pytester, home
 
 
 @pytest.mark.timeout(120)
-def test_keep_boots_sandboxes_rather_than_forking_them(pytester: pytest.Pytester, home: Path) -> None:
-    """A forked box cannot outlive its session: under --boxlite-keep every box is booted."""
-    out, rows = run_forked_session(pytester, home, "--boxlite-keep")
+@pytest.mark.parametrize("option", ["--boxlite-keep", "--boxlite-fresh=boot"])
+def test_keep_and_fresh_boot_boot_sandboxes_rather_than_forking_them(
+    pytester: pytest.Pytester, home: Path, option: str
+) -> None:
+    """A forked box cannot outlive its session: under --boxlite-keep every box is booted; and
+    --boxlite-fresh=boot asks for every box booted."""
+    out, rows = run_forked_session(pytester, home, option)
     assert [r["forked_from"] for r in rows] == [None, None, None]
     assert all(r["seen"] == "" for r in rows), rows
     assert _leaked(out) == "0", out
