@@ -635,7 +635,8 @@ def _zygote_serve(conn, cfg, fresh):
             return
         mapper = fresh["IdMapper"]() if os.geteuid() == 0 else None
         try:
-            pid = fresh["clone_box"](bool(req.get("network")), mapper, fresh["sandbox_flags"](bool(req.get("network"))))
+            network = bool(req.get("network"))
+            pid = fresh["clone_box"](network, mapper, flags=fresh["sandbox_flags"](network))
         except OSError as exc:
             if mapper is not None:
                 mapper.close_parent_side()

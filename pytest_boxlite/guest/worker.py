@@ -462,7 +462,9 @@ def serve(channel):
                     # The warm box's root directory (bubblewrap's tmpfs) is shared with every box
                     # forked from it: a top-level entry one test made would reach the next.  (A
                     # VM's box has moved into an overlay of / already.)
+                    here = os.getcwd()
                     fresh_root(tops, lambda new_root: None)  # noqa: F821 - guest/fresh.py
+                    os.chdir(here)  # the same path in the new root: reports name files relative to it
                 nested = IdMapper() if os.geteuid() == 0 else None  # noqa: F821 - guest/fresh.py
                 test = os.fork()
                 if test:
