@@ -373,7 +373,7 @@ def _under(path, top):
     return path.startswith(top.rstrip("/") + "/")
 
 
-def _fresh_box(hostname, network, renew_all=False):
+def _fresh_box(hostname, network, renew_all=False, own_root=None):
     """In pid 1 of a box made by :func:`clone_box`: pristine writable layers, /proc, hostname.
 
     Every overlay gets a new, empty upper layer.  The masks the box had on top of its overlays
@@ -383,6 +383,8 @@ def _fresh_box(hostname, network, renew_all=False):
 
     ``renew_all`` (a VM: its root is a disk, its volumes virtio-fs, no overlays): every other
     writable directory is renewed too (:func:`_renew_plain`) and the root itself made read-only.
+    ``own_root``: the warm box's top-level mount points, taken before any of this; the box then
+    moves to a root directory of its own (:func:`fresh_root`), keeping its working directory.
     """
     libc = _libc()
     uid, gid = os.geteuid(), os.getegid()
@@ -447,6 +449,12 @@ def _fresh_box(hostname, network, renew_all=False):
     socket.sethostname(hostname)
     with open("/proc/self/oom_score_adj", "w") as fh:
         fh.write("1000")  # under memory pressure the test dies, not the warm interpreter
+    if own_root is not None:
+        # The warm box's root directory (bubblewrap's tmpfs) is shared with every box forked from
+        # it: a top-level entry one test made would reach the next.  Before the capabilities go.
+        here = os.getcwd()
+        fresh_root(own_root, lambda new_root: None)
+        os.chdir(here)  # the same path in the new root: reports name files relative to it
     if uid != 0:
         if not network:
             _loopback_up()

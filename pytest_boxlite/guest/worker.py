@@ -456,15 +456,9 @@ def serve(channel):
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.connect(sock)
                 _cut_channel(channel)
-                tops = top_mounts()  # noqa: F821 - guest/fresh.py
-                _fresh_box(hostname, network, renew_all)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
-                if not renew_all:
-                    # The warm box's root directory (bubblewrap's tmpfs) is shared with every box
-                    # forked from it: a top-level entry one test made would reach the next.  (A
-                    # VM's box has moved into an overlay of / already.)
-                    here = os.getcwd()
-                    fresh_root(tops, lambda new_root: None)  # noqa: F821 - guest/fresh.py
-                    os.chdir(here)  # the same path in the new root: reports name files relative to it
+                # A root directory of its own too, but for a VM's box: it moves into an overlay of /.
+                own_root = None if renew_all else top_mounts()  # noqa: F821 - guest/fresh.py
+                _fresh_box(hostname, network, renew_all, own_root)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
                 nested = IdMapper() if os.geteuid() == 0 else None  # noqa: F821 - guest/fresh.py
                 test = os.fork()
                 if test:
