@@ -355,9 +355,11 @@ def test_two_socket_hosts_give_the_local_outcomes_and_box_in_their_own_homes(
     assert {n: o for n, (o, _) in there.items()} == {n: o for n, (o, _) in here.items()}, (here, there, out)
     assert re.search(r"\b1 failed, 7 passed, 1 skipped, 1 xfailed\b", out), out
 
-    # Both hosts ran sandbox tests, each in a box of its own home; none ran on the controller's machine.
+    # Sandbox tests ran on the socket hosts, each in a box of its own home; none ran on the
+    # controller's machine.  (Which host gets them is xdist's load scheduling: under load one host's
+    # worker can take them all, so only "on these hosts" is checked.)
     ran_on = {p["pbx_host"] for o, p in there.values() if "pbx_host" in p}
-    assert ran_on == {"pbxhosta", "pbxhostb"}, there
+    assert ran_on and ran_on <= {"pbxhosta", "pbxhostb"}, there
     assert all(p["pbx_box_in_home"] == "True" for _, p in there.values() if "pbx_box" in p), there
 
     # One line per host, with the host's own name and home; the total adds them up.
