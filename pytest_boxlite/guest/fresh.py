@@ -51,13 +51,7 @@ def _mount(libc, src, target, fstype, flags, data):
 
 def _mounts():
     """``(mount point, fstype)`` of every mount this process sees, in mount order."""
-    out = []
-    with open("/proc/self/mountinfo") as fh:
-        for line in fh:
-            f = line.split()
-            point = f[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-            out.append((point, f[f.index("-") + 1]))
-    return out
+    return [(point, fstype) for point, fstype, _ in _mount_table()]
 
 
 def _overlay(libc, lower, target, stage, n):

@@ -434,7 +434,7 @@ def serve(channel):
             real_root = bool(renew_all) and os.geteuid() == 0
             mapper = IdMapper() if os.geteuid() == 0 and not real_root else None  # noqa: F821 - guest/fresh.py
             try:
-                pid = clone_box(network, mapper, real_root) if real_root else clone_box(network, mapper)  # noqa: F821
+                pid = clone_box(network, mapper, real_root)  # noqa: F821 - guest/fresh.py
             except OSError as exc:
                 if mapper is not None:
                     mapper.close_parent_side()
