@@ -326,6 +326,9 @@ class HostPlugin(_SessionRole, NoLifecycle):
         super().__init__(config, session)
         self.executor = BoxedExecutor(self.runner, session)
         workerinput = getattr(config, "workerinput", None)
+        #: Where each item is in ``session.items`` (see ``_after``); an xdist worker does not know.
+        self._order: dict[int, int] = {}
+        self._order_unknown = workerinput is not None
         #: A worker on another host than its controller (it cleans up on its host itself).
         self.remote = bool(workerinput and workerinput.get(REMOTE_KEY))
         if self.remote:
@@ -413,7 +416,27 @@ class HostPlugin(_SessionRole, NoLifecycle):
         if plan is None:
             return None
         next_plan = nextitem.stash.get(_PLAN_KEY, None) if nextitem is not None else None
-        return self.executor.run_protocol(item, plan, nextitem, next_plan)
+        return self.executor.run_protocol(item, plan, nextitem, next_plan, then=self._after(nextitem))
+
+    def _after(self, nextitem: pytest.Item | None) -> tuple[pytest.Item, BoxPlan | None] | None:
+        """The item that runs after ``nextitem`` (and its plan), where this process knows the run
+        order: a plain run walks ``session.items``; an xdist worker learns its next items from
+        the controller as it goes, so it is told only ``nextitem``."""
+        if nextitem is None or self._order_unknown:
+            return None
+        items = nextitem.session.items
+        at = self._order.get(id(nextitem))
+        if at is None or at >= len(items) or items[at] is not nextitem:
+            self._order = {id(it): n for n, it in enumerate(items)}
+            at = self._order.get(id(nextitem))
+            if at is None:
+                # Another plugin runs items that are not the session's: guess no further.
+                self._order_unknown = True
+                return None
+        if at + 1 >= len(items):
+            return None
+        after = items[at + 1]
+        return after, after.stash.get(_PLAN_KEY, None)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:

@@ -659,6 +659,48 @@ def test_box_forked_ahead_starts_its_test_only_after_the_one_before(pytester: py
     assert len(boxes) == 3
 
 
+OUT_OF_ORDER_CONFTEST = """
+    import os
+    import socket
+    import time
+
+    _connect = socket.socket.connect
+
+
+    def connect(self, address):
+        # In a box forked from the warm interpreter, before its own /tmp: number the boxes in the
+        # order they were made (the warm box's /tmp is still shared), and hold the second one back
+        # so that the third, made ahead after it, connects to the host first.
+        if str(address).endswith("fork.sock"):
+            n = 1
+            while True:
+                try:
+                    os.close(os.open("/tmp/pbx-ticket-%d" % n, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                    break
+                except FileExistsError:
+                    n += 1
+            if n == 2:
+                time.sleep(0.4)
+        return _connect(self, address)
+
+
+    if os.environ.get("PYTEST_BOXLITE_GUEST") == "1":  # in the boxes only, not in this host process
+        socket.socket.connect = connect
+"""
+
+
+def test_boxes_forked_ahead_may_connect_in_any_order(pytester: pytest.Pytester, home: Path) -> None:
+    """Two boxes are made ahead while a test runs; the later one connecting first takes nothing
+    from the earlier one (its connection is kept for its own test, not dropped as stale)."""
+    pytester.makeconftest(OUT_OF_ORDER_CONFTEST)
+    pytester.makepyfile(test_ahead=AHEAD_TESTS.replace("time.sleep(0.5)", "time.sleep(1.5)"))
+    result, reports = run(pytester, "--boxlite", "-p", "no:randomly", f"--boxlite-home={home}")
+    no_leftovers(home)
+    assert result.parseoutcomes() == {"passed": 3}, result.stdout.str()[-3000:]
+    boxes = {box_of(reports, f"test_ahead.py::{name}") for name in ("test_1_slow", "test_2", "test_3")}
+    assert len(boxes) == 3
+
+
 def test_box_forked_ahead_and_never_used_is_ended(pytester: pytest.Pytester, home: Path) -> None:
     """-x stops the session after a failure: the box forked ahead for the next test is ended with it."""
     pytester.makepyfile(

@@ -87,8 +87,16 @@ class BoxedExecutor:
         self._lease_errors: dict[str, str] = {}
 
     def run_protocol(
-        self, item: pytest.Item, plan: BoxPlan, nextitem: pytest.Item | None, next_plan: BoxPlan | None
+        self,
+        item: pytest.Item,
+        plan: BoxPlan,
+        nextitem: pytest.Item | None,
+        next_plan: BoxPlan | None,
+        *,
+        then: tuple[pytest.Item, BoxPlan | None] | None = None,
     ) -> bool:
+        """Run ``item`` in its box and log its reports.  ``then``: the item after ``nextitem`` and
+        its plan, where the run order is known (its box can be made ahead too)."""
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         module = item.nodeid.split("::", 1)[0]
@@ -115,13 +123,16 @@ class BoxedExecutor:
         else:
             box_name = lease.handle.name
         if lease is not None and self.session.fork_boxes:
-            # The next test's box is forked while this one runs, when it comes from the same warm
-            # interpreter and this box will not run it (module scope keeps one box per module).
-            ahead = (
-                nextitem.nodeid
-                if nextitem is not None and next_plan is not None and next_plan.spec == plan.spec and not shared
-                else None
-            )
+            # The next tests' boxes are forked while this one runs, when they come from the same
+            # warm interpreter and this box will not run them (module scope keeps one box per
+            # module, so there only the next module's first test gets one).
+            ahead: list[str] = []
+            if nextitem is not None and next_plan is not None and next_plan.spec == plan.spec and not shared:
+                ahead.append(nextitem.nodeid)
+                later, later_plan = then if then is not None else (None, None)
+                per_test = self.session.settings.scope == "test"
+                if per_test and later is not None and later_plan is not None and later_plan.spec == plan.spec:
+                    ahead.append(later.nodeid)
             out, box_name, exit_with = self._run_forked(item, lease, plan, module, nextitem if shared else None, ahead)
             if lease.handle.name not in self.runner.live_workers():
                 self._fork_parents.pop(plan.spec, None)
@@ -151,12 +162,12 @@ class BoxedExecutor:
         plan: BoxPlan,
         module: str,
         nextitem: pytest.Item | None,
-        ahead: str | None,
+        ahead: list[str],
     ) -> tuple[list[pytest.TestReport], str, tuple[str, int] | None]:
         """Run ``item`` in a forked box: a new one per test, or the module's (module scope).
 
         ``nextitem`` is the next item when it shares this box (module scope, same module and spec);
-        ``ahead`` the next test's node id when it needs a new box of the same warm interpreter.
+        ``ahead`` the node ids of the next tests that need new boxes of the same warm interpreter.
         """
         next_nodeid = nextitem.nodeid if nextitem is not None else None
         held = self._held_fork

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,9 @@ from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, minimal_dirs, worker_
 _ENDED_CAP = 1024
 #: How long a forked box may go on after its DONE before it is killed.
 FORK_GRACE = 2.0
+#: Boxes made ahead per warm interpreter, at most: two keep a box being made at every moment of a
+#: run of trivial tests (making one takes longer than such a test), more only hold memory.
+AHEAD_MAX = 2
 _OOM = "the test process in the box was killed by the kernel's OOM killer (the box's memory cap)"
 _TIMED_OUT = "timed out after {:.0f}s; the box was killed (--boxlite-timeout or the marker's timeout)"
 
@@ -165,8 +168,8 @@ class RemoteRunner:
         self._seq = 0  # every run's number: its messages carry it (see transport.drain)
         #: Forked boxes that said DONE but may not have exited yet: (worker, pid, kill-after).
         self._lingering: list[tuple[_Worker, int, float]] = []
-        #: A box forked ahead for the next test, per fork parent (see ``fork``'s ``ahead``).
-        self._ahead: dict[str, ForkedBox] = {}
+        #: Boxes forked ahead for the next tests, in their order, per fork parent (see ``fork``).
+        self._ahead: dict[str, list[ForkedBox]] = {}
         #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
         self.forks = 0
         self.fork_waits: list[float] = []
@@ -314,15 +317,17 @@ class RemoteRunner:
         network: bool,
         next_nodeid: str | None,
         timeout: float,
-        ahead: str | None = None,
+        ahead: Sequence[str] = (),
     ) -> tuple[ForkedBox | None, list[pytest.TestReport], tuple[str, int] | None]:
         """Run ``item`` first in a fresh box forked from the leased box's warm interpreter.
 
         The fork gets new namespaces and empty writable layers, so it is as pristine as a newly
         booted box, at the cost of a fork (namespace runtime).  The box is the one made ahead for
-        ``item`` (see ``ahead``) if there is one, else it is forked now.  ``ahead``: the node id of
-        the test that will need the next new box from this warm interpreter; that box is forked
-        while ``item`` runs (in a box of its own, which it starts only on its own ``RUN``).
+        ``item`` (see ``ahead``) if there is one, else it is forked now.  ``ahead``: the node ids of
+        the next tests that will need new boxes from this warm interpreter, in order; their boxes
+        are forked while ``item`` runs (each a box of its own, which starts its test only on that
+        test's ``RUN``).  Two ahead let one box be made while the next one's last steps and this
+        test run side by side: making a box takes longer than running a trivial test in one.
         Returns the forked box (``None`` when it could not start or died), ``item``'s reports
         and ``pytest.exit``'s arguments if the test called it.  A live box takes more items
         (:meth:`run_in`) until :meth:`close`.
@@ -343,7 +348,7 @@ class RemoteRunner:
         if box.stream is None:
             try:
                 box.stream = self._accept_fork(
-                    box.worker, self._fork_listener(handle)[0], box.token, box.child, start + timeout
+                    box.worker, self._fork_listener(handle)[0], box.token, box.child, start + timeout, handle.name
                 )
             except TimeoutError:
                 box.alive = False
@@ -365,11 +370,11 @@ class RemoteRunner:
         next_nodeid: str | None,
         timeout: float,
         start: float | None = None,
-        ahead: str | None = None,
+        ahead: Sequence[str] = (),
     ) -> tuple[list[pytest.TestReport], tuple[str, int] | None]:
         """Run an item in a live forked box (the first, or another of its module: module scope).
 
-        ``ahead``: as for :meth:`fork`, the box for that test is forked once this item has started.
+        ``ahead``: as for :meth:`fork`, the boxes for those tests are forked once this item has started.
         """
         assert box.stream is not None and box.alive
         start = time.monotonic() if start is None else start
@@ -381,7 +386,7 @@ class RemoteRunner:
         except OSError as exc:
             out = Outcome(hung_up=exc)
         else:
-            if ahead is not None:
+            if ahead:
                 self._fork_ahead(box.handle, ahead, box.network)
             out = drain(box.stream, item, start + timeout, box=box.handle.name, seq=seq)
         return self._settle(box, item, out, start, timeout)
@@ -454,28 +459,44 @@ class RemoteRunner:
                 ended |= {p for p in reaped[:_ENDED_CAP] if type(p) is int}
         self._reap_lingering(worker, ended)
 
-    def _fork_ahead(self, handle: BoxHandle, nodeid: str, network: bool) -> None:
-        """Fork the box of the test after this one now, while this one runs (see :meth:`fork`).
+    def _fork_ahead(self, handle: BoxHandle, nodeids: Sequence[str], network: bool) -> None:
+        """Have boxes for the tests ``nodeids`` (the next ones, in order) made now, while this test
+        runs (see :meth:`fork`): those made already are kept, the missing ones are forked, and any
+        made for a test no longer expected next is ended.
 
-        A box that cannot be had now is not an error of this test: the next test reports what
-        went wrong (or forks its own).
+        A box that cannot be had now is not an error of this test: its own test reports what went
+        wrong (or forks its own).
         """
-        self._drop_ahead(handle.name)
-        made = self._send_fork(handle, nodeid, network)
-        if not isinstance(made, str):
-            self._ahead[handle.name] = made
+        made = {(box.nodeid, box.network): box for box in self._ahead.pop(handle.name, [])}
+        queue: list[ForkedBox] = []
+        for nodeid in nodeids[:AHEAD_MAX]:
+            box = made.pop((nodeid, network), None)
+            if box is None:
+                fresh = self._send_fork(handle, nodeid, network)
+                if isinstance(fresh, str):
+                    break
+                box = fresh
+            queue.append(box)
+        for unused in made.values():
+            self._end_unused(unused)
+        if queue:
+            self._ahead[handle.name] = queue
 
     def _take_ahead(self, parent: str, nodeid: str, network: bool) -> ForkedBox | None:
-        """The box made ahead for ``nodeid`` from ``parent``; one made for another test is ended."""
-        box = self._ahead.pop(parent, None)
-        if box is not None and (box.nodeid, box.network) != (nodeid, network):
-            self._end_unused(box)
-            box = None
-        return box
+        """The box made ahead for ``nodeid`` from ``parent``, if there is one.  Boxes made for
+        tests before it in the queue are ended (those tests were skipped over); with no box for
+        ``nodeid`` the queue stays (a test run again, as by a rerun plugin, forks its own)."""
+        queue = self._ahead.get(parent, [])
+        for i, box in enumerate(queue):
+            if (box.nodeid, box.network) == (nodeid, network):
+                for skipped in queue[:i]:
+                    self._end_unused(skipped)
+                self._ahead[parent] = queue[i + 1 :]
+                return box
+        return None
 
     def _drop_ahead(self, parent: str) -> None:
-        box = self._ahead.pop(parent, None)
-        if box is not None:
+        for box in self._ahead.pop(parent, []):
             self._end_unused(box)
 
     def _end_unused(self, box: ForkedBox) -> None:
@@ -543,12 +564,14 @@ class RemoteRunner:
         return reports.complete(item, out.reports, why, self._log(handle), duration)
 
     def _accept_fork(
-        self, worker: _Worker, listener: socket.socket, token: str, child: int, deadline: float
+        self, worker: _Worker, listener: socket.socket, token: str, child: int, deadline: float, parent: str
     ) -> ForkStream | None:
         """The forked box's connection, which presents ``token``; ``None`` if the box died first.
 
         Waits in short slices and asks the warm interpreter between them whether the fork is still
-        alive, so a box that dies before connecting is reported at once, not at the timeout.
+        alive, so a box that dies before connecting is reported at once, not at the timeout.  The
+        boxes made ahead from ``parent`` connect to the same socket in any order: a connection
+        that presents one of their tokens is kept for that box; any other is dropped.
         """
         while True:
             left = deadline - time.monotonic()
@@ -568,6 +591,10 @@ class RemoteRunner:
                 first = None
             if first == (msg.TOKEN, {"token": token}):
                 return stream
+            ahead = next((b for b in self._ahead.get(parent, []) if first == (msg.TOKEN, {"token": b.token})), None)
+            if ahead is not None and ahead.stream is None:
+                ahead.stream = stream  # a box made ahead that connected before this one did
+                continue
             conn.close()  # a stale connection (from an earlier box that timed out): drop it
 
     def _end_fork(self, worker: _Worker, child: int) -> None:
