@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_boxlite.pool import Lease, PoolStats
-from pytest_boxlite.sandbox import Sandbox
-from pytest_boxlite.session import BoxliteSession
-from pytest_boxlite.spec import BoxSpec
+if TYPE_CHECKING:
+    # Types only: this module is loaded with the plugin in every pytest process, a box's included,
+    # which never leases (the host does): the pool and sessions are imported where they are used.
+    from pytest_boxlite.pool import Lease, PoolStats
+    from pytest_boxlite.sandbox import Sandbox
+    from pytest_boxlite.session import BoxliteSession
+    from pytest_boxlite.spec import BoxSpec
 
-SESSION_KEY = pytest.StashKey[BoxliteSession]()
+SESSION_KEY = pytest.StashKey["BoxliteSession"]()
 #: The call-phase report of an item, so fixtures can tell whether the test failed.
 CALL_FAILED_KEY = pytest.StashKey[bool]()
 

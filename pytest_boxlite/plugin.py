@@ -13,39 +13,29 @@ registers its ``DSession`` only where it distributes:
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import sys
-import threading
-import warnings
-from collections.abc import Generator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_boxlite import ledger, reporting
-from pytest_boxlite.errors import BoxliteError, ConfigError
+from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.fixtures import (  # noqa: F401 - fixtures are found as attributes of this plugin
-    CALL_FAILED_KEY,
     SESSION_KEY,
     boxlite_module_sandbox,
     boxlite_pool,
     boxlite_sandbox,
 )
 from pytest_boxlite.marker_registration import MARKER_HELP
-from pytest_boxlite.markers import BoxPlan, plan_for
-from pytest_boxlite.pool import NoLifecycle
-from pytest_boxlite.remote import BoxedExecutor, RemoteRunner, in_guest, worker_mounts
-from pytest_boxlite.runtimes import BoxHandle, header_notes, kind_notes, preflight
-from pytest_boxlite.session import BoxliteSession
-from pytest_boxlite.settings import Settings, add_options, resolve
-from pytest_boxlite.spec import BoxSpec
-from pytest_boxlite.xdist_support import REMOTE_KEY, WorkerBoxServers, forget_controller_home
+from pytest_boxlite.settings import add_options, resolve
+from pytest_boxlite.spec import in_guest
 
-_BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
-_PLAN_KEY = pytest.StashKey[BoxPlan]()
+if TYPE_CHECKING:
+    from pytest_boxlite.roles import _SessionRole
+
+# Only what every pytest process with this plugin needs is imported here: options, fixtures,
+# markers.  The roles (pool, runtimes, remote execution) are imported in pytest_configure where
+# one is registered, so a box's own pytest does not pay for them at start-up (about 0.1 s).
+
 #: The registered role object of this process (``HostPlugin`` or ``ControllerPlugin``).
 ROLE_KEY = pytest.StashKey["_SessionRole"]()
 
@@ -91,6 +81,12 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if _boots_nothing(config):
         return
+    from pytest_boxlite import ledger
+    from pytest_boxlite.remote import worker_mounts
+    from pytest_boxlite.roles import ControllerPlugin, HostPlugin
+    from pytest_boxlite.session import BoxliteSession
+    from pytest_boxlite.xdist_support import REMOTE_KEY, forget_controller_home
+
     workerinput = getattr(config, "workerinput", None)
     if workerinput and workerinput.get(REMOTE_KEY):
         forget_controller_home(config)  # it names a directory on the controller's machine
@@ -123,346 +119,3 @@ class GuestRole:
         basetemp = item.config.option.basetemp
         if basetemp:
             Path(basetemp).resolve().parent.mkdir(parents=True, exist_ok=True)
-
-
-class SigtermGuard:
-    """Turns SIGTERM into an orderly interruption, so boxes are reaped; re-raised after cleanup."""
-
-    def __init__(self) -> None:
-        self.received = False
-        self._previous: Any = None
-        try:
-            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-                return  # someone else handles SIGTERM: leave it to them
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        except ValueError:
-            pass  # not the main thread: signals are not ours to handle
-
-    def _on_sigterm(self, signum: int, frame: object) -> None:
-        self.received = True
-        raise KeyboardInterrupt("SIGTERM")
-
-    def restore(self) -> None:
-        """Put the previous handler back; if SIGTERM came, die by it as pytest would have."""
-        if self._previous is not None:
-            with contextlib.suppress(ValueError):
-                signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-        if self.received:
-            sys.stdout.flush()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
-class _SessionRole:
-    """What the host and the controller share: home, reconcile, header, summary, shutdown once."""
-
-    NAME = "boxlite-role"
-
-    def __init__(self, config: pytest.Config, session: BoxliteSession) -> None:
-        self.config = config
-        self.session = session
-        self._sigterm = SigtermGuard()
-        self._shut_down = False
-        self._shutdown_lock = threading.Lock()
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_sessionstart(self, session: pytest.Session) -> None:
-        try:
-            self.session.prepare_home()
-        except (ConfigError, BoxliteError) as exc:
-            if self.session.settings.sources["home"] != "default":
-                raise pytest.UsageError(str(exc)) from None
-            self.session.defer_error(exc)
-            return
-        # A remote worker is the first owner on its host to see that home: it reconciles it, as the
-        # controller does with the home that it shares with its local workers.
-        workerinput = getattr(self.config, "workerinput", None)
-        if workerinput is None or workerinput.get(REMOTE_KEY):
-            self.session.reconcile()
-
-    def pytest_report_header(self, config: pytest.Config) -> list[str]:
-        lines = reporting.header(self.session, controller=isinstance(self, ControllerPlugin))
-        lines += header_notes(self.session.choice.kind, self.session.default_spec)
-        if config.option.usepdb:
-            lines.append(
-                "boxlite: --pdb does not enter boxed tests (they run in a box without this terminal); "
-                "to debug one here, run it with -p no:boxlite"
-            )
-        return lines
-
-    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-        reporting.summary(terminalreporter, self.session)
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        self.shutdown()
-
-    def pytest_unconfigure(self, config: pytest.Config) -> None:
-        self.shutdown()
-        self._sigterm.restore()
-
-    def shutdown(self) -> None:
-        """Reap everything (at session finish, or at unconfigure if the session never finished)."""
-        with self._shutdown_lock:
-            if self._shut_down:
-                return
-            self._shut_down = True
-        self._shutdown()
-
-    def _shutdown(self) -> None:
-        self.session.shutdown()
-
-
-class ControllerPlugin(_SessionRole):
-    """The xdist controller: no pool of its own; its workers each own theirs.
-
-    Local workers (plain ``popen``) share this machine's home: the controller reconciles it before
-    they start and reaps ``<session>-*`` in it after they end.  Remote workers (``socket=``,
-    ``ssh=``, ...) box on their own hosts under their own homes and clean up there themselves; the
-    controller marks them in ``workerinput`` and reports, per host, what they sent back.  With
-    remote workers only, this machine's home is not touched at all.
-    """
-
-    NAME = "boxlite-controller"
-
-    def __init__(self, config: pytest.Config, session: BoxliteSession) -> None:
-        super().__init__(config, session)
-        from pytest_boxlite.xdist_support import RemoteLedger, remote_specs, tx_specs
-
-        self.remote = RemoteLedger()
-        self._remote_specs = remote_specs(config)
-        #: Some worker runs on this machine (then its home is prepared, reconciled and reaped here).
-        self.has_local = len(self._remote_specs) < len(tx_specs(config)) or not self._remote_specs
-        self._box_servers: WorkerBoxServers | None = None
-        if session.settings.scope == "worker":
-            from pytest_boxlite.xdist_support import box_worker_specs
-
-            if config.pluginmanager.hasplugin("rerunfailures") and not session.settings.network:
-                # Its xdist workers report to the controller over 127.0.0.1: fail now, not in every worker.
-                raise pytest.UsageError(
-                    "--boxlite-scope=worker: pytest-rerunfailures is installed, and its xdist workers connect "
-                    "to the controller over 127.0.0.1, which a worker box without network cannot reach. "
-                    "Add --boxlite-network=on (worker boxes then share the host's network), "
-                    "or -p no:rerunfailures."
-                )
-
-            self._box_servers = box_worker_specs(session, config)
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_sessionstart(self, session: pytest.Session) -> None:
-        if self.has_local:
-            super().pytest_sessionstart(session)
-
-    def pytest_report_header(self, config: pytest.Config) -> list[str]:
-        lines = super().pytest_report_header(config)
-        if self._remote_specs:
-            lines += reporting.remote_header(self._remote_specs, local=self.has_local)
-        return lines
-
-    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-        reporting.summary(terminalreporter, self.session, remote=self.remote)
-
-    def pytest_configure_node(self, node: Any) -> None:
-        from pytest_boxlite.xdist_support import is_remote, spec_text
-
-        node.workerinput["boxlite_session"] = self.session.session_id
-        spec = spec_text(node.gateway.spec)
-        if is_remote(spec):
-            node.workerinput[REMOTE_KEY] = spec
-            self.remote.specs[str(node.gateway.id)] = spec
-
-    def pytest_testnodedown(self, node: Any, error: Any) -> None:
-        from pytest_boxlite.xdist_support import WORKEROUTPUT_KEY
-
-        worker = str(node.gateway.id)
-        data = getattr(node, "workeroutput", {}).get(WORKEROUTPUT_KEY)
-        remote_spec = self.remote.specs.get(worker)
-        if remote_spec is not None and not (isinstance(data, dict) and self.remote.add(worker, data)):
-            self.remote.silent.append((worker, remote_spec))
-            return
-        if isinstance(data, dict):
-            from pytest_boxlite.xdist_support import clean_stats
-
-            report = self.session.report
-            if remote_spec is not None:
-                # Another machine's counters: only numbers are added up; its box names are on its host's line.
-                report.worker_stats.append(clean_stats(data.get("stats")))
-                return
-            report.worker_stats.append(data["stats"])
-            report.leaked += data["leaked"]
-            report.kept += data["kept"]
-
-    def _shutdown(self) -> None:
-        self.session.shutdown()
-        if self._box_servers is not None:
-            self._box_servers.stop()
-        if self.has_local:
-            self.session.reap_workers()
-
-
-class HostPlugin(_SessionRole, NoLifecycle):
-    """A plain run or an xdist worker: its boxes, the warm interpreters in them and boxed items.
-
-    It is also the pool's lifecycle: a warm interpreter in every ``worker`` box, and fork parents
-    that give way when a lease of another spec is blocked at the cap.
-    """
-
-    NAME = "boxlite-host"
-
-    def __init__(self, config: pytest.Config, settings: Settings, session_id: str, worker_id: str | None) -> None:
-        self.runner = RemoteRunner(config, boot_timeout=settings.boot_timeout, env_deny=settings.env_deny)
-        try:
-            session = BoxliteSession(
-                settings,
-                session_id=session_id,
-                worker_id=worker_id,
-                lifecycle=self,
-                worker_mounts=self.runner.mounts(),
-            )
-        except BaseException:
-            self.runner.shutdown()
-            raise
-        super().__init__(config, session)
-        self.executor = BoxedExecutor(self.runner, session)
-        workerinput = getattr(config, "workerinput", None)
-        #: Where each item is in ``session.items`` (see ``_after``); an xdist worker does not know.
-        self._order: dict[int, int] = {}
-        self._order_unknown = workerinput is not None
-        #: A worker on another host than its controller (it cleans up on its host itself).
-        self.remote = bool(workerinput and workerinput.get(REMOTE_KEY))
-        if self.remote:
-            from pytest_boxlite.xdist_support import watch_controller
-
-            watch_controller(config, self._controller_lost)
-
-    # -- the pool's lifecycle ---------------------------------------------------------------
-    def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
-        self.runner.start_worker(handle, spec)
-
-    def before_destroy(self, handle: BoxHandle) -> None:
-        self.runner.stop_worker(handle)
-
-    def relieve(self, spec: BoxSpec) -> bool:
-        return self.executor.release_template(spec)
-
-    # -- hooks ----------------------------------------------------------------------------------
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_sessionstart(self, session: pytest.Session) -> None:
-        super().pytest_sessionstart(session)
-        # Under --boxlite every test needs the default box: boot it now, so that its boot and the
-        # box's own collection of the session overlap the host's collection (test modules that
-        # import heavy libraries) instead of starting at the first collected item.  Only a run that
-        # collects and then deselects everything pays for a box it does not use (--collect-only and
-        # the like register no HostPlugin at all: _boots_nothing).
-        s = self.session.settings
-        if s.all and s.scope in ("test", "module"):
-            self.session.want(self.session.default_worker_spec)
-
-    def pytest_itemcollected(self, item: pytest.Item) -> None:
-        # Start booting while collection goes on; bad marker arguments are reported after collection.
-        # Only the session's default specs are kept warm: a test with its own image, cpus, ... boots
-        # its box on demand instead of evicting the boxes everyone else is waiting for.
-        with contextlib.suppress(pytest.UsageError):
-            plan = plan_for(item, self.session)
-            if plan is not None:
-                if plan.spec == self.session.default_worker_spec:
-                    self.session.want(plan.spec)
-                return
-        if _BOX_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-            self.session.want(self.session.default_spec)
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        has_timeout = config.pluginmanager.hasplugin("timeout")
-        _, unused_image = kind_notes(self.session.choice.kind)
-        warned: set[str] = set()
-        boxes_needed = False
-        for item in items:
-            boxes_needed = boxes_needed or bool(_BOX_FIXTURES.intersection(getattr(item, "fixturenames", ())))
-            plan = plan_for(item, self.session)
-            if plan is None:
-                continue
-            boxes_needed = True
-            item.stash[_PLAN_KEY] = plan
-            image = plan.spec.image
-            if unused_image and image != self.session.settings.image and image not in warned:
-                # One warning per image: the test would otherwise run on the host's distribution unawares.
-                warned.add(image)
-                lineno = item.location[1]
-                warnings.warn_explicit(
-                    pytest.PytestWarning(
-                        f"{item.nodeid}: @pytest.mark.boxlite(image={image!r}) has no effect on the "
-                        f"{self.session.choice.kind} runtime ({unused_image}); it runs on this host's files. "
-                        "Use --boxlite-runtime=vm for a real image."
-                    ),
-                    category=pytest.PytestWarning,
-                    filename=str(item.path),
-                    lineno=(lineno or 0) + 1,
-                )
-            if has_timeout:
-                # pytest-timeout acts inside the box; on the host it could only kill the whole session.
-                item.add_marker(pytest.mark.timeout(0), append=False)
-        if boxes_needed:
-            # A host where boxes cannot work at all (no user namespaces, ...) stops the session here,
-            # with the fix, instead of failing every test that needs a box.
-            problem = preflight(self.session.choice.kind)
-            if problem:
-                raise pytest.UsageError(f"pytest-boxlite: {problem}")
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        plan = item.stash.get(_PLAN_KEY, None)
-        if plan is None:
-            return None
-        next_plan = nextitem.stash.get(_PLAN_KEY, None) if nextitem is not None else None
-        return self.executor.run_protocol(item, plan, nextitem, next_plan, then=self._after(nextitem))
-
-    def _after(self, nextitem: pytest.Item | None) -> tuple[pytest.Item, BoxPlan | None] | None:
-        """The item that runs after ``nextitem`` (and its plan), where this process knows the run
-        order: a plain run walks ``session.items``; an xdist worker learns its next items from
-        the controller as it goes, so it is told only ``nextitem``."""
-        if nextitem is None or self._order_unknown:
-            return None
-        items = nextitem.session.items
-        at = self._order.get(id(nextitem))
-        if at is None or at >= len(items) or items[at] is not nextitem:
-            self._order = {id(it): n for n, it in enumerate(items)}
-            at = self._order.get(id(nextitem))
-            if at is None:
-                # Another plugin runs items that are not the session's: guess no further.
-                self._order_unknown = True
-                return None
-        if at + 1 >= len(items):
-            return None
-        after = items[at + 1]
-        return after, after.stash.get(_PLAN_KEY, None)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
-        report = yield
-        if report.when == "call" and report.failed:
-            item.stash[CALL_FAILED_KEY] = True
-        return report
-
-    def _shutdown(self) -> None:
-        self.executor.close()
-        self.session.shutdown()
-        self.runner.shutdown()
-        if self.runner.forks:
-            self.session.report.stats.update(forked=self.runner.forks, fork_waits=list(self.runner.fork_waits))
-        if self.remote:
-            # This host has no controller: reap what crashed workers of this session left in this home.
-            self.session.reap_workers()
-        workeroutput = getattr(self.config, "workeroutput", None)
-        if workeroutput is not None:
-            from pytest_boxlite.xdist_support import WORKEROUTPUT_KEY, worker_output
-
-            workeroutput[WORKEROUTPUT_KEY] = worker_output(self.session, remote=self.remote)
-
-    def _controller_lost(self) -> None:
-        """The channel to the controller closed before this worker shut down: reap its boxes now."""
-        if self._shut_down:
-            return  # the normal order: boxes were reaped before the worker reported
-        self.session.shutdown()
-        self.session.reap_workers()

@@ -13,6 +13,15 @@ from pytest_boxlite.errors import ConfigError
 
 #: Set in a box's test worker: the plugin there stays passive (the host does the boxing).
 GUEST_ENV = "PYTEST_BOXLITE_GUEST"
+#: The values of ``--boxlite-runtime``.
+RUNTIME_CHOICES = ("auto", "vm", "namespace")
+
+
+def in_guest() -> bool:
+    """True inside a box's test worker: the plugin then stays passive."""
+    return os.environ.get(GUEST_ENV) == "1"
+
+
 #: Host variables that describe the host process itself, not the environment tests expect.
 #: PYTEST_DEBUG_TEMPROOT names a host directory (pytester sets it under /tmp), which a box's
 #: private /tmp does not have: the guest's tmp_path must come from the guest's own temp root.

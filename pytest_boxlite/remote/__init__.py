@@ -13,17 +13,8 @@ The guest end is :mod:`pytest_boxlite.guest.worker`; the vocabulary is :mod:`pyt
 
 from __future__ import annotations
 
-import os
-
-from pytest_boxlite.spec import GUEST_ENV
-
-
-def in_guest() -> bool:
-    """True inside a box's test worker: the plugin then stays passive."""
-    return os.environ.get(GUEST_ENV) == "1"
-
-
-from pytest_boxlite.remote.executor import BoxedExecutor  # noqa: E402 - after in_guest, which they may use
-from pytest_boxlite.remote.worker_host import RemoteRunner, guest_args, worker_mounts  # noqa: E402
+from pytest_boxlite.remote.executor import BoxedExecutor
+from pytest_boxlite.remote.worker_host import RemoteRunner, guest_args, worker_mounts
+from pytest_boxlite.spec import in_guest
 
 __all__ = ["BoxedExecutor", "RemoteRunner", "guest_args", "in_guest", "worker_mounts"]

@@ -21,7 +21,7 @@ from pytest_boxlite.runtimes.base import (
     RuntimeKind,
 )
 from pytest_boxlite.runtimes.probe import Probe, probe
-from pytest_boxlite.spec import BoxSpec
+from pytest_boxlite.spec import RUNTIME_CHOICES, BoxSpec
 
 if TYPE_CHECKING:
     from pytest_boxlite.runtimes.rest import RemoteTarget
@@ -52,7 +52,6 @@ __all__ = [
     "remote_target",
 ]
 
-RUNTIME_CHOICES = ("auto", "vm", "namespace")
 #: The runtimes that run boxes on this host, in the order ``doctor`` shows them.
 LOCAL_KINDS = ("vm", "namespace")
 
