@@ -24,7 +24,7 @@ import secrets
 from pathlib import Path
 
 from pytest_boxlite.errors import BoxliteError
-from pytest_boxlite.runtimes import Leftover, kinds
+from pytest_boxlite.runtimes import Leftover, kinds, kinds_with_state
 
 __all__ = [
     "PREFIX",
@@ -160,7 +160,7 @@ def reconcile(
     home = Path(home)
     removed: list[str] = []
     lookup = _Owners(home)
-    for k in kinds():
+    for k in kinds_with_state(home):
         for lo in k.leftovers(home, lookup, each_box=False):
             if lo.owner_alive or (lo.kept and not include_kept):
                 continue

@@ -85,11 +85,16 @@ class _SessionRole:
                 raise pytest.UsageError(str(exc)) from None
             self.session.defer_error(exc)
             return
+        self._home_ready()
         # A remote worker is the first owner on its host to see that home: it reconciles it, as the
         # controller does with the home that it shares with its local workers.
         workerinput = getattr(self.config, "workerinput", None)
         if workerinput is None or workerinput.get(REMOTE_KEY):
             self.session.reconcile()
+
+    def _home_ready(self) -> None:
+        """The home is usable and this process's owner lock held: boxes may start (before the
+        reconcile of dead sessions' leftovers, which never touches a live owner's boxes)."""
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         lines = reporting.header(self.session, controller=isinstance(self, ControllerPlugin))
@@ -257,14 +262,12 @@ class HostPlugin(_SessionRole, NoLifecycle):
         return self.executor.release_template(spec)
 
     # -- hooks ----------------------------------------------------------------------------------
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_sessionstart(self, session: pytest.Session) -> None:
-        super().pytest_sessionstart(session)
+    def _home_ready(self) -> None:
         # Under --boxlite every test needs the default box: boot it now, so that its boot and the
         # box's own collection of the session overlap the host's collection (test modules that
-        # import heavy libraries) instead of starting at the first collected item.  Only a run that
-        # collects and then deselects everything pays for a box it does not use (--collect-only and
-        # the like register no HostPlugin at all: _boots_nothing).
+        # import heavy libraries) and the reconcile, instead of starting at the first collected
+        # item.  Only a run that collects and then deselects everything pays for a box it does not
+        # use (--collect-only and the like register no HostPlugin at all: _boots_nothing).
         s = self.session.settings
         if s.all and s.scope in ("test", "module"):
             self.session.want(self.session.default_worker_spec)

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from pytest_boxlite.spec import DEFAULT_ENV_DENY, RUNTIME_CHOICES, default_image
+from pytest_boxlite.runtimes import RUNTIME_CHOICES
+from pytest_boxlite.spec import DEFAULT_ENV_DENY, default_image
 
 ENV_PREFIX = "PYTEST_BOXLITE_"
 

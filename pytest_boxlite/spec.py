@@ -13,8 +13,6 @@ from pytest_boxlite.errors import ConfigError
 
 #: Set in a box's test worker: the plugin there stays passive (the host does the boxing).
 GUEST_ENV = "PYTEST_BOXLITE_GUEST"
-#: The values of ``--boxlite-runtime``.
-RUNTIME_CHOICES = ("auto", "vm", "namespace")
 
 
 def in_guest() -> bool:

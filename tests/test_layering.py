@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "entry points: pytest hooks, the CLI, the public API, processes run by name",
-        ("", "__main__", "plugin", "boxproc", "session_in_box", "selftest"),
+        ("", "__main__", "plugin", "roles", "boxproc", "session_in_box", "selftest"),
     ),
     (
         "pytest glue: fixtures, boxed-test execution, xdist, the terminal report",

@@ -21,7 +21,7 @@ from pytest_boxlite.runtimes.base import (
     RuntimeKind,
 )
 from pytest_boxlite.runtimes.probe import Probe, probe
-from pytest_boxlite.spec import RUNTIME_CHOICES, BoxSpec
+from pytest_boxlite.spec import BoxSpec
 
 if TYPE_CHECKING:
     from pytest_boxlite.runtimes.rest import RemoteTarget
@@ -44,6 +44,7 @@ __all__ = [
     "choose",
     "kind",
     "kinds",
+    "kinds_with_state",
     "open_choice",
     "open_runtime",
     "probe",
@@ -52,6 +53,7 @@ __all__ = [
     "remote_target",
 ]
 
+RUNTIME_CHOICES = ("auto", "vm", "namespace")
 #: The runtimes that run boxes on this host, in the order ``doctor`` shows them.
 LOCAL_KINDS = ("vm", "namespace")
 
@@ -72,6 +74,14 @@ def kind(name: str) -> RuntimeKind:
 def kinds() -> list[RuntimeKind]:
     """Every local runtime kind, whether or not it works on this host."""
     return [kind(name) for name in LOCAL_KINDS]
+
+
+def kinds_with_state(home: Path) -> list[RuntimeKind]:
+    """The local runtime kinds that have anything under ``home``: each keeps its boxes in
+    ``home/<kind name>`` (see ``vm_homes`` and the namespace kind's ``state_dir``).  A kind with
+    nothing there is not even imported (the vm kind's module and asyncio cost a session's start
+    about 60 ms, on the path to its first box)."""
+    return [kind(name) for name in LOCAL_KINDS if (Path(home) / name).is_dir()]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,14 @@
-"""The plugin module every pytest process loads stays light: a box's own pytest (and a run that
-only collects) must not import the pool, the runtimes or remote execution it never uses.  Their
-import cost was about 0.1 s of every box's start-up (see the issue-15 benchmark's module row)."""
+"""What a pytest process imports at start-up stays what it uses.  The plugin module every pytest
+process loads must not import the pool, the runtimes or remote execution: a box's own pytest (and
+a run that only collects) never uses them, and their import was about 0.1 s of every box's
+start-up (see the issue-15 benchmark's module row).  A session's start imports only the runtime
+kinds its home has state of."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +18,8 @@ HEAVY = (
     "pytest_boxlite.roles",
     "pytest_boxlite.pool",
     "pytest_boxlite.session",
-    "pytest_boxlite.runtimes",
+    "pytest_boxlite.runtimes.namespace",
+    "pytest_boxlite.runtimes.vm",
     "pytest_boxlite.remote",
     "pytest_boxlite.xdist_support",
     "execnet",
@@ -47,3 +51,24 @@ def test_a_box_s_pytest_registers_the_guest_role_without_the_roles(
     result = pytester.runpytest_subprocess("-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["HEAVY []"])
+
+
+def test_reconcile_opens_only_the_runtime_kinds_a_home_has(tmp_path: Path) -> None:
+    """A session's start reconciles its home before its first box: a home with no vm state does not
+    import the vm kind (its module and asyncio); one with a vm directory does, and is reconciled."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from pytest_boxlite import ledger\n"
+        "home = Path(sys.argv[1])\n"
+        "ledger.reconcile(home)\n"
+        "print('vm' if 'pytest_boxlite.runtimes.vm' in sys.modules else 'no vm')\n"
+        "(home / 'vm').mkdir()\n"
+        "ledger.reconcile(home)\n"
+        "print('vm' if 'pytest_boxlite.runtimes.vm' in sys.modules else 'no vm')\n"
+    )
+    (tmp_path / "namespace").mkdir()
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == ["no", "vm", "vm"], out.stdout + out.stderr
