@@ -87,8 +87,11 @@ class RunFailed(Exception):
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The caller's environment without PYTEST_* settings (PYTEST_ADDOPTS, PYTEST_BOXLITE_*...)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    """The caller's environment without PYTEST_* settings (PYTEST_ADDOPTS, PYTEST_BOXLITE_*...), and
+    with Python's bytecode caches on, as a user's machine has them: a shell that sets
+    PYTHONDONTWRITEBYTECODE (some CI and agent shells do) makes every interpreter compile every
+    module of an editable checkout, and pytest rewrite every plugin's asserts, at each start."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k != "PYTHONDONTWRITEBYTECODE"}
     env.update(extra)
     return env
 

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _bench import log
+from _bench import clean_env, log
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -116,10 +116,7 @@ def boxed_overhead(kind: str, n: int, work: Path) -> float:
     proj = work / f"proj-{kind}"
     proj.mkdir()
     (proj / "test_t.py").write_text(f"import pytest\n@pytest.mark.parametrize('i', range({n}))\ndef test_t(i): pass\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    if kind == "vm" and not probe().vm_ok:
-        site = ROOT / "tests" / "sdk_double" / "site"
-        env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(site)]), BOXLITE_SDK_DOUBLE="1")
+    env = sub_env(kind)
     base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
     base += [f"--boxlite-home={work / ('home-' + kind)}", f"--boxlite-runtime={kind}", "test_t.py"]
 
@@ -145,7 +142,7 @@ SIDE_BY_SIDE = (
 
 def sub_env(kind: str) -> dict[str, str]:
     """A sub-run's environment: on vm where no VM boots, every Python process uses the SDK double."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env = clean_env()
     if kind == "vm" and not probe().vm_ok:
         site = ROOT / "tests" / "sdk_double" / "site"
         env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(site)]), BOXLITE_SDK_DOUBLE="1")
