@@ -258,6 +258,9 @@ def _serve_client(conn: socket.socket, box: BoxHandle | None, error: str | None,
         for fd in fds:
             os.close(fd)
     outcome: dict[str, object] = {}
+    # The worker's end wakes the wait below at once (a timed poll would hold every worker's exit
+    # status, and with it xdist's shutdown, for up to its period).
+    ended_r, ended_w = os.pipe()
 
     def run() -> None:
         try:
@@ -266,20 +269,27 @@ def _serve_client(conn: socket.socket, box: BoxHandle | None, error: str | None,
             outcome["error"] = str(exc)
         except BaseException as exc:  # noqa: BLE001 - reported to the client, which exits with it
             outcome["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            os.close(ended_w)
 
     worker = threading.Thread(target=run, name="boxlite-worker-box", daemon=True)
     worker.start()
     conn.settimeout(None)
-    # The client speaks again only to pass on a signal (SIGINT, SIGTERM, SIGHUP), or hangs up when
-    # it dies: either way the worker must end, and destroying its box ends it.
-    while worker.is_alive():
-        ready, _, _ = select.select([conn], [], [], 0.5)
-        if ready:
-            with contextlib.suppress(OSError):
-                conn.recv(4096)
-            _destroy(box)
-            worker.join(END_GRACE)
-            break
+    try:
+        # The client speaks again only to pass on a signal (SIGINT, SIGTERM, SIGHUP), or hangs up
+        # when it dies: either way the worker must end, and destroying its box ends it.
+        while worker.is_alive():
+            ready, _, _ = select.select([conn.fileno(), ended_r], [], [], 0.5)
+            if conn.fileno() in ready:
+                with contextlib.suppress(OSError):
+                    conn.recv(4096)
+                _destroy(box)
+                worker.join(END_GRACE)
+                break
+            if ended_r in ready:
+                worker.join(END_GRACE)
+    finally:
+        os.close(ended_r)
     # The worker's pipes live on only in the box: let go of them here.
     for target in (0, 1, 2):
         null = os.open(os.devnull, os.O_RDWR)
