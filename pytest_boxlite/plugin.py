@@ -1,12 +1,13 @@
-"""pytest hooks of pytest-boxlite: options, then one plugin object per role.
+"""pytest-boxlite (the pytest11 entry point): options, fixtures, and one plugin object per role.
 
 ``pytest_configure`` decides the role once and registers exactly one object, the way pytest-xdist
 registers its ``DSession`` only where it distributes:
 
-- :class:`HostPlugin` (``boxlite-host``): a plain run or an xdist worker; owns the session's boxes
-  (pool, warm interpreters, boxed items);
-- :class:`ControllerPlugin` (``boxlite-controller``): the xdist controller; runs no pool, hands its
-  session id to the workers, reconciles before they start and reaps after they end;
+- :class:`~pytest_boxlite.roles.HostPlugin` (``boxlite-host``): a plain run or an xdist worker;
+  owns the session's boxes (pool, warm interpreters, boxed items);
+- :class:`~pytest_boxlite.roles.ControllerPlugin` (``boxlite-controller``): the xdist
+  controller; runs no pool, hands its session id to the workers, reconciles before they start
+  and reaps after they end;
 - :class:`GuestRole` (``boxlite-guest``): inside a box's pytest, where the host does the boxing;
 - nothing for runs that only list or collect (``--collect-only``, ``--fixtures``, ``--help``, ...).
 """

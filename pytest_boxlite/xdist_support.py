@@ -1,4 +1,4 @@
-"""pytest-xdist integration (the controller's hooks are on :class:`pytest_boxlite.plugin.ControllerPlugin`).
+"""pytest-xdist integration (the controller's hooks are on :class:`pytest_boxlite.roles.ControllerPlugin`).
 
 * The controller hands its session id to every worker (``workerinput``), so
   all box names of one run carry it; each worker is its own owner
