@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shutil
 import socket
@@ -699,6 +700,73 @@ def test_boxes_forked_ahead_may_connect_in_any_order(pytester: pytest.Pytester, 
     assert result.parseoutcomes() == {"passed": 3}, result.stdout.str()[-3000:]
     boxes = {box_of(reports, f"test_ahead.py::{name}") for name in ("test_1_slow", "test_2", "test_3")}
     assert len(boxes) == 3
+
+
+MASK_MOUNT_CONFTEST = """
+    import os
+
+    from pytest_boxlite.runtimes.namespace import mounts
+
+    _build = mounts._build_mask_layer
+
+
+    def _no_layers(root, entries):
+        # Injected fault: no mask layer can be made (as where the layers' directory has no user
+        # xattrs), so credentials are masked by mounts laid over the copy-on-write directories.
+        _build(root, entries)
+        return {top for top, _, _ in entries}
+
+
+    def pytest_configure(config):
+        if os.environ.get("PYTEST_BOXLITE_GUEST") != "1":
+            mounts._mask_plan_cached.cache_clear()
+            mounts._build_mask_layer = _no_layers
+
+
+    def pytest_unconfigure(config):
+        if os.environ.get("PYTEST_BOXLITE_GUEST") != "1":
+            mounts._build_mask_layer = _build
+            mounts._mask_plan_cached.cache_clear()
+"""
+
+
+def test_a_credential_masked_by_a_mount_boots_a_box_per_test(pytester: pytest.Pytester, home: Path) -> None:
+    """A credential masked by a mount (no mask layer could be made) lies over part of a
+    copy-on-write directory, which no per-test fork can renew (its mount is locked beneath the
+    fork, and overlayfs refuses such a lower directory): the session says so once and boots a box
+    per test, and every test runs, instead of each failing with 'mount ...: Invalid argument'.
+    The fault (no layer) is injected; the refusal it leads to is the real kernel's."""
+    secret = Path(pwd.getpwuid(os.getuid()).pw_dir) / ".vault-token"  # the real home (pytester sets HOME)
+    if secret.exists():
+        pytest.skip(f"{secret} exists on this host; not touching it")
+    secret.write_text("pbx-secret\n")
+    try:
+        pytester.makeconftest(MASK_MOUNT_CONFTEST)
+        pytester.makepyfile(
+            test_masked="""
+            import os
+            import pwd
+            from pathlib import Path
+
+            def test_1():
+                home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+                try:
+                    content = home.joinpath(".vault-token").read_text()
+                except OSError:
+                    content = ""  # masked by a device node on a nodev mount: unreadable
+                assert "pbx-secret" not in content
+
+            def test_2():
+                pass
+            """
+        )
+        result, reports = run(pytester, "--boxlite", f"--boxlite-home={home}")
+    finally:
+        secret.unlink()
+    no_leftovers(home)
+    assert result.parseoutcomes() == {"passed": 2}, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*boxes cannot be forked per test here (* is mounted over part of *"])
+    assert box_of(reports, "test_masked.py::test_1") != box_of(reports, "test_masked.py::test_2")
 
 
 def test_box_forked_ahead_and_never_used_is_ended(pytester: pytest.Pytester, home: Path) -> None:

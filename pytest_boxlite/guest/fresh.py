@@ -591,6 +591,28 @@ def _pivot_into_overlay(libc, work, points, n):
     os.chdir(cwd)
 
 
+def fork_blocked_by_mounts():
+    """Why fresh boxes forked from this (namespace) box could not renew its copy-on-write
+    directories, or ``None``.
+
+    A fork makes a new user namespace, in which every mount of this box is locked, and overlayfs
+    refuses a lower directory with locked mounts beneath it.  Credentials are masked by overlay
+    layers for that reason; a credential masked by a mount instead (the layer could not be made:
+    no user xattrs where the layers live) sits over part of an overlay directory, and every fresh
+    overlay over that directory would fail.  Such a box is booted per test instead.
+    """
+    mounts = _mounts()
+    overlays = [m for m, fs in mounts if fs == "overlay"]
+    private = ("/tmp", "/run", "/proc", "/dev", "/sys")
+    for m, fs in mounts:
+        if fs == "overlay" or any(m == p or _under(m, p) for p in private):
+            continue
+        for o in overlays:
+            if _under(m, o):
+                return "%s is mounted over part of %s (a credential masked by a mount, not a layer)" % (m, o)
+    return None
+
+
 def fork_refused():
     """Why this kernel refuses a fresh box's namespaces (asked in a child that tries them and a
     tmpfs in them), or ``None``.  Bounded: the child is killed after 10 s."""

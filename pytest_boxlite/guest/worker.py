@@ -233,9 +233,11 @@ def serve(channel):
                 site.addsitedir(entry)
     os.environ.update(cfg["env"])
     # Asked once, before pytest is imported (a fork is cheapest now): can this kernel make the
-    # per-test box's namespaces?  A VM's kernel may lack user namespaces; the host then boots a
-    # box per test instead of failing every test.
-    fork_problem = fork_refused() if cfg.get("probe_fork") else None  # noqa: F821 - guest/fresh.py
+    # per-test box's namespaces?  A VM's kernel may lack user namespaces; a namespace box may have
+    # a mount over part of a copy-on-write directory, which no fork can renew.  The host then
+    # boots a box per test instead of failing every test.
+    probe = fork_refused if cfg.get("probe_fork") else fork_blocked_by_mounts  # noqa: F821 - guest/fresh.py
+    fork_problem = probe()
     import json
     import socket
 

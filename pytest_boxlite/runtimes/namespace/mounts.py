@@ -304,6 +304,11 @@ def _mask_plan(home: Path, tops: Sequence[str]) -> tuple[dict[str, str], list[st
     if not all(os.path.isdir(layer) for _, layer in layers):  # /tmp was cleaned meanwhile: build again
         _mask_plan_cached.cache_clear()
         layers, failed = _mask_plan_cached(key)
+    if failed:
+        # Not kept: the next box tries again.  A mount in place of a layer costs boxed tests their
+        # per-test fork (see guest/fresh.py's fork_blocked_by_mounts), so a passing failure must
+        # not last the whole session.
+        _mask_plan_cached.cache_clear()
     for top in failed:
         for path, kind in by_top.get(top, []):
             mounts += ["--tmpfs", str(path)] if kind == "dir" else ["--ro-bind", "/dev/null", str(path)]
