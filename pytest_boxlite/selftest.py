@@ -71,7 +71,12 @@ def _steps(box: VmBox) -> list[tuple[str, Callable[[], None]]]:
         r = box.exec(["sh", "-c", "sleep 300 & echo $!; wait"], timeout=2)
         child = r.stdout.decode().strip()
         _check(r.timed_out and child.isdigit(), f"timeout run gave {r}")
-        _check(box.exec(["kill", "-0", child], timeout=10).exit_code != 0, "a timed-out command's child lives on")
+        # A killed child is a zombie until the box's init reaps it (its orphan reaper runs every
+        # half second), and kill -0 succeeds on a zombie: it must be gone within a few seconds.
+        deadline = time.monotonic() + 5.0
+        while box.exec(["kill", "-0", child], timeout=10).exit_code == 0:
+            _check(time.monotonic() < deadline, "a timed-out command's child lives on")
+            time.sleep(0.2)
 
     def bridge() -> None:
         data = bytes(range(256)) * 1024
