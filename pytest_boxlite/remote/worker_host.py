@@ -253,7 +253,7 @@ class RemoteRunner:
 
     def stop_worker(self, handle: BoxHandle) -> None:
         """Drop the gateway; the box is killed right after (with any box forked ahead in it)."""
-        self._ahead.pop(handle.name, None)
+        self._forget_ahead(handle.name)
         with self._lock:
             w = self._workers.pop(handle.name, None)
             listener = self._listeners.pop(handle.name, None)
@@ -495,6 +495,14 @@ class RemoteRunner:
                 return box
         return None
 
+    def _forget_ahead(self, parent: str) -> None:
+        """Forget the boxes made ahead in ``parent`` (they die with it): only the connections of
+        those that connected early are closed here."""
+        for box in self._ahead.pop(parent, []):
+            if box.stream is not None:
+                with contextlib.suppress(OSError):
+                    box.stream.conn.close()
+
     def _drop_ahead(self, parent: str) -> None:
         for box in self._ahead.pop(parent, []):
             self._end_unused(box)
@@ -643,7 +651,7 @@ class RemoteRunner:
             return known
 
     def _kill(self, handle: BoxHandle) -> None:
-        self._ahead.pop(handle.name, None)  # it dies with the box
+        self._forget_ahead(handle.name)  # they die with the box
         with self._lock:
             w = self._workers.pop(handle.name, None)
             listener = self._listeners.pop(handle.name, None)

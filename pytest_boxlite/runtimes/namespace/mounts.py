@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -254,25 +255,43 @@ def _build_mask_layer(root: Path, entries: Sequence[tuple[str, str, str]]) -> se
     return failed
 
 
+def _complete(root: Path) -> bool:
+    """Whether ``root`` holds mask layers built for every top (its ``ready`` lists no failure)."""
+    try:
+        return bool(json.loads((root / "ready").read_text()) == [])
+    except (OSError, ValueError):
+        return False
+
+
 @lru_cache(maxsize=64)
 def _mask_plan_cached(entries: tuple[tuple[str, str, str], ...]) -> tuple[tuple[tuple[str, str], ...], frozenset[str]]:
     tops = sorted({t for t, _, _ in entries})
     key = hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
-    root = private_tmp() / "masks" / key
-    if not (root / "ready").exists():
-        tmp = root.with_name(f"{key}.{os.getpid()}.tmp")
+    base = private_tmp() / "masks"
+    root = base / key
+    failed: set[str] = set()
+    if not _complete(root):
+        tmp = base / f"{key}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         failed = _build_mask_layer(tmp, entries)
         (tmp / "ready").write_text(json.dumps(sorted(failed)))
-        with contextlib.suppress(OSError):
+        shared = False
+        if not failed:
+            if root.exists():
+                # An earlier build that recorded a failure: set aside, not removed (live boxes may
+                # still have its layers under them).
+                with contextlib.suppress(OSError):
+                    os.rename(root, base / f"{key}.{secrets.token_hex(4)}.stale")
+            with contextlib.suppress(OSError):
+                os.rename(tmp, root)
+                shared = True
+        if not shared:
+            # Only complete builds are shared: a failure may pass, and a shared record of it would
+            # cost every later session on this host its per-test forks (see fork_blocked_by_mounts).
+            root = base / f"{key}.{secrets.token_hex(4)}.own"
             os.rename(tmp, root)
-        shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        failed_tops = frozenset(json.loads((root / "ready").read_text()))
-    except (OSError, ValueError):
-        failed_tops = frozenset(tops)
-    layers = tuple((top, str(root / str(n))) for n, top in enumerate(tops) if top not in failed_tops)
-    return layers, failed_tops
+    layers = tuple((top, str(root / str(n))) for n, top in enumerate(tops) if top not in failed)
+    return layers, frozenset(failed)
 
 
 def _mask_plan(home: Path, tops: Sequence[str]) -> tuple[dict[str, str], list[str]]:
