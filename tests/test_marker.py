@@ -707,7 +707,7 @@ MASK_MOUNT_CONFTEST = """
 
     from pytest_boxlite.runtimes.namespace import mounts
 
-    _build = mounts._build_mask_layer
+    _build, _complete = mounts._build_mask_layer, mounts._complete
 
 
     def _no_layers(root, entries):
@@ -721,11 +721,12 @@ MASK_MOUNT_CONFTEST = """
         if os.environ.get("PYTEST_BOXLITE_GUEST") != "1":
             mounts._mask_plan_cached.cache_clear()
             mounts._build_mask_layer = _no_layers
+            mounts._complete = lambda root: False  # a build the host cached already is not used
 
 
     def pytest_unconfigure(config):
         if os.environ.get("PYTEST_BOXLITE_GUEST") != "1":
-            mounts._build_mask_layer = _build
+            mounts._build_mask_layer, mounts._complete = _build, _complete
             mounts._mask_plan_cached.cache_clear()
 """
 
