@@ -367,6 +367,20 @@ def _under(path, top):
     return path.startswith(top.rstrip("/") + "/")
 
 
+#: What a fresh box gets anew (tmpfs, its own /proc...), never renewed as a layer.
+_PRIVATE = ("/tmp", "/run", "/proc", "/dev", "/sys")
+
+
+def _masks_over(mounts, overlays):
+    """The mounts other than overlays laid over part of one of ``overlays`` (outside
+    :data:`_PRIVATE`): the masks a fresh box must lay again on its new layers."""
+    return [
+        (m, fs)
+        for m, fs in mounts
+        if fs != "overlay" and any(_under(m, o) for o in overlays) and not any(m == p or _under(m, p) for p in _PRIVATE)
+    ]
+
+
 def _fresh_box(hostname, network, renew_all=False, own_root=None):
     """In pid 1 of a box made by :func:`clone_box`: pristine writable layers, /proc, hostname.
 
@@ -389,12 +403,7 @@ def _fresh_box(hostname, network, renew_all=False, own_root=None):
     mounts = _mounts()
     overlays = sorted({m for m, fs in mounts if fs == "overlay"}, key=lambda p: (p.count("/"), p))
     hidden = [m for m in overlays if _under(m, "/tmp")]
-    private = ("/tmp", "/run", "/proc", "/dev", "/sys")
-    masks = [
-        (m, fs)
-        for m, fs in mounts
-        if fs != "overlay" and any(_under(m, o) for o in overlays) and not any(m == p or _under(m, p) for p in private)
-    ]
+    masks = _masks_over(mounts, overlays)
     # Overlays under /tmp and bind masks vanish under what is mounted next: keep a handle on them.
     for i, m in enumerate(hidden):
         os.mkdir("%s/keep%d" % (stage, i))
@@ -409,7 +418,7 @@ def _fresh_box(hostname, network, renew_all=False, own_root=None):
             _mount(libc, m, held, None, _MS_BIND, None)
     if renew_all:
         # Root here is root of the VM's kernel (clone_box's real_root): it can pivot into an overlay of /.
-        plain_root = _renew_plain(libc, stage, private + ("/workspace",), pivot=uid == 0)
+        plain_root = _renew_plain(libc, stage, _PRIVATE + ("/workspace",), pivot=uid == 0)
     for i, m in enumerate(overlays):
         if m not in hidden:
             _overlay(libc, m, m, stage, i)
@@ -603,14 +612,12 @@ def fork_blocked_by_mounts():
     """
     mounts = _mounts()
     overlays = [m for m, fs in mounts if fs == "overlay"]
-    private = ("/tmp", "/run", "/proc", "/dev", "/sys")
-    for m, fs in mounts:
-        if fs == "overlay" or any(m == p or _under(m, p) for p in private):
-            continue
-        for o in overlays:
-            if _under(m, o):
-                return "%s is mounted over part of %s (a credential masked by a mount, not a layer)" % (m, o)
-    return None
+    masks = _masks_over(mounts, overlays)
+    if not masks:
+        return None
+    m = masks[0][0]
+    o = next(o for o in overlays if _under(m, o))
+    return "%s is mounted over part of %s (a credential masked by a mount, not a layer)" % (m, o)
 
 
 def fork_refused():

@@ -15,6 +15,5 @@ from __future__ import annotations
 
 from pytest_boxlite.remote.executor import BoxedExecutor
 from pytest_boxlite.remote.worker_host import RemoteRunner, guest_args, worker_mounts
-from pytest_boxlite.spec import in_guest
 
-__all__ = ["BoxedExecutor", "RemoteRunner", "guest_args", "in_guest", "worker_mounts"]
+__all__ = ["BoxedExecutor", "RemoteRunner", "guest_args", "worker_mounts"]
