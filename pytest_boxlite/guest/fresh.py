@@ -381,7 +381,7 @@ def _masks_over(mounts, overlays):
     ]
 
 
-def _fresh_box(hostname, network, renew_all=False, own_root=None):
+def _fresh_box(hostname, network, renew_all=False, own_root=False):
     """In pid 1 of a box made by :func:`clone_box`: pristine writable layers, /proc, hostname.
 
     Every overlay gets a new, empty upper layer.  The masks the box had on top of its overlays
@@ -391,8 +391,8 @@ def _fresh_box(hostname, network, renew_all=False, own_root=None):
 
     ``renew_all`` (a VM: its root is a disk, its volumes virtio-fs, no overlays): every other
     writable directory is renewed too (:func:`_renew_plain`) and the root itself made read-only.
-    ``own_root``: the warm box's top-level mount points, taken before any of this; the box then
-    moves to a root directory of its own (:func:`fresh_root`), keeping its working directory.
+    ``own_root``: the box then moves to a root directory of its own (:func:`fresh_root`) holding
+    the warm box's top-level mount points, keeping its working directory.
     """
     libc = _libc()
     uid, gid = os.geteuid(), os.getegid()
@@ -401,6 +401,8 @@ def _fresh_box(hostname, network, renew_all=False, own_root=None):
     os.makedirs(stage, exist_ok=True)
     _mount(libc, "tmpfs", stage, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700")
     mounts = _mounts()
+    # The warm box's top-level mount points: the stage above is no top-level one.
+    tops = _top_level(mounts)
     overlays = sorted({m for m, fs in mounts if fs == "overlay"}, key=lambda p: (p.count("/"), p))
     hidden = [m for m in overlays if _under(m, "/tmp")]
     masks = _masks_over(mounts, overlays)
@@ -452,11 +454,11 @@ def _fresh_box(hostname, network, renew_all=False, own_root=None):
     socket.sethostname(hostname)
     with open("/proc/self/oom_score_adj", "w") as fh:
         fh.write("1000")  # under memory pressure the test dies, not the warm interpreter
-    if own_root is not None:
+    if own_root:
         # The warm box's root directory (bubblewrap's tmpfs) is shared with every box forked from
         # it: a top-level entry one test made would reach the next.  Before the capabilities go.
         here = os.getcwd()
-        fresh_root(own_root, lambda new_root: None)
+        fresh_root(tops, lambda new_root: None)
         os.chdir(here)  # the same path in the new root: reports name files relative to it
     if uid != 0:
         if not network:
@@ -669,9 +671,14 @@ _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, 
 _MNT_DETACH = 2
 
 
+def _top_level(mounts):
+    """The top-level mount points (``/usr``, ``/tmp``...) of ``mounts`` (:func:`_mounts`)."""
+    return {m for m, _ in mounts if m != "/" and m.count("/") == 1}
+
+
 def top_mounts():
     """The top-level mount points (``/usr``, ``/tmp``...) this process sees."""
-    return {m for m, _ in _mounts() if m != "/" and m.count("/") == 1}
+    return _top_level(_mounts())
 
 
 def fresh_root(keep, before_pivot):

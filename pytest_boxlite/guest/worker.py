@@ -459,8 +459,7 @@ def serve(channel):
                 conn.connect(sock)
                 _cut_channel(channel)
                 # A root directory of its own too, but for a VM's box: it moves into an overlay of /.
-                own_root = None if renew_all else top_mounts()  # noqa: F821 - guest/fresh.py
-                _fresh_box(hostname, network, renew_all, own_root)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
+                _fresh_box(hostname, network, renew_all, own_root=not renew_all)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
                 nested = IdMapper() if os.geteuid() == 0 else None  # noqa: F821 - guest/fresh.py
                 test = os.fork()
                 if test:
