@@ -96,6 +96,25 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def machine_busy() -> float | None:
+    """Seconds of CPU this machine has spent busy since boot, all cores together (``/proc/stat``:
+    user, nice, system, irq, softirq; not idle, iowait or steal), or ``None`` off Linux.
+
+    Read around a run, it counts what no rusage of the run would: boxes reaped by their own init,
+    and the kernel's own threads tearing namespaces down.  It also counts anything else running
+    on the machine, so it means something on a quiet machine only.
+    """
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 8:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def run_bounded(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str, float, bool]:
     """Run ``cmd`` in its own process group; returns (rc, output, wall seconds, timed out).
 

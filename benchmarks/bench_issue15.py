@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_marker as bm  # noqa: E402
-from _bench import RunFailed, clean_env, cli, leak_check, log, positive, run_bounded  # noqa: E402
+from _bench import RunFailed, clean_env, cli, leak_check, log, machine_busy, positive, run_bounded  # noqa: E402
 
 SANDBOX_TEST = """\
 def test_sandbox_{i}(boxlite_sandbox):
@@ -209,9 +209,12 @@ def one_run(row: dict[str, Any], suites: dict[str, tuple[Path, int]], root: Path
         cmd += ["--boxlite-home", str(home)]
     timing = root / f"timing-{row['key']}.json"
     env = clean_env(BENCH_TIMING_FILE=str(timing), **row["env"])
+    busy = machine_busy()
     rc, out, wall, timed_out = run_bounded(cmd, cwd=work, env=env, timeout=timeout)
+    after = machine_busy()
     bm.check_passed(row["label"], cmd, rc, out, timed_out, n, timeout)
     res: dict[str, Any] = {"wall": wall, "summary": bm.summary_line(out)}
+    res["cpu"] = after - busy if busy is not None and after is not None else None
     # Under xdist the controller logs a test's start and finish together when its worker reports
     # it: its conftest's times mean nothing there, so those rows are judged by wall only.
     times = json.loads(timing.read_text()) if timing.exists() else []
@@ -247,12 +250,16 @@ def measure(
         rs = runs[row["key"]]
         times = [t for r in rs for t in r["times"]]
         n = suites[row["suite"]][1]
+        cpu_known = all(r["cpu"] is not None for r in rs)
         out["rows"][row["key"]] = {
             "label": row["label"],
             "tests": n,
             "walls": [r["wall"] for r in rs],
             "wall": statistics.median(r["wall"] for r in rs),
             "p50": statistics.median(times) if times else None,
+            # Cores kept busy: the machine's busy CPU seconds over the wall, per run, then the median.
+            "cores": statistics.median(r["cpu"] / r["wall"] for r in rs) if cpu_known else None,
+            "cpu": statistics.median(r["cpu"] for r in rs) if cpu_known else None,
             "base": row.get("base"),
             "command": rs[-1]["command"],
             "summary": rs[-1]["summary"],
@@ -263,6 +270,9 @@ def measure(
             r["overhead"] = (r["wall"] - base["wall"]) / r["tests"]
             r["ratio"] = r["wall"] / base["wall"]
             r["overhead_p50"] = r["p50"] - base["p50"] if r["p50"] is not None and base["p50"] is not None else None
+            r["overhead_cpu"] = (
+                (r["cpu"] - base["cpu"]) / r["tests"] if r["cpu"] is not None and base["cpu"] is not None else None
+            )
     return out
 
 
@@ -274,18 +284,23 @@ def render(res: dict[str, Any]) -> list[str]:
     rows_ = res["rows"]
     lines = [
         f"issue 15 rows ({res['tests']} trivial tests in one module unless said; median wall of the interleaved runs)",
-        f"  {'row':<48} {'wall':>8} {'base':>8} {'x base':>7} {'overhead/test':>14} {'p50 overhead':>13}",
+        f"  {'row':<48} {'wall':>8} {'cores':>6} {'base':>8} {'x base':>7} {'overhead/test':>14} {'p50 overhead':>13}",
     ]
     for _key, r in rows_.items():
         base = rows_.get(r["base"]) if r["base"] else None
+        cores = f"{r['cores']:6.2f}" if r.get("cores") is not None else f"{'-':>6}"
         lines.append(
-            f"  {r['label']:<48} {r['wall']:7.2f}s "
+            f"  {r['label']:<48} {r['wall']:7.2f}s {cores} "
             + (
                 f"{base['wall']:7.2f}s {r['ratio']:6.2f}x {_ms(r['overhead']):>14} {_ms(r['overhead_p50']):>13}"
                 if base
                 else f"{'':>8} {'':>7}"
             )
         )
+    lines.append(
+        f"  (cores: this machine's busy CPU seconds during a run over its wall, of {os.cpu_count()} cores; "
+        "a quiet machine's figure)"
+    )
     lines.append("")
     lines.append("issue 15 goals:")
 
@@ -313,6 +328,12 @@ def render(res: dict[str, Any]) -> list[str]:
             if by_wall is not None
             else f"  --boxlite overhead vs {name}: {name}'s overhead not positive"
         )
+        if boxed.get("overhead_cpu") is not None and peer.get("overhead_cpu"):
+            lines.append(
+                f"    CPU per test: --boxlite {_ms(boxed['overhead_cpu'])}, {name} {_ms(peer['overhead_cpu'])} "
+                f"({boxed['overhead_cpu'] / peer['overhead_cpu']:.2f}x; --boxlite makes its next boxes "
+                "while a test runs)"
+            )
     m = rows_["module"]
     lines.append(
         f"  --boxlite-scope=module overhead per test {m['overhead'] * 1e3:.1f} ms "
@@ -330,6 +351,14 @@ def render(res: dict[str, Any]) -> list[str]:
         f"  --boxlite -n 2 is {speedup:.2f}x faster than --boxlite (goal >= {GOAL_XDIST}x: "
         f"{verdict(speedup >= GOAL_XDIST)})"
     )
+    if boxed.get("cores"):
+        # More workers cannot make the work take less CPU: the cores --boxlite alone leaves idle
+        # are all that -n 2 can add.
+        cpus = os.cpu_count() or 1
+        lines.append(
+            f"    --boxlite alone keeps {boxed['cores']:.2f} of {cpus} cores busy: on this machine no "
+            f"number of workers can make it more than {cpus / boxed['cores']:.2f}x faster"
+        )
     w = rows_["worker-n2"]["ratio"]
     lines.append(
         f"  --boxlite-scope=worker -n 2 is {w:.2f}x plain -n 2 (goal <= {GOAL_WORKER}x: {verdict(w <= GOAL_WORKER)})"
