@@ -83,8 +83,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if _boots_nothing(config):
         return
     from pytest_boxlite import ledger
-    from pytest_boxlite.remote import worker_mounts
-    from pytest_boxlite.roles import ControllerPlugin, HostPlugin
+    from pytest_boxlite.roles import ControllerPlugin, HostPlugin, worker_mounts_for
     from pytest_boxlite.session import BoxliteSession
     from pytest_boxlite.xdist_support import REMOTE_KEY, forget_controller_home
 
@@ -97,7 +96,7 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         if _is_controller(config):
             session = BoxliteSession(
-                settings, session_id=session_id, worker_id=None, worker_mounts=worker_mounts(config)
+                settings, session_id=session_id, worker_id=None, worker_mounts=lambda: worker_mounts_for(config)
             )
             role = ControllerPlugin(config, session)
         else:

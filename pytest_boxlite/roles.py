@@ -15,7 +15,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -24,12 +24,14 @@ from pytest_boxlite.errors import BoxliteError, ConfigError
 from pytest_boxlite.fixtures import CALL_FAILED_KEY
 from pytest_boxlite.markers import BoxPlan, plan_for
 from pytest_boxlite.pool import NoLifecycle
-from pytest_boxlite.remote import BoxedExecutor, RemoteRunner
 from pytest_boxlite.runtimes import BoxHandle, header_notes, kind_notes, preflight
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.settings import Settings
 from pytest_boxlite.spec import BoxSpec
 from pytest_boxlite.xdist_support import REMOTE_KEY, WorkerBoxServers
+
+if TYPE_CHECKING:
+    from pytest_boxlite.remote import BoxedExecutor, RemoteRunner
 
 _BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
 _PLAN_KEY = pytest.StashKey[BoxPlan]()
@@ -62,6 +64,14 @@ class SigtermGuard:
             sys.stdout.flush()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def worker_mounts_for(config: pytest.Config) -> tuple[str, ...]:
+    """What a test worker's box mounts (see :func:`pytest_boxlite.remote.worker_mounts`), imported
+    when a worker box is first wanted."""
+    from pytest_boxlite.remote import worker_mounts
+
+    return worker_mounts(config)
 
 
 class _SessionRole:
@@ -226,20 +236,18 @@ class HostPlugin(_SessionRole, NoLifecycle):
     NAME = "boxlite-host"
 
     def __init__(self, config: pytest.Config, settings: Settings, session_id: str, worker_id: str | None) -> None:
-        self.runner = RemoteRunner(config, boot_timeout=settings.boot_timeout, env_deny=settings.env_deny)
-        try:
-            session = BoxliteSession(
-                settings,
-                session_id=session_id,
-                worker_id=worker_id,
-                lifecycle=self,
-                worker_mounts=self.runner.mounts(),
-            )
-        except BaseException:
-            self.runner.shutdown()
-            raise
+        session = BoxliteSession(
+            settings,
+            session_id=session_id,
+            worker_id=worker_id,
+            lifecycle=self,
+            worker_mounts=lambda: worker_mounts_for(config),
+        )
         super().__init__(config, session)
-        self.executor = BoxedExecutor(self.runner, session)
+        # Made at the first box: a run that boxes nothing (the plugin is installed, the run does
+        # not use it) pays neither execnet's import nor the guest sources' reading.
+        self._remote: tuple[RemoteRunner, BoxedExecutor] | None = None
+        self._remote_lock = threading.Lock()
         workerinput = getattr(config, "workerinput", None)
         #: Where each item is in ``session.items`` (see ``_after``); an xdist worker does not know.
         self._order: dict[int, int] = {}
@@ -250,6 +258,27 @@ class HostPlugin(_SessionRole, NoLifecycle):
             from pytest_boxlite.xdist_support import watch_controller
 
             watch_controller(config, self._controller_lost)
+
+    @property
+    def runner(self) -> RemoteRunner:
+        """The warm interpreters in this process's boxes (made at first use)."""
+        return self._remote_parts()[0]
+
+    @property
+    def executor(self) -> BoxedExecutor:
+        """Runs boxed items' protocols in boxes (made at first use)."""
+        return self._remote_parts()[1]
+
+    def _remote_parts(self) -> tuple[RemoteRunner, BoxedExecutor]:
+        # The session's starter thread (after_boot) and the main thread (a boxed item) may come first.
+        with self._remote_lock:
+            if self._remote is None:
+                from pytest_boxlite.remote import BoxedExecutor, RemoteRunner
+
+                s = self.session.settings
+                runner = RemoteRunner(self.config, boot_timeout=s.boot_timeout, env_deny=s.env_deny)
+                self._remote = runner, BoxedExecutor(runner, self.session)
+            return self._remote
 
     # -- the pool's lifecycle ---------------------------------------------------------------
     def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
@@ -359,11 +388,16 @@ class HostPlugin(_SessionRole, NoLifecycle):
         return report
 
     def _shutdown(self) -> None:
-        self.executor.close()
+        with self._remote_lock:
+            remote = self._remote
+        if remote is not None:
+            remote[1].close()
         self.session.shutdown()
-        self.runner.shutdown()
-        if self.runner.forks:
-            self.session.report.stats.update(forked=self.runner.forks, fork_waits=list(self.runner.fork_waits))
+        if remote is not None:
+            runner = remote[0]
+            runner.shutdown()
+            if runner.forks:
+                self.session.report.stats.update(forked=runner.forks, fork_waits=list(runner.fork_waits))
         if self.remote:
             # This host has no controller: reap what crashed workers of this session left in this home.
             self.session.reap_workers()

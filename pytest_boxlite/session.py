@@ -75,7 +75,7 @@ class BoxliteSession:
         session_id: str,
         worker_id: str | None,
         lifecycle: BoxLifecycle | None = None,
-        worker_mounts: tuple[str, ...] = (),
+        worker_mounts: tuple[str, ...] | Callable[[], tuple[str, ...]] = (),
         opener: Callable[[str, Path, str], Runtime] | None = None,
     ) -> None:
         self.settings = settings
@@ -103,8 +103,7 @@ class BoxliteSession:
         self._template_lock = threading.Lock()
         #: Where the setup command runs and relative paths in it resolve: the invocation directory.
         self.cwd = Path.cwd()
-        #: What a test worker must see at the same paths as the host.
-        self.worker_mounts = worker_mounts
+        self._worker_mounts = worker_mounts
         #: Why boxed tests cannot be forked after all (the guest kernel said so), or ``None``.
         self.fork_refused: str | None = None
 
@@ -130,6 +129,16 @@ class BoxliteSession:
     def refuse_fork(self, why: str) -> None:
         """The boxes' kernel refuses the per-test fork's namespaces: boot a box per test from now on."""
         self.fork_refused = why
+
+    @property
+    def worker_mounts(self) -> tuple[str, ...]:
+        """What a test worker must see at the same paths as the host (worked out at first use:
+        a run that boxes no test never needs it)."""
+        mounts = self._worker_mounts
+        if callable(mounts):
+            # Two threads asking at once both work it out, alike: no lock needed.
+            mounts = self._worker_mounts = mounts()
+        return mounts
 
     @property
     def default_worker_spec(self) -> BoxSpec:

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import execnet
 import pytest
 
 from pytest_boxlite.session import BoxliteSession
@@ -92,6 +91,8 @@ def is_remote(spec: str) -> bool:
     Only a plain ``popen`` (no ``via=``) is local; ``socket=``, ``ssh=``, ``vagrant_ssh=`` and a
     ``popen`` through another gateway run on another host, or at least under another home.
     """
+    import execnet  # here: a run with no -n/--tx never needs it
+
     try:
         xs = execnet.XSpec(spec)
     except Exception:  # noqa: BLE001 - xdist reports a malformed spec itself; here it is "not ours"
@@ -199,10 +200,12 @@ def box_worker_specs(box: BoxliteSession, config: pytest.Config) -> WorkerBoxSer
         mounts=box.worker_mounts,
         cwd=str(config.invocation_params.dir),
     )
+    from execnet import XSpec
+
     servers = WorkerBoxServers(cmd, len(specs))
     out = []
     for i, s in enumerate(specs):
-        xs = execnet.XSpec(s)
+        xs = XSpec(s)
         # A popen with its own interpreter runs that interpreter inside the box.
         python = servers.python(i, xs.python or sys.executable)
         out.append(f"{s}//python={python}" if not xs.python else s.replace(f"python={xs.python}", f"python={python}"))

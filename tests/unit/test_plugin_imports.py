@@ -72,3 +72,37 @@ def test_reconcile_opens_only_the_runtime_kinds_a_home_has(tmp_path: Path) -> No
         [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.split() == ["no", "vm", "vm"], out.stdout + out.stderr
+
+
+def test_a_run_that_boxes_nothing_imports_no_remote_execution(pytester: pytest.Pytester) -> None:
+    """With the plugin installed and nothing boxed, a run makes no warm-interpreter runner and works
+    out no worker mounts: remote execution is imported at the first box, not at configure."""
+    pytester.makeconftest(
+        """
+        import sys
+
+        def pytest_unconfigure(config):
+            host = config.pluginmanager.get_plugin("boxlite-host")
+            print("HOST", host is not None, host is not None and host._remote is None)
+            print("REMOTE", sorted(m for m in sys.modules if m.startswith("pytest_boxlite.remote")))
+        """
+    )
+    pytester.makepyfile("def test_ok(): pass")
+    result = pytester.runpytest_subprocess("-s", "--boxlite-home", str(pytester.path / "home"))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["HOST True True", "REMOTE []"])
+
+
+def test_the_first_boxed_test_makes_the_runner(pytester: pytest.Pytester) -> None:
+    """The other side of the above: a marked test gets its runner when its box is wanted."""
+    pytester.makeconftest(
+        """
+        def pytest_unconfigure(config):
+            host = config.pluginmanager.get_plugin("boxlite-host")
+            print("RUNNER", host._remote is not None)
+        """
+    )
+    pytester.makepyfile("import pytest\n\n@pytest.mark.boxlite\ndef test_ok(): pass\n")
+    result = pytester.runpytest_subprocess("-s", "--boxlite-home", str(pytester.path / "home"))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["RUNNER True"])
