@@ -54,24 +54,27 @@ def test_a_box_s_pytest_registers_the_guest_role_without_the_roles(
 
 
 def test_reconcile_opens_only_the_runtime_kinds_a_home_has(tmp_path: Path) -> None:
-    """A session's start reconciles its home before its first box: a home with no vm state does not
-    import the vm kind (its module and asyncio); one with a vm directory does, and is reconciled."""
+    """A session's start reconciles its home before its first box: a kind whose directory is
+    missing or empty (as a clean session leaves it) is not imported (the vm kind: its module and
+    asyncio); one with anything in its directory is, and is reconciled."""
     code = (
         "import sys\n"
         "from pathlib import Path\n"
         "from pytest_boxlite import ledger\n"
         "home = Path(sys.argv[1])\n"
+        "kinds = {'namespace': 'pytest_boxlite.runtimes.namespace.kind', 'vm': 'pytest_boxlite.runtimes.vm'}\n"
         "ledger.reconcile(home)\n"
-        "print('vm' if 'pytest_boxlite.runtimes.vm' in sys.modules else 'no vm')\n"
-        "(home / 'vm').mkdir()\n"
+        "print(sorted(k for k, m in kinds.items() if m in sys.modules))\n"
+        "(home / 'vm' / 'stray').write_text('')\n"
         "ledger.reconcile(home)\n"
-        "print('vm' if 'pytest_boxlite.runtimes.vm' in sys.modules else 'no vm')\n"
+        "print(sorted(k for k, m in kinds.items() if m in sys.modules))\n"
     )
     (tmp_path / "namespace").mkdir()
+    (tmp_path / "vm").mkdir()
     out = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60, check=True
     )
-    assert out.stdout.split() == ["no", "vm", "vm"], out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["[]", "['vm']"], out.stdout + out.stderr
 
 
 def test_a_run_that_boxes_nothing_imports_no_remote_execution(pytester: pytest.Pytester) -> None:
