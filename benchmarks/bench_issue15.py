@@ -18,7 +18,8 @@ Rows (each run is a separate pytest process; every row of a repetition runs befo
 repetition starts, so load changes hit all rows alike; each row keeps its median wall time over
 ``R`` runs, and the p50 of the per-test host times logstart -> logfinish from a generated conftest):
 
-* plain; ``--boxlite``; ``--boxlite --boxlite-scope=module``;
+* plain; plain with ``-p no:boxlite`` (what the plugin installed costs a run that boxes nothing);
+  ``--boxlite``; ``--boxlite --boxlite-scope=module``;
 * plain and ``--forked`` in the pytest 8 environment bench_marker.py keeps
   (``benchmarks/.venv-pytest8``: pytest-forked fails every test under pytest 9);
 * plain and ``--isolate`` there with pytest-isolate on ``PYTHONPATH`` and pytest-forked blocked
@@ -29,7 +30,9 @@ repetition starts, so load changes hit all rows alike; each row keeps its median
   (``--big-repeat`` runs: the big boxed run is long).
 
 Overhead per test = (row wall - its base's wall) / tests; "p50 overhead" = the row's per-test p50
-minus its base's.  Every boxed run gets a private ``--boxlite-home``, checked afterwards with
+minus its base's; "cores" = the machine's busy CPU seconds during a run (``/proc/stat``) over its
+wall, which says how much of the machine a row keeps busy (and so how much faster more xdist
+workers could make it).  Every boxed run gets a private ``--boxlite-home``, checked afterwards with
 ``python -m pytest_boxlite --home H ls`` (it must say ``no boxes``).  The goals of issue 15 are
 printed with ``holds`` / ``DOES NOT HOLD``.  The table goes to stdout, progress to stderr.
 """
@@ -111,6 +114,13 @@ def rows(args: argparse.Namespace, venv8: Path | None, isolate_env: dict[str, st
     py = sys.executable
     out: list[dict[str, Any]] = [
         {"key": "plain", "label": "plain", "suite": "trivial", "args": []},
+        # What having the plugin installed costs a run that boxes nothing.
+        {
+            "key": "plain-off",
+            "label": "plain, plugin off (-p no:boxlite)",
+            "suite": "trivial",
+            "args": ["-p", "no:boxlite"],
+        },
         {"key": "boxed", "label": "--boxlite", "suite": "trivial", "args": ["--boxlite"], "base": "plain"},
         {
             "key": "module",
@@ -196,7 +206,7 @@ def rows(args: argparse.Namespace, venv8: Path | None, isolate_env: dict[str, st
     for r in out:
         r.setdefault("python", py)
         r.setdefault("env", {})
-        r["boxed"] = r.get("boxed", False) or any("boxlite" in a for a in r["args"])
+        r["boxed"] = r.get("boxed", False) or any(a.startswith("--boxlite") for a in r["args"])
     return out
 
 
@@ -302,6 +312,10 @@ def render(res: dict[str, Any]) -> list[str]:
         "a quiet machine's figure)"
     )
     lines.append("")
+    off = rows_.get("plain-off")
+    if off is not None:
+        cost = (rows_["plain"]["wall"] - off["wall"]) * 1e3
+        lines.append(f"the plugin installed costs a run that boxes nothing {cost:+.0f} ms (plain vs -p no:boxlite)")
     lines.append("issue 15 goals:")
 
     def verdict(ok: bool | None) -> str:
