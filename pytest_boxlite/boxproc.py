@@ -6,10 +6,11 @@ Used for ``--boxlite-scope=worker``.  Two ways:
   stdin/stdout/stderr (binary-clean, no copying), destroy the box when it ends.  The whole
   session in one box (``--boxlite-scope=worker`` without ``-n``) runs this way.
 * ``boxproc [options] --serve-fd N``: a *box server* for one xdist worker slot, accepting on the
-  listening Unix socket it inherits as descriptor N.  The controller
-  starts one per local worker when it configures, so the boxes boot side by side and ahead of
-  time, instead of one after the other inside xdist's gateway set-up (which waits for each
-  worker's interpreter before starting the next).  The worker's gateway command is then the
+  listening Unix socket it inherits as descriptor N.  The controller starts one per local worker
+  when it configures (a fork of the controller that calls :func:`main`, where that is safe: see
+  :class:`pytest_boxlite.xdist_support.WorkerBoxServers`), so the boxes boot side by side and
+  ahead of time, instead of one after the other inside xdist's gateway set-up (which waits for
+  each worker's interpreter before starting the next).  The worker's gateway command is then the
   small :mod:`pytest_boxlite.guest.attach` client with ``--via SOCKET``: it hands its
   stdin/stdout/stderr to this server, which runs the worker in the box already booted.  After a
   worker ends its box is destroyed; a restarted worker (``--max-worker-restart``) gets a new one.
@@ -47,6 +48,9 @@ PARENT_CHECK = 1.0
 #: How long a worker may take to end after its box was destroyed under it.
 END_GRACE = 10.0
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+#: A box server's name in the process table (``/proc/PID/comm``; at most 15 bytes).
+SERVER_NAME = b"boxlite-server"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--serve-dir", metavar="DIR", help="the directory of the box servers, removed when a signal ends this one"
+    )
+    parser.add_argument(
+        "--parent", type=int, metavar="PID", help="the controller whose death ends this server (default: the parent)"
     )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     return parser
@@ -141,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit_on_signal)
     with _Boxes(args) as boxes:
-        return _run_one(boxes, command) if args.serve_fd is None else _serve(boxes, args.serve_fd, args.serve_dir)
+        if args.serve_fd is None:
+            return _run_one(boxes, command)
+        return _serve(boxes, args.serve_fd, args.serve_dir, args.parent or os.getppid())
 
 
 #: The signal that ended this process, if one did (SIGTERM, SIGHUP).
@@ -178,16 +187,20 @@ def _exiting() -> None:
 # -- the box server ---------------------------------------------------------------------------------
 
 
-def _serve(boxes: _Boxes, fd: int, directory: str | None) -> int:
-    parent = os.getppid()
+def _serve(boxes: _Boxes, fd: int, directory: str | None, parent: int) -> int:
     # Descriptors 0-2 become each worker's own while it runs: this server's messages (and a
     # traceback) go to its log, the stderr it was started with, whatever 2 is at the time.
     sys.stderr = open(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
-    # The controller's death (even kill -9) ends this server, whose exit destroys its box.
+    # The controller's death (even kill -9) ends this server, whose exit destroys its box.  A
+    # name of its own in the process table (a forked server's command line is the controller's).
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_NAME, SERVER_NAME)
+    if os.getppid() != parent:
+        return 0  # the controller died before the signal above was asked for: nothing to serve
     # Ctrl-C reaches the whole terminal's process group: the controller decides what ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The controller made and bound the socket (in a directory only its user can enter) before

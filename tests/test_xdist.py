@@ -559,6 +559,51 @@ def test_worker_scope_restarted_worker_gets_a_fresh_box(tmp_path: Path, home: Pa
     no_leftovers(home, out)
 
 
+SERVERS_SEEN = """
+import os, threading, time
+from pathlib import Path
+
+if os.environ.get("PBX_EXTRA_THREAD") and not os.environ.get("PYTEST_XDIST_WORKER"):
+    # A thread in the controller before it configures (as some plugins start one).
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput"):
+        return
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            comm = Path(f"/proc/{entry}/comm").read_text().strip()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\\0")
+        except (OSError, ValueError):
+            continue
+        if comm == "boxlite-server" and int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            print("SERVER", "exec" if b"pytest_boxlite.boxproc" in cmd else "fork")
+"""
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["forked", "threaded-controller"])
+def test_worker_scope_box_servers_are_forks_of_a_single_threaded_controller(
+    tmp_path: Path, home: Path, thread: bool
+) -> None:
+    """The box servers start as forks of the controller (no interpreter start before the box
+    boots); a controller with another thread at the time (a fork could inherit a lock that thread
+    holds) starts them as ``python -m pytest_boxlite.boxproc`` instead.  Both serve their workers."""
+    proj = tmp_path / "proj"
+    write(proj, "conftest.py", SERVERS_SEEN)
+    write(proj, "test_w.py", "import pytest\n\n@pytest.mark.parametrize('i', range(4))\ndef test_w(i): pass\n")
+    env = sub_env(PBX_EXTRA_THREAD="1") if thread else sub_env()
+    run = SubRun(proj, home, "servers", "-n", "2", "--boxlite-scope=worker", "-s", env=env)
+    rc = run.wait()
+    out = run.output
+    assert rc == 0, out
+    assert re.search(r"\b4 passed\b", out), out
+    how = "exec" if thread else "fork"
+    assert out.count(f"SERVER {how}") == 2 and "SERVER " + ("fork" if thread else "exec") not in out, out
+    no_leftovers(home, out)
+
+
 KILLED_IN_BOX = """
 import os, subprocess, sys, time
 import pytest
@@ -585,8 +630,11 @@ def test_worker_scope_kill9_of_the_controller_leaves_no_box_server_or_box(
     subruns.append(run)
     held = wait_until(lambda: len(pids_with(tag)) == 2 or run.proc.poll() is not None, 120)
     assert held and run.proc.poll() is None, run.output
-    servers = [p for p in pids_with("--serve-fd") if f"--home {home} " in " ".join(_cmdline(p))]
-    server_dirs = {Path(a) for pid in servers for a in _cmdline(pid) if "pbx-workers-" in a}
+    # The servers are forks of the controller (their command line is its own), named in the
+    # process table; the workers' attach clients name the servers' sockets.
+    servers = [pid for pid in _children(run.pid) if _comm(pid) == "boxlite-server"]
+    clients = [c for c in map(_cmdline, _children(run.pid)) if "--via" in c]
+    server_dirs = {Path(c[c.index("--via") + 1]).parent for c in clients}
     assert len(servers) == 2 and len(server_dirs) == 1, (servers, server_dirs)
     assert len(ledger.scan(home)) == 2
 
@@ -596,6 +644,28 @@ def test_worker_scope_kill9_of_the_controller_leaves_no_box_server_or_box(
     assert wait_until(lambda: not pids_with(tag), 30), "processes in the workers' boxes outlived the run"
     no_leftovers(home, run.output)  # destroyed by their servers, not merely left for the next reconcile
     assert wait_until(lambda: not any(d.exists() for d in server_dirs), 10), server_dirs
+
+
+def _children(parent: int) -> list[int]:
+    """Live children of ``parent``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            found.append(int(entry))
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _cmdline(pid: int) -> list[str]:
