@@ -172,7 +172,9 @@ class ControllerPlugin(_SessionRole):
                     "or -p no:rerunfailures."
                 )
 
-            self._box_servers = box_worker_specs(session, config)
+            from pytest_boxlite import boxproc
+
+            self._box_servers = box_worker_specs(session, config, boxproc.main)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:

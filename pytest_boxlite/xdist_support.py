@@ -146,8 +146,9 @@ class WorkerBoxServers:
     #: How long a server may take to destroy its box and end after SIGTERM.
     STOP_TIMEOUT = 15.0
 
-    def __init__(self, options: list[str], count: int) -> None:
+    def __init__(self, options: list[str], count: int, serve: Callable[[list[str]], int]) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="pbx-workers-"))  # 0700: only this user connects
+        self._serve = serve
         self.procs: list[subprocess.Popen[bytes] | ForkedServer] = []
         self.sockets: list[Path] = []
         self.logs: list[Path] = []
@@ -167,7 +168,7 @@ class WorkerBoxServers:
             fd = listener.fileno()
             args = [*options, "--serve-fd", str(fd), "--serve-dir", str(self.dir), "--parent", str(os.getpid())]
             if _may_fork():
-                self.procs.append(ForkedServer.start(args, err.fileno()))
+                self.procs.append(ForkedServer.start(self._serve, args, err.fileno()))
             else:
                 self.procs.append(
                     subprocess.Popen(
@@ -225,8 +226,9 @@ class ForkedServer:
         self.returncode: int | None = None
 
     @classmethod
-    def start(cls, args: list[str], log_fd: int) -> ForkedServer:
-        """Fork; the child runs ``boxproc`` with ``args`` (its stderr: ``log_fd``) and never returns."""
+    def start(cls, serve: Callable[[list[str]], int], args: list[str], log_fd: int) -> ForkedServer:
+        """Fork; the child runs ``serve(args)`` (``boxproc``'s main; its stderr: ``log_fd``) and never
+        returns."""
         pid = os.fork()
         if pid:
             return cls(pid)
@@ -242,9 +244,7 @@ class ForkedServer:
             # pytest's capture may hold sys.stdout/sys.stderr: write to this process's own.
             sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - lives as long as the process
             sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-            from pytest_boxlite import boxproc
-
-            code = boxproc.main(args)
+            code = serve(args)
         except SystemExit as exc:  # a signal's exit through boxproc's cleanup, or a usage error
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:  # noqa: BLE001 - the log, with this traceback, is what the worker's client quotes
@@ -278,13 +278,15 @@ class ForkedServer:
             os.kill(self.pid, signal.SIGKILL)
 
 
-def box_worker_specs(box: BoxliteSession, config: pytest.Config) -> WorkerBoxServers:
+def box_worker_specs(box: BoxliteSession, config: pytest.Config, serve: Callable[[list[str]], int]) -> WorkerBoxServers:
     """Rewrite xdist's local ``popen`` gateways so each worker starts inside its own box.
 
     Returns the box servers (one per worker, booting now) that the gateways attach to; the
-    caller stops them at the end of the session.  A remote gateway cannot be wrapped from here
-    (the box command names this machine's interpreter, home and directories; a ``socket=``
-    gateway takes no interpreter at all): that is a usage error naming the spec and the ways out.
+    caller stops them at the end of the session.  ``serve`` is ``boxproc``'s main function, which
+    a forked server runs (``boxproc`` is an entry point, above this module).  A remote gateway
+    cannot be wrapped from here (the box command names this machine's interpreter, home and
+    directories; a ``socket=`` gateway takes no interpreter at all): that is a usage error naming
+    the spec and the ways out.
     """
     specs = tx_specs(config)
     remote = [s for s in specs if is_remote(s)]
@@ -306,7 +308,7 @@ def box_worker_specs(box: BoxliteSession, config: pytest.Config) -> WorkerBoxSer
     )
     from execnet import XSpec
 
-    servers = WorkerBoxServers(options, len(specs))
+    servers = WorkerBoxServers(options, len(specs), serve)
     out = []
     for i, s in enumerate(specs):
         xs = XSpec(s)

@@ -17,7 +17,7 @@ import execnet
 import pytest
 from subruns import wait_until
 
-from pytest_boxlite import reporting
+from pytest_boxlite import boxproc, reporting
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.xdist_support import (
     RemoteLedger,
@@ -58,7 +58,7 @@ def test_worker_scope_boxes_every_local_popen_and_refuses_remote_specs(
 ) -> None:
     session = BoxliteSession(make_settings(tmp_path, scope="worker"), session_id="abc", worker_id=None)
     config = pytester.parseconfig("-d", "--tx", "2*popen", "--tx", "popen//python=/opt/py3")
-    servers = box_worker_specs(session, config)
+    servers = box_worker_specs(session, config, boxproc.main)
     try:
         specs = config.option.tx
         assert len(specs) == 3, specs
@@ -78,7 +78,7 @@ def test_worker_scope_boxes_every_local_popen_and_refuses_remote_specs(
 
     config = pytester.parseconfig("-d", "--tx", "popen", "--tx", "socket=127.0.0.1:9")
     with pytest.raises(pytest.UsageError, match=r"'socket=127\.0\.0\.1:9'.*--boxlite-scope=test or module"):
-        box_worker_specs(session, config)
+        box_worker_specs(session, config, boxproc.main)
 
 
 def test_remote_worker_drops_the_controllers_home(pytester: pytest.Pytester) -> None:
