@@ -250,6 +250,9 @@ class HostPlugin(_SessionRole, NoLifecycle):
         # not use it) pays neither execnet's import nor the guest sources' reading.
         self._remote: tuple[RemoteRunner, BoxedExecutor] | None = None
         self._remote_lock = threading.Lock()
+        #: Shut down: a box that finishes booting after that (the session's starter thread) gets
+        #: no runner, which nothing would ever shut down.
+        self._remote_closed = False
         workerinput = getattr(config, "workerinput", None)
         #: Where each item is in ``session.items`` (see ``_after``); an xdist worker does not know.
         self._order: dict[int, int] = {}
@@ -275,6 +278,8 @@ class HostPlugin(_SessionRole, NoLifecycle):
         # The session's starter thread (after_boot) and the main thread (a boxed item) may come first.
         with self._remote_lock:
             if self._remote is None:
+                if self._remote_closed:
+                    raise BoxliteError("the session has ended: no box is started for it any more")
                 from pytest_boxlite.remote import BoxedExecutor, RemoteRunner
 
                 s = self.session.settings
@@ -392,6 +397,7 @@ class HostPlugin(_SessionRole, NoLifecycle):
     def _shutdown(self) -> None:
         with self._remote_lock:
             remote = self._remote
+            self._remote_closed = True
         if remote is not None:
             remote[1].close()
         self.session.shutdown()

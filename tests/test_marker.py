@@ -14,6 +14,8 @@ import pwd
 import re
 import shutil
 import socket
+import threading
+import time
 import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -849,6 +851,59 @@ def test_bad_marker_arguments_are_usage_errors(
     for name in names:
         assert any(name in ln for ln in error_lines), (name, err)
     assert "test_good" not in err
+
+
+def test_a_box_that_boots_after_the_session_ended_gets_no_runner(
+    pytester: pytest.Pytester, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A usage error can end the session while the default box boots (it starts at the first
+    marked item); the shutdown waits for that boot.  The box must then get no warm-interpreter
+    runner, which nothing would shut down (CI saw its status directory left to a finalizer: a
+    ResourceWarning in a later test).  Injected here: a boot that is slow, and a collection that
+    ends (with the usage error) only once that boot has begun."""
+    from pytest_boxlite.runtimes.namespace import runtime
+
+    create = runtime.NamespaceRuntime.create_box
+    entered, booted = threading.Event(), threading.Event()
+
+    def slow(self: Any, *args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        time.sleep(1.0)
+        try:
+            return create(self, *args, **kwargs)
+        finally:
+            booted.set()
+
+    monkeypatch.setattr(runtime.NamespaceRuntime, "create_box", slow)
+    pytester.makepyfile(
+        test_bad="""
+        import pytest
+
+        @pytest.mark.boxlite
+        def test_good():
+            pass
+
+        @pytest.mark.boxlite(cpus=0)
+        def test_bad():
+            pass
+        """
+    )
+    hosts: list[Any] = []
+
+    class Inject:
+        @pytest.hookimpl(trylast=True)
+        def pytest_configure(self, config: pytest.Config) -> None:
+            hosts.append(config.pluginmanager.get_plugin("boxlite-host"))
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_collection_modifyitems(self) -> None:
+            assert entered.wait(30), "the default box's boot never began"
+
+    result = pytester.runpytest_inprocess(f"--boxlite-home={home}", plugins=[Inject()])
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert booted.is_set(), "the session ended without waiting for the boot"
+    assert hosts and hosts[0] is not None and hosts[0]._remote is None, "a runner was made after the session ended"
+    no_leftovers(home)
     assert "passed" not in result.stdout.str()
 
 
