@@ -289,13 +289,20 @@ class HostPlugin(_SessionRole, NoLifecycle):
 
     # -- the pool's lifecycle ---------------------------------------------------------------
     def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
-        self.runner.start_worker(handle, spec)
+        if spec.worker:  # a sandbox's box runs no warm interpreter: it needs no runner
+            self.runner.start_worker(handle, spec)
 
     def before_destroy(self, handle: BoxHandle) -> None:
-        self.runner.stop_worker(handle)
+        with self._remote_lock:
+            remote = self._remote
+        if remote is not None:  # no runner made: no warm interpreter to stop in any box
+            remote[0].stop_worker(handle)
 
     def relieve(self, spec: BoxSpec) -> bool:
-        return self.executor.release_template(spec)
+        with self._remote_lock:
+            remote = self._remote
+        # No executor made: it holds no box (no fork parent) to release.
+        return remote is not None and remote[1].release_template(spec)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _home_ready(self) -> None:

@@ -96,6 +96,29 @@ def test_a_run_that_boxes_nothing_imports_no_remote_execution(pytester: pytest.P
     result.stdout.fnmatch_lines(["HOST True True", "REMOTE []"])
 
 
+def test_a_sandbox_needs_no_runner(pytester: pytest.Pytester) -> None:
+    """A ``boxlite_sandbox`` box runs no warm interpreter: using one makes no runner either."""
+    pytester.makeconftest(
+        """
+        import sys
+
+        def pytest_unconfigure(config):
+            host = config.pluginmanager.get_plugin("boxlite-host")
+            print("RUNNER", host._remote is not None)
+            print("REMOTE", sorted(m for m in sys.modules if m.startswith("pytest_boxlite.remote")))
+        """
+    )
+    pytester.makepyfile(
+        """
+        def test_ok(boxlite_sandbox):
+            assert boxlite_sandbox.execute_command("true").exit_code == 0
+        """
+    )
+    result = pytester.runpytest_subprocess("-s", "--boxlite-home", str(pytester.path / "home"))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["RUNNER False", "REMOTE []"])
+
+
 def test_the_first_boxed_test_makes_the_runner(pytester: pytest.Pytester) -> None:
     """The other side of the above: a marked test gets its runner when its box is wanted."""
     pytester.makeconftest(
