@@ -264,13 +264,13 @@ class HostPlugin(_SessionRole, NoLifecycle):
 
             watch_controller(config, self._controller_lost)
 
-    @property
-    def runner(self) -> RemoteRunner:
+    # Methods, not properties: pytest 8's fixture discovery reads every attribute of a plugin
+    # object, which would make them at registration.
+    def _runner(self) -> RemoteRunner:
         """The warm interpreters in this process's boxes (made at first use)."""
         return self._remote_parts()[0]
 
-    @property
-    def executor(self) -> BoxedExecutor:
+    def _executor(self) -> BoxedExecutor:
         """Runs boxed items' protocols in boxes (made at first use)."""
         return self._remote_parts()[1]
 
@@ -290,7 +290,7 @@ class HostPlugin(_SessionRole, NoLifecycle):
     # -- the pool's lifecycle ---------------------------------------------------------------
     def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
         if spec.worker:  # a sandbox's box runs no warm interpreter: it needs no runner
-            self.runner.start_worker(handle, spec)
+            self._runner().start_worker(handle, spec)
 
     def before_destroy(self, handle: BoxHandle) -> None:
         with self._remote_lock:
@@ -372,7 +372,7 @@ class HostPlugin(_SessionRole, NoLifecycle):
         if plan is None:
             return None
         next_plan = nextitem.stash.get(_PLAN_KEY, None) if nextitem is not None else None
-        return self.executor.run_protocol(item, plan, nextitem, next_plan, then=self._after(nextitem))
+        return self._executor().run_protocol(item, plan, nextitem, next_plan, then=self._after(nextitem))
 
     def _after(self, nextitem: pytest.Item | None) -> tuple[pytest.Item, BoxPlan | None] | None:
         """The item that runs after ``nextitem`` (and its plan), where this process knows the run

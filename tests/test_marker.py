@@ -15,7 +15,6 @@ import re
 import shutil
 import socket
 import threading
-import time
 import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -859,22 +858,28 @@ def test_a_box_that_boots_after_the_session_ended_gets_no_runner(
     """A usage error can end the session while the default box boots (it starts at the first
     marked item); the shutdown waits for that boot.  The box must then get no warm-interpreter
     runner, which nothing would shut down (CI saw its status directory left to a finalizer: a
-    ResourceWarning in a later test).  Injected here: a boot that is slow, and a collection that
-    ends (with the usage error) only once that boot has begun."""
+    ResourceWarning in a later test).  Injected here: a collection that ends (with the usage
+    error) only once the boot has begun, and a boot that ends only once the shutdown has begun."""
     from pytest_boxlite.runtimes.namespace import runtime
+    from pytest_boxlite.session import BoxliteSession
 
-    create = runtime.NamespaceRuntime.create_box
-    entered, booted = threading.Event(), threading.Event()
+    create, shutdown = runtime.NamespaceRuntime.create_box, BoxliteSession.shutdown
+    entered, shutting, booted = threading.Event(), threading.Event(), threading.Event()
 
     def slow(self: Any, *args: Any, **kwargs: Any) -> Any:
         entered.set()
-        time.sleep(1.0)
+        shutting.wait(30)  # the boot ends only after the session has begun to shut down
         try:
             return create(self, *args, **kwargs)
         finally:
             booted.set()
 
+    def shutdown_marked(self: BoxliteSession) -> None:
+        shutting.set()
+        shutdown(self)
+
     monkeypatch.setattr(runtime.NamespaceRuntime, "create_box", slow)
+    monkeypatch.setattr(BoxliteSession, "shutdown", shutdown_marked)
     pytester.makepyfile(
         test_bad="""
         import pytest
