@@ -126,14 +126,22 @@ def _destroy(box: BoxHandle | None) -> None:
     if box is None:
         return
     # SIGTERM/SIGHUP exit through the cleanup, which destroys this box again: held off until this
-    # destroy is done, so that it is never cut short halfway (a box record left behind).
+    # destroy is done, so that it is never cut short halfway (a box record left behind; a box's
+    # destroy runs once, so the cleanup's second call would not finish it).  Blocking the signals
+    # in this thread is not enough: the kernel then hands them to another thread (a server's
+    # worker thread), and Python runs the handler in this one all the same.  So the handler
+    # itself waits (_exit_on_signal) until the destroy is done.
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP})
+    _destroying.append(box.name)
     try:
         box.destroy()
     except Exception as exc:  # noqa: BLE001 - said; the box's watchdog and the next reconcile get the rest
         print(f"pytest-boxlite: could not destroy box {box.name}: {exc}", file=sys.stderr)
     finally:
+        _destroying.pop()
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    if _deferred and not _destroying:
+        sys.exit(128 + _deferred.pop())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,10 +163,16 @@ def main(argv: list[str] | None = None) -> int:
 
 #: The signal that ended this process, if one did (SIGTERM, SIGHUP).
 _ended_by: list[int] = []
+#: The boxes being destroyed now (see _destroy), and a signal that came meanwhile.
+_destroying: list[str] = []
+_deferred: list[int] = []
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
     _ended_by.append(signum)
+    if _destroying:
+        _deferred.append(signum)  # exits when the destroy is done
+        return
     sys.exit(128 + signum)
 
 
