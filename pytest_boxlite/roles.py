@@ -274,6 +274,11 @@ class HostPlugin(_SessionRole, NoLifecycle):
         """Runs boxed items' protocols in boxes (made at first use)."""
         return self._remote_parts()[1]
 
+    def _made(self) -> tuple[RemoteRunner, BoxedExecutor] | None:
+        """The runner and executor if they were made (never makes them)."""
+        with self._remote_lock:
+            return self._remote
+
     def _remote_parts(self) -> tuple[RemoteRunner, BoxedExecutor]:
         # The session's starter thread (after_boot) and the main thread (a boxed item) may come first.
         with self._remote_lock:
@@ -293,14 +298,12 @@ class HostPlugin(_SessionRole, NoLifecycle):
             self._runner().start_worker(handle, spec)
 
     def before_destroy(self, handle: BoxHandle) -> None:
-        with self._remote_lock:
-            remote = self._remote
+        remote = self._made()
         if remote is not None:  # no runner made: no warm interpreter to stop in any box
             remote[0].stop_worker(handle)
 
     def relieve(self, spec: BoxSpec) -> bool:
-        with self._remote_lock:
-            remote = self._remote
+        remote = self._made()
         # No executor made: it holds no box (no fork parent) to release.
         return remote is not None and remote[1].release_template(spec)
 

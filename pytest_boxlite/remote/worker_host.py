@@ -178,10 +178,6 @@ class RemoteRunner:
         self._status_tmp = tempfile.TemporaryDirectory(prefix="boxlite-status-")
         self.status_dir = Path(self._status_tmp.name)
 
-    def mounts(self) -> tuple[str, ...]:
-        """Host directories a test worker needs at the same paths: the project and ``sys.path``."""
-        return worker_mounts(self.config)
-
     # -- lifecycle ------------------------------------------------------------------------
     def start_worker(self, handle: BoxHandle, spec: BoxSpec) -> None:
         """Start pytest inside a fresh ``worker`` box and wait until it has collected the session."""
