@@ -50,19 +50,36 @@ def process_gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
+def _proc_read(pid: int, name: str) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return None
+
+
+def _pids_where(name: str, keep: Callable[[bytes], bool]) -> list[int]:
+    """Host pids of live processes whose ``/proc/PID/<name>`` satisfies ``keep``."""
+    out = []
+    for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):
+        data = _proc_read(pid, name)
+        if data is not None and keep(data) and not process_gone(pid):
+            out.append(pid)
+    return out
+
+
 def pids_with(tag: str) -> list[int]:
     """Host pids of live processes whose command line contains ``tag``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if tag.encode() in cmd and not process_gone(int(entry)):
-            out.append(int(entry))
-    return out
+    return _pids_where("cmdline", lambda cmd: tag.encode() in cmd)
+
+
+def children_of(parent: int) -> list[int]:
+    """Host pids of the live children of ``parent``."""
+    return _pids_where("stat", lambda stat: int(stat.rsplit(b")", 1)[1].split()[1]) == parent)
+
+
+def comm_of(pid: int) -> str:
+    """A process's name in the process table (``/proc/PID/comm``), or ``""`` when it is gone."""
+    return (_proc_read(pid, "comm") or b"").decode(errors="replace").strip()
 
 
 def pytest_argv(home: Path, *args: str) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import subruns
-from subruns import pids_with, process_gone, sub_env, wait_until
+from subruns import children_of, comm_of, pids_with, process_gone, sub_env, wait_until
 
 from pytest_boxlite import ledger
 from pytest_boxlite.runtimes.vm import prepare_home
@@ -632,8 +632,8 @@ def test_worker_scope_kill9_of_the_controller_leaves_no_box_server_or_box(
     assert held and run.proc.poll() is None, run.output
     # The servers are forks of the controller (their command line is its own), named in the
     # process table; the workers' attach clients name the servers' sockets.
-    servers = [pid for pid in _children(run.pid) if _comm(pid) == "boxlite-server"]
-    clients = [c for c in map(_cmdline, _children(run.pid)) if "--via" in c]
+    servers = [pid for pid in children_of(run.pid) if comm_of(pid) == "boxlite-server"]
+    clients = [c for c in map(_cmdline, children_of(run.pid)) if "--via" in c]
     server_dirs = {Path(c[c.index("--via") + 1]).parent for c in clients}
     assert len(servers) == 2 and len(server_dirs) == 1, (servers, server_dirs)
     assert len(ledger.scan(home)) == 2
@@ -644,28 +644,6 @@ def test_worker_scope_kill9_of_the_controller_leaves_no_box_server_or_box(
     assert wait_until(lambda: not pids_with(tag), 30), "processes in the workers' boxes outlived the run"
     no_leftovers(home, run.output)  # destroyed by their servers, not merely left for the next reconcile
     assert wait_until(lambda: not any(d.exists() for d in server_dirs), 10), server_dirs
-
-
-def _children(parent: int) -> list[int]:
-    """Live children of ``parent``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-            found.append(int(entry))
-    return found
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 def _cmdline(pid: int) -> list[str]:

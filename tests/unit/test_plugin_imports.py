@@ -77,58 +77,41 @@ def test_reconcile_opens_only_the_runtime_kinds_a_home_has(tmp_path: Path) -> No
     assert out.stdout.splitlines() == ["[]", "['vm']"], out.stdout + out.stderr
 
 
-def test_a_run_that_boxes_nothing_imports_no_remote_execution(pytester: pytest.Pytester) -> None:
-    """With the plugin installed and nothing boxed, a run makes no warm-interpreter runner and works
-    out no worker mounts: remote execution is imported at the first box, not at configure."""
+RUNNER_CASES = [
+    # With the plugin installed and nothing boxed, a run makes no warm-interpreter runner and works
+    # out no worker mounts: remote execution is imported at the first box, not at configure.
+    pytest.param("def test_ok(): pass\n", False, id="nothing-boxed"),
+    # A boxlite_sandbox box runs no warm interpreter: using one makes no runner either.
+    pytest.param(
+        "def test_ok(boxlite_sandbox):\n    assert boxlite_sandbox.execute_command('true').exit_code == 0\n",
+        False,
+        id="sandbox",
+    ),
+    # The other side: a marked test gets its runner when its box is wanted.
+    pytest.param("import pytest\n\n@pytest.mark.boxlite\ndef test_ok(): pass\n", True, id="marked"),
+]
+
+
+@pytest.mark.parametrize(("test_source", "runner_made"), RUNNER_CASES)
+def test_the_runner_and_remote_execution_come_with_the_first_boxed_test(
+    pytester: pytest.Pytester, test_source: str, runner_made: bool
+) -> None:
+    """Remote execution (the warm-interpreter runner, execnet, the guest sources) is made and
+    imported only where a test runs in a box of its own."""
     pytester.makeconftest(
         """
         import sys
 
         def pytest_unconfigure(config):
             host = config.pluginmanager.get_plugin("boxlite-host")
-            print("HOST", host is not None, host is not None and host._remote is None)
+            print("HOST", host is not None)
+            print("RUNNER", host is not None and host._remote is not None)
             print("REMOTE", sorted(m for m in sys.modules if m.startswith("pytest_boxlite.remote")))
         """
     )
-    pytester.makepyfile("def test_ok(): pass")
+    pytester.makepyfile(test_source)
     result = pytester.runpytest_subprocess("-s", "--boxlite-home", str(pytester.path / "home"))
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["HOST True True", "REMOTE []"])
-
-
-def test_a_sandbox_needs_no_runner(pytester: pytest.Pytester) -> None:
-    """A ``boxlite_sandbox`` box runs no warm interpreter: using one makes no runner either."""
-    pytester.makeconftest(
-        """
-        import sys
-
-        def pytest_unconfigure(config):
-            host = config.pluginmanager.get_plugin("boxlite-host")
-            print("RUNNER", host._remote is not None)
-            print("REMOTE", sorted(m for m in sys.modules if m.startswith("pytest_boxlite.remote")))
-        """
-    )
-    pytester.makepyfile(
-        """
-        def test_ok(boxlite_sandbox):
-            assert boxlite_sandbox.execute_command("true").exit_code == 0
-        """
-    )
-    result = pytester.runpytest_subprocess("-s", "--boxlite-home", str(pytester.path / "home"))
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["RUNNER False", "REMOTE []"])
-
-
-def test_the_first_boxed_test_makes_the_runner(pytester: pytest.Pytester) -> None:
-    """The other side of the above: a marked test gets its runner when its box is wanted."""
-    pytester.makeconftest(
-        """
-        def pytest_unconfigure(config):
-            host = config.pluginmanager.get_plugin("boxlite-host")
-            print("RUNNER", host._remote is not None)
-        """
-    )
-    pytester.makepyfile("import pytest\n\n@pytest.mark.boxlite\ndef test_ok(): pass\n")
-    result = pytester.runpytest_subprocess("-s", "--boxlite-home", str(pytester.path / "home"))
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["RUNNER True"])
+    result.stdout.fnmatch_lines(["HOST True", f"RUNNER {runner_made}"])
+    if not runner_made:
+        result.stdout.fnmatch_lines(["REMOTE []"])
