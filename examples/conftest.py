@@ -4,11 +4,16 @@ Every example is marked ``@pytest.mark.boxlite``.  Before the run this
 conftest plants sentinels on the host (a directory, a process, the hostname,
 /etc/hosts); after the run it checks that each one is untouched and fails
 the session loudly if not, so "the host is untouched" is proved, not claimed.
+
+Outside a box these tests would do all of it to this machine.  So this conftest refuses the run,
+before any test body, wherever the boxlite plugin is not there to box them (``-p no:boxlite``,
+``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``, pytest-boxlite not installed) or a test here is not marked.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import socket
 import subprocess
@@ -35,7 +40,41 @@ def host_sentinel() -> dict[str, object]:
     return {"dir": str(SENTINEL_DIR), "pid": int(os.environ["BOXLITE_EXAMPLES_SENTINEL_PID"])}
 
 
+_PLUGIN = "pytest_boxlite.plugin"
+_HARM = (
+    "These examples delete files, edit /etc, fill /tmp, kill every `sleep` process and change the "
+    "hostname on purpose; outside a box they would do it to this machine"
+)
+_FIX = "install pytest-boxlite (`python -m pip install -e .`) and run `python -m pytest examples` with the plugin on"
+
+
+def _why_unboxed(config: pytest.Config) -> str | None:
+    """Why boxes would not run these tests in this process, or ``None`` when they would.
+
+    Only pytest's public plugin manager is asked (this file must work without the package
+    installed): whether the plugin module is registered, and the role it registers inside a box.
+    """
+    pm = config.pluginmanager
+    loaded = any(getattr(p, "__name__", None) == _PLUGIN for p in pm.get_plugins())
+    if os.environ.get("PYTEST_BOXLITE_GUEST") == "1" and loaded:
+        # A box's own pytest (the host boxed these tests): the plugin's guest role is there.
+        return None if pm.get_plugin("boxlite-guest") is not None else "the boxlite plugin took no guest role"
+    if pm.is_blocked("boxlite"):
+        return "the boxlite plugin is disabled (-p no:boxlite)"
+    if loaded:
+        return None
+    if importlib.util.find_spec("pytest_boxlite") is None:
+        return f"pytest-boxlite is not installed for this Python ({sys.executable})"
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        return "PYTEST_DISABLE_PLUGIN_AUTOLOAD is set, so the boxlite plugin was not loaded (or add -p boxlite)"
+    return "the boxlite plugin is not loaded"
+
+
+@pytest.hookimpl(trylast=True)  # after the plugin's own pytest_configure registered its role
 def pytest_configure(config: pytest.Config) -> None:
+    why = _why_unboxed(config)
+    if why is not None:
+        raise pytest.UsageError(f"examples/ refused to run: {why}. {_HARM}. To run them, {_FIX}.")
     if hasattr(config, "workerinput") or os.environ.get("PYTEST_BOXLITE_GUEST"):
         return
     SENTINEL_DIR.mkdir(parents=True, exist_ok=True)
@@ -50,6 +89,21 @@ def pytest_configure(config: pytest.Config) -> None:
         "hosts": _digest("/etc/hosts"),
         "files": sorted(p.name for p in SENTINEL_DIR.iterdir()),
     }
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test here must be boxed: an unmarked one would run its body on the host."""
+    here = Path(__file__).resolve().parent
+    unmarked = [
+        item.nodeid
+        for item in items
+        if item.path.resolve().is_relative_to(here) and item.get_closest_marker("boxlite") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            f"examples/ refused to run: {', '.join(unmarked)} not marked @pytest.mark.boxlite. {_HARM}. "
+            "Mark every test here (e.g. a module's pytestmark = pytest.mark.boxlite(...))."
+        )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
