@@ -1,0 +1,202 @@
+"""The user-facing text (README.md and docs/) is checked like code.
+
+- Every Python block marked runnable (an HTML comment ``<!-- runnable ... -->`` on the line
+  before its fence; ``docs/about.md`` describes the convention) runs as a real pytest sub-run
+  in a fresh directory, in real boxes, and must end with the outcomes its comment states.
+- The text names no issue number and no work session: users have neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from subruns import QUIET
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The user-facing text: the README and every page of the documentation site.
+PAGES = sorted(
+    [ROOT / "README.md", ROOT / "CHANGELOG.md", *(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)]
+)
+
+_MARK = re.compile(r"^<!--\s*runnable(?P<attrs>(?:\s+[a-z]+=\"[^\"]*\")*)\s*-->\s*$")
+_ATTR = re.compile(r'([a-z]+)="([^"]*)"')
+_FENCE = re.compile(r"^(?P<fence>```+|~~~+)\s*(?P<lang>[\w{}-]*)")
+_OUTCOMES = re.compile(r"^(passed|failed|skipped|errors|xfailed|xpassed)=(\d+)$")
+
+
+@dataclasses.dataclass
+class Block:
+    """One runnable example: the files it writes, how to run it, what it must end with."""
+
+    page: str
+    line: int
+    files: dict[str, str]
+    args: list[str]
+    outcomes: dict[str, int]
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def _fenced(lines: list[str], start: int) -> tuple[str, str, int]:
+    """The language and body of the fenced block opening at ``lines[start]``, and the line after it."""
+    m = _FENCE.match(lines[start])
+    if m is None:
+        raise ValueError(f"line {start + 1}: a runnable comment must be followed by a fenced code block")
+    fence = m.group("fence")
+    end = start + 1
+    while end < len(lines) and not lines[end].startswith(fence):
+        end += 1
+    if end == len(lines):
+        raise ValueError(f"line {start + 1}: the code block is not closed")
+    return m.group("lang"), "\n".join(lines[start + 1 : end]) + "\n", end + 1
+
+
+def parse_blocks(page: Path) -> list[Block]:
+    """The runnable blocks of one page; a malformed mark raises ``ValueError`` naming its line."""
+    rel = str(page.relative_to(ROOT))
+    lines = page.read_text().splitlines()
+    blocks: list[Block] = []
+    pending: dict[str, str] = {}
+    i = 0
+    while i < len(lines):
+        m = _MARK.match(lines[i])
+        if m is None:
+            if "runnable" in lines[i] and lines[i].lstrip().startswith("<!--"):
+                raise ValueError(f"{rel}:{i + 1}: malformed runnable comment {lines[i]!r}")
+            i += 1
+            continue
+        attrs = dict(_ATTR.findall(m.group("attrs")))
+        unknown = set(attrs) - {"file", "args", "outcomes"}
+        if unknown:
+            raise ValueError(f"{rel}:{i + 1}: unknown runnable attribute(s) {sorted(unknown)}")
+        lang, body, after = _fenced(lines, i + 1)
+        if lang != "python":
+            raise ValueError(f"{rel}:{i + 1}: only python blocks are runnable, got {lang!r}")
+        if "file" in attrs:
+            pending[attrs["file"]] = body
+        else:
+            outcomes: dict[str, int] = {}
+            for word in attrs.get("outcomes", "").split():
+                om = _OUTCOMES.match(word)
+                if om is None:
+                    raise ValueError(f"{rel}:{i + 1}: bad outcome {word!r} (e.g. passed=2)")
+                outcomes[om.group(1)] = int(om.group(2))
+            if not outcomes:
+                raise ValueError(f'{rel}:{i + 1}: a runnable block states its outcomes, e.g. outcomes="passed=2"')
+            name = f"test_doc_{re.sub(r'[^a-z0-9]+', '_', rel.lower())}_{i + 1}.py"
+            files = {**pending, name: body}
+            pending = {}
+            blocks.append(Block(rel, i + 1, files, shlex.split(attrs.get("args", "")), outcomes))
+        i = after
+    if pending:
+        raise ValueError(f"{rel}: file block(s) {sorted(pending)} belong to no runnable test block after them")
+    return blocks
+
+
+def _all_blocks() -> Iterator[Block]:
+    for page in PAGES:
+        yield from parse_blocks(page)
+
+
+BLOCKS = list(_all_blocks())
+
+
+def test_the_docs_hold_runnable_blocks() -> None:
+    """The parametrized test below must not pass by finding nothing (a changed mark, a moved page)."""
+    pages = {b.page for b in BLOCKS}
+    assert "README.md" in pages and any(p.startswith("docs/") for p in pages), pages
+    assert len(BLOCKS) >= 5
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
+def test_runnable_block(block: Block, pytester: pytest.Pytester, home: Path) -> None:
+    for name, body in block.files.items():
+        pytester.path.joinpath(name).write_text(body)
+    result = pytester.runpytest_subprocess(*QUIET, f"--boxlite-home={home}", *block.args, timeout=300)
+    outcomes = {
+        k: v
+        for k, v in result.parseoutcomes().items()
+        if k in ("passed", "failed", "skipped", "errors", "xfailed", "xpassed")
+    }
+    assert outcomes == block.outcomes, f"{block.id}: expected {block.outcomes}\n" + "\n".join(result.outlines[-60:])
+
+
+# -- the project's own history stays out of user-facing text -------------------------------------
+
+#: An issue number, a pull request, a work session, or a review of this project's own work.
+HISTORY = re.compile(
+    r"\b(issues?|PRs?|pull requests?|tickets?)\s*#?\d+"
+    r"|(?<![\w&])#\d{1,4}\b"
+    r"|\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth)\s+session"
+    r"|\bsession\s+\d+\b"
+    r"|\bthis project's machines?\b|\bno machine here\b",
+    re.IGNORECASE,
+)
+
+
+#: A date: when this project's own work happened is no user's business (the changelog's releases aside).
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+
+
+def history_mentions(text: str, *, dates: bool = True) -> list[str]:
+    """Each line of ``text`` that speaks of the project's own history (``dates``: a date too)."""
+    return [
+        f"{n}: {line.strip()}"
+        for n, line in enumerate(text.splitlines(), 1)
+        if HISTORY.search(line) or (dates and DATE.search(line))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "found"),
+    [
+        ("as issue 15 asked", True),
+        ("see #27", True),
+        ("measured in the fifth session's quiet spell", True),
+        ("on this project's machines", True),
+        ("no machine here boots a VM", True),
+        ("Issues 12/13 merged", True),
+        ("each pytest session holds a lock", False),
+        ("the session id is in every box name", False),
+        ("a session-scoped fixture", False),
+        ("`--boxlite-scope=worker`: the whole session runs in one box", False),
+        ("colour #fff and `&#8212;`", False),
+        ("the next session on that host removes them", False),
+        ("measured on 2026-11-29", True),
+    ],
+)
+def test_history_pattern(line: str, found: bool) -> None:
+    assert bool(history_mentions(line)) is found, line
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_facing_text_names_no_issue_or_session(page: Path) -> None:
+    hits = history_mentions(page.read_text(), dates=page.name != "CHANGELOG.md")
+    assert not hits, f"{page.relative_to(ROOT)} speaks of this project's own history:\n" + "\n".join(hits)
+
+
+def test_readme_options_table_lists_every_option() -> None:
+    """The README's table is written by hand (short meanings, links): it must still name every option."""
+    from pytest_boxlite.settings import OPTIONS
+
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--boxlite")]
+    listed = {line.split("`")[1]: line for line in rows}
+    for opt in OPTIONS:
+        assert opt.flag in listed, f"README's options table lacks {opt.flag}"
+        assert f"`{opt.ini}`" in listed[opt.flag] and f"`{opt.env}`" in listed[opt.flag], listed[opt.flag]
+    assert len(listed) == len(OPTIONS), sorted(set(listed) - {o.flag for o in OPTIONS})
+
+
+def test_readme_marker_arguments_are_the_markers() -> None:
+    from pytest_boxlite.markers import ALLOWED
+
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("`@pytest.mark.boxlite("))
+    named = re.findall(r"(\w+)=", line)
+    assert named == list(ALLOWED), named
