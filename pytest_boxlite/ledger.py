@@ -24,7 +24,7 @@ import secrets
 from pathlib import Path
 
 from pytest_boxlite.errors import BoxliteError
-from pytest_boxlite.runtimes import Leftover, kinds, kinds_with_state
+from pytest_boxlite.runtimes import Leftover, kinds, kinds_with_state, register_home
 
 __all__ = [
     "PREFIX",
@@ -77,6 +77,9 @@ class OwnerLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
+        # Every box on this machine (of any session, this user's or another's) hides the homes
+        # in the registry: a guest must not read this home's boxes' logs and sockets.
+        register_home(self.home)
 
     def release(self) -> None:
         if self._fd is None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pytest_boxlite.errors import ConfigError, RuntimeUnavailableError
+from pytest_boxlite.runtimes._homes import register_home
 from pytest_boxlite.runtimes.base import (
     BoxDefaults,
     BoxHandle,
@@ -49,6 +50,7 @@ __all__ = [
     "open_choice",
     "open_runtime",
     "probe",
+    "register_home",
     "remote_boxes",
     "remote_clean",
     "remote_target",

@@ -7,15 +7,18 @@ import contextlib
 import hashlib
 import json
 import os
+import pwd
 import secrets
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 
 from pytest_boxlite.errors import BoxStartError
+from pytest_boxlite.runtimes._homes import STATE_ENTRIES, boxlite_homes
 
 #: Credential directories masked by an empty tmpfs inside every box (in every home it can read).
 _SECRET_DIRS = (
@@ -202,11 +205,58 @@ def _secrets(home: Path) -> tuple[list[Path], list[Path]]:
                 real = _readable(Path(base + name), want_dir=want_dir)
                 if real is not None and real not in found:
                     found.append(real)
-    # Other boxes' control sockets and logs live here: a guest must not reach them.
-    real_home = _readable(home, want_dir=True)
-    if real_home is not None and real_home not in dirs:
-        dirs.append(real_home)
+    # Other boxes' control sockets, logs and records live in boxlite homes: a guest must reach none
+    # of them, this session's or any other on this machine (another project's, another user's).
+    for path in _home_masks(home):
+        real = _readable(Path(path), want_dir=True)
+        if real is not None and real not in dirs:
+            dirs.append(real)
     return dirs, files
+
+
+def _home_masks(home: Path) -> list[str]:
+    """The directories that hide every boxlite home this user can see: each home as a whole, or
+    (where a box must see something below it: the project, the interpreter, a user's home
+    directory) its state entries one by one.
+
+    This session's home is always hidden whole, as before; the rest come from the registry and
+    the users' default homes (see :mod:`pytest_boxlite.runtimes._homes`), a few ``lstat`` calls
+    for each user in the user database: asked per booted box (and per sandbox fork's plan).
+    """
+    out = [str(home)]
+    try:
+        own = os.path.realpath(home)
+    except (OSError, ValueError):
+        own = str(home)
+    others = [h for h in boxlite_homes() if h != own]
+    if not others:
+        return out
+    visible = _must_stay_visible(os.getcwd(), tuple(sys.path))
+    for h in others:
+        prefix = h.rstrip("/") + "/"
+        if h.count("/") <= 1 or any(v == h or v.startswith(prefix) for v in visible):
+            out += [os.path.join(h, entry) for entry in STATE_ENTRIES]
+        else:
+            out.append(h)
+    return out
+
+
+@lru_cache(maxsize=8)
+def _must_stay_visible(cwd: str, path: tuple[str, ...]) -> tuple[str, ...]:
+    """Directories a box needs to see (links resolved): a boxlite home above one of them is
+    hidden entry by entry, not whole.  The worker mounts are all among these: the project and
+    invocation directory (at or above the working directory), ``sys.path`` and this package."""
+    wanted = [cwd, *(p for p in path if p.startswith("/")), *_own_dirs()]
+    with contextlib.suppress(OSError):
+        wanted += [pw.pw_dir for pw in pwd.getpwall()]
+    wanted.append(str(Path.home()))
+    out: list[str] = []
+    for w in wanted:
+        with contextlib.suppress(OSError, ValueError):
+            real = os.path.realpath(w)
+            if real not in out:
+                out.append(real)
+    return tuple(out)
 
 
 def private_tmp() -> Path:
@@ -263,6 +313,9 @@ def _complete(root: Path) -> bool:
         return False
 
 
+_MASK_BUILD = threading.Lock()
+
+
 @lru_cache(maxsize=64)
 def _mask_plan_cached(entries: tuple[tuple[str, str, str], ...]) -> tuple[tuple[tuple[str, str], ...], frozenset[str]]:
     tops = sorted({t for t, _, _ in entries})
@@ -271,7 +324,8 @@ def _mask_plan_cached(entries: tuple[tuple[str, str, str], ...]) -> tuple[tuple[
     root = base / key
     failed: set[str] = set()
     if not _complete(root):
-        tmp = base / f"{key}.{os.getpid()}.tmp"
+        # Unique per build: two threads (a warm box's boot, a zygote's) may build the same key.
+        tmp = base / f"{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         failed = _build_mask_layer(tmp, entries)
         (tmp / "ready").write_text(json.dumps(sorted(failed)))
@@ -319,15 +373,16 @@ def _mask_plan(home: Path, tops: Sequence[str]) -> tuple[dict[str, str], list[st
     if not entries:
         return {}, mounts
     key = tuple(sorted(entries))
-    layers, failed = _mask_plan_cached(key)
-    if not all(os.path.isdir(layer) for _, layer in layers):  # /tmp was cleaned meanwhile: build again
-        _mask_plan_cached.cache_clear()
+    with _MASK_BUILD:  # one build per key at a time: boxes of several threads want the same layers
         layers, failed = _mask_plan_cached(key)
-    if failed:
-        # Not kept: the next box tries again.  A mount in place of a layer costs boxed tests their
-        # per-test fork (see guest/fresh.py's fork_blocked_by_mounts), so a passing failure must
-        # not last the whole session.
-        _mask_plan_cached.cache_clear()
+        if not all(os.path.isdir(layer) for _, layer in layers):  # /tmp was cleaned meanwhile: build again
+            _mask_plan_cached.cache_clear()
+            layers, failed = _mask_plan_cached(key)
+        if failed:
+            # Not kept: the next box tries again.  A mount in place of a layer costs boxed tests their
+            # per-test fork (see guest/fresh.py's fork_blocked_by_mounts), so a passing failure must
+            # not last the whole session.
+            _mask_plan_cached.cache_clear()
     for top in failed:
         for path, kind in by_top.get(top, []):
             mounts += ["--tmpfs", str(path)] if kind == "dir" else ["--ro-bind", "/dev/null", str(path)]
