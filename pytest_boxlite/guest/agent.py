@@ -61,6 +61,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -151,6 +152,40 @@ def _mapped(which, ident):
     return False
 
 
+#: Most bytes of the box's /etc/passwd or /etc/group read for one lookup.
+_MAX_ID_FILE = 4 << 20
+
+
+def _id_entries(path):
+    """The entries of the box's ``/etc/passwd`` or ``/etc/group`` as lists of fields, read here.
+
+    Not through ``pwd``/``grp``: libc would load the NSS modules the box's ``/etc/nsswitch.conf``
+    names into this agent, code a guest (root in its box) can plant.  The file is the guest's
+    too: bounded, never waited on (a FIFO there is no file), parsed as text.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return []
+        data = os.read(fd, _MAX_ID_FILE)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    return [line.split(":") for line in data.decode("utf-8", "replace").splitlines() if line.count(":") >= 3]
+
+
+def _find(path, field, value):
+    """The first entry of ``path`` whose ``field`` is ``value``, with its numeric fields as ints."""
+    for fields in _id_entries(path):
+        if fields[field] == value and fields[2].isdigit() and (path != "/etc/passwd" or fields[3].isdigit()):
+            return fields
+    return None
+
+
 def resolve_user(user, default):
     """``user`` ("uid[:gid]", a name, or None for ``default``) as ``(uid, gid)``."""
     if user is None or user == "":
@@ -159,31 +194,21 @@ def resolve_user(user, default):
     name, _, group = user.partition(":")
     if name.isdigit():
         uid = int(name)
-        gid = uid
-        try:
-            import pwd
-
-            gid = pwd.getpwuid(uid).pw_gid
-        except (KeyError, ImportError):
-            pass
+        entry = _find("/etc/passwd", 2, name)
+        gid = int(entry[3]) if entry else uid
     else:
-        import pwd
-
-        try:
-            entry = pwd.getpwnam(name)
-        except KeyError:
-            raise LookupError("no user named %r in the box's /etc/passwd" % name) from None
-        uid, gid = entry.pw_uid, entry.pw_gid
+        entry = _find("/etc/passwd", 0, name)
+        if entry is None:
+            raise LookupError("no user named %r in the box's /etc/passwd" % name)
+        uid, gid = int(entry[2]), int(entry[3])
     if group:
         if group.isdigit():
             gid = int(group)
         else:
-            import grp
-
-            try:
-                gid = grp.getgrnam(group).gr_gid
-            except KeyError:
-                raise LookupError("no group named %r in the box's /etc/group" % group) from None
+            entry = _find("/etc/group", 0, group)
+            if entry is None:
+                raise LookupError("no group named %r in the box's /etc/group" % group)
+            gid = int(entry[2])
     return uid, gid
 
 
@@ -392,15 +417,19 @@ _PRIVATE_FDS = []
 
 
 def _load_helper(path):
-    """Import the file helper once; forked children inherit it."""
+    """Import the file helper once, before any guest process runs; forked children inherit it.
+
+    What its operations import lazily is imported here too: a fork importing a module later
+    would read it from the box's filesystem, where a guest (root in its box) may have replaced
+    it.  The helper itself looks up no user or group name (no NSS module of the box is loaded).
+    """
     import importlib
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_boxlite_guest_helper", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    # What its operations import lazily is imported here, once, for every fork to inherit.
-    for name in ("base64", "fnmatch", "io", "re", "shutil", "tarfile"):
+    for name in module.LAZY_IMPORTS:
         importlib.import_module(name)
 
     _HELPER["module"] = module
@@ -429,9 +458,8 @@ class _ForkedHelper(_Child):
                 for i, fd in enumerate(fds):
                     os.dup2(fd, i)
                 os.chdir(cwd)
-                sys.stdin = open(0, "r", closefd=False)
-                sys.stdout = open(1, "w", closefd=False)
-                _HELPER["module"].main()
+                # Binary streams on the new descriptors: no text layer (and no codec to look up).
+                _HELPER["module"].main(open(0, "rb", closefd=False), open(1, "wb", closefd=False))
                 code = 0
             except BaseException:
                 import traceback

@@ -6,6 +6,12 @@ payload: raw bytes, or base64 when ``"b64"`` is set because the runtime's
 stdout is lossy text.  File errors are answers (``"ok": false`` with errno),
 not crashes.  Keep this file compatible with Python 3.8: it runs under the
 guest image's interpreter.
+
+It runs nothing the guest controls: no user or group name is ever looked up (that would load
+the NSS modules named by the box's ``/etc/nsswitch.conf``, code a guest can plant): ids stay
+numbers.  Where it is exec'd it runs under ``-I -S`` (no ``PYTHON*`` variables, ``.pth`` files
+or ``sitecustomize``); in a namespace box it runs in a fork of the box's agent, which imported
+all it needs (:data:`LAZY_IMPORTS`) before any guest process ran.
 """
 
 import json
@@ -14,7 +20,9 @@ import stat
 import sys
 
 # re, fnmatch, tarfile, io and base64 are imported where needed: every file operation
-# starts a fresh interpreter, and unused imports would cost each one.
+# starts a fresh interpreter, and unused imports would cost each one.  A process that forks the
+# helper imports these first (a module imported after a guest ran could be the guest's file).
+LAZY_IMPORTS = ("base64", "fnmatch", "io", "re", "shutil", "tarfile", "traceback")
 
 
 class PatternError(Exception):
@@ -265,6 +273,68 @@ def op_grep(req, payload):
     return {"matches": out, "truncated": truncated}, b""
 
 
+def _tar_info(name, st):
+    """A tar header from ``lstat`` alone.  ``TarFile.gettarinfo`` would look up the owner's user
+    and group names (``pwd``/``grp``), which loads the box's NSS modules: ids stay numbers."""
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.mode = stat.S_IMODE(st.st_mode)
+    info.uid, info.gid = st.st_uid, st.st_gid
+    info.uname = info.gname = ""
+    info.mtime = int(st.st_mtime)
+    return info
+
+
+def _tar_tree(top, out):
+    """``top``'s contents as a tar stream on ``out``: directories, regular files, symbolic links
+    (never followed) and hard links between files of the tree; FIFOs and devices as such."""
+    import tarfile
+
+    seen = {}  # (dev, ino) of regular files with several links -> the first one's name
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        root = _tar_info(".", os.lstat(top))
+        root.type = tarfile.DIRTYPE
+        tar.addfile(root)
+        for rel, _is_dir, _link, path in _walk(top):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # gone since it was listed
+            info = _tar_info("./" + rel, st)
+            mode = st.st_mode
+            if stat.S_ISDIR(mode):
+                info.type = tarfile.DIRTYPE
+            elif stat.S_ISLNK(mode):
+                info.type = tarfile.SYMTYPE
+                info.linkname = os.readlink(path)
+            elif stat.S_ISREG(mode):
+                key = (st.st_dev, st.st_ino)
+                if st.st_nlink > 1 and key in seen:
+                    info.type = tarfile.LNKTYPE
+                    info.linkname = seen[key]
+                    tar.addfile(info)
+                    continue
+                seen[key] = info.name
+                # O_NONBLOCK|O_NOFOLLOW: a name swapped for a FIFO or a link since lstat fails.
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+                with os.fdopen(fd, "rb") as fh:
+                    now = os.fstat(fd)
+                    if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != key:
+                        raise OSError(11, "File changed while it was read", path)
+                    info.size = now.st_size
+                    tar.addfile(info, fh)
+                continue
+            elif stat.S_ISFIFO(mode):
+                info.type = tarfile.FIFOTYPE
+            elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                info.type = tarfile.CHRTYPE if stat.S_ISCHR(mode) else tarfile.BLKTYPE
+                info.devmajor, info.devminor = os.major(st.st_rdev), os.minor(st.st_rdev)
+            else:
+                continue  # a socket: tar has no such member
+            tar.addfile(info)
+
+
 def op_fetch(req, payload):
     """A file's bytes, or a directory's contents as a tar stream."""
     path = req["path"]
@@ -272,11 +342,9 @@ def op_fetch(req, payload):
         with open(path, "rb") as fh:
             return {"is_dir": False}, fh.read()
     import io
-    import tarfile
 
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(path, arcname=".")
+    _tar_tree(path, buf)
     return {"is_dir": True}, buf.getvalue()
 
 
@@ -288,7 +356,8 @@ def op_tar_in(req, payload):
 
     with tarfile.open(fileobj=io.BytesIO(payload), mode="r") as tar:
         kwargs = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
-        tar.extractall(dest, **kwargs)
+        # numeric_owner: as root, tarfile would otherwise look the names up (the box's NSS modules).
+        tar.extractall(dest, numeric_owner=True, **kwargs)
     return {}, b""
 
 
@@ -305,11 +374,12 @@ OPS = {
 }
 
 
-def main():
-    stdin = sys.stdin.buffer
+def main(stdin=None, out=None):
+    """Serve one request from ``stdin`` to ``out`` (binary streams; this process's by default)."""
+    stdin = stdin or sys.stdin.buffer
+    out = out or sys.stdout.buffer
     req = json.loads(stdin.readline().decode("utf-8"))
     payload = stdin.read(req.get("payload", 0)) if req.get("payload") else b""
-    out = sys.stdout.buffer
     try:
         meta, data = OPS[req["op"]](req, payload)
         meta["ok"] = True

@@ -16,15 +16,26 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.spec import BoxSpec
 
 #: Default cap on captured bytes per output stream of one command.
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
+
+#: Takes the file helper's stdout chunk by chunk as it arrives (see :meth:`BoxHandle.run_helper`).
+HelperSink = Callable[[bytes], None]
+
+
+def helper_argv(guest_python: str) -> list[str]:
+    """The guest command that runs the file helper where a runtime execs it: isolated (``-I``: no
+    ``PYTHON*`` variables, no user site, no script directory on the path) and without :mod:`site`
+    (``-S``: no ``.pth`` files, no ``sitecustomize``)."""
+    return [guest_python, "-I", "-S", "-c", guest.source("files")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +130,13 @@ class BoxHandle(Protocol):
         """How many processes the kernel's OOM killer has killed in this box so far."""
         ...
 
-    def run_helper(self, payload: bytes, *, timeout: float, max_output: int) -> RawResult | None:
-        """Run the file helper on ``payload`` the runtime's fast way, or ``None``: run it with :meth:`exec`."""
+    def run_helper(self, payload: bytes, *, timeout: float, max_output: int, sink: HelperSink) -> RawResult | None:
+        """Run the file helper on ``payload`` the runtime's fast way, or ``None``: run it with :meth:`exec`.
+
+        The helper's stdout goes to ``sink`` as it arrives, never buffered here (the result's
+        ``stdout`` is empty); an exception from ``sink`` ends the helper and propagates.  Its
+        stderr is kept up to ``max_output`` bytes.
+        """
         ...
 
     def fork_listener(self) -> tuple[socket.socket, str]:
@@ -152,8 +168,8 @@ class BoxDefaults:
         """``0``: the runtime cannot tell."""
         return 0
 
-    def run_helper(self, payload: bytes, *, timeout: float, max_output: int) -> RawResult | None:
-        """``None``: the helper runs as a guest command."""
+    def run_helper(self, payload: bytes, *, timeout: float, max_output: int, sink: HelperSink) -> RawResult | None:
+        """``None``: the helper runs as a guest command (:func:`helper_argv`)."""
         return None
 
     def fork_listener(self) -> tuple[socket.socket, str]:

@@ -81,10 +81,12 @@ from pytest_boxlite.runtimes.base import (
     BoxDefaults,
     BoxRecord,
     Capabilities,
+    HelperSink,
     Leftover,
     Owners,
     RawResult,
     RuntimeDefaults,
+    helper_argv,
 )
 from pytest_boxlite.runtimes.probe import probe
 from pytest_boxlite.spec import BoxSpec
@@ -228,6 +230,7 @@ class VmBox(BoxDefaults):
         user: str | None = None,
         timeout: float,
         max_output: int = DEFAULT_MAX_OUTPUT,
+        sink: HelperSink | None = None,
     ) -> RawResult:
         if self._dead:
             raise BoxDeadError(f"box {self.name} is dead")
@@ -248,10 +251,19 @@ class VmBox(BoxDefaults):
             await stdin.close()
             bufs = [bytearray(), bytearray()]
             dropped = [0, 0]
+            refused: list[BaseException] = []  # what the sink raised: the command is killed, then it is raised
 
             async def collect(i: int, stream: Any) -> None:
                 async for chunk in stream:
                     data = chunk.encode("utf-8", "surrogateescape") if isinstance(chunk, str) else bytes(chunk)
+                    if i == 0 and sink is not None:
+                        if not refused:
+                            try:
+                                sink(data)
+                            except Exception as exc:  # noqa: BLE001 - raised below, once the command is gone
+                                refused.append(exc)
+                                await self._kill_tagged(tag)
+                        continue
                     room = max_output - len(bufs[i])
                     if room > 0:
                         bufs[i] += data[:room]
@@ -286,6 +298,8 @@ class VmBox(BoxDefaults):
                     # -1 is also what wait() gives for a lost channel: not a SIGHUP.
                     exit_code = None
                     error = f"the channel to box {self.name} was lost (boxlite reported exit -1 with no status)"
+            if refused:
+                raise refused[0]
             return RawResult(
                 exit_code=exit_code,
                 stdout=bytes(bufs[0]),
@@ -306,6 +320,12 @@ class VmBox(BoxDefaults):
             raise
         except Exception as exc:
             raise self._rt.wrap_exec_error(exc, self, argv[0]) from exc
+
+    def run_helper(self, payload: bytes, *, timeout: float, max_output: int, sink: HelperSink) -> RawResult:
+        """Run the file helper as a guest command (:func:`helper_argv`), its stdout streamed to ``sink``."""
+        return self.exec(
+            helper_argv(self.guest_python), input=payload, timeout=timeout, max_output=max_output, sink=sink
+        )
 
     async def _kill_tagged(self, tag: str) -> None:
         """SIGKILL every process in the box whose environment carries ``tag``; bounded, best effort."""

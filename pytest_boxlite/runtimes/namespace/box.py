@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxDeadError, BoxliteError, BoxTimeoutError, ConfigError, file_error
 from pytest_boxlite.runtimes import _cgroups
-from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxDefaults, RawResult
+from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxDefaults, HelperSink, RawResult
 from pytest_boxlite.runtimes.namespace.fork import fork_listener
 from pytest_boxlite.runtimes.namespace.layout import _MAX_INFO, WORKDIR, ctl_dir, keep_marker
 from pytest_boxlite.runtimes.namespace.leftovers import kill_box_processes, remove_box_dirs
@@ -215,6 +215,7 @@ class NamespaceBox(BoxDefaults):
         timeout: float,
         max_output: int = DEFAULT_MAX_OUTPUT,
         op: str = "exec",
+        sink: HelperSink | None = None,
     ) -> RawResult:
         if user is not None and not isinstance(user, (str, int)):
             raise ConfigError(f"user must be a name or 'uid[:gid]', got {user!r}")
@@ -253,7 +254,7 @@ class NamespaceBox(BoxDefaults):
                 if in_w is not None:
                     os.close(in_w)
                 raise file_error(int(first.get("errno") or 0), first["error"], first.get("filename"))
-            return self._pump(sock, lines, out_r, err_r, in_w, input or b"", start, deadline, max_output)
+            return self._pump(sock, lines, out_r, err_r, in_w, input or b"", start, deadline, max_output, sink)
 
     def _pump(
         self,
@@ -266,7 +267,11 @@ class NamespaceBox(BoxDefaults):
         start: float,
         deadline: float,
         max_output: int,
+        sink: HelperSink | None = None,
     ) -> RawResult:
+        """Feed stdin, drain stdout and stderr (each kept up to ``max_output``; stdout handed to
+        ``sink`` instead when given) until the process exits or its time is up.  An exception
+        (from ``sink`` too) leaves with the socket closed by the caller, which kills the process."""
         sel = selectors.DefaultSelector()
         bufs = {out_r: bytearray(), err_r: bytearray()}
         dropped = {out_r: 0, err_r: 0}
@@ -332,6 +337,9 @@ class NamespaceBox(BoxDefaults):
                         if not chunk:
                             sel.unregister(fd)
                             continue
+                        if sink is not None and fd == out_r:
+                            sink(chunk)
+                            continue
                         room = max_output - len(bufs[fd])
                         if room > 0:
                             bufs[fd] += chunk[:room]
@@ -359,9 +367,9 @@ class NamespaceBox(BoxDefaults):
         """Run ``argv`` in this box with this process's own stdin/stdout/stderr (see :func:`attach`)."""
         return attach(self.box_dir, argv, cwd=cwd, env=env)
 
-    def run_helper(self, payload: bytes, *, timeout: float, max_output: int) -> RawResult:
+    def run_helper(self, payload: bytes, *, timeout: float, max_output: int, sink: HelperSink) -> RawResult:
         """Run the file helper on ``payload`` in a fork of the box's agent (no interpreter start-up)."""
-        return self.exec(["<helper>"], input=payload, timeout=timeout, max_output=max_output, op="helper")
+        return self.exec(["<helper>"], input=payload, timeout=timeout, max_output=max_output, op="helper", sink=sink)
 
     def attach_argv(
         self,
