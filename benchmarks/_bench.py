@@ -1,29 +1,40 @@
-"""Pieces the benchmark scripts share: logging, signal handling, bounded sub-runs, the leak check.
-
-Each script stays runnable on its own (``python benchmarks/<name>.py``): this directory is on
-``sys.path`` when one of them runs.
+"""The runner every table shares: bounded sub-runs, the machine's busy CPU, leak checks, the
+temporary work directory, option defaults with a ``--quick`` variant, and table formatting.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
+import platform
+import re
 import select
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
-#: The repository root's benchmarks directory, where leak checks run from.
+#: The benchmarks package's directory; the repository root above it.
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+#: Every pytest run of a generated suite: quiet, no cache, and the installed plugins the suites do
+#: not use blocked (importing hypothesis's plugin alone costs ~1.5 s per pytest start here).
+QUIET_ARGS = ("-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark")
+#: How much of a failed run's output is shown.
+TAIL = 3000
 
 
 def log(msg: str) -> None:
+    """Progress goes to stderr; the tables go to stdout."""
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -33,32 +44,30 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
 
 def positive(text: str) -> int:
     """``argparse`` type: an integer of at least 1."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
-def cli(
-    parse_args: Callable[[list[str] | None], argparse.Namespace],
-    run: Callable[[argparse.Namespace], int],
-    *,
-    interrupted: str,
-    argv: list[str] | None = None,
-) -> int:
-    """Every script's ``main``: parse, run; SIGTERM/SIGHUP/Ctrl-C end the run as an interruption.
+def seconds(text: str) -> float:
+    """``argparse`` type: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
-    ``run`` cleans up in its ``finally`` blocks (under :func:`deferred_signals`); then this logs
-    ``interrupted: <interrupted>`` and returns 130, as a shell does for SIGINT.
-    """
-    args = parse_args(argv)
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGHUP end a run as Ctrl-C does: the ``finally`` blocks clean up."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGHUP, _raise_interrupt)
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        log(f"interrupted: {interrupted}")
-        return 130
 
 
 @contextlib.contextmanager
@@ -85,6 +94,39 @@ class RunFailed(Exception):
         self.cmd = cmd
         self.detail = detail
         self.output = output
+
+
+class Skipped(Exception):
+    """A row that cannot be measured here; the reason is printed in its place."""
+
+
+# -- options ------------------------------------------------------------------------------------
+
+
+def option(
+    p: argparse.ArgumentParser, flag: str, normal: Any, quick: Any = None, *, type: Any = positive, help: str = ""
+) -> None:
+    """An option whose default is ``normal``, or ``quick`` under ``--quick`` (an explicit value wins)."""
+    dest = flag.lstrip("-").replace("-", "_")
+    defaults: dict[str, tuple[Any, Any]] | None = p.get_default("_defaults")
+    if defaults is None:
+        defaults = {}
+        p.set_defaults(_defaults=defaults)
+    quick = normal if quick is None else quick
+    defaults[dest] = (normal, quick)
+    shown = f"default: {normal}" + (f"; --quick: {quick}" if quick != normal else "")
+    p.add_argument(flag, type=type, default=None, help=f"{help} ({shown})")
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill in the options left unset: their ``--quick`` default or their normal one."""
+    for dest, (normal, quick) in (getattr(args, "_defaults", None) or {}).items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, quick if args.quick else normal)
+    return args
+
+
+# -- sub-runs -----------------------------------------------------------------------------------
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -183,10 +225,175 @@ def _wait_exactly(proc: subprocess.Popen[bytes], timeout: float) -> bool:
     return True
 
 
-def leak_check(what: str, home: Path) -> str:
+def step(what: str, cmd: list[str], cwd: Path, timeout: float, **env: str) -> str:
+    """A preparation step (venv, pip): its output; raises :class:`Skipped` with the reason if it fails."""
+    rc, out, wall, timed_out = run_bounded(
+        cmd, cwd=cwd, env=clean_env(PIP_DISABLE_PIP_VERSION_CHECK="1", **env), timeout=timeout
+    )
+    if timed_out or rc != 0:
+        tail = " ".join(out.strip().splitlines()[-3:])[-300:]
+        raise Skipped(f"{what}: {'timed out' if timed_out else f'exit {rc}'} after {wall:.0f} s: {tail}")
+    return out
+
+
+def leak_check(what: str, home: Path, python: str = sys.executable) -> str:
     """``python -m pytest_boxlite --home H ls`` must say ``no boxes``."""
-    cmd = [sys.executable, "-m", "pytest_boxlite", "--home", str(home), "ls"]
+    cmd = [python, "-m", "pytest_boxlite", "--home", str(home), "ls"]
     rc, out, _, timed_out = run_bounded(cmd, cwd=HERE, env=clean_env(), timeout=60)
     if timed_out or rc != 0 or out.strip() != "no boxes":
         raise RunFailed(f"{what}: leak check", cmd, f"expected 'no boxes', got exit {rc}", out)
     return out.strip()
+
+
+def check_passed(what: str, cmd: list[str], rc: int, output: str, timed_out: bool, want: int, timeout: float) -> None:
+    """A generated suite's run must pass all ``want`` tests."""
+    if timed_out:
+        raise RunFailed(what, cmd, f"timed out after {timeout:.0f} s", output)
+    m = re.search(r"(\d+) passed", output)
+    passed = int(m.group(1)) if m else 0
+    if rc != 0 or passed != want:
+        raise RunFailed(what, cmd, f"exit status {rc}, {passed} of {want} tests passed", output)
+
+
+def boxlite_summary(output: str) -> str | None:
+    """pytest-boxlite's own terminal summary line (boxes booted, lease waits, leaks)."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip().startswith("boxes booted")]
+    return lines[-1] if lines else None
+
+
+def pytest_summary(output: str) -> str:
+    """pytest's last summary line (``12 passed, 1 failed in 3.2s``), or ''."""
+    for line in reversed(output.splitlines()):
+        s = line.strip().strip("=").strip()
+        if re.search(r"\b(passed|failed|error|errors|skipped|no tests ran)\b", s) and " in " in s:
+            return s
+    return ""
+
+
+#: Summary words counted as tests run; ``deselected`` is left out (xdist's controller does not count
+#: it), ``warnings`` too (a boxed run may see fewer start-up warnings of plugins it loads once).
+COUNTED = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "rerun")
+
+
+def summary_counts(summary: str) -> dict[str, int]:
+    """``12 passed, 1 failed in 3.2s`` -> ``{"passed": 12, "failed": 1}`` (only the :data:`COUNTED` words)."""
+    out: dict[str, int] = {}
+    for n, word in re.findall(r"(\d+) (\w+)", summary.split(" in ")[0]):
+        word = "error" if word == "errors" else word
+        if word in COUNTED:
+            out[word] = int(n)
+    return out
+
+
+def failure_text(exc: RunFailed) -> str:
+    return f"error: {exc}\ncommand: {shlex.join(exc.cmd)}\noutput tail:\n{exc.output[-TAIL:]}"
+
+
+class Workdir:
+    """A temporary directory for one table, with private boxlite homes inside it.
+
+    Leaving it (also on Ctrl-C or SIGTERM) reaps whatever a run stopped half-way left in a home
+    (``python -m pytest_boxlite --home H clean``) and removes the directory.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix=f"pbx-bench-{prefix}-"))
+        self._homes: list[Path] = []
+
+    def home(self, name: str) -> Path:
+        """A fresh, not yet existing home path (the plugin makes it)."""
+        path = self.root / "homes" / f"{name}-{len(self._homes)}"
+        path.parent.mkdir(exist_ok=True)
+        self._homes.append(path)
+        return path
+
+    def __enter__(self) -> Workdir:
+        return self
+
+    def __exit__(self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]) -> None:
+        with deferred_signals():
+            for home in self._homes:
+                if home.exists():
+                    with contextlib.suppress(Exception):
+                        cmd = [sys.executable, "-m", "pytest_boxlite", "--home", str(home), "clean"]
+                        run_bounded(cmd, cwd=HERE, env=clean_env(), timeout=60)
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+# -- reporting ----------------------------------------------------------------------------------
+
+
+def machine_header() -> list[str]:
+    """Where the figures come from: versions, runtime, load."""
+    import pytest
+
+    from pytest_boxlite.runtimes import choose
+
+    try:
+        choice = choose("auto")
+        runtime = f"{choice.kind} ({choice.reason})"
+    except Exception as exc:  # noqa: BLE001 - shown; the boxed runs fail on it
+        runtime = f"unavailable: {exc}"
+    load = os.getloadavg()
+    return [
+        f"python {platform.python_version()}, pytest {pytest.__version__}, {platform.platform()}",
+        f"boxlite runtime: {runtime}",
+        f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs "
+        "(a shared machine makes absolute times noisy; ratios less so)",
+    ]
+
+
+def fmt_time(value: float | None) -> str:
+    """Seconds, shown in the unit that suits them."""
+    if value is None:
+        return "-"
+    ms = value * 1e3
+    if abs(ms) >= 1000:
+        return f"{value:.2f} s"
+    return f"{ms:.3f} ms" if abs(ms) < 1 else (f"{ms:.2f} ms" if abs(ms) < 10 else f"{ms:.1f} ms")
+
+
+def fmt_delta(value: float | None) -> str:
+    """A signed difference in seconds: noise can make an overhead negative."""
+    return "-" if value is None else ("+" if value >= 0 else "-") + fmt_time(abs(value))
+
+
+def fmt_ratio(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 100:
+        return f"{value:,.0f}x"
+    return f"{value:.2f}x" if value < 10 else f"{value:.1f}x"
+
+
+def div(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or None where either is unknown or ``b`` is not positive (an overhead within noise)."""
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[int] = (0,)) -> list[str]:
+    """Aligned columns: those in ``left`` left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(r: Sequence[str]) -> str:
+        cells = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        return "  ".join(cells).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """One sub-command of ``python -m benchmarks``: its name, a one-line summary, the text of its
+    ``--help``, its options, and the measurement, which prints the table and returns its exit
+    status and its results (for ``--json``)."""
+
+    name: str
+    summary: str
+    description: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], tuple[int, dict[str, Any]]]
+    #: Part of ``all``.
+    in_all: bool = True
+    #: Part of ``all --quick``.
+    in_quick: bool = True

@@ -1,16 +1,12 @@
 """Fidelity harness: real third-party test suites, run plain and boxed, compared test by test.
 
-Usage::
-
-    python benchmarks/fidelity.py [--projects iniconfig,pluggy,...] [--modes plain,boxed,...]
-                                  [--cache-dir DIR] [--json PATH] [--run-timeout S] [--show N]
-
 For each project it downloads the pinned sdist (``pip download --no-deps
 --no-binary :all: NAME==VER``), unpacks it, makes a virtual environment for it
 under the cache directory with the project, its pinned test dependencies,
 pytest-xdist and *this checkout* of pytest-boxlite (editable, so a merge of new
 plugin code shows at once), and runs the project's own test suite from the
-unpacked sdist once per mode:
+unpacked sdist once per mode (the environments and sdists are those of ``_sdists``, shared with
+``real-suites``):
 
 * ``plain``: ``python -m pytest`` (the plugin installed, not asked to box);
 * ``boxed``: ``--boxlite`` (a box per test);
@@ -29,47 +25,25 @@ Every external step is bounded (``--run-timeout`` per pytest run; downloads and
 installs have their own bounds); a run that times out gets SIGTERM, then
 SIGKILL, and is reported as such.  Every run has a private
 ``--boxlite-home`` that must be empty afterwards (leak check, reported in the
-table).  The cache directory (default ``~/.cache/pytest-boxlite-fidelity``; it
+table).  The cache directory (default ``~/.cache/pytest-boxlite-benchmarks``; it
 must not lie inside a directory with a pytest configuration, nor under /tmp,
 which boxes do not see) keeps the sdists and venvs between runs; results of each run go to
-``<cache>/runs/<project>/<mode>.{xml,log}``.  Standard library only.
+``<cache>/runs/<project>/<mode>.{xml,log}``.  Exit status 1 if any run differs, leaks or fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import os
 import re
 import shutil
-import sys
-import tarfile
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import clean_env, log, run_bounded
-
-REPO = Path(__file__).resolve().parent.parent
-#: Outside any checkout: a project without pytest configuration of its own would otherwise pick up the
-#: configuration of a directory above it (this repository's pyproject.toml) as its rootdir's.
-DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pytest-boxlite-fidelity"
-
-
-@dataclasses.dataclass(frozen=True)
-class Project:
-    """A pinned sdist whose own test suite is run, and what that suite needs."""
-
-    name: str
-    version: str
-    #: Pinned test-only requirements (the suite's dependency group / tox deps).
-    deps: tuple[str, ...] = ()
-    #: Arguments after ``python -m pytest`` (paths, deselections) for a run that is green plain here.
-    args: tuple[str, ...] = ()
-
+from benchmarks import _sdists
+from benchmarks._bench import Skipped, Table, clean_env, log, pytest_summary, run_bounded, seconds, summary_counts
+from benchmarks._sdists import Project
 
 #: Small, fast, self-contained suites (each < 60 s plain on a 2-core machine) that ship their tests in the sdist.
 PROJECTS: dict[str, Project] = {
@@ -128,103 +102,10 @@ MODES: dict[str, tuple[str, ...]] = {
     "worker-n2": ("--boxlite-scope=worker", "-n", "2"),
 }
 
-#: Bounds on the preparation steps, in seconds.
-DOWNLOAD_TIMEOUT = 300.0
-INSTALL_TIMEOUT = 900.0
-
-
-class StepFailed(Exception):
-    """A preparation step (download, unpack, install) failed; its project is skipped with this reason."""
-
-
-def _step(what: str, cmd: list[str], cwd: Path, timeout: float) -> str:
-    rc, out, wall, timed_out = run_bounded(
-        cmd, cwd=cwd, env=clean_env(PIP_DISABLE_PIP_VERSION_CHECK="1"), timeout=timeout
-    )
-    if timed_out or rc != 0:
-        tail = "\n".join(out.splitlines()[-15:])
-        raise StepFailed(f"{what}: {'timed out' if timed_out else f'exit {rc}'} after {wall:.0f} s\n{tail}")
-    return out
-
-
-def _safe_extract(archive: Path, dest: Path) -> Path:
-    """Unpack an sdist, refusing members that would land outside ``dest`` or are links/devices."""
-    with tarfile.open(archive) as tar:
-        members = []
-        for m in tar.getmembers():
-            target = (dest / m.name).resolve()
-            if not target.is_relative_to(dest.resolve()) or not (m.isfile() or m.isdir()):
-                continue
-            members.append(m)
-        if hasattr(tarfile, "data_filter"):  # drops owners and modes a tarball should not impose
-            tar.extractall(dest, members=members, filter="data")
-        else:
-            tar.extractall(dest, members=members)
-    tops = {Path(m.name).parts[0] for m in members}
-    if len(tops) != 1:
-        raise StepFailed(f"{archive.name}: expected one top-level directory, got {sorted(tops)}")
-    return dest / tops.pop()
-
 
 def prepare(project: Project, cache: Path) -> tuple[Path, Path]:
-    """Download, unpack and install ``project``; returns (source dir, venv python). Cached."""
-    key = f"{project.name}-{project.version}"
-    sdists = cache / "sdists"
-    sdists.mkdir(parents=True, exist_ok=True)
-    marker = cache / "venvs" / key / ".ready"
-    src_root = cache / "src" / key
-    venv = cache / "venvs" / key
-    py = venv / "bin" / "python"
-    if marker.exists() and marker.read_text() == _install_fingerprint(project):
-        (src,) = [p for p in src_root.iterdir() if p.is_dir()]
-        return src, py
-
-    norm = re.sub(r"[-_.]+", "[-_.]", project.name)
-    found = [p for p in sdists.iterdir() if re.fullmatch(rf"(?i){norm}-{re.escape(project.version)}\.tar\.gz", p.name)]
-    if not found:
-        log(f"[{key}] downloading the sdist")
-        _step(
-            f"{key}: pip download",
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                f"{project.name}=={project.version}",
-                "-d",
-                str(sdists),
-            ],
-            cache,
-            DOWNLOAD_TIMEOUT,
-        )
-        found = [
-            p for p in sdists.iterdir() if re.fullmatch(rf"(?i){norm}-{re.escape(project.version)}\.tar\.gz", p.name)
-        ]
-        if not found:
-            raise StepFailed(f"{key}: pip download produced no .tar.gz sdist in {sdists}")
-    shutil.rmtree(src_root, ignore_errors=True)
-    src_root.mkdir(parents=True)
-    src = _safe_extract(found[0], src_root)
-
-    log(f"[{key}] making its venv and installing (project, test deps, pytest-xdist, this pytest-boxlite)")
-    shutil.rmtree(venv, ignore_errors=True)
-    _step(f"{key}: venv", [sys.executable, "-m", "venv", str(venv)], cache, 120)
-    _step(
-        f"{key}: pip install",
-        [str(py), "-m", "pip", "install", "-q", str(src), *project.deps, "pytest-xdist>=3.6", "-e", str(REPO)],
-        cache,
-        INSTALL_TIMEOUT,
-    )
-    marker.write_text(_install_fingerprint(project))
-    return src, py
-
-
-def _install_fingerprint(project: Project) -> str:
-    return json.dumps([project.name, project.version, list(project.deps), str(REPO)])
+    """The unpacked sdist and its environment's python (project, test deps, xdist, this plugin)."""
+    return _sdists.source(project, cache), _sdists.venv(project, cache, "boxlite")
 
 
 # --------------------------------------------------------------------------
@@ -268,29 +149,6 @@ def compare(plain: dict[str, list[tuple[str, str]]], other: dict[str, list[tuple
     return diffs
 
 
-def summary_line(output: str) -> str:
-    for line in reversed(output.splitlines()):
-        s = line.strip().strip("=").strip()
-        if re.search(r"\b(passed|failed|error|errors|skipped|no tests ran)\b", s) and " in " in s:
-            return s
-    return ""
-
-
-#: Terminal summary words compared between runs; ``deselected`` is left out (xdist's controller does not
-#: count it), ``warnings`` too (a boxed run may see fewer start-up warnings of plugins it loads once).
-COUNTED = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "rerun")
-
-
-def summary_counts(summary: str) -> dict[str, int]:
-    """``12 passed, 1 failed in 3.2s`` -> ``{"passed": 12, "failed": 1}`` (only the :data:`COUNTED` words)."""
-    out: dict[str, int] = {}
-    for n, word in re.findall(r"(\d+) (\w+)", summary.split(" in ")[0]):
-        word = "error" if word == "errors" else word
-        if word in COUNTED:
-            out[word] = int(n)
-    return out
-
-
 # --------------------------------------------------------------------------
 # running
 
@@ -330,7 +188,7 @@ def run_mode(project: Project, src: Path, py: Path, mode: str, cache: Path, time
         "rc": rc,
         "timed_out": timed_out,
         "wall": round(wall, 2),
-        "summary": summary_line(out),
+        "summary": pytest_summary(out),
         "leftover_boxes": leak,
         "log": str(logf),
         "tail": "\n".join(out.splitlines()[-12:]),
@@ -342,29 +200,29 @@ def run_mode(project: Project, src: Path, py: Path, mode: str, cache: Path, time
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--projects", default=",".join(PROJECTS), help=f"comma-separated, of: {', '.join(PROJECTS)}")
     ap.add_argument(
         "--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)} (plain is always run)"
     )
     ap.add_argument(
-        "--cache-dir", type=Path, default=DEFAULT_CACHE, help="sdists, venvs and run logs (default: %(default)s)"
+        "--cache-dir",
+        type=Path,
+        default=_sdists.DEFAULT_CACHE,
+        help="sdists, venvs and run logs (default: %(default)s)",
     )
-    ap.add_argument("--json", type=Path, help="write every result, all mismatches included, to this file")
-    ap.add_argument("--run-timeout", type=float, default=600.0, help="bound on each pytest run, seconds (default 600)")
+    ap.add_argument("--run-timeout", type=seconds, default=600.0, help="bound on each pytest run, s (default 600)")
     ap.add_argument("--show", type=int, default=5, help="mismatches shown per run (default 5)")
-    a = ap.parse_args(argv)
 
+
+def run(a: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     projects = [p.strip() for p in a.projects.split(",") if p.strip()]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = [p for p in projects if p not in PROJECTS] + [m for m in modes if m not in MODES]
     if bad:
-        ap.error(
-            f"unknown project or mode: {', '.join(bad)} (projects: {', '.join(PROJECTS)}; modes: {', '.join(MODES)})"
-        )
+        known = f"projects: {', '.join(PROJECTS)}; modes: {', '.join(MODES)}"
+        log(f"error: unknown project or mode: {', '.join(bad)} ({known})")
+        return 2, {}
     if "plain" in modes:
         modes.remove("plain")
     modes.insert(0, "plain")
@@ -378,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         report["projects"][name] = entry
         try:
             src, py = prepare(project, cache)
-        except StepFailed as exc:
+        except Skipped as exc:
             log(f"[{name}] skipped: {exc}")
             entry["error"] = str(exc)
             continue
@@ -410,16 +268,12 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     print_table(report, a.show)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(report, indent=1, default=str))
-        log(f"results written to {a.json}")
     failed = any(
         r.get("mismatches") or r.get("mismatches") is None or r.get("leftover_boxes") or r.get("timed_out")
         for e in report["projects"].values()
         for r in e["runs"].values()
     ) or any("error" in e for e in report["projects"].values())
-    return 1 if failed else 0
+    return (1 if failed else 0), report
 
 
 def print_table(report: dict[str, Any], show: int) -> None:
@@ -472,6 +326,5 @@ def print_table(report: dict[str, Any], show: int) -> None:
                 print(f"\n{name} / {mode}: boxes left behind: {r['leftover_boxes']}")
 
 
-if __name__ == "__main__":
-    os.environ.pop("PYTEST_ADDOPTS", None)
-    sys.exit(main())
+FIDELITY = Table("fidelity", "real projects' suites plain and boxed, compared test by test (outcomes)", __doc__ or "",
+                 add_arguments, run, in_all=False)  # fmt: skip

@@ -1,11 +1,6 @@
-"""The vm runtime's code path on the SDK double, beside the namespace runtime.
+"""The vm runtime's code path (on the SDK double where no VM boots), beside the namespace runtime.
 
-Usage::
-
-    python benchmarks/bench_vm.py [--repeat N] [--tests N]
-    python benchmarks/bench_vm.py --boxed-only [--tests N] [--rounds N]
-
-Where no micro-VM boots (this project's machines), ``vm`` here is the vm
+Where no micro-VM boots, ``vm`` here is the vm
 runtime's real code (SDK calls, exec streams, base64 file transfers, the stdio
 bridge) running on the boxlite SDK double of ``tests/sdk_double``, whose boxes
 are bubblewrap sandboxes: the figures measure the plugin's overhead on the VM
@@ -22,12 +17,9 @@ Then, side by side and interleaved in one run (medians over ``--rounds``), the b
 overhead per test of: namespace (a box forked per test), vm with the default
 ``--boxlite-fresh=fork`` (a box forked per test inside a VM booted once per worker, its
 connection carried by the fork relay over the SDK's exec stdio) and vm with
-``--boxlite-fresh=boot`` (a VM booted per test), with the ratio of each to namespace (issue 15's
-vm goal: fork <= 1.5x namespace) and the boots and forks each run reported.  ``--boxed-only``
-prints only this table.
-
-The table goes to stdout, progress to stderr; every box is destroyed and the
-temporary home removed.
+``--boxlite-fresh=boot`` (a VM booted per test), with the ratio of each to namespace (the
+target: fork <= 1.5x namespace) and the boots and forks each run reported.  ``--boxed-only``
+prints only this table.  Every box is destroyed and the temporary home removed.
 """
 
 from __future__ import annotations
@@ -45,18 +37,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _bench import clean_env, log
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import sdk_double  # noqa: E402 - the tests' SDK double
-
-from pytest_boxlite.runtimes import Runtime, open_runtime, probe  # noqa: E402
-from pytest_boxlite.runtimes.vm import VmRuntime, prepare_home  # noqa: E402
-from pytest_boxlite.sandbox import Sandbox  # noqa: E402
-from pytest_boxlite.spec import BoxSpec  # noqa: E402
+from benchmarks._bench import ROOT, Table, clean_env, log, machine_header, option
+from pytest_boxlite.runtimes import Runtime, open_runtime, probe
+from pytest_boxlite.sandbox import Sandbox
+from pytest_boxlite.spec import BoxSpec
 
 MIB = 1 << 20
 
@@ -72,6 +56,11 @@ def p50(fn: Callable[[], Any], n: int) -> float:
 
 def open_kind(kind: str, home: Path) -> tuple[Runtime, str]:
     if kind == "vm" and not probe().vm_ok:
+        sys.path.insert(0, str(ROOT / "tests"))
+        import sdk_double  # the tests' SDK double
+
+        from pytest_boxlite.runtimes.vm import VmRuntime, prepare_home
+
         return VmRuntime(prepare_home(home, "bench"), sdk=sdk_double), "vm (SDK double)"
     return open_runtime(kind, home, "bench"), kind
 
@@ -192,19 +181,21 @@ def boxed_side_by_side(n: int, rounds: int, work: Path) -> None:
     print(f"per-round vm (fork) / namespace: {', '.join(f'{x:.2f}x' for x in per_round)}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=20)
-    ap.add_argument("--tests", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the side-by-side table")
-    ap.add_argument("--boxed-only", action="store_true", help="only the side-by-side boxed-test table")
-    args = ap.parse_args()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    option(p, "--repeat", 20, 5, help="samples of each runtime operation")
+    option(p, "--tests", 20, 5, help="trivial tests of the boxed-test rows")
+    option(p, "--rounds", 3, 1, help="interleaved rounds of the side-by-side table")
+    p.add_argument("--boxed-only", action="store_true", help="only the side-by-side boxed-test table")
+
+
+def run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    print("\n".join(machine_header()), flush=True)
     rows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-vm-") as tmp:
         work = Path(tmp)
         if args.boxed_only:
             boxed_side_by_side(args.tests, args.rounds, work)
-            return 0
+            return 0, {}
         for kind in ("namespace", "vm"):
             res = bench_runtime(kind, work / f"rt-{kind}", args.repeat)
             label = str(res.pop("label"))
@@ -218,8 +209,8 @@ def main() -> int:
         print(f"{k:22}" + "".join(f"{rows[lab][k] * 1000:>17.1f} ms" for lab in labels))
     with tempfile.TemporaryDirectory(prefix="bench-vm-") as tmp:
         boxed_side_by_side(args.tests, args.rounds, Path(tmp))
-    return 0
+    return 0, {"runtimes": rows}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+VM = Table("vm", "the vm runtime's path (SDK double where no VM boots) beside namespace", __doc__ or "",
+           add_arguments, run)  # fmt: skip

@@ -1,49 +1,35 @@
-"""Benchmark the box runtimes against a plain host subprocess.
+"""A box's own operations: start, exec, destroy (``box``); file transfers (``files``).
 
-Usage::
+For every runtime that can run on this host (``vm`` is skipped, with the probe's reason, where no
+micro-VM can boot):
 
-    python benchmarks/bench_runtime.py [--runtime namespace|vm|all] [--repeat N] [--json PATH]
+* ``box``: cold box create+start, and destroy (p50 over ``--boxes`` boxes);
+  ``Sandbox.run(["true"])`` p50/p90 and ``execute_command("true")`` p50 (``--repeat`` calls
+  each, after a short warm-up); against the host's ``subprocess.run(["true"])``;
+* ``files``: 1 MiB ``write_bytes`` / ``read_bytes`` (p50 over ``--io-repeat`` calls) and 20 MiB
+  throughput, each round trip checked by sha256; against writing and reading the same bytes to a
+  host file (page cache).
 
-For every runtime that can run on this host (``vm`` is skipped, with the
-probe's reason, where no micro-VM can boot) it measures:
-
-* cold box create+start, and destroy (p50 over ``--boxes`` boxes);
-* ``Sandbox.run(["true"])`` p50/p90 and ``execute_command("true")`` p50
-  (``--repeat`` calls each, after a short warm-up);
-* 1 MiB ``write_bytes`` / ``read_bytes`` (p50 over ``--io-repeat`` calls);
-* 20 MiB ``write_bytes`` / ``read_bytes`` throughput, each round trip
-  checked by sha256.
-
-The host baseline is ``subprocess.run(["true"])``; every time is also shown
-as a multiple of it.  The table goes to stdout, progress to stderr.  Boxes
-live in a temporary home that is removed at the end; every box is destroyed
-in ``finally`` blocks (Ctrl-C and SIGTERM included) and the runtime closed.
-Standard library only, besides pytest_boxlite itself.
+Boxes live in a temporary home that is removed at the end; every box is destroyed in ``finally``
+blocks (Ctrl-C and SIGTERM included) and the runtime closed.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import platform
 import secrets
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from _bench import cli, deferred_signals, log, positive
-
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks._bench import Table, deferred_signals, fmt_time, log, machine_header, option, seconds, table
 from pytest_boxlite.errors import RuntimeUnavailableError
 from pytest_boxlite.runtimes import BoxHandle, Runtime, open_runtime, probe
 from pytest_boxlite.sandbox import ExecResult, Sandbox
@@ -80,9 +66,6 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
     t0 = time.perf_counter()
     value = fn()
     return time.perf_counter() - t0, value
-
-
-# -- signals ----------------------------------------------------------------
 
 
 # -- measurements -----------------------------------------------------------
@@ -144,8 +127,29 @@ def _io_loop(sb: Sandbox, path: str, data: bytes, repeat: int) -> tuple[dict[str
     return summary(writes), read
 
 
+def host_file_io(size: int, repeat: int) -> dict[str, float]:
+    """Write/read ``size`` bytes to a file on the host (page cache): the transfer rows' baseline."""
+    data = os.urandom(size)
+    writes, reads = [], []
+    with tempfile.TemporaryDirectory(prefix="pbx-bench-hostio-") as tmp:
+        path = Path(tmp) / "host-io.bin"
+        for _ in range(repeat + 1):
+            t0 = time.perf_counter()
+            path.write_bytes(data)
+            t1 = time.perf_counter()
+            if path.read_bytes() != data:
+                raise RuntimeError("host file read back different bytes")
+            t2 = time.perf_counter()
+            writes.append(t1 - t0)
+            reads.append(t2 - t1)
+    mib = size / MIB
+    return {"write_mib_s": mib / statistics.median(writes[1:]), "read_mib_s": mib / statistics.median(reads[1:])}
+
+
 def bench_sandbox(sb: Sandbox, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if args.table == "files":
+        return bench_files(sb, args)
     t = args.exec_timeout
     log(f"  run(['true']) x{args.repeat}")
     out["run_true"] = _exec_loop(lambda: sb.run(["true"], timeout=t), args.repeat, "run(['true'])")
@@ -153,7 +157,11 @@ def bench_sandbox(sb: Sandbox, args: argparse.Namespace) -> dict[str, Any]:
     out["execute_command_true"] = _exec_loop(
         lambda: sb.execute_command("true", timeout=t), args.repeat, "execute_command('true')"
     )
+    return out
 
+
+def bench_files(sb: Sandbox, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     log(f"  1 MiB write_bytes/read_bytes x{args.io_repeat}")
     out["write_1mib"], out["read_1mib"] = _io_loop(sb, "bench/small.bin", os.urandom(SMALL), args.io_repeat)
 
@@ -223,9 +231,6 @@ def bench_runtime(kind: str, home: Path, token: str, args: argparse.Namespace) -
 
 
 # -- report -----------------------------------------------------------------
-def fmt_time(seconds: float) -> str:
-    ms = seconds * 1e3
-    return f"{ms:.3f} ms" if ms < 10 else f"{ms:.1f} ms"
 
 
 def _note(stats: dict[str, Any]) -> str:
@@ -239,66 +244,62 @@ def _note(stats: dict[str, Any]) -> str:
 
 
 def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    host = report["host"]["subprocess_true"]
+    files = report["meta"]["table"] == "files"
+    host = report["host"]
     rows: list[tuple[str, ...]] = []
 
-    def row(runtime: str, metric: str, stats: dict[str, Any], key: str = "p50") -> None:
-        ratio = stats[key] / host[key]
+    def row(runtime: str, metric: str, stats: dict[str, Any], base: float | None, key: str = "p50") -> None:
         rows.append(
-            (
-                runtime,
-                f"{metric} {key}",
-                str(stats["n"]),
-                fmt_time(stats[key]),
-                f"{ratio:.1f}x",
-                _note(stats) if key == "p50" else "",
-            )
-        )
+            (runtime, f"{metric} {key}", str(stats["n"]), fmt_time(stats[key]),
+             f"{stats[key] / base:.1f}x" if base else "-", _note(stats) if key == "p50" else "")
+        )  # fmt: skip
 
-    row("host", 'subprocess.run(["true"])', host)
-    row("host", 'subprocess.run(["true"])', host, "p90")
+    if files:
+        for size in ("1mib", "20mib"):
+            for op in ("write", "read"):
+                rate = host[f"{op}_{size}"]["write_mib_s" if op == "write" else "read_mib_s"]
+                rows.append(("host", f"file {op} {size[:-3]} MiB", "", f"{rate:,.0f} MiB/s", "1x", "page cache"))
+    else:
+        true = host["subprocess_true"]
+        row("host", 'subprocess.run(["true"])', true, true["p50"])
+        row("host", 'subprocess.run(["true"])', true, true["p90"], "p90")
     for kind, res in report["runtimes"].items():
         if "skipped" in res:
             rows.append((kind, "skipped", "", "", "", res["skipped"]))
             continue
-        row(kind, "create+start", res["create_start"])
-        row(kind, 'run(["true"])', res["run_true"])
-        row(kind, 'run(["true"])', res["run_true"], "p90")
-        row(kind, 'execute_command("true")', res["execute_command_true"])
-        row(kind, "write_bytes 1 MiB", res["write_1mib"])
-        row(kind, "read_bytes 1 MiB", res["read_1mib"])
-        for op in ("write", "read"):
-            stats, rate = res[f"{op}_20mib"], res[f"{op}_20mib_mib_s"]
-            rows.append((kind, f"{op}_bytes 20 MiB p50", str(stats["n"]), f"{rate:.1f} MiB/s", "-", _note(stats)))
-        row(kind, "destroy", res["destroy"])
+        if files:
+            for op in ("write", "read"):
+                host_time = (1 << 20) / MIB / host[f"{op}_1mib"][f"{op}_mib_s"]
+                row(kind, f"{op}_bytes 1 MiB", res[f"{op}_1mib"], host_time)
+            for op in ("write", "read"):
+                stats, rate = res[f"{op}_20mib"], res[f"{op}_20mib_mib_s"]
+                vs = rate / host[f"{op}_20mib"][f"{op}_mib_s"]
+                rows.append((kind, f"{op}_bytes 20 MiB", str(stats["n"]), f"{rate:.1f} MiB/s", f"{vs:.3f}x",
+                             _note(stats)))  # fmt: skip
+            continue
+        true = host["subprocess_true"]
+        row(kind, "create+start", res["create_start"], true["p50"])
+        row(kind, 'run(["true"])', res["run_true"], true["p50"])
+        row(kind, 'run(["true"])', res["run_true"], true["p90"], "p90")
+        row(kind, 'execute_command("true")', res["execute_command_true"], true["p50"])
+        row(kind, "destroy", res["destroy"], true["p50"])
     return rows
 
 
 def render(report: dict[str, Any]) -> str:
     header = ("runtime", "metric", "n", "value", "vs host", "note")
-    rows = [header, *table_rows(report)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    right = {2, 3, 4}
-
-    def line(r: tuple[str, ...]) -> str:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
-        return "  ".join(cells).rstrip()
-
     meta = report["meta"]
-    out = [
-        f"pytest-boxlite runtime benchmark: python {meta['python']}, boxlite {meta['boxlite']}, {meta['platform']}",
-        f"vm probe: {meta['probe']}",
-        'vs host = the time divided by host subprocess.run(["true"]) at the same percentile',
-        "",
-        line(header),
-        line(tuple("-" * w for w in widths)),
-        *(line(r) for r in rows[1:]),
-    ]
+    vs = (
+        "vs host = the time over the host file's (1 MiB), the rate over the host file's (20 MiB)"
+        if meta["table"] == "files"
+        else 'vs host = the time over host subprocess.run(["true"]) at the same percentile'
+    )
+    out = [f"vm probe: {meta['probe']}", vs, "", *table(header, table_rows(report), left=(0, 1, 5))]
     for kind, res in report["runtimes"].items():
         if "isolation" not in res:
             continue
         out.append(f"{kind}: {res['isolation']}")
-        stalls = sum(res[m]["stalls"] for m in ("run_true", "execute_command_true"))
+        stalls = sum(res[m]["stalls"] for m in ("run_true", "execute_command_true") if m in res)
         if stalls:
             out.append(
                 f"warning: {kind}: {stalls} of {2 * meta['repeat']} execs of `true` ran into the "
@@ -308,50 +309,43 @@ def render(report: dict[str, Any]) -> str:
 
 
 # -- main -------------------------------------------------------------------
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    def seconds(text: str) -> float:
-        value = float(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-        return value
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_box(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", choices=(*RUNTIMES, "all"), default="all", help="runtime(s) to measure (default: all)")
-    p.add_argument("--repeat", type=positive, default=200, help="exec calls per exec metric (default: 200)")
-    p.add_argument("--boxes", type=positive, default=5, help="boxes created/destroyed per runtime (default: 5)")
-    p.add_argument("--io-repeat", type=positive, default=20, help="1 MiB writes/reads (default: 20)")
-    p.add_argument(
-        "--exec-timeout", type=seconds, default=5.0, help="timeout of each exec of `true`, in seconds (default: 5)"
-    )
+    option(p, "--repeat", 200, 20, help="exec calls per exec metric")
+    option(p, "--boxes", 5, 3, help="boxes created/destroyed per runtime")
+    option(p, "--exec-timeout", 5.0, type=seconds, help="timeout of each exec of `true`, in seconds")
     p.add_argument("--image", default=None, help="box image (default: the BoxSpec default; the vm runtime uses it)")
-    p.add_argument("--json", metavar="PATH", type=Path, help="also write the full results, samples included, as JSON")
-    return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return cli(
-        parse_args, run, interrupted="the boxes made so far were destroyed and the temporary home removed", argv=argv
-    )
+def add_files(p: argparse.ArgumentParser) -> None:
+    add_box(p)
+    option(p, "--io-repeat", 20, 3, help="1 MiB writes/reads")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    if args.table == "files":
+        args.boxes = 1
     pr = probe()
     report: dict[str, Any] = {
         "meta": {
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "boxlite": pr.boxlite_version,
+            "table": args.table,
             "probe": pr.reason,
+            "boxlite": pr.boxlite_version,
             "repeat": args.repeat,
             "boxes": args.boxes,
-            "io_repeat": args.io_repeat,
+            "io_repeat": getattr(args, "io_repeat", None),
             "exec_timeout": args.exec_timeout,
             "unit": "seconds unless the key says otherwise",
         },
         "runtimes": {},
     }
-    log('host: subprocess.run(["true"])')
-    report["host"] = bench_host(args.repeat)
+    if args.table == "files":
+        log("host: file write/read")
+        report["host"] = {f"{op}_{name}": host_file_io(size, 3) for name, size in (("1mib", SMALL), ("20mib", BIG))
+                          for op in ("write", "read")}  # fmt: skip
+    else:
+        log('host: subprocess.run(["true"])')
+        report["host"] = bench_host(args.repeat)
 
     kinds = RUNTIMES if args.runtime == "all" else (args.runtime,)
     token = secrets.token_hex(3)
@@ -372,10 +366,7 @@ def run(args: argparse.Namespace) -> int:
         with deferred_signals():
             shutil.rmtree(home, ignore_errors=True)
 
-    print(render(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        log(f"wrote {args.json}")
+    print("\n".join([*machine_header(), render(report)]), flush=True)
     bad = [
         k
         for k, r in report["runtimes"].items()
@@ -383,9 +374,9 @@ def run(args: argparse.Namespace) -> int:
     ]
     if bad:
         log(f"error: read_bytes returned different bytes than were written ({', '.join(bad)})")
-        return 1
-    return 0
+        return 1, report
+    return 0, report
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+BOX = Table("box", "a box's start, exec of `true` and destroy, beside a host subprocess", __doc__ or "", add_box, run)
+FILES = Table("files", "write_bytes/read_bytes of 1 and 20 MiB, beside a host file", __doc__ or "", add_files, run)

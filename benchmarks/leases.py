@@ -1,8 +1,4 @@
-"""Benchmark the warm pool: a lease when a warm box is ready against one that must boot.
-
-Usage::
-
-    python benchmarks/bench_pool.py [--runtime namespace|vm|all] [--leases N] [--cold N] [--json PATH]
+"""The warm pool: a lease when a warm box is ready against one that must boot.
 
 For every runtime that can run on this host (``vm`` is skipped, with the
 probe's reason, where no micro-VM can boot) it drives
@@ -23,34 +19,26 @@ temporary home:
 * **boot**: ``pool.stats.boot_times`` of both pools (create + start of one box;
   the warm pool's boots run in the background, next to destroys).
 
-The headline is the ratio cold / warm lease p50.  The table goes to stdout,
-progress to stderr.  Every box is destroyed and the temporary home removed in
-``finally`` blocks (Ctrl-C and SIGTERM included).  Standard library only,
-besides pytest_boxlite itself.
+The headline is the ratio cold / warm lease p50.  Every box is destroyed and the temporary home
+removed in ``finally`` blocks (Ctrl-C and SIGTERM included).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import secrets
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _bench import cli, deferred_signals, log, positive
-
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks._bench import Table, deferred_signals, fmt_time, log, machine_header, option, table
 from pytest_boxlite.errors import RuntimeUnavailableError
 from pytest_boxlite.pool import BoxPool, make_namer
 from pytest_boxlite.runtimes import Runtime, open_runtime, probe
@@ -74,11 +62,6 @@ def summary(samples: list[float]) -> dict[str, Any]:
         "max": max(samples),
         "samples": samples,
     }
-
-
-def fmt_time(seconds: float) -> str:
-    ms = seconds * 1e3
-    return f"{ms:.3f} ms" if ms < 10 else f"{ms:.1f} ms"
 
 
 def wait_until(cond: Callable[[], bool], pool: BoxPool, timeout: float, what: str) -> None:
@@ -206,27 +189,12 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def render(report: dict[str, Any]) -> str:
-    header = ("runtime", "metric", "n", "p50", "p90", "note")
-    rows = [header, *table_rows(report)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    right = {2, 3, 4}
-
-    def line(r: tuple[str, ...]) -> str:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
-        return "  ".join(cells).rstrip()
-
     meta = report["meta"]
-    load = meta["loadavg_start"]
     out = [
-        f"pytest-boxlite pool benchmark: python {meta['python']}, boxlite {meta['boxlite']}, {meta['platform']}",
-        f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {meta['cpus']} CPUs "
-        "(a shared machine: absolute times are noisy, ratios less so)",
-        f"vm probe: {meta['probe']}",
+        f"pool: boxlite {meta['boxlite']}; vm probe: {meta['probe']}",
         f"replicas={meta['replicas']}; lease times are measured by the caller around pool.lease()",
         "",
-        line(header),
-        line(tuple("-" * w for w in widths)),
-        *(line(r) for r in rows[1:]),
+        *table(("runtime", "metric", "n", "p50", "p90", "note"), table_rows(report), left=(0, 1, 5)),
     ]
     for kind, res in report["runtimes"].items():
         if "isolation" in res:
@@ -237,24 +205,15 @@ def render(report: dict[str, Any]) -> str:
 
 
 # -- main -------------------------------------------------------------------
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", choices=(*RUNTIMES, "all"), default="all", help="runtime(s) to measure (default: all)")
-    p.add_argument("--leases", type=positive, default=50, help="warm leases timed, each kind (default: 50)")
-    p.add_argument("--cold", type=positive, default=20, help="cold leases timed (default: 20)")
-    p.add_argument("--replicas", type=positive, default=2, help="pool size (default: 2, the plugin's default)")
+    option(p, "--leases", 50, 10, help="warm leases timed, each kind")
+    option(p, "--cold", 20, 5, help="cold leases timed")
+    option(p, "--replicas", 2, help="pool size (the plugin's default)")
     p.add_argument("--image", default=None, help="box image (default: the BoxSpec default; the vm runtime uses it)")
-    p.add_argument("--json", metavar="PATH", type=Path, help="also write the full results, samples included, as JSON")
-    return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return cli(
-        parse_args, run, interrupted="the boxes made so far were destroyed and the temporary home removed", argv=argv
-    )
-
-
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     pr = probe()
     report: dict[str, Any] = {
         "meta": {
@@ -295,15 +254,13 @@ def run(args: argparse.Namespace) -> int:
         with deferred_signals():
             shutil.rmtree(home, ignore_errors=True)
 
-    print(render(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        log(f"wrote {args.json}")
+    print("\n".join([*machine_header(), render(report)]), flush=True)
     leaked = [k for k, r in report["runtimes"].items() if r.get("leftover_boxes")]
     if leaked:
         log(f"error: boxes were left after the pool shut down ({', '.join(leaked)})")
-    return 1 if failed or leaked else 0
+    return (1 if failed or leaked else 0), report
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+POOL = Table(
+    "pool", "warm and cold leases of the box pool, and the boots behind them", __doc__ or "", add_arguments, run
+)

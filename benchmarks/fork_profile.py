@@ -1,9 +1,5 @@
 """Per-phase profile of one boxed trivial test (``--boxlite``, a fresh forked box per test), and the
-physical floor of the same steps on this machine, measured alone (issue 15).
-
-Usage::
-
-    python benchmarks/profile_fork.py [--tests N] [--runs R] [--floor-reps K] [--json PATH]
+physical floor of the same steps on this machine, measured alone.
 
 **Profile.**  It writes ``N`` trivial tests into one module and runs them ``R`` times with
 ``python -m pytest --boxlite`` (namespace runtime).  A generated ``conftest.py`` stamps
@@ -54,12 +50,21 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchmarks._bench import (
+    QUIET_ARGS,
+    RunFailed,
+    Table,
+    clean_env,
+    failure_text,
+    leak_check,
+    log,
+    machine_header,
+    option,
+    run_bounded,
+    seconds,
+)
 
-from _bench import RunFailed, clean_env, cli, leak_check, log, positive, run_bounded  # noqa: E402
-
-ARGS = ("-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark")
+ARGS = QUIET_ARGS
 
 #: Appended to the guest source before its last statement (``if __name__ == "__channelexec__":``).
 GUEST_PROBE = r"""
@@ -147,7 +152,7 @@ def _fresh_box(*a, **k):
 """
 
 CONFTEST = r'''
-"""profile_fork.py: per-phase stamps (host side, and the guest's runtest protocol)."""
+"""benchmarks profile-fork: per-phase stamps (host side, and the guest's runtest protocol)."""
 
 import json
 import os
@@ -182,7 +187,7 @@ if not GUEST:
     def __init__(self, *a, **k):
         _init(self, *a, **k)
         tail = 'if __name__ == "__channelexec__":'
-        assert self._source.count(tail) == 1, "the guest source changed: update profile_fork.py"
+        assert self._source.count(tail) == 1, "the guest source changed: update benchmarks/fork_profile.py"
         self._source = self._source.replace(tail, open(PROBE).read() + "\n" + tail)
 
     wh.RemoteRunner.__init__ = __init__
@@ -264,7 +269,7 @@ def pytest_sessionfinish(session):
         try:
             text = open(path).read()
         except OSError as exc:
-            raise RuntimeError(f"profile_fork: cannot read the log of {name}: {exc}") from exc
+            raise RuntimeError(f"fork_profile: cannot read the log of {name}: {exc}") from exc
         for line in text.splitlines():
             f = line.split()
             if len(f) == 4 and f[0] == "PBXPROF":
@@ -640,20 +645,17 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tests", type=positive, default=100, help="trivial tests in the module (default: 100)")
-    p.add_argument("--runs", type=positive, default=3, help="pytest runs (default: 3)")
-    p.add_argument("--skip", type=int, default=5, help="first tests of each run left out (default: 5)")
-    p.add_argument("--floor-reps", type=positive, default=50, help="repetitions of each floor step (default: 50)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    option(p, "--tests", 100, 20, help="trivial tests in the module")
+    option(p, "--runs", 3, 1, help="pytest runs")
+    option(p, "--skip", 5, type=int, help="first tests of each run left out")
+    option(p, "--floor-reps", 50, 10, help="repetitions of each floor step")
     p.add_argument("--no-floor", action="store_true", help="profile only")
     p.add_argument("--no-profile", action="store_true", help="floor only")
-    p.add_argument("--timeout", type=float, default=300.0, help="bound on each pytest run, seconds (default: 300)")
-    p.add_argument("--json", metavar="PATH", type=Path, help="also write the results as JSON")
-    return p.parse_args(argv)
+    option(p, "--timeout", 300.0, type=seconds, help="bound on each pytest run, seconds")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     root = Path(tempfile.mkdtemp(prefix="pbx-profile-"))
     res: dict[str, Any] = {"loadavg_start": os.getloadavg()}
     try:
@@ -661,24 +663,16 @@ def run(args: argparse.Namespace) -> int:
             try:
                 res["profile"] = profile(args, root)
             except RunFailed as exc:
-                log(f"error: {exc}\ncommand: {shlex.join(exc.cmd)}\noutput tail:\n{exc.output[-3000:]}")
-                return 1
+                log(failure_text(exc))
+                return 1, res
         if not args.no_floor:
             res["floor"] = floor(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     res["loadavg_end"] = os.getloadavg()
-    load = res["loadavg_start"]
-    print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
-    print(render(res))
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=2) + "\n")
-    return 0
+    print("\n".join([*machine_header(), render(res)]), flush=True)
+    return 0, res
 
 
-def main(argv: list[str] | None = None) -> int:
-    return cli(parse_args, run, interrupted="the temporary directory was removed", argv=argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+PROFILE_FORK = Table("profile-fork", "per-phase profile of one boxed test, and the floor of each step alone",
+                     __doc__ or "", add_arguments, run)  # fmt: skip

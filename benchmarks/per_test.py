@@ -1,0 +1,263 @@
+"""The cost of one boxed test, wall and CPU, beside pytest-forked and pytest-isolate.
+
+Suites: ``--tests`` trivial tests (``def test_i(): pass``; in one module unless ``--per-module``)
+and as many tests that each take ``boxlite_sandbox`` and run one ``execute_command("true")``.
+
+Rows (interleaved rounds; see ``_rows``): plain pytest; plain with ``-p no:boxlite`` (what having
+the plugin installed costs a run that boxes nothing); ``--boxlite``; ``--boxlite
+--boxlite-scope=module``; ``boxlite_sandbox`` + one command; pytest-forked ``--forked`` and
+pytest-isolate ``--isolate``, each against a plain run of their own pytest 8 environment (see
+``_peers``); and, in ``per-test`` only, ``python -m pytest <nodeid>`` once per test (the
+subprocess-per-test baseline: the mean of ``--subprocess-tests`` invocations, scaled).
+
+``per-test`` compares each row's wall overhead per test with pytest-forked's; ``cpu`` compares the
+CPU per test (the machine's busy CPU from ``/proc/stat``: every process of the run, host and boxes)
+and then runs the ``real-suites`` table (not under ``--quick``), so one command prints the CPU per
+test of the trivial suite and of real projects' suites side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from benchmarks import _rows, _suites
+from benchmarks._bench import (
+    RunFailed,
+    Table,
+    Workdir,
+    div,
+    fmt_delta,
+    fmt_ratio,
+    log,
+    machine_header,
+    option,
+    positive,
+    seconds,
+)
+from benchmarks._peers import ISOLATE_ARGS, peers
+from benchmarks._rows import Row
+
+#: Targets, printed with ``holds`` / ``DOES NOT HOLD``.
+TARGET_CPU_VS_FORKED = 1.2  # CPU per boxed test <= 1.2x pytest-forked's
+TARGET_PLUGIN_OFF = 0.025  # the plugin installed costs a run that boxes nothing <= 25 ms
+TARGET_WALL_VS_FORKED = 2.0  # --boxlite wall overhead <= 2x pytest-forked's
+TARGET_MODULE = 0.005  # --boxlite-scope=module <= 5 ms per test
+TARGET_SANDBOX = 0.015  # boxlite_sandbox + one command <= 15 ms per test (p50)
+TARGET_VS_SUBPROCESS = 5.0  # >= 5x cheaper than python -m pytest <nodeid> per test
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    option(p, "--tests", 200, 20, help="trivial tests, and boxlite_sandbox tests")
+    option(p, "--per-module", 0, 0, type=int, help="tests per module (0: all in one module)")
+    option(p, "--rounds", 3, 1, help="interleaved rounds")
+    option(p, "--timeout", 600.0, 300.0, type=seconds, help="bound on each pytest run, seconds")
+    p.add_argument("--no-peers", action="store_true", help="skip the pytest-forked and pytest-isolate rows")
+    p.add_argument("--retry-isolate", action="store_true", help="try pip install pytest-isolate again")
+
+
+def add_per_test(p: argparse.ArgumentParser) -> None:
+    add_common(p)
+    option(p, "--subprocess-tests", 40, 5, help="invocations of the python -m pytest <nodeid> row")
+
+
+def add_cpu(p: argparse.ArgumentParser) -> None:
+    from benchmarks import real_suites
+
+    add_common(p)
+    p.add_argument("--no-real-suites", action="store_true", help="only the trivial suite (as --quick does)")
+    real_suites.add_suite_options(p)
+
+
+def rows(args: argparse.Namespace, python8: str | None, isolate_env: dict[str, str] | None) -> list[Row]:
+    out = [
+        # Its base: what having the plugin installed costs a run that boxes nothing.
+        Row("plain", "plain", "trivial", base="plain-off", compare=False),
+        Row("plain-off", "plain, plugin off (-p no:boxlite)", "trivial", ("-p", "no:boxlite")),
+        Row("boxed", "--boxlite", "trivial", ("--boxlite",), base="plain"),
+        Row(
+            "module",
+            "--boxlite --boxlite-scope=module",
+            "trivial",
+            ("--boxlite", "--boxlite-scope=module"),
+            base="plain",
+        ),
+        Row("sandbox", "boxlite_sandbox + execute_command('true')", "sandbox", base="plain", boxed=True),
+    ]
+    if python8 is not None:
+        out += [
+            Row("plain8", "plain (pytest 8 venv)", "trivial", python=python8),
+            Row("forked", "pytest-forked --forked", "trivial", ("--forked",), python=python8, base="plain8"),
+        ]
+        if isolate_env is not None:
+            out += [
+                Row("plain8-iso", "plain (pytest 8 venv, pytest-isolate on the path)", "trivial", ISOLATE_ARGS,
+                    python=python8, env=isolate_env),
+                Row("isolate", "pytest-isolate --isolate", "trivial", (*ISOLATE_ARGS, "--isolate"), python=python8,
+                    env=isolate_env, base="plain8-iso"),
+            ]  # fmt: skip
+    if getattr(args, "subprocess_tests", 0):
+        out.append(
+            Row("subprocess", "python -m pytest <nodeid>, once per test", "trivial", base="plain",
+                each_test=min(args.subprocess_tests, args.tests))
+        )  # fmt: skip
+    return out
+
+
+def measure(args: argparse.Namespace, work: Workdir) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    if args.no_peers:
+        python8, isolate_env, notes = None, None, ["pytest-forked and pytest-isolate rows skipped (--no-peers)"]
+    else:
+        pe = peers(work.root, isolate=True, retry_isolate=args.retry_isolate, timeout=args.timeout)
+        python8, isolate_env, notes = (str(pe.python8) if pe.python8 else None), pe.isolate_env, pe.notes
+    suites = {
+        "trivial": _suites.trivial(work.root / "trivial", args.tests, args.per_module or None),
+        "sandbox": _suites.sandbox(work.root / "sandbox", args.tests),
+    }
+    res = _rows.measure(rows(args, python8, isolate_env), suites, work, rounds=args.rounds, timeout=args.timeout)
+    return res, notes
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("holds" if ok else "DOES NOT HOLD")
+
+
+def plugin_off_line(res: dict[str, dict[str, Any]]) -> str:
+    cost = res["plain"]["wall"] - res["plain-off"]["wall"]
+    cpu = (
+        res["plain"]["cpu"] - res["plain-off"]["cpu"]
+        if res["plain"]["cpu"] is not None and res["plain-off"]["cpu"] is not None
+        else None
+    )
+    return (
+        f"target: the plugin installed costs a run that boxes nothing {fmt_delta(cost)} of wall"
+        + (f" ({fmt_delta(cpu)} of CPU)" if cpu is not None else "")
+        + f", plain against -p no:boxlite (<= +{TARGET_PLUGIN_OFF * 1e3:.0f} ms: {_verdict(cost <= TARGET_PLUGIN_OFF)})"
+    )
+
+
+def targets_per_test(res: dict[str, dict[str, Any]]) -> list[str]:
+    boxed, module, sandbox = res["boxed"], res["module"], res["sandbox"]
+    lines = []
+    forked = res.get("forked")
+    if forked is not None:
+        r = div(boxed["overhead"], forked["overhead"])
+        lines.append(
+            f"target: --boxlite wall overhead / pytest-forked's {fmt_ratio(r)} "
+            f"(<= {TARGET_WALL_VS_FORKED:.0f}x: {_verdict(None if r is None else r <= TARGET_WALL_VS_FORKED)})"
+        )
+    lines.append(
+        f"target: --boxlite-scope=module {fmt_delta(module['overhead'])} per test "
+        f"(<= {TARGET_MODULE * 1e3:.0f} ms: {_verdict(module['overhead'] <= TARGET_MODULE)})"
+    )
+    p50 = sandbox["overhead_p50"]
+    lines.append(
+        f"target: boxlite_sandbox + one command p50 {fmt_delta(p50)} per test, wall {fmt_delta(sandbox['overhead'])} "
+        f"(<= {TARGET_SANDBOX * 1e3:.0f} ms p50: {_verdict(None if p50 is None else p50 <= TARGET_SANDBOX)})"
+    )
+    sub = res.get("subprocess")
+    if sub is not None:
+        r = div(sub["overhead"], boxed["overhead"])
+        lines.append(
+            f"target: python -m pytest <nodeid> per test / --boxlite, wall overhead {fmt_ratio(r)} "
+            f"(>= {TARGET_VS_SUBPROCESS:.0f}x: {_verdict(None if r is None else r >= TARGET_VS_SUBPROCESS)})"
+        )
+    lines.append(plugin_off_line(res))
+    return lines
+
+
+def targets_cpu(res: dict[str, dict[str, Any]]) -> list[str]:
+    lines = []
+    forked = res.get("forked")
+    for key in ("boxed", "module", "sandbox"):
+        r = res[key]
+        ratio = div(r["overhead_cpu"], forked["overhead_cpu"]) if forked is not None else None
+        line = f"CPU per test, {r['label']}: {fmt_delta(r['overhead_cpu'])}"
+        if forked is not None:
+            line += f", {fmt_ratio(ratio)} pytest-forked's {fmt_delta(forked['overhead_cpu'])}"
+        if key == "boxed" and forked is not None:
+            ok = None if ratio is None else ratio <= TARGET_CPU_VS_FORKED
+            line += f" (target <= {TARGET_CPU_VS_FORKED}x: {_verdict(ok)})"
+        lines.append(line)
+    iso = res.get("isolate")
+    if iso is not None:
+        lines.append(f"CPU per test, pytest-isolate: {fmt_delta(iso['overhead_cpu'])}")
+    lines.append(plugin_off_line(res))
+    cores = res["boxed"]["cores"]
+    if cores:
+        import os
+
+        cpus = os.cpu_count() or 1
+        lines.append(
+            f"--boxlite alone keeps {cores:.2f} of {cpus} cores busy: on this machine no number of xdist "
+            f"workers can make it more than {cpus / cores:.2f}x faster"
+        )
+    return lines
+
+
+def run_per_test(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    with Workdir("per-test") as work:
+        try:
+            res, notes = measure(args, work)
+        except RunFailed as exc:
+            return _rows.failed(exc), {}
+    out = [
+        *machine_header(),
+        f"per-test cost of a trivial test: {args.tests} tests, median of {args.rounds} interleaved round(s)",
+        *notes,
+        "",
+        *_rows.render(res, peer="forked" if "forked" in res else None, by="overhead"),
+        "",
+        *targets_per_test(res),
+        "",
+        *_rows.commands(res),
+    ]
+    print("\n".join(out), flush=True)
+    return 0, {"rows": res, "notes": notes}
+
+
+def run_cpu(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    with Workdir("cpu") as work:
+        try:
+            res, notes = measure(args, work)
+        except RunFailed as exc:
+            return _rows.failed(exc), {}
+    out = [
+        *machine_header(),
+        f"CPU per test (the machine's busy CPU, /proc/stat): {args.tests} trivial tests, median of "
+        f"{args.rounds} interleaved round(s); a quiet machine's figure",
+        *notes,
+        "",
+        *_rows.render(res, peer="forked" if "forked" in res else None, by="overhead_cpu"),
+        "",
+        *targets_cpu(res),
+        "",
+        *_rows.commands(res),
+    ]
+    print("\n".join(out), flush=True)
+    results: dict[str, Any] = {"rows": res, "notes": notes}
+    if args.quick or args.no_real_suites:
+        return 0, results
+    from benchmarks import real_suites
+
+    print("", flush=True)
+    log("real suites")
+    rc, results["real_suites"] = real_suites.run_suites(args, trivial=res)
+    return rc, results
+
+
+PER_TEST = Table(
+    "per-test",
+    "wall cost of a boxed trivial test beside pytest-forked, pytest-isolate, a process per test",
+    __doc__ or "",
+    add_per_test,
+    run_per_test,
+)
+CPU = Table(
+    "cpu",
+    "CPU per boxed test beside pytest-forked and pytest-isolate, then the real suites",
+    __doc__ or "",
+    add_cpu,
+    run_cpu,
+)
+__all__ = ["CPU", "PER_TEST", "positive"]

@@ -1,0 +1,82 @@
+"""``python -m benchmarks``: every table has its sub-command and ``--help``, ``--quick`` picks each
+option's quick default (an explicit value wins), and the rows' arithmetic against their base.
+
+No timing is asserted: the tables are measured by running them, not here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the benchmarks package lives at the repository root
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import _rows  # noqa: E402
+from benchmarks.__main__ import TABLES, parser  # noqa: E402
+from benchmarks._bench import resolve_defaults  # noqa: E402
+from benchmarks._suites import Suite  # noqa: E402
+
+
+def test_every_table_is_a_sub_command_with_help(capsys: pytest.CaptureFixture[str]) -> None:
+    names = [t.name for t in TABLES]
+    assert len(set(names)) == len(names)
+    for name in [*names, "all"]:
+        with pytest.raises(SystemExit) as exc:
+            parser().parse_args([name, "--help"])
+        assert exc.value.code == 0
+        out = capsys.readouterr().out
+        assert f"python -m benchmarks {name}" in out and "--quick" in out, name
+
+
+def test_quick_defaults_and_explicit_values() -> None:
+    normal = resolve_defaults(parser().parse_args(["per-test"]))
+    quick = resolve_defaults(parser().parse_args(["per-test", "--quick"]))
+    explicit = resolve_defaults(parser().parse_args(["per-test", "--quick", "--tests", "7"]))
+    assert (normal.tests, normal.rounds) == (200, 3)
+    assert (quick.tests, quick.rounds) == (20, 1)
+    assert explicit.tests == 7 and explicit.rounds == 1
+
+
+def test_bad_option_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parser().parse_args(["per-test", "--tests", "0"])
+    assert exc.value.code == 2
+    assert "must be a positive integer" in capsys.readouterr().err
+
+
+def test_rows_against_their_base(tmp_path: Path) -> None:
+    """A unit layer: fabricated runs (no pytest run), the medians and per-test figures derived."""
+    suites = {"s": Suite(tmp_path, tuple(f"t{i}" for i in range(10)))}
+    rows = [_rows.Row("plain", "plain", "s"), _rows.Row("boxed", "--boxlite", "s", ("--boxlite",), base="plain")]
+
+    def run(wall: float, cpu: float, times: list[float]) -> dict[str, object]:
+        return {"wall": wall, "cpu": cpu, "times": times, "summary": None, "command": "c"}
+
+    res = _rows.derive(
+        rows,
+        suites,
+        {
+            "plain": [run(1.0, 1.0, [0.01]), run(3.0, 1.2, [0.01])],
+            "boxed": [run(2.0, 2.0, [0.03]), run(2.4, 2.2, [0.05])],
+        },
+    )
+    boxed = res["boxed"]
+    assert rows[1].boxed and not rows[0].boxed
+    assert boxed["wall"] == pytest.approx(2.2) and res["plain"]["wall"] == pytest.approx(2.0)
+    assert boxed["overhead"] == pytest.approx(0.02)  # (2.2 - 2.0) / 10 tests
+    assert boxed["overhead_cpu"] == pytest.approx(0.1)  # (2.1 - 1.1) / 10
+    assert boxed["overhead_p50"] == pytest.approx(0.03)  # 0.04 - 0.01
+    assert boxed["ratio"] == pytest.approx(1.1)
+    assert "overhead" not in res["plain"]
+
+
+def test_help_runs_as_a_module() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert all(t.name in out.stdout for t in TABLES)
