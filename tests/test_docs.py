@@ -200,3 +200,11 @@ def test_readme_marker_arguments_are_the_markers() -> None:
     line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("`@pytest.mark.boxlite("))
     named = re.findall(r"(\w+)=", line)
     assert named == list(ALLOWED), named
+
+
+def test_changelog_names_the_project_version() -> None:
+    """The newest release in CHANGELOG.md is the version pyproject.toml declares (the one place it lives)."""
+    declared = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert declared is not None, "pyproject.toml declares no static version"
+    releases = re.findall(r"^## \[?(\d+\.\d+\.\d+)\]?", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
+    assert releases and releases[0] == declared.group(1), (declared.group(1), releases)
