@@ -537,3 +537,59 @@ def test_a_huge_tar_header_is_refused_unread(layout: tuple[Path, Path]) -> None:
     with pytest.raises(errors.GuestToolError, match="larger than"):
         _extract_tree(buf, dest, "t")
     assert list(dest.iterdir()) == []
+
+
+FORK_IMPORTS = r"""
+import importlib.util, io, json, os, sys
+
+# As the namespace agent does at boot (guest/agent.py _load_helper): the helper, then its lazy imports.
+spec = importlib.util.spec_from_file_location("_boxlite_guest_helper", sys.argv[1])
+helper = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(helper)
+for name in helper.LAZY_IMPORTS:
+    importlib.import_module(name)
+root = sys.argv[2]
+with open(sys.argv[3], "rb") as fh:
+    upload = fh.read()
+before = set(sys.modules)
+os.symlink("d/f", os.path.join(root, "link"))
+requests = [
+    ({"op": "tar_in", "path": root}, upload),
+    ({"op": "write", "path": root + "/w", "append": False}, b"w\n"),
+    ({"op": "read", "path": root + "/w", "start_line": 1, "end_line": 1}, b""),
+    ({"op": "fetch", "path": root}, b""),
+    ({"op": "fetch", "path": root + "/w", "b64": True}, b""),
+    ({"op": "list_dir", "path": root, "max_depth": 3}, b""),
+    ({"op": "glob", "path": root, "pattern": "**/f", "include_dirs": False, "max_results": 9}, b""),
+    ({"op": "grep", "path": root, "pattern": "x", "glob": "*f", "literal": False, "case_sensitive": False,
+      "max_results": 9}, b""),
+    ({"op": "grep", "path": root, "pattern": "(", "glob": None}, b""),
+    ({"op": "exists", "path": root + "/nope"}, b""),
+    ({"op": "remove", "path": root + "/d"}, b""),
+    ({"op": "read", "path": root + "/gone"}, b""),
+]
+answers = []
+for req, payload in requests:
+    req["payload"] = len(payload)
+    out = io.BytesIO()
+    helper.main(io.BytesIO(json.dumps(req).encode() + b"\n" + payload), out)
+    answers.append(json.loads(out.getvalue().split(b"\n", 1)[0])["ok"])
+print(json.dumps({"new": sorted(set(sys.modules) - before), "ok": answers}))
+"""
+
+
+def test_file_operations_import_nothing_after_boot(tmp_path: Path) -> None:
+    """In a namespace box the helper runs in a fork of the agent: every module its operations use
+    must be imported at boot, before a guest could replace a module file in the box."""
+    from pytest_boxlite import guest
+
+    upload = tmp_path / "upload.tar"
+    with tarfile.open(upload, "w") as tar:  # as Sandbox.upload sends it: names "root"
+        info = tarfile.TarInfo("d/f")
+        info.size, info.uname, info.gname = 2, "root", "root"
+        tar.addfile(info, io.BytesIO(b"x\n"))
+    root = tmp_path / "root"
+    root.mkdir()
+    out = run_measured(FORK_IMPORTS, tmp_path, str(guest.path("files")), str(root), str(upload))
+    assert out["new"] == [], "imported by a file operation after boot"
+    assert out["ok"] == [True] * 8 + [False, True, True, False]  # a bad pattern and a missing file answer errors

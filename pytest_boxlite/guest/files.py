@@ -354,7 +354,8 @@ def op_tar_in(req, payload):
     import io
     import tarfile
 
-    with tarfile.open(fileobj=io.BytesIO(payload), mode="r") as tar:
+    # "r:": the host sends a plain tar; "r" would try gzip, bz2 and lzma first (imports).
+    with tarfile.open(fileobj=io.BytesIO(payload), mode="r:") as tar:
         kwargs = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
         # numeric_owner: as root, tarfile would otherwise look the names up (the box's NSS modules).
         tar.extractall(dest, numeric_owner=True, **kwargs)
