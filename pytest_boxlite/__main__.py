@@ -82,14 +82,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for rec, owner in boxes:
             print(f"{rec.name:32} {rec.state:10} owner={owner or '(not ours)'}")
         return 0
-    rows = ledger.scan(_home(args))
+    from pytest_boxlite.templates import list_templates
+
+    home = _home(args)
+    rows = ledger.scan(home)
     if not rows:
         print("no boxes")
-        return 0
     for r in rows:
         owner = f"{r.owner} ({'alive' if r.owner_alive else 'dead'})" if r.owner else "(not ours)"
         flags = " kept" if r.kept else ""
         print(f"{r.name:32} {r.runtime:10} {'running' if r.running else 'stopped':8} owner={owner}{flags}")
+    # The provisioned templates (--boxlite-setup): `clean --templates` removes exactly these.
+    for line in list_templates(home):
+        print(line)
     return 0
 
 

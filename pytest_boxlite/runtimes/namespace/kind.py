@@ -94,8 +94,12 @@ class NamespaceKind:
         return leftover.name
 
     def drop_templates(self, home: Path) -> list[str]:
-        """Remove the templates ``--boxlite-setup`` built for ``home``."""
+        """Remove the templates ``--boxlite-setup`` built for ``home`` (every one :meth:`list_templates` lists)."""
         return provision.drop_templates(home)
+
+    def list_templates(self, home: Path) -> list[str]:
+        """One line per template ``--boxlite-setup`` built for ``home`` (``ls``)."""
+        return [t.describe() for t in provision.list_templates(home)]
 
     def attach_existing(self, home: Path, name: str, argv: Sequence[str]) -> int | None:
         """Run ``argv`` in the running box ``name`` with this process's stdio, through its agent."""

@@ -105,19 +105,26 @@ def _layer_args(
         elif kind == "ro":
             args += ["--ro-bind", path, path]
         else:
-            layer = path.strip("/")
-            args += ["--overlay-src", path]
-            if template is not None and (Path(template) / "upper" / layer).is_dir():
-                args += ["--overlay-src", str(Path(template) / "upper" / layer)]
-            if path in masks:
-                args += ["--overlay-src", masks[path]]
-            if persist is not None:
-                upper, work = persist / "upper" / layer, persist / "work" / layer
-                upper.mkdir(parents=True, exist_ok=True)
-                work.mkdir(parents=True, exist_ok=True)
-                args += ["--overlay", str(upper), str(work), path]
-            else:
-                args += ["--tmp-overlay", path]
+            args += _overlay(path, template, persist, masks)
+    return args
+
+
+def _overlay(path: str, template: str | None, persist: Path | None, masks: Mapping[str, str]) -> list[str]:
+    """bwrap arguments for one copy-on-write directory: the host's ``path``, then the template's
+    layer of it and its mask layer; its writes kept in ``persist`` (a template build) or thrown away."""
+    layer = path.strip("/")
+    args = ["--overlay-src", path]
+    if template is not None and (Path(template) / "upper" / layer).is_dir():
+        args += ["--overlay-src", str(Path(template) / "upper" / layer)]
+    if path in masks:
+        args += ["--overlay-src", masks[path]]
+    if persist is not None:
+        upper, work = persist / "upper" / layer, persist / "work" / layer
+        upper.mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
+        args += ["--overlay", str(upper), str(work), path]
+    else:
+        args += ["--tmp-overlay", path]
     return args
 
 
@@ -142,15 +149,20 @@ def _mirrored(mounts: Sequence[str]) -> list[str]:
     return [m for m in mounts if any(m == t or m.startswith(t + "/") for t in _PRIVATE_TOPS)]
 
 
-def _mirror_args(mounts: Sequence[str], masks: Mapping[str, str] | None = None) -> list[str]:
-    """Make host directories that the box would otherwise hide (under /tmp, /run) visible copy-on-write."""
-    masks = masks or {}
+def _mirror_args(
+    mounts: Sequence[str],
+    masks: Mapping[str, str] | None = None,
+    template: str | None = None,
+    persist: Path | None = None,
+) -> list[str]:
+    """Make host directories that the box would otherwise hide (under /tmp, /run) visible copy-on-write.
+
+    ``template`` and ``persist`` as for :func:`_layer_args`: a virtual environment under /tmp is
+    where ``--boxlite-setup "pip install ..."`` writes, so a template keeps (and stacks) its layer too.
+    """
     args: list[str] = []
     for m in _mirrored(mounts):
-        args += ["--overlay-src", m]
-        if m in masks:
-            args += ["--overlay-src", masks[m]]
-        args += ["--tmp-overlay", m]
+        args += _overlay(m, template, persist, masks or {})
     return args
 
 

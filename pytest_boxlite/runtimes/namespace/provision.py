@@ -14,12 +14,15 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import os
 import shutil
+import stat
+import sys
 import time
 from pathlib import Path
 from typing import Protocol
 
-from pytest_boxlite.errors import BoxStartError
+from pytest_boxlite.errors import BoxliteError, BoxStartError
 from pytest_boxlite.runtimes.base import BoxHandle
 from pytest_boxlite.runtimes.namespace.mounts import private_tmp
 from pytest_boxlite.spec import BoxSpec
@@ -45,6 +48,32 @@ def templates_dir(home: Path) -> Path:
     return private_tmp() / tag / "templates"
 
 
+def remove_tree(path: Path) -> None:
+    """Remove a template's tree, whatever modes its directories have; raises ``OSError`` if it cannot.
+
+    A box's writes keep their modes in the upper layers, and overlayfs leaves its work
+    directories at mode 000 (``d---------``): a plain ``rmtree`` by an ordinary user cannot list
+    them.  Every directory is made the owner's own first, through directory descriptors and
+    never through a link (a link the guest planted is removed, not followed).
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        return
+    # Each chmod may fail (a directory of another user's: rmtree then says what it could not remove).
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o700)
+    for _, dirnames, _, dirfd in os.fwalk(path, follow_symlinks=False):
+        for name in dirnames:
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(os.lstat(name, dir_fd=dirfd).st_mode):
+                    os.chmod(name, 0o700, dir_fd=dirfd)
+    shutil.rmtree(path)
+
+
 def ensure_template(
     runtime: TemplateBuilder, spec: BoxSpec, setup: str, *, key: str, home: Path, cwd: Path, timeout: float, name: str
 ) -> BoxSpec:
@@ -65,7 +94,7 @@ def _build(
     runtime: TemplateBuilder, spec: BoxSpec, setup: str, root: Path, name: str, cwd: Path, timeout: float
 ) -> None:
     """Run ``setup`` in a box (named ``name``: one of the session's) whose writes land in ``root``."""
-    shutil.rmtree(root, ignore_errors=True)
+    remove_tree(root)  # what a build that did not finish left
     started = time.monotonic()
     box = runtime.create_box(
         dataclasses.replace(spec, worker=False, template=None), name, timeout=timeout, persist=root
@@ -76,26 +105,96 @@ def _build(
         box.destroy()
     if raw.exit_code != 0 or raw.timed_out:
         out = (raw.stdout + raw.stderr).decode("utf-8", "replace")[-3000:]
-        shutil.rmtree(root, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the build's own error is the one to raise
+            remove_tree(root)
         what = "timed out" if raw.timed_out else f"exited with status {raw.exit_code}"
         raise BoxStartError(f"--boxlite-setup {setup!r} {what} in the template box:\n{out}")
     # Overlay work directories are scratch space; only the upper layers are the template.
-    shutil.rmtree(root / "work", ignore_errors=True)
-    info = {"setup": setup, "spec": spec.describe(), "built": time.time(), "seconds": time.monotonic() - started}
+    remove_tree(root / "work")
+    info = {
+        "setup": setup,
+        "spec": spec.describe(),
+        "cwd": str(cwd),
+        "python": sys.prefix,
+        "built": time.time(),
+        "seconds": time.monotonic() - started,
+    }
     (root / "ready.json").write_text(json.dumps(info))
 
 
-def drop_templates(home: Path) -> list[str]:
-    """Remove every cached template of ``home`` (``clean --templates``).  Returns their keys."""
+@dataclasses.dataclass(frozen=True)
+class TemplateInfo:
+    """One template of a home, as ``ls`` shows it and ``clean --templates`` removes it."""
+
+    key: str
+    ready: bool
+    setup: str = ""
+    cwd: str = ""
+    python: str = ""
+    built: float = 0.0
+
+    def describe(self) -> str:
+        """``ls``'s line: the key, whether it is complete, the command and where it ran."""
+        if not self.ready:
+            return f"template {self.key} namespace incomplete (a build that did not finish)"
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.built)) if self.built else "?"
+        return f"template {self.key} namespace built {when} setup={self.setup!r} cwd={self.cwd} python={self.python}"
+
+
+#: Bound on a template's record (the host writes it; a few hundred bytes).
+_MAX_RECORD = 64 * 1024
+
+
+def list_templates(home: Path) -> list[TemplateInfo]:
+    """Every template directory of ``home`` (complete or not): what ``clean --templates`` removes."""
     base = templates_dir(home)
-    if not base.is_dir():
-        return []
-    dropped = []
-    for d in sorted(p for p in base.iterdir() if p.is_dir()):
-        with contextlib.suppress(OSError):
-            shutil.rmtree(d)
-            dropped.append(d.name)
-    for lock in base.glob("*.lock"):
+    found: list[TemplateInfo] = []
+    try:
+        entries = sorted(base.iterdir())
+    except OSError:
+        return found
+    for d in entries:
+        if d.is_symlink() or not d.is_dir():
+            continue
+        try:
+            with open(d / "ready.json", "rb") as fh:
+                info = json.loads(fh.read(_MAX_RECORD))
+        except (OSError, ValueError):
+            found.append(TemplateInfo(d.name, ready=False))
+            continue
+        info = info if isinstance(info, dict) else {}
+        found.append(
+            TemplateInfo(
+                d.name,
+                ready=True,
+                setup=str(info.get("setup", "")),
+                cwd=str(info.get("cwd", "")),
+                python=str(info.get("python", "")),
+                built=float(info["built"]) if isinstance(info.get("built"), (int, float)) else 0.0,
+            )
+        )
+    return found
+
+
+def drop_templates(home: Path) -> list[str]:
+    """Remove every template of ``home`` that :func:`list_templates` lists (``clean --templates``).
+
+    Returns their keys; raises :class:`BoxliteError` naming each one that could not be removed
+    (after removing the rest).
+    """
+    base = templates_dir(home)
+    dropped: list[str] = []
+    failed: list[str] = []
+    for t in list_templates(home):
+        try:
+            remove_tree(base / t.key)
+            dropped.append(t.key)
+        except OSError as exc:
+            failed.append(f"{base / t.key} ({exc.strerror or exc})")
+    for lock in base.glob("*.lock") if base.is_dir() else ():
         with contextlib.suppress(OSError):
             lock.unlink()
+    if failed:
+        done = f"; dropped {', '.join(dropped)}" if dropped else ""
+        raise BoxliteError(f"could not remove template(s) {', '.join(failed)}{done}")
     return dropped

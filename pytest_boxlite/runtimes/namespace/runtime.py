@@ -125,7 +125,7 @@ class NamespaceRuntime(RuntimeDefaults):
             "--proc", "/proc", "--dev", "/dev", "--ro-bind", "/sys", "/sys",
             "--tmpfs", "/tmp", "--tmpfs", "/run",
             "--dir", WORKDIR,
-            *_mirror_args(mirror_from, masks),
+            *_mirror_args(mirror_from, masks, spec.template, persist),
             *mask_mounts,
             "--ro-bind", str(box_dir), GUEST_CTL,
             "--chdir", WORKDIR,
