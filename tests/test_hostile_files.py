@@ -593,3 +593,20 @@ def test_file_operations_import_nothing_after_boot(tmp_path: Path) -> None:
     out = run_measured(FORK_IMPORTS, tmp_path, str(guest.path("files")), str(root), str(upload))
     assert out["new"] == [], "imported by a file operation after boot"
     assert out["ok"] == [True] * 8 + [False, True, True, False]  # a bad pattern and a missing file answer errors
+
+
+def test_the_transfer_cap_holds_on_every_runtime(sandbox: Sandbox, tmp_path: Path) -> None:
+    """Each runtime streams the helper's answer (the vm one as base64 text): over the cap it is
+    refused when announced, nothing is left at the destination, and the box goes on serving."""
+    sandbox.write_bytes("big.bin", os.urandom(300_000))
+    small = Sandbox(sandbox.handle, max_transfer=100_000)
+    for call in (
+        lambda: small.read_bytes("big.bin"),
+        lambda: small.download("big.bin", tmp_path / "one" / "big.bin"),
+        lambda: small.download(".", tmp_path / "tree"),
+    ):
+        with pytest.raises(errors.GuestToolError, match="exceeds the transfer cap of 100000 bytes"):
+            call()
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+    sandbox.write_bytes("small.bin", b"fits\n")
+    assert small.read_bytes("small.bin") == b"fits\n"
