@@ -208,3 +208,12 @@ def test_changelog_names_the_project_version() -> None:
     assert declared is not None, "pyproject.toml declares no static version"
     releases = re.findall(r"^## \[?(\d+\.\d+\.\d+)\]?", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
     assert releases and releases[0] == declared.group(1), (declared.group(1), releases)
+
+
+def test_readme_links_point_at_files_that_exist() -> None:
+    """The README's relative links lead into docs/ (and to the changelog and licence): none may dangle."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    local = [link for link in links if "://" not in link]
+    assert local, "the README links into the docs"
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, missing
