@@ -35,6 +35,24 @@ if TYPE_CHECKING:
 
 _BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
 _PLAN_KEY = pytest.StashKey[BoxPlan]()
+#: The stand-in item through which the host tears down its own fixtures around boxed tests.
+_SHADOW = "boxlite-shared-fixtures"
+
+
+def _noop() -> None:
+    """The stand-in item's test function (never called)."""
+
+
+def _common(chain: list[Any], nextitem: pytest.Item | None) -> list[Any]:
+    """The nodes of ``chain`` that stay set up when ``nextitem`` comes next (pytest's
+    ``teardown_exact``: the common start of both chains)."""
+    needed = nextitem.listchain() if nextitem is not None else []
+    kept = []
+    for node, other in zip(chain, needed, strict=False):
+        if node is not other:
+            break
+        kept.append(node)
+    return kept
 
 
 class SigtermGuard:
@@ -259,6 +277,10 @@ class HostPlugin(_SessionRole, NoLifecycle):
         self._order_unknown = workerinput is not None
         #: A worker on another host than its controller (it cleans up on its host itself).
         self.remote = bool(workerinput and workerinput.get(REMOTE_KEY))
+        #: The nodes on which tests run on this host may have set fixtures up (pytest's own
+        #: SetupState, as far as its public hooks show: the chain the last such test left).
+        self._host_stack: list[Any] = []  # pytest's nodes (no public type names them all)
+        self._in_shadow = False
         if self.remote:
             from pytest_boxlite.xdist_support import watch_controller
 
@@ -375,7 +397,82 @@ class HostPlugin(_SessionRole, NoLifecycle):
         if plan is None:
             return None
         next_plan = nextitem.stash.get(_PLAN_KEY, None) if nextitem is not None else None
-        return self._executor().run_protocol(item, plan, nextitem, next_plan, then=self._after(nextitem))
+        return self._executor().run_protocol(
+            item, plan, nextitem, next_plan, then=self._after(nextitem), teardown_host=self._teardown_host
+        )
+
+    # -- fixtures around boxed tests: each side tears down what pytest would, when it would -------
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
+        """A test run on the host: after pytest's own teardown, the warm interpreters tear down
+        the shared fixtures ``nextitem`` does not need (``item`` was the last that could use
+        them), their output and errors in ``item``'s teardown report."""
+        if self._in_shadow:
+            return (yield)
+        try:
+            result = yield
+        except BaseException:
+            self._host_stack = _common(item.listchain(), nextitem)
+            self._teardown_boxes(item, nextitem, fail=False)
+            raise
+        self._host_stack = _common(item.listchain(), nextitem)
+        self._teardown_boxes(item, nextitem, fail=True)
+        return result
+
+    def _teardown_boxes(self, item: pytest.Item, nextitem: pytest.Item | None, *, fail: bool) -> None:
+        remote = self._made()
+        if remote is None:
+            return  # no box ever ran a test: no warm interpreter holds any fixture
+        done = remote[1].teardown_shared(item, nextitem)
+        for rep in done:
+            for title, content in rep.sections:
+                key = title.removeprefix("Captured ").removesuffix(" teardown")
+                item.add_report_section("teardown", f"{key} (shared fixtures in box)", content)
+        failed = [rep for rep in done if rep.failed]
+        if failed and fail:
+            # The box's own words first (the short summary shows that line), then its traceback.
+            crash = getattr(failed[0].longrepr, "reprcrash", None)
+            head = crash.message if crash is not None else failed[0].longreprtext.strip().split("\n")[-1]
+            text = "\n\n".join(rep.longreprtext for rep in failed)
+            pytest.fail(f"{head} (in the box's warm interpreter)\n\n{text}", pytrace=False)
+
+    def _teardown_host(self, item: pytest.Item, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
+        """After the boxed ``item``: tear down what tests run on this host set up that
+        ``nextitem`` does not need, as pytest would at ``item``'s teardown (``item`` ran in a box,
+        so pytest's own teardown of it never ran here).  Returns its report (output, error), if
+        anything was torn down.
+
+        pytest tears nodes down only at an item's teardown: a stand-in item under the deepest
+        node set up goes through the setup and teardown hooks (it asks for no fixture and pushes
+        no new collector, so nothing of ``item`` is set up on the host), with the collector that
+        stays as its next item (its chain is what teardown keeps).
+        """
+        kept = _common(self._host_stack, nextitem)
+        if len(kept) == len(self._host_stack):
+            return []
+        top, self._host_stack = self._host_stack[-1], kept
+        shadow = pytest.Function.from_parent(top, name=_SHADOW, callobj=_noop)
+        shadow.fixturenames = []
+        sections: list[tuple[str, str]] = []
+
+        def add_section(when: str, key: str, content: str) -> None:
+            if content and when == "teardown":
+                sections.append((f"Captured {key} {when}", content))
+
+        shadow.add_report_section = add_section  # type: ignore[method-assign]
+        stop = (KeyboardInterrupt, SystemExit)
+        target: Any = kept[-1] if kept else None
+        self._in_shadow = True
+        try:
+            pytest.CallInfo.from_call(lambda: shadow.ihook.pytest_runtest_setup(item=shadow), "setup", reraise=stop)
+            call = pytest.CallInfo.from_call(
+                lambda: shadow.ihook.pytest_runtest_teardown(item=shadow, nextitem=target), "teardown", reraise=stop
+            )
+        finally:
+            self._in_shadow = False
+        report = pytest.TestReport.from_item_and_call(item, call)
+        report.sections = sections
+        return [report]
 
     def _after(self, nextitem: pytest.Item | None) -> tuple[pytest.Item, BoxPlan | None] | None:
         """The item that runs after ``nextitem`` (and its plan), where this process knows the run

@@ -56,7 +56,7 @@ def _mounts():
 
 def _overlay(libc, lower, target, stage, n):
     """A new overlay on ``target`` over ``lower``, with an empty upper layer in ``stage``."""
-    upper, work = "%s/u%d" % (stage, n), "%s/w%d" % (stage, n)
+    upper, work = "%s/u%s" % (stage, n), "%s/w%s" % (stage, n)
     os.mkdir(upper)
     os.mkdir(work)
     opts = "lowerdir=%s,upperdir=%s,workdir=%s,userxattr" % (lower, upper, work)
@@ -381,6 +381,53 @@ def _masks_over(mounts, overlays):
     ]
 
 
+#: At most this much of the files in the warm box's /tmp is copied into each fresh box, and at
+#: most so many of its directories are shown (each is one more mount per box).
+_TMP_FILES_BYTES = 4 << 20
+_TMP_DIRS = 64
+
+
+def _tmp_view(mounts):
+    """What of the warm box's /tmp a fresh box sees (see :func:`_fresh_box`): ``(paths, dirs,
+    files)``: the directories on the way to mounts beneath /tmp (made anew), the directories with no
+    mount on or beneath them (shown copy-on-write) and the regular files beside them, as ``(path,
+    mode, content)`` (copied, up to :data:`_TMP_FILES_BYTES` in all)."""
+    import stat
+
+    paths, dirs, files = [], [], []
+    total = 0
+    todo = ["/tmp"]
+    while todo:
+        here = todo.pop(0)
+        try:
+            names = sorted(os.listdir(here))
+        except OSError:
+            continue
+        for name in names:
+            p = here + "/" + name
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if any(m == p for m, _ in mounts):
+                continue  # a mount point: laid again on its own (the hidden overlays)
+            if stat.S_ISDIR(st.st_mode):
+                if any(_under(m, p) for m, _ in mounts):
+                    paths.append(p)
+                    todo.append(p)
+                elif len(dirs) < _TMP_DIRS:
+                    dirs.append(p)
+            elif stat.S_ISREG(st.st_mode) and total + st.st_size <= _TMP_FILES_BYTES:
+                fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    data = os.read(fd, st.st_size)
+                finally:
+                    os.close(fd)
+                total += len(data)
+                files.append((p, stat.S_IMODE(st.st_mode), data))
+    return paths, dirs, files
+
+
 def _fresh_box(hostname, network, renew_all=False, own_root=False):
     """In pid 1 of a box made by :func:`clone_box`: pristine writable layers, /proc, hostname.
 
@@ -429,9 +476,28 @@ def _fresh_box(hostname, network, renew_all=False, own_root=False):
             _mount(libc, "tmpfs", m, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
         else:
             _mount(libc, "%s/mask%d" % (stage, i), m, None, _MS_BIND, None)
+    # What the warm interpreter made in /tmp (the fixtures it set up for every box: under
+    # /tmp/pytest-of-<user>, tmp_path_factory's) is seen in the new /tmp, copy-on-write: each
+    # directory with no mount beneath as a layer (a locked mount cannot be left out of a layer's
+    # lower), the way to the mounts made anew.
+    paths, shown, files = _tmp_view(mounts)
+    for i, d in enumerate(shown):
+        os.mkdir("%s/tmp%d" % (stage, i))
+        _mount(libc, d, "%s/tmp%d" % (stage, i), None, _MS_BIND, None)
     for d in ("/tmp", "/workspace", "/dev/shm"):
         if os.path.isdir(d):
             _mount(libc, "tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777" if d != "/workspace" else "mode=0755")
+    for d in paths:
+        os.makedirs(d, exist_ok=True)
+    for i, d in enumerate(shown):
+        os.mkdir(d)
+        _overlay(libc, "%s/tmp%d" % (stage, i), d, stage, "t%d" % i)
+    for path, mode, data in files:  # files directly in /tmp: copies (a layer is a directory's)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
     for i, m in enumerate(hidden):
         os.makedirs(m, exist_ok=True)
         _overlay(libc, "%s/keep%d" % (stage, i), m, stage, len(overlays) + i)

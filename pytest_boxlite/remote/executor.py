@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.remote import reports
+from pytest_boxlite.remote.transport import BoxSpoke
+from pytest_boxlite.remote.transport import _report as report_of
 from pytest_boxlite.remote.worker_host import ForkedBox, RemoteRunner
 from pytest_boxlite.spec import BoxSpec
 
@@ -85,6 +88,17 @@ class BoxedExecutor:
         self._held_fork: tuple[str, BoxSpec, ForkedBox] | None = None
         #: Why a box could not be had, and the first test that said so in full.
         self._lease_errors: dict[str, str] = {}
+        #: Per test, each forked box inherits the fixtures wider than a function's from its warm
+        #: interpreter, which sets them up once (``guest/worker.py``: ``_prepare``) and tears them
+        #: down when pytest would (:meth:`teardown_shared`).  Module scope keeps one box per
+        #: module: the box sets up its own, as booted boxes do.
+        runner.share_fixtures = self.session.settings.scope == "test"
+        #: Per fork parent (its box's name): its lease, and the node ids on which its warm
+        #: interpreter may hold fixtures set up (the last forked item's collectors).
+        self._shared: dict[str, tuple[Lease, list[str]]] = {}
+        #: The collector of the last test forked per spec, and the fixture names the tests forked
+        #: under it asked for (see ``_ahead_ok``).
+        self._group: dict[BoxSpec, tuple[Any, set[str]]] = {}
 
     def run_protocol(
         self,
@@ -94,9 +108,13 @@ class BoxedExecutor:
         next_plan: BoxPlan | None,
         *,
         then: tuple[pytest.Item, BoxPlan | None] | None = None,
+        teardown_host: Callable[[pytest.Item, pytest.Item | None], Sequence[pytest.TestReport]] | None = None,
     ) -> bool:
         """Run ``item`` in its box and log its reports.  ``then``: the item after ``nextitem`` and
-        its plan, where the run order is known (its box can be made ahead too)."""
+        its plan, where the run order is known (its box can be made ahead too).
+        ``teardown_host``: what the host tears down of its own after ``item`` (fixtures that tests
+        run on the host set up), as pytest would at ``item``'s teardown: its reports' outcome and
+        output join ``item``'s teardown report, with those of warm interpreters' shared fixtures."""
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         module = item.nodeid.split("::", 1)[0]
@@ -127,15 +145,27 @@ class BoxedExecutor:
             # warm interpreter and this box will not run them (module scope keeps one box per
             # module, so there only the next module's first test gets one).
             ahead: list[str] = []
-            if nextitem is not None and next_plan is not None and next_plan.spec == plan.spec and not shared:
+            names = self._group_names(item, plan.spec)
+            same = nextitem is not None and next_plan is not None and next_plan.spec == plan.spec
+            if same and not shared and nextitem is not None and self._ahead_ok(item, nextitem, names):
                 ahead.append(nextitem.nodeid)
                 later, later_plan = then if then is not None else (None, None)
                 per_test = self.session.settings.scope == "test"
-                if per_test and later is not None and later_plan is not None and later_plan.spec == plan.spec:
+                names_then = names | set(getattr(nextitem, "fixturenames", ()))
+                if (
+                    per_test
+                    and later is not None
+                    and later_plan is not None
+                    and later_plan.spec == plan.spec
+                    and self._ahead_ok(nextitem, later, names_then)
+                ):
                     ahead.append(later.nodeid)
+            if self.runner.share_fixtures:
+                self._shared[lease.handle.name] = (lease, [n.nodeid for n in item.listchain()[:-1]])
             out, box_name, exit_with = self._run_forked(item, lease, plan, module, nextitem if shared else None, ahead)
             if lease.handle.name not in self.runner.live_workers():
                 self._fork_parents.pop(plan.spec, None)
+                self._shared.pop(lease.handle.name, None)
                 lease.release()
         elif lease is not None:
             next_nodeid = nextitem.nodeid if shared and nextitem else None
@@ -146,14 +176,63 @@ class BoxedExecutor:
                 # With --boxlite-keep, a box in which any test failed outlives the run (a dead one cannot).
                 self._drop(keep=self._held_failed and self.session.settings.keep and not dead)
         for rep in out:
-            if rep.when == "teardown" and box_name:
-                rep.user_properties.append((self.KEEP_PROPERTY, box_name))
+            if rep.when == "teardown":
+                # As runtestprotocol: a session about to stop (-x) tears everything down now.
+                stopping = item.session.shouldfail or item.session.shouldstop
+                target = None if stopping else nextitem
+                extra = list(self.teardown_shared(item, target))
+                if teardown_host is not None:
+                    extra += teardown_host(item, target)
+                merge_teardown(rep, extra)
+                if box_name:
+                    rep.user_properties.append((self.KEEP_PROPERTY, box_name))
             ihook.pytest_runtest_logreport(report=rep)
         if exit_with is not None:
             # As locally: pytest.exit() in a test ends the session with its return code.
             pytest.exit(exit_with[0], returncode=exit_with[1])
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
+
+    def _group_names(self, item: pytest.Item, spec: BoxSpec) -> set[str]:
+        """The fixture names asked for by the tests forked from ``spec``'s warm interpreter since
+        its tests last changed collector, ``item``'s included."""
+        parent, names = self._group.get(spec, (None, set()))
+        if parent is not item.parent:
+            names = set()
+        names |= set(getattr(item, "fixturenames", ()))
+        self._group[spec] = (item.parent, names)
+        return names
+
+    def _ahead_ok(self, item: pytest.Item, nxt: pytest.Item, names: set[str]) -> bool:
+        """Whether ``nxt``'s box may be forked while ``item`` runs.  With shared fixtures its warm
+        interpreter sets up ``nxt``'s wider fixtures first: only when that changes nothing a
+        running test could see, as far as the host can tell (the same collector, and no fixture
+        that no earlier test under it asked for)."""
+        if not self.runner.share_fixtures:
+            return True
+        return nxt.parent is item.parent and set(getattr(nxt, "fixturenames", ())) <= names
+
+    def teardown_shared(self, item: pytest.Item, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
+        """Tear down, in every warm interpreter, the shared fixtures that ``nextitem`` does not
+        need (all of them when it is ``None``), as pytest does at the teardown of ``item`` (the
+        last test that could use them).  Returns a teardown report of ``item`` per warm
+        interpreter that tore something down (its output and errors)."""
+        keep = [n.nodeid for n in nextitem.listchain()] if nextitem is not None else []
+        out: list[pytest.TestReport] = []
+        for name, (lease, chain) in list(self._shared.items()):
+            kept = [n for n in chain if n in keep]
+            if len(kept) == len(chain):
+                continue
+            self._shared[name] = (lease, kept)
+            timeout = max(self.session.settings.timeout, 30.0)
+            try:
+                data = self.runner.teardown_shared(lease.handle, keep, item.nodeid, timeout)
+                rep = report_of(self.config, item, data) if data is not None else None
+            except (BoxliteError, BoxSpoke) as exc:
+                rep = reports.make_report(item, "teardown", "failed", f"shared fixtures' teardown: {exc}", None, 0.0)
+            if rep is not None:
+                out.append(rep)
+        return out
 
     def _run_forked(
         self,
@@ -222,8 +301,7 @@ class BoxedExecutor:
             return lease
         if len(self._fork_parents) >= self.session.settings.replicas:
             # Make room under the cap: the oldest fork parent goes.
-            oldest = next(iter(self._fork_parents))
-            self._fork_parents.pop(oldest).release()
+            self._release_parent(next(iter(self._fork_parents)))
         pool = self.session.pool()
         # The fork parent is held for the session: no spare box of this spec is needed (a warm or
         # booting one is still taken by the lease below).
@@ -241,6 +319,7 @@ class BoxedExecutor:
             return False
         self.session.refuse_fork(why)
         self._fork_parents.pop(plan.spec, None)
+        self._shared.pop(lease.handle.name, None)
         lease.release()
         tr = self.config.pluginmanager.get_plugin("terminalreporter")
         if tr is not None:
@@ -253,13 +332,18 @@ class BoxedExecutor:
             return "waiting for a box (the --boxlite-setup template is built once, then cached)"
         return "waiting for a box (booting, then collecting the session in it)"
 
+    def _release_parent(self, spec: BoxSpec) -> None:
+        lease = self._fork_parents.pop(spec)
+        self._shared.pop(lease.handle.name, None)  # what its warm interpreter set up goes with it
+        lease.release()
+
     def release_template(self, wanted: BoxSpec) -> bool:
         """Pool pressure callback: give back the oldest fork parent not of ``wanted``'s spec (and not
         the parent of the module box in use: its tests would lose their box mid-module)."""
         in_use = self._held_fork[1] if self._held_fork is not None else None
         for spec in list(self._fork_parents):
             if spec != wanted and spec != in_use:
-                self._fork_parents.pop(spec).release()
+                self._release_parent(spec)
                 return True
         return False
 
@@ -276,3 +360,19 @@ class BoxedExecutor:
         for lease in self._fork_parents.values():
             lease.release()
         self._fork_parents.clear()
+        self._shared.clear()
+
+
+def merge_teardown(report: pytest.TestReport, extra: Sequence[pytest.TestReport]) -> None:
+    """Add to a boxed test's teardown report what was torn down after it elsewhere (a warm
+    interpreter's shared fixtures, the host's own): their output, and their errors, as one
+    teardown that failed anywhere fails."""
+    for rep in extra:
+        report.sections.extend(rep.sections)
+        if not rep.failed:
+            continue
+        if report.failed:
+            report.longrepr = f"{report.longreprtext}\n\n{rep.longreprtext}"
+        else:
+            report.outcome = "failed"
+            report.longrepr = rep.longrepr

@@ -1,0 +1,305 @@
+"""Fixture scopes around boxed tests mean what they mean locally (issue 23, items 2 and 3).
+
+Real sub-runs of one project whose modules and classes mix tests run on the host with
+``@pytest.mark.boxlite`` tests in every order.  Its session, module and class fixtures print a
+line when they are set up and torn down (``SETUP mod box test_m1 <token>``), naming the side that
+ran them (host or box), and every test prints the tokens it got.  A boxed test cannot write host
+files: what it saw comes back in its reports' captured output, where pytest puts a fixture's output
+(the setup of the first test that needed it, the teardown of the last).
+
+Per scope of a boxed test's box (see the README's table):
+
+- ``test`` (fork): session, package, module and class fixtures are set up once per warm
+  interpreter (worker) in it, and torn down there when pytest would; each test's box is forked
+  from that state: the same values, the files they made, nothing an earlier test wrote.
+- ``module``: one box per module sets up the module's fixtures, session ones included.
+- ``--boxlite-fresh=boot``: every box sets up what its tests need (one test per box).
+- ``worker``: the whole session runs in the worker's box, as locally.
+
+On the host, the host's own fixtures are set up and torn down exactly when pytest would, boxed
+tests in between or not ("previous item was not torn down properly" was the error).
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from subruns import SubRun, sub_env
+
+from pytest_boxlite import ledger
+
+pytestmark = pytest.mark.timeout(240)
+
+CONFTEST = """
+import os
+import uuid
+
+import pytest
+
+SIDE = "box" if os.environ.get("PYTEST_BOXLITE_GUEST") == "1" else "host"
+
+
+def _say(what, kind, where, tok):
+    print(f"{what} {kind} {SIDE} {where} {tok}")
+
+
+@pytest.fixture(scope="session")
+def sess(tmp_path_factory):
+    tok = uuid.uuid4().hex[:8]
+    made = tmp_path_factory.mktemp("sess")
+    (made / "token").write_text(tok)
+    _say("SETUP", "sess", "-", tok)
+    yield tok, made
+    _say("TEARDOWN", "sess", "-", tok)
+
+
+@pytest.fixture(scope="module")
+def mod(request, sess):
+    tok = uuid.uuid4().hex[:8]
+    where = request.module.__name__
+    _say("SETUP", "mod", where, tok)
+    yield tok
+    _say("TEARDOWN", "mod", where, tok)
+    if getattr(request.module, "FAIL_TEARDOWN", None) == SIDE:
+        raise RuntimeError(f"teardown of mod failed on the {SIDE} side")
+
+
+@pytest.fixture(scope="class")
+def klass(request):
+    tok = uuid.uuid4().hex[:8]
+    where = request.cls.__name__
+    _say("SETUP", "klass", where, tok)
+    yield tok
+    _say("TEARDOWN", "klass", where, tok)
+
+
+@pytest.fixture
+def use(request, sess, mod):
+    stok, made = sess
+    # The session fixture's files are seen: made where it ran (in the box: by its warm interpreter).
+    assert (made / "token").read_text() == stok
+    if SIDE == "box" and os.environ.get("FRESH_PER_TEST") == "1":
+        # ... and nothing an earlier boxed test wrote there (a box per test).
+        assert not (made / "by-a-test").exists(), "an earlier test's file"
+        (made / "by-a-test").write_text(request.node.nodeid)
+    klass = request.getfixturevalue("klass") if request.cls is not None else "-"
+    print(f"USE {request.node.nodeid} {SIDE} sess={stok} mod={mod} klass={klass}")
+"""
+
+# Host and boxed tests in every order: a boxed test last in a module (the issue's case), first,
+# between host tests, last in a class followed by a host test, and a module of boxed tests only.
+MODULES = {
+    "test_m1": """
+        import pytest
+
+        def test_a(use): pass
+
+        @pytest.mark.boxlite
+        def test_b(use): pass
+
+        @pytest.mark.boxlite
+        def test_c(use): pass
+
+        def test_d(use): pass
+
+        @pytest.mark.boxlite
+        def test_e(use): pass
+    """,
+    "test_m2": """
+        import pytest
+
+        @pytest.mark.boxlite
+        def test_a(use): pass
+
+        def test_b(use): pass
+    """,
+    "test_m3": """
+        import pytest
+
+        class TestC:
+            def test_a(self, use): pass
+
+            @pytest.mark.boxlite
+            def test_b(self, use): pass
+
+        def test_c(use): pass
+    """,
+    "test_m4": """
+        import pytest
+
+        pytestmark = pytest.mark.boxlite
+
+        def test_a(use): pass
+
+        class TestD:
+            # Asked for by name here; by request.getfixturevalue in ``use`` for the next test.
+            def test_a(self, use, klass): pass
+
+            def test_b(self, use): pass
+
+        def test_b(use): pass
+    """,
+}
+
+_EVENT = re.compile(r"^(SETUP|TEARDOWN) (sess|mod|klass) (host|box) (\S+) ([0-9a-f]{8})$", re.M)
+_USE = re.compile(r"^USE (\S+) (host|box) sess=(\w+) mod=(\w+) klass=(\S+)$", re.M)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "conftest.py").write_text(CONFTEST)
+    for name, body in MODULES.items():
+        (proj / f"{name}.py").write_text(textwrap.dedent(body))
+    return proj
+
+
+def sub_run(proj: Path, home: Path, tag: str, *args: str, fresh: bool = False) -> str:
+    """A real ``python -m pytest`` of the project (-rA: every test's captured output is printed).
+    ``fresh``: every boxed test has a box of its own (it checks that it sees no earlier test's file)."""
+    env = sub_env(FRESH_PER_TEST="1") if fresh else None
+    run = SubRun(proj, home, tag, "-rA", "-p", "no:randomly", *args, env=env)
+    rc = run.wait(200)
+    out = run.output
+    assert "previous item was not torn down properly" not in out, out
+    assert rc == 0, out
+    assert ledger.scan(home) == [], f"boxes left behind in {home}"
+    return out
+
+
+def events(out: str) -> Counter[tuple[str, str, str, str]]:
+    """How often each fixture was set up / torn down: (what, kind, side, where)."""
+    return Counter((what, kind, side, where) for what, kind, side, where, _ in _EVENT.findall(out))
+
+
+def uses(out: str) -> dict[str, tuple[str, str, str, str]]:
+    """Per test: the side it ran on and the session, module and class tokens it got."""
+    found = {nodeid: (side, s, m, k) for nodeid, side, s, m, k in _USE.findall(out)}
+    assert len(found) == 14, out
+    return found
+
+
+def balanced(counts: Counter[tuple[str, str, str, str]]) -> None:
+    """Every fixture set up was torn down, as often."""
+    for (what, kind, side, where), n in counts.items():
+        if what == "SETUP":
+            assert counts[("TEARDOWN", kind, side, where)] == n, (kind, side, where, counts)
+
+
+def host_side(counts: Counter[tuple[str, str, str, str]]) -> dict[tuple[str, str, str], int]:
+    return {(what, kind, where): n for (what, kind, side, where), n in counts.items() if side == "host"}
+
+
+#: The host's own fixtures in every mode: what a local run of the host's tests sets up.
+HOST_EXPECTED = {
+    ("SETUP", "sess", "-"): 1,
+    ("TEARDOWN", "sess", "-"): 1,
+    **{(w, "mod", m): 1 for w in ("SETUP", "TEARDOWN") for m in ("test_m1", "test_m2", "test_m3")},
+    ("SETUP", "klass", "TestC"): 1,
+    ("TEARDOWN", "klass", "TestC"): 1,
+}
+
+
+def test_default_scope_sets_wider_fixtures_up_once_and_each_side_tears_down_when_pytest_would(
+    project: Path, home: Path
+) -> None:
+    out = sub_run(project, home, "test", fresh=True)
+    counts = events(out)
+    balanced(counts)
+    # In the box: one warm interpreter set each fixture up once (they ran once per test before).
+    box = {(what, kind, where): n for (what, kind, side, where), n in counts.items() if side == "box"}
+    assert box == {
+        **{(w, "sess", "-"): 1 for w in ("SETUP", "TEARDOWN")},
+        **{(w, "mod", m): 1 for w in ("SETUP", "TEARDOWN") for m in ("test_m1", "test_m2", "test_m3", "test_m4")},
+        **{(w, "klass", c): 1 for w in ("SETUP", "TEARDOWN") for c in ("TestC", "TestD")},
+    }, out
+    assert host_side(counts) == HOST_EXPECTED, out
+    found = uses(out)
+    for side in ("host", "box"):
+        # Every test of a side got the same session fixture, and per module the same module fixture.
+        assert len({s for sd, s, _, _ in found.values() if sd == side}) == 1, (side, found)
+        for module in MODULES:
+            mods = {m for n, (sd, _, m, _) in found.items() if sd == side and n.startswith(module + ".py")}
+            assert len(mods) <= 1, (side, module, found)
+    assert found["test_m4.py::TestD::test_a"][3] == found["test_m4.py::TestD::test_b"][3]
+
+
+def test_teardown_errors_go_to_the_last_test_of_the_scope_on_either_side(project: Path, home: Path) -> None:
+    # test_m1 ends with a boxed test: the host's module fixture fails its teardown there; test_m2
+    # ends with a host test: the box's module fixture fails its teardown there.
+    m1 = project / "test_m1.py"
+    m1.write_text(m1.read_text() + '\nFAIL_TEARDOWN = "host"\n')
+    m2 = project / "test_m2.py"
+    m2.write_text(m2.read_text() + '\nFAIL_TEARDOWN = "box"\n')
+    env = sub_env(FRESH_PER_TEST="1")
+    run = SubRun(project, home, "fail", "-rA", "-p", "no:randomly", "test_m1.py", "test_m2.py", env=env)
+    rc = run.wait(200)
+    out = run.output
+    assert rc == 1, out
+    assert "previous item was not torn down properly" not in out, out
+    errors = re.findall(r"^ERROR (\S+) - (.*)$", out, re.M)
+    assert [nodeid for nodeid, _ in errors] == ["test_m1.py::test_e", "test_m2.py::test_b"], out
+    assert errors[0][1].startswith("RuntimeError: teardown of mod failed on the h"), out
+    assert errors[1][1].startswith("Failed: RuntimeError: teardown of mod failed on th"), out
+    # The whole error, in the report of the test it belongs to.
+    assert re.search(r"_+ ERROR at teardown of test_e _+\n(.*\n)*?E +RuntimeError: .*the host side", out), out
+    box_error = r"_+ ERROR at teardown of test_b _+\n(.*\n)*?E +RuntimeError: .*the box side"
+    assert re.search(box_error, out), out
+    assert "7 passed, 2 errors" in out, out
+    assert ledger.scan(home) == []
+
+
+@pytest.mark.parametrize("mode", ["module", "boot"])
+def test_module_scope_and_booted_boxes_keep_the_host_exact(project: Path, home: Path, mode: str) -> None:
+    args = ("--boxlite-scope=module",) if mode == "module" else ("--boxlite-fresh=boot",)
+    out = sub_run(project, home, mode, *args, fresh=mode == "boot")
+    counts = events(out)
+    balanced(counts)
+    assert host_side(counts) == HOST_EXPECTED, out
+    found = uses(out)
+    box_tests = [n for n, (side, *_) in found.items() if side == "box"]
+    box_setups = {k: n for (what, k, side, _), n in counts.items() if side == "box" and what == "SETUP"}
+    box_mods = Counter(
+        where for (what, k, side, where), n in counts.items() if (what, k, side) == ("SETUP", "mod", "box")
+    )
+    if mode == "boot":
+        # A booted box per test: each sets up what its test needs.
+        assert sum(n for (w, k, s, _), n in counts.items() if (w, k, s) == ("SETUP", "sess", "box")) == len(box_tests)
+    else:
+        # One box per run of a module's boxed tests: module fixtures once per box.
+        assert box_mods == Counter({"test_m1": 1, "test_m2": 1, "test_m3": 1, "test_m4": 1}), out
+        m4 = {m for n, (side, _, m, _) in found.items() if n.startswith("test_m4.py")}
+        assert len(m4) == 1, found
+    assert box_setups, out
+
+
+def test_xdist_workers_each_set_wider_fixtures_up_once(project: Path, home: Path) -> None:
+    pytest.importorskip("xdist")
+    out = sub_run(project, home, "n2", "-n", "2", "--dist=loadfile", fresh=True)
+    counts = events(out)
+    balanced(counts)
+    found = uses(out)
+    box_sessions = {s for side, s, _, _ in found.values() if side == "box"}
+    setups = sum(n for (w, k, s, _), n in counts.items() if (w, k, s) == ("SETUP", "sess", "box"))
+    # One warm interpreter per worker (loadfile keeps a module on one worker): at most two.
+    assert 1 <= setups == len(box_sessions) <= 2, out
+    for module in MODULES:
+        mods = {m for n, (sd, _, m, _) in found.items() if sd == "box" and n.startswith(module + ".py")}
+        assert len(mods) <= 1, (module, found)
+
+
+@pytest.mark.parametrize("n", [None, "2"])
+def test_worker_scope_runs_fixtures_as_locally(project: Path, home: Path, n: str | None) -> None:
+    if n is not None:
+        pytest.importorskip("xdist")
+    args = ["--boxlite-scope=worker"] + (["-n", n, "--dist=loadfile"] if n else [])
+    out = sub_run(project, home, f"worker{n}", *args)
+    counts = events(out)
+    balanced(counts)
+    sessions = sum(n for (w, k, _, _), n in counts.items() if (w, k) == ("SETUP", "sess"))
+    assert sessions == (1 if n is None else 2) or (n is not None and sessions == 1), out
