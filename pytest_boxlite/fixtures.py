@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +28,18 @@ def get_session(config: pytest.Config) -> BoxliteSession:
     try:
         return config.stash[SESSION_KEY]
     except KeyError:
+        from pytest_boxlite.spec import in_guest
+
+        if in_guest():
+            # Tests that ask for the fixtures as arguments run on the host; this one got here some
+            # other way (request.getfixturevalue) or the whole session runs in a box.
+            raise pytest.UsageError(
+                "pytest-boxlite: this test runs in a box, and a box cannot lease boxes (boxes do not nest). "
+                "Under --boxlite or the boxlite marker, a test that takes boxlite_sandbox, "
+                "boxlite_module_sandbox or boxlite_pool as an argument (or through its fixtures) runs on "
+                "the host; with --boxlite-scope=worker the whole session is in a box: use "
+                "--boxlite-scope=test or module for tests that lease sandboxes."
+            ) from None
         raise pytest.UsageError("pytest-boxlite is not active in this process") from None
 
 
@@ -50,18 +65,37 @@ class BoxlitePool:
         network: bool | None = None,
     ) -> BoxSpec:
         """The session's default box spec with the given fields changed."""
-        return self._session.spec_for(
+        return self._spec("boxlite_pool.spec", image=image, cpus=cpus, memory=memory, env=env, network=network)
+
+    def _spec(
+        self,
+        what: str,
+        *,
+        image: str | None = None,
+        cpus: int | None = None,
+        memory: int | None = None,
+        env: Mapping[str, str] | None = None,
+        network: bool | None = None,
+    ) -> BoxSpec:
+        spec = self._session.spec_for(
             image=image, cpus=cpus, memory=memory, env=tuple((env or {}).items()) or None, network=network
         )
+        unused = self._session.unused_image(spec.image, what) if image is not None else None
+        if unused:
+            _warn_at_caller(unused)
+        return spec
 
     def lease(self, *, timeout: float | None = None, reuse: bool = False, **spec: Any) -> Lease:
         """Lease a box; call ``release()`` on the result (or use :meth:`sandbox`)."""
-        return self._session.pool().lease(self.spec(**spec), timeout=timeout, reuse=reuse)
+        return self._lease("boxlite_pool.lease", timeout, reuse, spec)
+
+    def _lease(self, what: str, timeout: float | None, reuse: bool, spec: dict[str, Any]) -> Lease:
+        return self._session.pool().lease(self._spec(what, **spec), timeout=timeout, reuse=reuse)
 
     @contextlib.contextmanager
     def sandbox(self, *, timeout: float | None = None, reuse: bool = False, **spec: Any) -> Iterator[Sandbox]:
         """Lease a box for the ``with`` block."""
-        lease = self.lease(timeout=timeout, reuse=reuse, **spec)
+        lease = self._lease("boxlite_pool.sandbox", timeout, reuse, spec)
         try:
             yield lease.sandbox
         finally:
@@ -80,6 +114,22 @@ class BoxlitePool:
     @property
     def runtime_reason(self) -> str:
         return self._session.choice.reason
+
+
+def _warn_at_caller(message: str) -> None:
+    """Warn at the first frame outside this plugin and ``contextlib`` (the test's ``with`` line)."""
+    frame = sys._getframe(1)
+    here = os.path.dirname(__file__)
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(here) or frame.f_code.co_filename == contextlib.__file__
+    ):
+        frame = frame.f_back
+    warnings.warn_explicit(
+        pytest.PytestWarning(message),
+        category=pytest.PytestWarning,
+        filename=frame.f_code.co_filename,
+        lineno=frame.f_lineno,
+    )
 
 
 @pytest.fixture(scope="session")

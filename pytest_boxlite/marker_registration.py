@@ -12,6 +12,9 @@ MARKER_HELP = (
     "boxlite(image=None, cpus=None, memory=None, env=None, network=None, timeout=None, user=None): "
     "run this test inside a throw-away box"
 )
+#: Why an item that ``--boxlite`` would box runs on the host (the sandbox fixtures it needs).  Here,
+#: not in markers.py, so that plugin.py reads it without importing the session (boxes' pytest).
+ON_HOST_KEY = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:

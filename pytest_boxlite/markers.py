@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_boxlite.errors import BoxliteError
-from pytest_boxlite.session import BoxliteSession
-from pytest_boxlite.spec import BoxSpec
+from pytest_boxlite.marker_registration import ON_HOST_KEY
+
+if TYPE_CHECKING:
+    # Types only: a worker box's pytest checks its tests' markers without the session's imports.
+    from pytest_boxlite.session import BoxliteSession
+    from pytest_boxlite.spec import BoxSpec
 
 ALLOWED = ("image", "cpus", "memory", "env", "network", "timeout", "user")
+#: This plugin's fixtures that lease boxes from the host's pool: a test that needs one (directly
+#: or through other fixtures) cannot run in a box, since a box starts no boxes of its own.
+BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,18 +55,52 @@ def _check(item: pytest.Item, kwargs: Mapping[str, Any]) -> None:
             raise _bad(item, f"timeout must be a positive number of seconds, got {value!r}")
 
 
-def plan_for(item: pytest.Item, session: BoxliteSession) -> BoxPlan | None:
-    """The item's plan, or ``None`` when it runs locally.  Bad marker arguments raise ``UsageError``."""
+def marker_kwargs(item: pytest.Item) -> dict[str, Any]:
+    """The arguments of ``item``'s closest ``boxlite`` marker, checked (``{}`` without one).
+
+    Bad arguments raise ``UsageError`` naming the test and the argument.
+    """
     marker = item.get_closest_marker("boxlite")
-    if marker is None and not session.settings.all:
-        return None
-    kwargs: dict[str, Any] = dict(marker.kwargs) if marker is not None else {}
-    if marker is not None and marker.args:
+    if marker is None:
+        return {}
+    if marker.args:
         raise _bad(item, f"takes keyword arguments only ({', '.join(ALLOWED)}), got positional {marker.args!r}")
+    kwargs = dict(marker.kwargs)
     unknown = sorted(set(kwargs) - set(ALLOWED))
     if unknown:
         raise _bad(item, f"unknown argument(s) {', '.join(unknown)}; allowed: {', '.join(ALLOWED)}")
     _check(item, kwargs)
+    return kwargs
+
+
+def box_fixtures(item: pytest.Item) -> list[str]:
+    """This plugin's pool fixtures in ``item``'s fixture closure (what it asks for, and what those ask for)."""
+    return sorted(BOX_FIXTURES.intersection(getattr(item, "fixturenames", ())))
+
+
+def plan_for(item: pytest.Item, session: BoxliteSession) -> BoxPlan | None:
+    """The item's plan, or ``None`` when it runs locally.  Bad marker arguments raise ``UsageError``.
+
+    Under ``--boxlite``, a test that needs a sandbox fixture runs on the host (its sandboxes come
+    from the host's pool; boxes do not nest), and ``ON_HOST_KEY`` in its stash says why; with an
+    explicit ``@pytest.mark.boxlite`` it is a usage error.
+    """
+    marker = item.get_closest_marker("boxlite")
+    if marker is None and not session.settings.all:
+        return None
+    kwargs = marker_kwargs(item)
+    needs_pool = box_fixtures(item)
+    if needs_pool:
+        if marker is None:
+            item.stash[ON_HOST_KEY] = ", ".join(needs_pool)
+            return None
+        raise _bad(
+            item,
+            f"it uses {', '.join(needs_pool)} (directly or through its fixtures), "
+            f"{'which lease' if len(needs_pool) > 1 else 'which leases'} boxes from the host's pool, and a "
+            "test in a box cannot start boxes (boxes do not nest). Remove the marker: the test then runs "
+            "on the host, where its sandboxes are boxes (under --boxlite too).",
+        )
     timeout = float(kwargs.pop("timeout", session.settings.timeout))
     env = kwargs.pop("env", None)
     try:
@@ -67,4 +109,25 @@ def plan_for(item: pytest.Item, session: BoxliteSession) -> BoxPlan | None:
         )
     except BoxliteError as exc:
         raise _bad(item, str(exc)) from None
+    if not item.stash.get(_WARNED_KEY, False):
+        item.stash[_WARNED_KEY] = True
+        unheld = session.unheld_caps(spec)
+        if unheld:
+            # The header names the default's caps only: say so for the test that asks for more.
+            asked = ", ".join(f"{k}={kwargs[k]!r}" for k in ("memory", "cpus") if k in kwargs)
+            _warn_at(item, f"{item.nodeid}: @pytest.mark.boxlite({asked}) is not enforced here: {unheld}")
     return BoxPlan(spec, timeout)
+
+
+#: The item's plan warnings were given (plan_for runs at collection and again after it).
+_WARNED_KEY = pytest.StashKey[bool]()
+
+
+def _warn_at(item: pytest.Item, message: str) -> None:
+    lineno = item.location[1]
+    warnings.warn_explicit(
+        pytest.PytestWarning(message),
+        category=pytest.PytestWarning,
+        filename=str(item.path),
+        lineno=(lineno or 0) + 1,
+    )

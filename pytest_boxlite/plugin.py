@@ -14,8 +14,11 @@ registers its ``DSession`` only where it distributes:
 
 from __future__ import annotations
 
+import os
+import traceback
+from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -26,7 +29,7 @@ from pytest_boxlite.fixtures import (  # noqa: F401 - fixtures are found as attr
     boxlite_pool,
     boxlite_sandbox,
 )
-from pytest_boxlite.marker_registration import MARKER_HELP
+from pytest_boxlite.marker_registration import MARKER_HELP, ON_HOST_KEY
 from pytest_boxlite.settings import add_options, resolve
 from pytest_boxlite.spec import in_guest
 
@@ -79,6 +82,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
     if in_guest():
         config.pluginmanager.register(GuestRole(), "boxlite-guest")
+        settings = resolve(config)
+        if settings.scope == "worker" and not _boots_nothing(config):
+            from pytest_boxlite.session_in_box import WorkerScopeGuest
+
+            config.pluginmanager.register(WorkerScopeGuest(settings), "boxlite-worker-scope")
+            if config.option.usepdb:
+                # The whole session is in this box, whose terminal pdb cannot use: no post-mortem
+                # (this runs before pytest's debugging plugin looks at the option), a line instead.
+                config.option.usepdb = False
+                config.pluginmanager.register(PdbNotice(lambda item: True, header=True), "boxlite-pdb")
         return
     if _boots_nothing(config):
         return
@@ -107,10 +120,131 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = role.session
     config.stash[ROLE_KEY] = role
     config.pluginmanager.register(role, role.NAME)
+    if config.option.usepdb and isinstance(role, HostPlugin):
+        config.pluginmanager.register(PdbNotice(_boxed_on(role), header=False), "boxlite-pdb")
+    if isinstance(role, ControllerPlugin) and settings.scope == "worker":
+        from pytest_boxlite.session_in_box import WorkerRefusals
+
+        config.pluginmanager.register(WorkerRefusals(), "boxlite-worker-refusals")
+
+
+#: A setup report's attribute naming why its test ran on the host under ``--boxlite`` (it survives
+#: xdist's report serialization, so the controller's summary counts its workers' tests).
+ON_HOST_ATTR = "boxlite_on_host"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    report = yield
+    reason = item.stash.get(ON_HOST_KEY, None)
+    if reason is not None and report.when == "setup":
+        setattr(report, ON_HOST_ATTR, reason)
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line for the tests that ``--boxlite`` left on the host because they lease sandboxes."""
+    on_host: dict[str, str] = {}
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            reason = getattr(rep, ON_HOST_ATTR, None)
+            if isinstance(reason, str) and getattr(rep, "when", None) == "setup":
+                on_host[rep.nodeid] = reason
+    if on_host:
+        fixtures = sorted({name for reason in on_host.values() for name in reason.split(", ")})
+        n = len(on_host)
+        terminalreporter.write_line(
+            f"boxlite: {n} test{'s' if n != 1 else ''} ran on the host, not in a box: "
+            f"{'they use' if n != 1 else 'it uses'} {', '.join(fixtures)}, whose sandboxes are boxes "
+            "from the host's pool (a box starts no boxes)"
+        )
+
+
+def _boxed_on(role: _SessionRole) -> Callable[[pytest.Item], bool]:
+    """Whether an item runs in a box of ``role``'s session (its plan; a bad marker is no box)."""
+    from pytest_boxlite.markers import plan_for
+
+    def boxed(item: pytest.Item) -> bool:
+        try:
+            return plan_for(item, role.session) is not None
+        except pytest.UsageError:
+            return False
+
+    return boxed
+
+
+class PdbNotice:
+    """``--pdb`` and boxed tests: pdb cannot reach a box, so each boxed failure gets a line saying
+    how to debug that test here, where pytest would have entered the debugger."""
+
+    def __init__(self, boxed: Callable[[pytest.Item], bool], *, header: bool) -> None:
+        self._boxed = boxed
+        self._header = header
+        self._item: pytest.Item | None = None
+        self._told: set[str] = set()
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        if not self._header:
+            return []  # the host role's header has the line
+        return [
+            "boxlite: --pdb does not enter boxed tests (they run in a box without this terminal); "
+            "to debug one here, run it with -p no:boxlite"
+        ]
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
+        self._item = item
+        try:
+            return (yield)
+        finally:
+            self._item = None
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        item = self._item
+        if not report.failed or item is None or report.nodeid != item.nodeid or report.nodeid in self._told:
+            return
+        if not self._boxed(item):
+            return
+        self._told.add(report.nodeid)
+        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(
+                f"boxlite: --pdb: {report.nodeid} failed in a box, which no debugger here can enter; "
+                f"to debug it: pytest -p no:boxlite --pdb {report.nodeid}",
+                yellow=True,
+            )
+
+
+def _caller() -> str:
+    """``file:line`` of the code that called the debugger (the first frame outside it and pytest)."""
+    skip = ("pdb.py", "bdb.py", *(f"{os.sep}{pkg}{os.sep}" for pkg in ("_pytest", "pluggy", "pytest_boxlite")))
+    for frame in reversed(traceback.extract_stack()):
+        if not any(part in frame.filename for part in skip):
+            return f"{frame.filename}:{frame.lineno}"
+    return "?"
 
 
 class GuestRole:
     """Inside a box's pytest (boxed tests, ``--boxlite-scope=worker``): the host does the boxing."""
+
+    def pytest_enter_pdb(self, config: pytest.Config, pdb: object) -> None:
+        """``breakpoint()``, ``pdb.set_trace()`` and ``pytest.set_trace()`` in a box: no debugger can
+        reach the user's terminal from here, so the test fails at that line saying so, instead of
+        pdb reading end-of-file and quitting with a bare ``BdbQuit``."""
+        # pytest suspended capturing to hand the terminal to pdb; nobody resumes it if we refuse.
+        capman = config.pluginmanager.getplugin("capturemanager")
+        if capman is not None and hasattr(capman, "resume"):
+            capman.resume()
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0] or "this test"
+        under_xdist = "PYTEST_XDIST_WORKER" in os.environ
+        pytest.fail(
+            f"[boxlite] {test}: a debugger was asked for at {_caller()}, but this test runs in a box of "
+            "pytest-boxlite, which has no terminal of yours to debug in. To debug it, run it unboxed: "
+            f"pytest -p no:boxlite {'without -n ' if under_xdist else ''}{test}"
+            f"{' (xdist workers have no terminal either)' if under_xdist else ''}",
+            pytrace=False,
+        )
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:

@@ -106,6 +106,9 @@ class BoxliteSession:
         self._worker_mounts = worker_mounts
         #: Why boxed tests cannot be forked after all (the guest kernel said so), or ``None``.
         self.fork_refused: str | None = None
+        #: What ``unheld_caps`` found per (memory, cpus) request.
+        self._caps: dict[tuple[int | None, int | None], str] = {}
+        self._caps_lock = threading.Lock()
 
     @property
     def fork_boxes(self) -> bool:
@@ -164,6 +167,46 @@ class BoxliteSession:
             overrides["memory_mib"] = overrides.pop("memory")
         base.update({k: v for k, v in overrides.items() if v is not None})
         return BoxSpec(**base)
+
+    def unused_image(self, image: str, what: str) -> str | None:
+        """The warning for ``what`` (``"<test>: @pytest.mark.boxlite"``, ``"boxlite_pool.sandbox"``)
+        asking for ``image`` where this session's runtime uses no image, else ``None``.  The one
+        text both the marker and the pool fixture warn with."""
+        from pytest_boxlite.runtimes import kind_notes
+
+        _, unused = kind_notes(self.choice.kind)
+        if not unused or image == self.settings.image:
+            return None
+        return (
+            f"{what}(image={image!r}) has no effect on the {self.choice.kind} runtime ({unused}); "
+            "it runs on this host's files. Use --boxlite-runtime=vm for a real image."
+        )
+
+    def unheld_caps(self, spec: BoxSpec) -> str | None:
+        """Why the memory or cpus ``spec`` asks for beyond the session's default cannot hold here
+        (for a per-test warning: the report header speaks of the default only), else ``None``."""
+        from pytest_boxlite.runtimes import header_notes
+
+        default = self.default_spec
+        wanted = []
+        if spec.memory_mib != default.memory_mib and spec.memory_mib is not None:
+            wanted.append(("memory", f"memory {spec.memory_mib} MiB"))
+        if spec.cpus != default.cpus and spec.cpus is not None:
+            wanted.append(("cpus", f"cpu {spec.cpus}"))
+        if not wanted:
+            return None
+        key = (spec.memory_mib, spec.cpus)
+        with self._caps_lock:
+            if key not in self._caps:
+                # A probe per distinct request (the namespace runtime makes and removes a cgroup).
+                asked = dataclasses.replace(default, memory_mib=spec.memory_mib, cpus=spec.cpus)
+                lines = header_notes(self.choice.kind, asked)
+                prefix = "boxlite: limits not enforced: "
+                line = next((x[len(prefix) :] for x in lines if x.startswith(prefix)), "")
+                self._caps[key] = line.split("; in force:")[0]
+            missing = self._caps[key]
+        unheld = [entry for entry in missing.split("; ") if any(entry.startswith(w) for _, w in wanted)]
+        return "; ".join(unheld) or None
 
     # -- lifecycle ------------------------------------------------------------
     def prepare_home(self) -> None:

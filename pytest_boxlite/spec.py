@@ -28,6 +28,16 @@ def in_guest() -> bool:
 # BOXLITE_API_KEY is the key of a remote BoxLite server (--boxlite-url): a box must never hold it.
 _HOST_ONLY_ENV = ("PYTEST_CURRENT_TEST", "PYTEST_DEBUG_TEMPROOT", "BOXLITE_API_KEY")
 
+#: An OCI image reference as registries take it (the distribution project's grammar): an optional
+#: registry host (and port), lower-case path components, an optional tag and an optional digest.
+_REF_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_REF_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_REF_HOST = rf"(?:{_REF_LABEL}(?:\.{_REF_LABEL})*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
+_IMAGE_REF = re.compile(
+    rf"(?:{_REF_HOST}/)?{_REF_COMPONENT}(?:/{_REF_COMPONENT})*"
+    r"(?::[\w][\w.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?\Z"
+)
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -94,6 +104,11 @@ class BoxSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image.strip():
             raise ConfigError(f"image must be a non-empty string, got {self.image!r}")
+        if len(self.image) > 512 or not _IMAGE_REF.match(self.image):
+            raise ConfigError(
+                f"image {self.image!r} is not an OCI image reference: expected [registry/]name[:tag][@digest] "
+                "with a lower-case name, e.g. 'python:3.12-slim' or 'ghcr.io/org/tool:1.0'"
+            )
         if self.cpus is not None and (not isinstance(self.cpus, int) or isinstance(self.cpus, bool) or self.cpus < 1):
             raise ConfigError(f"cpus must be a positive integer, got {self.cpus!r}")
         if self.memory_mib is not None and (

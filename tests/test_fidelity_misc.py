@@ -1,0 +1,486 @@
+"""Fidelity odds and ends (issue 23, items 4, 5, 6 and part of 10), each a real pytest sub-run with
+real namespace boxes and a ``--boxlite-home`` of its own, left empty afterwards:
+
+- ``--boxlite`` with tests that lease sandboxes: they run on the host, with one summary line;
+- ``--boxlite-scope=worker`` and marker arguments: ``env=`` and the timeouts hold per test, what a
+  shared box cannot hold is a usage error naming the test (with and without ``-n 2``);
+- debuggers: ``breakpoint()``/``pdb.set_trace()`` in a box and ``--pdb``, driven through a pty;
+- ``pytest.exit()`` under ``-n 2`` ends the run as it does unboxed;
+- ``boxlite_pool``'s ``image=`` (a warning where images are unused, an error for a malformed
+  name), ``update_file`` with text, and a marker's ``memory=`` that cannot hold for an ordinary user.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import subruns
+from subruns import QUIET, sub_env
+
+from pytest_boxlite import ledger
+
+pytestmark = pytest.mark.timeout(240)
+
+RUNTIME = ("--boxlite-runtime=namespace",)
+
+
+class SubRun(subruns.SubRun):
+    base_args = RUNTIME
+    wait_timeout = 150.0
+
+
+def write(directory: Path, name: str, source: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(textwrap.dedent(source))
+
+
+def finished(run: SubRun) -> tuple[int, str]:
+    rc = run.wait()
+    return rc, run.output
+
+
+def no_leftovers(home: Path, output: str) -> None:
+    assert ledger.scan(home) == [], f"boxes left behind in {home}\n{output[-3000:]}"
+
+
+XDIST = pytest.mark.parametrize("xdist", [(), ("-n", "2")], ids=["plain", "n2"])
+
+
+# --------------------------------------------------------------------------
+# item 4: --boxlite and the sandbox fixtures
+
+SANDBOX_TESTS = """
+import os
+
+import pytest
+
+IN_BOX = "PYTEST_BOXLITE_GUEST"
+
+
+@pytest.fixture(scope="module")
+def shared(boxlite_pool):
+    # The user's own fixture that leases from the pool: its tests need the host too.
+    with boxlite_pool.sandbox() as sb:
+        yield sb
+
+
+def test_plain_is_boxed():
+    assert os.environ.get(IN_BOX) == "1"
+
+
+def test_sandbox(boxlite_sandbox):
+    assert IN_BOX not in os.environ
+    assert boxlite_sandbox.run(["true"]).ok
+
+
+def test_module_sandbox(boxlite_module_sandbox):
+    assert IN_BOX not in os.environ
+    assert boxlite_module_sandbox.run(["true"]).ok
+
+
+def test_through_a_fixture(shared):
+    assert IN_BOX not in os.environ
+    assert shared.run(["true"]).ok
+"""
+
+ON_HOST_LINE = (
+    "boxlite: 3 tests ran on the host, not in a box: they use boxlite_module_sandbox, boxlite_pool, "
+    "boxlite_sandbox, whose sandboxes are boxes from the host's pool (a box starts no boxes)"
+)
+
+
+@XDIST
+def test_boxlite_runs_tests_that_lease_sandboxes_on_the_host(tmp_path: Path, home: Path, xdist: Sequence[str]) -> None:
+    """Under --boxlite a test that needs a sandbox fixture (directly or through the user's own
+    fixture) runs on the host and its sandboxes work; the others are boxed; one line says so."""
+    write(tmp_path, "test_sandboxes.py", SANDBOX_TESTS)
+    rc, out = finished(SubRun(tmp_path, home, "all", "--boxlite", *xdist, "test_sandboxes.py"))
+    assert rc == 0, out
+    assert re.search(r"\b4 passed\b", out), out
+    assert out.count("ran on the host, not in a box") == 1, out
+    assert ON_HOST_LINE in out, out
+    no_leftovers(home, out)
+
+
+MARKED_SANDBOX = """
+import pytest
+
+
+@pytest.fixture
+def tool(boxlite_sandbox):
+    return boxlite_sandbox
+
+
+@pytest.mark.boxlite
+def test_marked(tool):
+    pass
+"""
+
+
+def test_an_explicit_marker_on_a_sandbox_test_is_a_usage_error(tmp_path: Path, home: Path) -> None:
+    write(tmp_path, "test_marked.py", MARKED_SANDBOX)
+    rc, out = finished(SubRun(tmp_path, home, "marked", "test_marked.py"))
+    assert rc == pytest.ExitCode.USAGE_ERROR, out
+    assert (
+        "test_marked.py::test_marked: @pytest.mark.boxlite: it uses boxlite_sandbox (directly or through its "
+        "fixtures), which leases boxes from the host's pool, and a test in a box cannot start boxes"
+    ) in out, out
+    assert "Remove the marker" in out, out
+    no_leftovers(home, out)
+
+
+# --------------------------------------------------------------------------
+# item 5: --boxlite-scope=worker and marker arguments
+
+WORKER_ARGS = """
+import os
+import time
+
+import pytest
+
+
+@pytest.mark.boxlite(env={"PBX_MARKER_ENV": "set"})
+def test_env_is_set():
+    assert os.environ.get("PBX_MARKER_ENV") == "set"
+
+
+def test_env_is_not_left_behind():
+    assert "PBX_MARKER_ENV" not in os.environ
+
+
+@pytest.mark.boxlite(timeout=2)
+def test_marker_timeout():
+    time.sleep(60)
+
+
+@pytest.mark.boxlite
+def test_default_timeout():
+    time.sleep(60)
+
+
+def test_unmarked_has_no_bound():
+    time.sleep(5)  # longer than --boxlite-timeout: an unmarked test is not boxed in the other scopes
+"""
+
+
+@XDIST
+def test_worker_scope_honours_env_and_timeouts(tmp_path: Path, home: Path, xdist: Sequence[str]) -> None:
+    """env= is set for its test only; timeout= and --boxlite-timeout interrupt a test that sleeps
+    for a minute (a sub-run that ignored them would outlast its wait)."""
+    write(tmp_path, "test_worker_args.py", WORKER_ARGS)
+    run = SubRun(
+        tmp_path, home, "args", "--boxlite-scope=worker", "--boxlite-timeout=4", "-p", "no:randomly", *xdist,
+        "test_worker_args.py",
+    )  # fmt: skip
+    rc, out = finished(run)
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert re.search(r"\b2 failed, 3 passed\b", out), out
+    for name, bound in (("test_marker_timeout", 2), ("test_default_timeout", 4)):
+        # Under -n the failure's body starts with the worker's line ("[gw0] linux -- Python ...").
+        body = rf"_ {name} _+\n(?:\[gw\d+\] .*\n)?\[boxlite\] timed out after {bound}s; the test was interrupted"
+        assert re.search(body, out), out
+    no_leftovers(home, out)
+
+
+REFUSED = """
+import pytest
+
+
+@pytest.mark.boxlite(memory=512)
+def test_needs_memory():
+    pass
+
+
+def test_other():
+    pass
+"""
+
+
+@XDIST
+def test_worker_scope_refuses_what_a_shared_box_cannot_hold(tmp_path: Path, home: Path, xdist: Sequence[str]) -> None:
+    write(tmp_path, "test_refused.py", REFUSED)
+    rc, out = finished(SubRun(tmp_path, home, "refused", "--boxlite-scope=worker", *xdist, "test_refused.py"))
+    assert rc == pytest.ExitCode.USAGE_ERROR, out
+    assert (
+        "test_refused.py::test_needs_memory: @pytest.mark.boxlite: memory=512 cannot hold under --boxlite-scope=worker"
+    ) in out, out
+    assert "--boxlite-memory=512" in out, out
+    assert "passed" not in out, out  # refused before any test ran
+    no_leftovers(home, out)
+
+
+STUBBORN = """
+import time
+
+import pytest
+
+
+@pytest.mark.boxlite(timeout=1)
+def test_stubborn():
+    try:
+        time.sleep(60)
+    except BaseException:
+        time.sleep(60)  # swallows the interruption
+
+
+def test_after():
+    pass
+"""
+
+
+def test_worker_scope_ends_the_box_of_a_test_that_ignores_its_timeout(tmp_path: Path, home: Path) -> None:
+    """As the other scopes kill a timed-out test's box, the worker's box ends (xdist reports the
+    crash and starts a new worker) when the test does not stop after being interrupted."""
+    write(tmp_path, "test_stubborn.py", STUBBORN)
+    run = SubRun(tmp_path, home, "stubborn", "--boxlite-scope=worker", "-n", "2", "test_stubborn.py")
+    rc, out = finished(run)
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert "crashed while running 'test_stubborn.py::test_stubborn'" in out, out
+    assert re.search(r"\b1 failed, 1 passed\b", out), out
+    no_leftovers(home, out)
+
+
+# --------------------------------------------------------------------------
+# item 6: debuggers and pytest.exit
+
+
+def run_in_pty(
+    argv: Sequence[str], cwd: Path, *, answers: Sequence[tuple[bytes, bytes]] = (), timeout: float = 120.0
+) -> tuple[int, str]:
+    """Run ``argv`` on a new pseudo-terminal, as from a user's shell; each ``(prompt, reply)`` of
+    ``answers`` is typed once ``prompt`` appears after the previous reply.  Its exit code and output."""
+    env = sub_env(TERM="dumb", COLUMNS="200", PY_COLORS="0")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.chdir(cwd)
+            os.execve(argv[0], list(argv), env)
+        finally:
+            os._exit(127)
+    out = bytearray()
+    seen = 0
+    pending = list(answers)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                raise AssertionError(f"no end within {timeout}s:\n{out.decode(errors='replace')[-4000:]}")
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the child's side of the terminal closed
+                break
+            if not chunk:
+                break
+            out += chunk
+            if pending and pending[0][0] in out[seen:]:
+                seen = len(out)
+                os.write(fd, pending.pop(0)[1])
+    finally:
+        os.close(fd)
+        _, status = os.waitpid(pid, 0)
+    assert not pending, f"never prompted for {pending}:\n{out.decode(errors='replace')[-4000:]}"
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace").replace("\r\n", "\n")
+
+
+def pytest_argv(home: Path, *args: str) -> list[str]:
+    return subruns.pytest_argv(home, *RUNTIME, "-p", "no:randomly", *args)
+
+
+DEBUGGED = """
+import pytest
+
+
+@pytest.mark.boxlite
+def test_boxed_breakpoint():
+    breakpoint()
+
+
+@pytest.mark.boxlite
+def test_boxed_set_trace():
+    import pdb
+
+    pdb.set_trace()
+
+
+def test_local_breakpoint():
+    breakpoint()
+"""
+
+
+def test_breakpoint_in_a_boxed_test_says_why_and_how(tmp_path: Path, home: Path) -> None:
+    """On a terminal: a boxed test's breakpoint() and pdb.set_trace() fail at once naming the test,
+    the line and the way out; the local test's breakpoint() gets its debugger (the terminal works)."""
+    write(tmp_path, "test_dbg.py", DEBUGGED)
+    rc, out = run_in_pty(pytest_argv(home, "test_dbg.py"), tmp_path, answers=[(b"(Pdb) ", b"c\n")])
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert re.search(r"\b2 failed, 1 passed\b", out), out
+    for name, line in (("test_boxed_breakpoint", 7), ("test_boxed_set_trace", 14)):
+        assert (
+            f"[boxlite] test_dbg.py::{name}: a debugger was asked for at {tmp_path / 'test_dbg.py'}:{line}, "
+            "but this test runs in a box of pytest-boxlite"
+        ) in out, out
+        assert f"run it unboxed: pytest -p no:boxlite test_dbg.py::{name}" in out, out
+    assert "BdbQuit" not in out, out
+    no_leftovers(home, out)
+
+
+PDB_FAILS = """
+import pytest
+
+
+@pytest.mark.boxlite
+def test_boxed_fails():
+    assert 1 == 2
+
+
+def test_local_fails():
+    assert 3 == 4
+"""
+
+
+@pytest.mark.parametrize("scope", ["test", "worker"])
+def test_pdb_with_boxed_tests_says_so_where_it_would_debug(tmp_path: Path, home: Path, scope: str) -> None:
+    """--pdb on a terminal: a header line, and for a boxed failure a line naming it and how to
+    debug it here; in the default scope a local failure still gets pdb's post-mortem."""
+    write(tmp_path, "test_pdb.py", PDB_FAILS)
+    all_boxed = scope == "worker"  # the whole session runs in the box
+    answers = [] if all_boxed else [(b"(Pdb) ", b"c\n")]
+    argv = pytest_argv(home, "--pdb", f"--boxlite-scope={scope}", "test_pdb.py")
+    rc, out = run_in_pty(argv, tmp_path, answers=answers)
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert "boxlite: --pdb does not enter boxed tests" in out, out
+
+    def told(name: str) -> bool:
+        return (
+            f"boxlite: --pdb: test_pdb.py::{name} failed in a box, which no debugger here can enter; "
+            f"to debug it: pytest -p no:boxlite --pdb test_pdb.py::{name}"
+        ) in out
+
+    assert told("test_boxed_fails"), out
+    assert told("test_local_fails") == all_boxed, out
+    assert ("(Pdb) " in out) != all_boxed, out
+    no_leftovers(home, out)
+
+
+EXITS = """
+import time
+
+import pytest
+
+
+def test_exit():
+    pytest.exit("enough", returncode=7)
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_slow(i):
+    time.sleep(1)
+"""
+
+
+def test_pytest_exit_under_n2_ends_the_run_as_unboxed(tmp_path: Path, home: Path) -> None:
+    """Whatever xdist makes of a worker's pytest.exit() unboxed (the exit code, the run stopping),
+    boxed tests under -n 2 give the same, in the default and the worker scope."""
+    write(tmp_path, "test_exits.py", EXITS)
+    # Unboxed: without this plugin, so without its options (SubRun passes --boxlite-home).
+    plain_run = subprocess.run(
+        [sys.executable, "-m", "pytest", *QUIET, "-p", "no:boxlite", "-p", "no:randomly", "-n", "2"],
+        cwd=tmp_path, env=sub_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    plain_rc, plain = plain_run.returncode, plain_run.stdout + plain_run.stderr
+    assert "6 passed" not in plain, plain
+    for scope in ("test", "worker"):
+        rc, out = finished(
+            SubRun(tmp_path, home, scope, "--boxlite", f"--boxlite-scope={scope}", "-p", "no:randomly", "-n", "2")
+        )
+        assert rc == plain_rc, f"unboxed: {plain_rc}, boxed ({scope}): {rc}\n{out}"
+        assert "6 passed" not in out, out
+        no_leftovers(home, out)
+
+
+# --------------------------------------------------------------------------
+# item 10: boxlite_pool's image=, update_file with text, a memory= that cannot hold
+
+POOL_TESTS = """
+import pytest
+
+
+def test_other_image(boxlite_pool):
+    with boxlite_pool.sandbox(image="alpine:3") as sb:
+        assert sb.run(["true"]).ok
+
+
+def test_malformed_image_name(boxlite_pool):
+    with pytest.raises(Exception, match="'Not An Image' is not an OCI image reference"):
+        boxlite_pool.spec(image="Not An Image")
+
+
+def test_update_file_takes_text_and_bytes(boxlite_sandbox):
+    boxlite_sandbox.update_file("/workspace/f.txt", "text \\u00e9\\n")
+    assert boxlite_sandbox.read_bytes("/workspace/f.txt") == "text \\u00e9\\n".encode()
+    boxlite_sandbox.update_file("/workspace/f.txt", b"\\x00\\xff")
+    assert boxlite_sandbox.read_bytes("/workspace/f.txt") == b"\\x00\\xff"
+"""
+
+
+def test_pool_image_warns_where_unused_and_malformed_names_fail(tmp_path: Path, home: Path) -> None:
+    write(tmp_path, "test_pool_image.py", POOL_TESTS)
+    rc, out = finished(SubRun(tmp_path, home, "pool", "-p", "no:randomly", "test_pool_image.py"))
+    assert rc == 0, out
+    assert re.search(r"\b3 passed, 1 warning\b", out), out
+    assert (
+        "test_pool_image.py:6: PytestWarning: boxlite_pool.sandbox(image='alpine:3') has no effect on the "
+        "namespace runtime (namespace boxes show the host's filesystem)"
+    ) in out, out
+    no_leftovers(home, out)
+
+
+MEMORY_TESTS = """
+import pytest
+
+
+@pytest.mark.boxlite(memory=512)
+def test_asks_for_memory():
+    pass
+
+
+@pytest.mark.boxlite
+def test_default_memory():
+    pass
+"""
+
+
+def test_a_memory_request_that_cannot_hold_warns_per_test(tmp_path: Path, home: Path) -> None:
+    """Where memory caps cannot hold (an ordinary user without a delegated cgroup: CI's ordinary-user
+    job), the header names the default's; a test that asks for memory of its own gets a warning
+    naming it and why.  Where they hold (root), no test is warned."""
+    write(tmp_path, "test_memory.py", MEMORY_TESTS)
+    rc, out = finished(SubRun(tmp_path, home, "memory", "test_memory.py"))
+    assert rc == 0, out
+    if "boxlite: limits not enforced: memory" in out:
+        assert re.search(
+            r"test_memory\.py:5: PytestWarning: test_memory\.py::test_asks_for_memory: "
+            r"@pytest\.mark\.boxlite\(memory=512\) is not enforced here: memory 512 MiB \(no cgroup",
+            out,
+        ), out
+        assert out.count("is not enforced here") == 1, out  # not for the test that asks for nothing
+        assert re.search(r"\b2 passed, 1 warning\b", out), out
+    else:
+        assert "is not enforced here" not in out, out
+        assert re.search(r"\b2 passed in\b", out), out
+    no_leftovers(home, out)
