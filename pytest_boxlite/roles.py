@@ -24,7 +24,7 @@ from pytest_boxlite.errors import BoxliteError, ConfigError
 from pytest_boxlite.fixtures import CALL_FAILED_KEY
 from pytest_boxlite.markers import BoxPlan, plan_for
 from pytest_boxlite.pool import NoLifecycle
-from pytest_boxlite.runtimes import BoxHandle, header_notes, kind_notes, preflight
+from pytest_boxlite.runtimes import BoxHandle, header_notes, preflight
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.settings import Settings
 from pytest_boxlite.spec import BoxSpec
@@ -356,7 +356,6 @@ class HostPlugin(_SessionRole, NoLifecycle):
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         has_timeout = config.pluginmanager.hasplugin("timeout")
-        _, unused_image = kind_notes(self.session.choice.kind)
         warned: set[str] = set()
         boxes_needed = False
         for item in items:
@@ -367,16 +366,15 @@ class HostPlugin(_SessionRole, NoLifecycle):
             boxes_needed = True
             item.stash[_PLAN_KEY] = plan
             image = plan.spec.image
-            if unused_image and image != self.session.settings.image and image not in warned:
+            # The pool fixture warns with the same text (BoxliteSession.unused_image).
+            what = f"{item.nodeid}: @pytest.mark.boxlite"
+            unused = None if image in warned else self.session.unused_image(image, what)
+            if unused:
                 # One warning per image: the test would otherwise run on the host's distribution unawares.
                 warned.add(image)
                 lineno = item.location[1]
                 warnings.warn_explicit(
-                    pytest.PytestWarning(
-                        f"{item.nodeid}: @pytest.mark.boxlite(image={image!r}) has no effect on the "
-                        f"{self.session.choice.kind} runtime ({unused_image}); it runs on this host's files. "
-                        "Use --boxlite-runtime=vm for a real image."
-                    ),
+                    pytest.PytestWarning(unused),
                     category=pytest.PytestWarning,
                     filename=str(item.path),
                     lineno=(lineno or 0) + 1,

@@ -435,6 +435,11 @@ def test_update_file_takes_text_and_bytes(boxlite_sandbox):
     assert boxlite_sandbox.read_bytes("/workspace/f.txt") == "text \\u00e9\\n".encode()
     boxlite_sandbox.update_file("/workspace/f.txt", b"\\x00\\xff")
     assert boxlite_sandbox.read_bytes("/workspace/f.txt") == b"\\x00\\xff"
+
+
+@pytest.mark.boxlite(image="alpine:3")
+def test_marker_image():
+    pass
 """
 
 
@@ -442,11 +447,11 @@ def test_pool_image_warns_where_unused_and_malformed_names_fail(tmp_path: Path, 
     write(tmp_path, "test_pool_image.py", POOL_TESTS)
     rc, out = finished(SubRun(tmp_path, home, "pool", "-p", "no:randomly", "test_pool_image.py"))
     assert rc == 0, out
-    assert re.search(r"\b3 passed, 1 warning\b", out), out
-    assert (
-        "test_pool_image.py:6: PytestWarning: boxlite_pool.sandbox(image='alpine:3') has no effect on the "
-        "namespace runtime (namespace boxes show the host's filesystem)"
-    ) in out, out
+    assert re.search(r"\b4 passed, 2 warnings\b", out), out
+    # The pool's warning, at the test's line, in the marker's words.
+    unused = "has no effect on the namespace runtime (namespace boxes show the host's filesystem)"
+    assert f"test_pool_image.py:6: PytestWarning: boxlite_pool.sandbox(image='alpine:3') {unused}" in out, out
+    assert f"test_pool_image.py::test_marker_image: @pytest.mark.boxlite(image='alpine:3') {unused}" in out, out
     no_leftovers(home, out)
 
 
