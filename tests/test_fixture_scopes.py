@@ -301,5 +301,13 @@ def test_worker_scope_runs_fixtures_as_locally(project: Path, home: Path, n: str
     out = sub_run(project, home, f"worker{n}", *args)
     counts = events(out)
     balanced(counts)
-    sessions = sum(n for (w, k, _, _), n in counts.items() if (w, k) == ("SETUP", "sess"))
-    assert sessions == (1 if n is None else 2) or (n is not None and sessions == 1), out
+    found = uses(out)
+    assert {side for side, *_ in found.values()} == {"box"}, found
+    sessions = {s for _, s, _, _ in found.values()}
+    # The session once per worker's box; every module and class fixture once, as locally.
+    assert counts[("SETUP", "sess", "box", "-")] == len(sessions) == (1 if n is None else len(sessions)) <= 2, out
+    assert {(k, where): c for (w, k, _, where), c in counts.items() if w == "SETUP" and k != "sess"} == {
+        **{("mod", m): 1 for m in MODULES},
+        ("klass", "TestC"): 1,
+        ("klass", "TestD"): 1,
+    }, out

@@ -339,7 +339,9 @@ class RemoteRunner:
             if isinstance(made, str):
                 return None, self._failed(item, made, handle, 0.0), None
             box = made
-        why = self._resolve(box, min(timeout, 30.0))
+        # With shared fixtures the answer comes once they are set up (a slow session fixture's
+        # time): the test's own bound, as when its box set them up itself.
+        why = self._resolve(box, timeout if self.share_fixtures else min(timeout, 30.0))
         if why is not None:
             return None, self._failed(item, why, handle, 0.0), None
         # Failure reports quote only what the box's fork parent logged since the box was forked.
