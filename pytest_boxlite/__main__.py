@@ -21,9 +21,24 @@ def _home(args: argparse.Namespace) -> Path:
 
 def _home_state(home: Path) -> str:
     """``exists, writable`` / ``will be created`` / ``NOT writable (...)``, without touching anything."""
+    try:
+        return _home_state_of(home)
+    except OSError as exc:
+        return f"NOT usable by uid {os.getuid()}: {_os_problem(exc)}"
+
+
+def _os_problem(exc: OSError) -> str:
+    """``Permission denied: '<path>'``: what an ``OSError`` says, without a traceback."""
+    what = exc.strerror or str(exc)
+    return f"{what}: {exc.filename!r}" if exc.filename else what
+
+
+def _home_state_of(home: Path) -> str:
     if home.exists():
         if not home.is_dir():
             return "NOT usable: exists and is not a directory"
+        if not os.access(home, os.R_OK | os.X_OK):
+            return f"exists, NOT readable by uid {os.getuid()}"
         return "exists, writable" if os.access(home, os.W_OK | os.X_OK) else "exists, NOT writable by this user"
     parent = home.parent
     while not parent.exists() and parent != parent.parent:
@@ -139,24 +154,36 @@ def cmd_shell(args: argparse.Namespace) -> int:
     return 1
 
 
+def _where_options(parser: argparse.ArgumentParser, *, default: Any) -> None:
+    """``--home``, ``--url``, ``--credential-file``: before the sub-command or after it."""
+    parser.add_argument(
+        "--home", default=default, help="boxlite home (default: $PYTEST_BOXLITE_HOME or ~/.cache/pytest-boxlite)"
+    )
+    parser.add_argument(
+        "--url", default=default, help="a remote BoxLite server (default: $PYTEST_BOXLITE_URL); key: $BOXLITE_API_KEY"
+    )
+    parser.add_argument("--credential-file", default=default, help="file holding the --url server's API key")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pytest_boxlite", description=__doc__)
-    parser.add_argument("--home", help="boxlite home (default: $PYTEST_BOXLITE_HOME or ~/.cache/pytest-boxlite)")
-    parser.add_argument("--url", help="a remote BoxLite server (default: $PYTEST_BOXLITE_URL); key: $BOXLITE_API_KEY")
-    parser.add_argument("--credential-file", help="file holding the --url server's API key")
+    _where_options(parser, default=None)
+    # The same options after the sub-command: SUPPRESS keeps a value given before it.
+    where = argparse.ArgumentParser(add_help=False)
+    _where_options(where, default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    doctor = sub.add_parser("doctor", help=cmd_doctor.__doc__)
+    doctor = sub.add_parser("doctor", help=cmd_doctor.__doc__, parents=[where])
     doctor.add_argument(
         "--selftest", action="store_true", help="also boot one micro-VM and check the vm runtime end to end"
     )
     doctor.set_defaults(fn=cmd_doctor)
-    sub.add_parser("ls", help=cmd_ls.__doc__).set_defaults(fn=cmd_ls)
-    clean = sub.add_parser("clean", help=cmd_clean.__doc__)
+    sub.add_parser("ls", help=cmd_ls.__doc__, parents=[where]).set_defaults(fn=cmd_ls)
+    clean = sub.add_parser("clean", help=cmd_clean.__doc__, parents=[where])
     clean.add_argument("names", nargs="*", help="box names to remove (default: every leftover of a dead session)")
     clean.add_argument("--kept", action="store_true", help="also remove boxes kept for debugging")
     clean.add_argument("--templates", action="store_true", help="also drop provisioned templates (--boxlite-setup)")
     clean.set_defaults(fn=cmd_clean)
-    shell = sub.add_parser("shell", help=cmd_shell.__doc__)
+    shell = sub.add_parser("shell", help=cmd_shell.__doc__, parents=[where])
     shell.add_argument("name")
     shell.add_argument("command", nargs=argparse.REMAINDER)
     shell.set_defaults(fn=cmd_shell)
@@ -165,6 +192,17 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.fn(args))
     except BoxliteError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        # Mostly a home this user may not read (another user's): say so, not a traceback.
+        home = _home(args)
+        hint = ""
+        if isinstance(exc, PermissionError):
+            hint = (
+                f"; uid {os.getuid()} may not use it: run this as the user who owns it, or name a home "
+                "of your own with --home (or PYTEST_BOXLITE_HOME)"
+            )
+        print(f"error: {args.cmd} could not use the boxlite home {home}: {_os_problem(exc)}{hint}", file=sys.stderr)
         return 1
 
 

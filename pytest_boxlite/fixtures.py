@@ -150,6 +150,9 @@ def _leased_sandbox(request: pytest.FixtureRequest) -> Iterator[Sandbox]:
         yield lease.sandbox
     finally:
         failed = request.node.stash.get(CALL_FAILED_KEY, False)
+        if session.settings.keep and failed:
+            # The summary's "kept box" line names this test (reporting.BOX_PROPERTY).
+            request.node.user_properties.append(("boxlite_box", lease.handle.name))
         lease.release(keep=session.settings.keep and failed)
 
 

@@ -96,13 +96,38 @@ def summary(
     if rep.fork_fallback:
         tr.write_line(f"sandbox boxes were booted, not forked from a warm box: {rep.fork_fallback}", yellow=True)
     home = "" if session.settings.sources.get("home") == "default" else f" --home {shlex.quote(str(session.home))}"
+    failed_in = _failed_tests_by_box(tr) if rep.kept else {}
     for name in rep.kept:
+        tests = failed_in.get(name)
         tr.write_line(
             f"kept box {name} (failed test): enter it with `python -m pytest_boxlite{home} shell {name}`, "
             f"remove it with `python -m pytest_boxlite{home} clean {name}`"
+            + (f"; it ran {', '.join(tests)}" if tests else "")
         )
     if remote is not None:
         _remote_lines(tr, remote)
+
+
+#: The report property naming the box a test ran in (``(BOX_PROPERTY, box name)`` in
+#: ``user_properties``): boxed tests' teardown reports carry it, and a kept sandbox's test's.
+BOX_PROPERTY = "boxlite_box"
+
+
+def _failed_tests_by_box(tr: pytest.TerminalReporter) -> dict[str, list[str]]:
+    """The failed tests of this run per box they ran in (from the reports' box property)."""
+    boxes: dict[str, set[str]] = {}
+    failed: set[str] = set()
+    for reports in tr.stats.values():
+        for r in reports:
+            nodeid = getattr(r, "nodeid", None)
+            if not isinstance(nodeid, str):
+                continue
+            if getattr(r, "failed", False):
+                failed.add(nodeid)
+            for prop in getattr(r, "user_properties", None) or ():
+                if isinstance(prop, tuple) and len(prop) == 2 and prop[0] == BOX_PROPERTY and isinstance(prop[1], str):
+                    boxes.setdefault(prop[1], set()).add(nodeid)
+    return {box: sorted(ids & failed) for box, ids in boxes.items() if ids & failed}
 
 
 def host_line(h: Any) -> str:

@@ -3,10 +3,14 @@ templates, and attaching to a running box (``python -m pytest_boxlite``, the led
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import termios
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_boxlite import guest
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes.base import Capabilities, Leftover, Owners
 from pytest_boxlite.runtimes.namespace import provision
@@ -15,7 +19,13 @@ from pytest_boxlite.runtimes.namespace.bwrap import find_bwrap
 from pytest_boxlite.runtimes.namespace.layout import ctl_dir, keep_marker
 from pytest_boxlite.runtimes.namespace.leftovers import box_dirs, remove_box_state, running
 from pytest_boxlite.runtimes.namespace.mounts import mount_plan
-from pytest_boxlite.runtimes.namespace.privileges import DEFAULT_MEMORY_MIB, plan_limits, seccomp_status, userns_problem
+from pytest_boxlite.runtimes.namespace.privileges import (
+    DEFAULT_MEMORY_MIB,
+    forked_box_sharing,
+    plan_limits,
+    seccomp_status,
+    userns_problem,
+)
 from pytest_boxlite.spec import BoxSpec
 
 
@@ -68,6 +78,7 @@ class NamespaceKind:
         if limits.missing:
             line += f"; NOT enforced: {'; '.join(limits.missing)} (commands and tests stay bounded by their timeouts)"
         facts.append(("limits", line))
+        facts.append(("test boxes", forked_box_sharing(cg, pids=pids)))
         return facts
 
     def leftovers(self, home: Path, owners: Owners, *, each_box: bool = True) -> list[Leftover]:
@@ -102,11 +113,29 @@ class NamespaceKind:
         return [t.describe() for t in provision.list_templates(home)]
 
     def attach_existing(self, home: Path, name: str, argv: Sequence[str]) -> int | None:
-        """Run ``argv`` in the running box ``name`` with this process's stdio, through its agent."""
+        """Run ``argv`` in the running box ``name`` with this process's stdio, through its agent.
+
+        From a terminal, ``argv`` runs on a pty of the box's own (:mod:`pytest_boxlite.guest.terminal`):
+        its controlling terminal, so a shell has job control and Ctrl-C reaches its foreground job.
+        The terminal's mode is put back here too, should the box end before the script restores it.
+        """
         box_dir = state_dir(home) / name
         if "/" in name or name in ("", ".", "..") or not (ctl_dir(box_dir) / "agent.sock").exists():
             return None
-        return attach(box_dir, argv)
+        if not (os.isatty(0) and os.isatty(1)):
+            return attach(box_dir, argv)
+        # The interpreter and this package are at the host's paths in every box (see mounts._own_dirs).
+        wrapped = [sys.executable, "-I", "-S", str(guest.path("terminal")), "--", *argv]
+        try:
+            saved = termios.tcgetattr(0)
+        except termios.error:
+            saved = None
+        try:
+            return attach(box_dir, wrapped)
+        finally:
+            if saved is not None:
+                with contextlib.suppress(termios.error):
+                    termios.tcsetattr(0, termios.TCSAFLUSH, saved)
 
 
 KIND = NamespaceKind()
