@@ -6,7 +6,9 @@ boots.  It runs ``pytest.main`` with the host's own command line (so every optio
 other plugins and of the project's conftest files, means what it means on the host), collects the
 session ONCE, indexes every collected item by node id, and then runs the items the host asks for,
 by id, with the right ``nextitem``, so fixture scopes behave as in a local run.  In fork mode each
-forked box inherits that one collection.  The messages are listed in
+forked box inherits that one collection, and (``--boxlite-scope=test``) the fixtures wider than a
+function's, which this interpreter sets up once and tears down when pytest would (``_prepare``,
+``_teardown_shared``).  The messages are listed in
 :mod:`pytest_boxlite.guest.messages`.  Imports nothing of the package: standard library and pytest.
 """
 

@@ -230,6 +230,12 @@ class BoxedExecutor:
                 rep = report_of(self.config, item, data) if data is not None else None
             except (BoxliteError, BoxSpoke) as exc:
                 rep = reports.make_report(item, "teardown", "failed", f"shared fixtures' teardown: {exc}", None, 0.0)
+                self._shared.pop(name, None)
+                if name not in self.runner.live_workers():
+                    # Its warm interpreter is gone: the next test gets a new one, not this dead box.
+                    for spec, parent in list(self._fork_parents.items()):
+                        if parent is lease:
+                            self._release_parent(spec)
             if rep is not None:
                 out.append(rep)
         return out
