@@ -7,6 +7,10 @@ It exits with the command's status (128+N for a signal), and is what an
 execnet ``popen//python=...`` gateway (and so an xdist worker) runs to live
 inside a box.  If this process dies, the agent kills the command.
 
+With ``--stderr FILE`` the command's stderr is a pipe this process drains into FILE (the box log,
+in the host's private control directory), at most :data:`LOG_CAP` bytes of it: no descriptor of a
+host file ever reaches the box (a guest that wrote gigabytes to its stderr filled the host's disk).
+
 ``attach.py --via SOCKET [--log FILE] -- ARGV...`` hands the same three descriptors to a box
 server instead (``python -m pytest_boxlite.boxproc --serve-fd``, one per ``--boxlite-scope=worker``
 xdist worker, whose box booted ahead of time), which runs ARGV in its box with them.  FILE is
@@ -15,9 +19,18 @@ the server's log, quoted when the server fails.
 
 import json
 import os
+import selectors
 import signal
 import socket
 import sys
+
+#: Bytes of the command's stderr written to the box log; the rest is counted, and its last
+#: :data:`TAIL_KEPT` bytes are written when the command ends (a crash's traceback after a flood).
+LOG_CAP = 4 << 20
+TAIL_KEPT = 4096
+#: How long the log is still drained once the command has exited (its children may hold the pipe).
+DRAIN_AFTER_EXIT = 1.0
+_CAP_NOTE = b"\n[pytest-boxlite: this log reached its cap of %d bytes; the rest is dropped]\n" % LOG_CAP
 
 
 def _connect(path):
@@ -122,6 +135,7 @@ def main(argv):
     cwd = None
     status_file = None
     stderr_fd = 2
+    log = None
     env = {}
     user = None
     while rest[:1] in (["--cwd"], ["--status"], ["--stderr"], ["--env"], ["--user"]):
@@ -133,7 +147,9 @@ def main(argv):
             user = rest[1]
         elif rest[0] == "--stderr":
             # The box log lives in the host's private control directory; never follow a link there.
-            stderr_fd = os.open(rest[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            log = _CappedLog(os.open(rest[1], flags, 0o600))
+            stderr_fd = log.write_end
         else:
             status_file = rest[1]
         rest = rest[2:]
@@ -143,21 +159,139 @@ def main(argv):
     req = {"op": "exec", "argv": rest, "env": env, "cwd": cwd}
     if user is not None:
         req["user"] = user
-    _hand_over(sock, req, [0, 1, stderr_fd])
-    for msg in _messages(sock):
-        if not isinstance(msg, dict):
-            continue
-        if "error" in msg:
-            sys.stderr.write("boxlite attach: %s: %s\n" % (rest[0] if rest else "", msg["error"]))
-            return 127
-        if "exit" in msg:
-            code = int(msg["exit"])
-            if status_file:
-                # The raw status (negative: killed by that signal), for whoever wants to say how it died.
-                with open(status_file, "w") as fh:
-                    fh.write("%d\n" % code)
-            return 128 - code if code < 0 else code
-    return 255  # the box is gone (destroyed or crashed); the caller sees the channel close
+    try:
+        _hand_over(sock, req, [0, 1, stderr_fd])
+    finally:
+        if log is not None:
+            log.handed_over()
+    messages = _messages(sock) if log is None else log.drain_while(sock)
+    try:
+        for msg in messages:
+            if not isinstance(msg, dict):
+                continue
+            if "error" in msg:
+                sys.stderr.write("boxlite attach: %s: %s\n" % (rest[0] if rest else "", msg["error"]))
+                return 127
+            if "exit" in msg:
+                code = int(msg["exit"])
+                if status_file:
+                    # The raw status (negative: killed by that signal), for whoever wants to say how it died.
+                    with open(status_file, "w") as fh:
+                        fh.write("%d\n" % code)
+                return 128 - code if code < 0 else code
+        return 255  # the box is gone (destroyed or crashed); the caller sees the channel close
+    finally:
+        if log is not None:
+            log.finish(DRAIN_AFTER_EXIT)
+
+
+class _CappedLog:
+    """The command's stderr: a pipe whose read end this process copies into the log, bounded.
+
+    Only this (host) process writes the log file; the box gets the pipe's write end, so what it
+    writes can fill the pipe (64 KiB), never the host's disk.
+    """
+
+    def __init__(self, log_fd):
+        self.log_fd = log_fd
+        self.read_end, self.write_end = os.pipe()
+        os.set_inheritable(self.read_end, False)
+        self.written = 0
+        self.dropped = 0
+        self.tail = b""
+
+    def handed_over(self):
+        """The box holds the write end now (or never will): this process must not keep it open."""
+        if self.write_end >= 0:
+            os.close(self.write_end)
+            self.write_end = -1
+
+    def _take(self, chunk):
+        room = LOG_CAP - self.written
+        if room > 0:
+            part = chunk[:room]
+            self._write(part)
+            self.written += len(part)
+            chunk = chunk[room:]
+            if chunk:
+                self._write(_CAP_NOTE)
+        if chunk:
+            self.dropped += len(chunk)
+            self.tail = (self.tail + chunk)[-TAIL_KEPT:]
+
+    def _write(self, data):
+        try:
+            while data:
+                data = data[os.write(self.log_fd, data) :]
+        except OSError:
+            pass  # a full disk or a removed box: the box's stderr is drained all the same
+
+    def _read(self):
+        """One chunk of the pipe (b"" at its end); never blocks (the pipe's read end is non-blocking)."""
+        try:
+            chunk = os.read(self.read_end, 65536)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
+        self._take(chunk)
+        return chunk
+
+    def drain_while(self, sock):
+        """The peer's JSON lines on ``sock`` (as :func:`_messages`), the log drained meanwhile."""
+        os.set_blocking(self.read_end, False)
+        sel = selectors.DefaultSelector()
+        sel.register(self.read_end, selectors.EVENT_READ, "log")
+        sel.register(sock, selectors.EVENT_READ, "sock")
+        buf = b""
+        try:
+            while True:
+                for key, _ in sel.select():
+                    if key.data == "log":
+                        if self._read() == b"":
+                            sel.unregister(self.read_end)
+                        continue
+                    try:
+                        chunk = sock.recv(4096)
+                    except InterruptedError:
+                        continue
+                    if not chunk:
+                        return
+                    buf = (buf + chunk)[-65536:]  # the peer's lines are short: never grow without bound
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        try:
+                            yield json.loads(line.decode())
+                        except ValueError:
+                            yield None
+        finally:
+            sel.close()
+
+    def finish(self, timeout):
+        """What is left in the pipe, for at most ``timeout`` seconds; then the dropped tail."""
+        import time
+
+        self.handed_over()
+        os.set_blocking(self.read_end, False)
+        deadline = time.monotonic() + timeout
+        sel = selectors.DefaultSelector()
+        sel.register(self.read_end, selectors.EVENT_READ)
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    break
+                if self._read() == b"":
+                    break
+        finally:
+            sel.close()
+            os.close(self.read_end)
+        if self.dropped:
+            self._write(
+                b"\n[pytest-boxlite: %d bytes were dropped; the last %d of them:]\n" % (self.dropped, len(self.tail))
+                + self.tail
+            )
+        os.close(self.log_fd)
 
 
 if __name__ == "__main__":

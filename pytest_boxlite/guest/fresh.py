@@ -31,6 +31,8 @@ _CLONE_NEWPID = 0x20000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _MS_REC, _MS_PRIVATE = 16384, 1 << 18
 _PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
+_CLONE_NEWCGROUP = 0x02000000
 #: Parts of /proc a box must not write (host-wide sysctls...): read-only, as bubblewrap does.
 _PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 
@@ -228,7 +230,7 @@ def sandbox_flags(network):
     return flags if network else flags | _CLONE_NEWNET
 
 
-def clone_box(network, mapper=None, real_root=False, flags=None):
+def clone_box(network, mapper=None, real_root=False, flags=None, cell=None):
     """``os.fork()`` into a fresh box's new namespaces: the child's pid in the parent; 0 in the
     child, which is pid 1 of its new pid namespace with its ids mapped (root: through ``mapper``,
     an :class:`IdMapper` the parent serves; anyone else maps their own).  ``flags``: the
@@ -239,6 +241,9 @@ def clone_box(network, mapper=None, real_root=False, flags=None):
     every extra copy of this large interpreter costs milliseconds to make and to tear down.
     That path stays for machines whose clone(2) number this file does not know, and for an
     interpreter that has started threads of its own (see :data:`_KNOWN_THREADS`).
+
+    ``cell``: what :func:`take_cell` got from the host for this box (its cgroups' join files and
+    its stderr): the child enters them before anything else; the parent closes them.
     """
     flags = box_flags(network) if flags is None else flags
     if real_root:
@@ -251,15 +256,16 @@ def clone_box(network, mapper=None, real_root=False, flags=None):
     uid, gid = os.geteuid(), os.getegid()
     number = _SYS_CLONE.get(os.uname().machine)
     if number is None or not _only_known_threads():
-        return _clone_box_by_forks(flags, mapper, real_root)
+        return _clone_box_by_forks(flags, mapper, real_root, cell)
     api = ctypes.pythonapi
     api.PyOS_BeforeFork()
     pid = _SYSCALL(number, flags | _SIGCHLD, 0, 0, 0, 0)
     err = ctypes.get_errno()
     if pid != 0:
         api.PyOS_AfterFork_Parent()
+        _close_cell(cell)
         if pid < 0:
-            raise OSError(err, "clone: %s" % os.strerror(err))
+            raise OSError(err, "clone: %s%s" % (os.strerror(err), _why_no_process(err)))
         if mapper is not None:
             mapper.born_in_namespace = True
         return pid
@@ -267,8 +273,148 @@ def clone_box(network, mapper=None, real_root=False, flags=None):
     if real_root:
         _or_exit(_die_with_parent)
     else:
-        _or_exit(_in_new_box, uid, gid, mapper)
+        _or_exit(_in_new_box, uid, gid, mapper, None, cell)
     return 0
+
+
+# --- a forked box's cell: its own stderr and cgroups, from the host, before the fork ---------------
+# The warm interpreter's stderr (the host drains it into the warm box's log) must not be shared with
+# the boxes forked from it: each gets a pipe of its own, drained by the host for its own reports.
+# And each joins cgroups of its own (the host opened their files), so that what one test leaves
+# running (threads, memory) counts against its own caps, never the next box's.
+
+
+def _fd_identity(fd):
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+#: The warm interpreter's stderr as it started (before pytest's capture and terminal writer dup it):
+#: every descriptor a forked box inherits on it is pointed at the box's own stderr instead.
+_WARM_STDERR = _fd_identity(2)
+#: The connection on which the host deals cells, and cells dealt ahead of their FORK.
+_CELLS = {"conn": None, "got": {}}
+
+
+def take_cell(cell, timeout=10.0):
+    """In the warm interpreter, on a FORK that names ``cell`` (``{"sock", "name", "joins"}``): the
+    descriptors the host dealt for that box, ``(join files, stderr)``.  Connects on first use."""
+    import json
+    import socket
+    import time
+
+    name = str(cell["name"])
+    got = _CELLS["got"]
+    deadline = time.monotonic() + timeout
+    while name not in got:
+        if _CELLS["conn"] is None:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(timeout)
+            try:
+                conn.connect(str(cell["sock"]))
+            except OSError:
+                conn.close()
+                raise
+            _CELLS["conn"] = conn
+        conn = _CELLS["conn"]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise OSError(110, "the host handed no cgroups and log for box %s in %.0f s" % (name, timeout))
+        conn.settimeout(left)
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(conn, 4096, 16)
+        except OSError:
+            _drop_cells()
+            raise
+        try:
+            head = json.loads(data.decode())
+            joins = int(head["joins"])
+            if not fds or not 0 <= joins < len(fds):
+                raise ValueError(head)
+            got[str(head["cell"])] = (fds[:joins], fds[joins])
+        except (ValueError, KeyError, TypeError):
+            _close_cell((fds, None))
+            _drop_cells()
+            raise OSError(71, "the host's cell for box %s was garbled" % name) from None
+        while len(got) > 16:  # cells of FORKs that never came (bounded)
+            _close_cell(got.pop(next(iter(got))))
+    return got.pop(name)
+
+
+def _close_cell(cell):
+    if cell is None:
+        return
+    joins, err = cell
+    for fd in (*joins, err):
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _drop_cells():
+    """Close the host's cell connection and every cell dealt ahead (in the warm interpreter after
+    an error; in a forked box always: a test must never take the next box's cgroups or log)."""
+    conn = _CELLS["conn"]
+    _CELLS["conn"] = None
+    if conn is not None:
+        conn.close()
+    got = _CELLS["got"]
+    while got:
+        _close_cell(got.pop(next(iter(got))))
+
+
+def _enter_cell(cell):
+    """In a forked box's first process: its own stderr first (so whatever fails next is said in
+    the box's own log), then its own cgroups; nothing of other cells stays open."""
+    joins, err = cell
+    _own_stderr(err)
+    for fd in joins:
+        try:
+            os.write(fd, b"0")  # "0": this process; on cgroup v1's tasks, this thread alone
+        finally:
+            os.close(fd)
+    _drop_cells()
+
+
+def _own_stderr(fd):
+    """Point fd 2 and every other descriptor on the warm interpreter's stderr (pytest's saved
+    copy, the terminal writer's duplicate) at ``fd``, the box's own stderr; then close ``fd``."""
+    targets = {2}
+    if _WARM_STDERR is not None:
+        for name in os.listdir("/proc/self/fd"):
+            n = int(name)
+            if n != fd and _fd_identity(n) == _WARM_STDERR:
+                targets.add(n)
+    for n in sorted(targets):
+        os.dup2(fd, n, inheritable=n <= 2 or os.get_inheritable(n))
+    os.close(fd)
+
+
+def _why_no_process(err):
+    """What a refused clone or fork (``EAGAIN``) means in a box, for the host's report."""
+    if err != 11:
+        return ""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY:
+        return (
+            " (the box's process limit, RLIMIT_NPROC %d, is reached: this host gives the boxes no pids "
+            "cgroups of their own, so every process of the warm box and of the boxes forked from it "
+            "counts against it, those an earlier test left running included)" % soft
+        )
+    return " (the warm box's pids cgroup is full: processes of earlier boxes still count against it)"
+
+
+def seal_init():
+    """In a forked box's pid 1, once its test process is forked: nothing in the box may ptrace it
+    or open its descriptors through /proc (it holds the box's connection set-up, the id mapper)."""
+    check_libc(_LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")  # noqa: F821 - caps.py
 
 
 def _or_exit(step, *args):
@@ -287,13 +433,16 @@ def _die_with_parent():
     check_libc(_LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # noqa: F821 - caps.py
 
 
-def _in_new_box(uid, gid, mapper, flags=None):
-    """The child's first steps into its new user namespace: die with its parent, map its ids.
+def _in_new_box(uid, gid, mapper, flags=None, cell=None):
+    """The child's first steps into its new user namespace: die with its parent, enter its cell
+    (``cell``: its own stderr and cgroups, see :func:`take_cell`), map its ids.
 
     ``flags``: the namespaces it has still to unshare (fork(3)'s path); ``None``: clone(2) made
     it in them already.
     """
     _die_with_parent()
+    if cell is not None:
+        _enter_cell(cell)
     if uid != 0:
         if flags is not None:
             check_libc(_LIBC.unshare(flags), "unshare")  # noqa: F821 - caps.py
@@ -303,17 +452,25 @@ def _in_new_box(uid, gid, mapper, flags=None):
     else:
         # Root: unshares (unless born in the namespace), then waits for the maps its parent writes.
         mapper.request(_LIBC, None if flags is None else flags & ~_CLONE_NEWUSER)
+    if cell is not None and cell[0]:
+        # A cgroup namespace whose root is the box's own cgroup (as bubblewrap gives a booted box).
+        check_libc(_LIBC.unshare(_CLONE_NEWCGROUP), "unshare(CLONE_NEWCGROUP)")  # noqa: F821 - caps.py
 
 
-def _clone_box_by_forks(flags, mapper, real_root=False):
+def _clone_box_by_forks(flags, mapper, real_root=False, cell=None):
     """:func:`clone_box` where this module knows no clone(2) number: fork, unshare, fork pid 1.
 
     The process in between waits for pid 1 and exits as it exits (a signal that killed pid 1 kills
     it too), so the parent sees the box's status either way.
     """
     uid, gid = os.geteuid(), os.getegid()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        _close_cell(cell)
+        raise OSError(exc.errno, "fork: %s%s" % (exc.strerror, _why_no_process(exc.errno))) from None
     if pid:
+        _close_cell(cell)
         return pid
     code = 70
     try:
@@ -323,7 +480,7 @@ def _clone_box_by_forks(flags, mapper, real_root=False):
             _die_with_parent()
             check_libc(_LIBC.unshare(flags), "unshare")  # noqa: F821 - caps.py
         else:
-            _in_new_box(uid, gid, mapper, flags)
+            _in_new_box(uid, gid, mapper, flags, cell)
         child = os.fork()
         if child == 0:
             _or_exit(_die_with_parent)

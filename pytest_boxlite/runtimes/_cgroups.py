@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -63,6 +64,85 @@ class CgroupSet:
     def remove(self, timeout: float = 2.0) -> None:
         """Kill what is left in the cgroups and remove them.  Bounded by ``timeout``."""
         remove_dirs(self.dirs, timeout)
+
+    def kill(self) -> None:
+        """SIGKILL every process in these cgroups now (not waiting for them to go)."""
+        kill_dirs(self.dirs)
+
+    def join_fds(self) -> list[int]:
+        """Descriptors, opened here, of the files through which a process moves itself into these
+        cgroups by writing ``0``: ``tasks`` on cgroup v1 (which moves the writer's thread alone and
+        takes no global lock), else ``cgroup.procs``.  The kernel checks the opener's credentials."""
+        fds: list[int] = []
+        try:
+            for d in self.dirs:
+                tasks = d / "tasks"
+                fds.append(os.open(tasks if tasks.exists() else d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    def pids_max_reached(self) -> bool:
+        """Whether the pids controller refused a fork in these cgroups (``pids.events``: ``max``)."""
+        for d in self.dirs:
+            try:
+                text = (d / "pids.events").read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                key, _, value = line.partition(" ")
+                if key == "max" and value.strip().isdigit() and int(value) > 0:
+                    return True
+        return False
+
+
+def kill_dirs(dirs: list[Path]) -> None:
+    """SIGKILL every process in ``dirs`` once.  cgroup v2 has ``cgroup.kill`` for that; on v1 each
+    listed pid is taken as a pidfd first and signalled only if the cgroup still lists it then, so a
+    pid that ended and was reused in between is never signalled."""
+    for d in dirs:
+        try:
+            (d / "cgroup.kill").write_text("1")
+            continue
+        except OSError:
+            pass
+        try:
+            pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        held: dict[int, int] = {}
+        try:
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    held[pid] = os.pidfd_open(pid)
+            try:
+                still = {int(p) for p in (d / "cgroup.procs").read_text().split()}
+            except (OSError, ValueError):
+                still = set()
+            for pid, fd in held.items():
+                if pid in still:
+                    with contextlib.suppress(OSError):
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        finally:
+            for fd in held.values():
+                os.close(fd)
+        if pids:
+            return  # every hierarchy of a box holds the same processes: one is enough
+
+
+def try_remove_dirs(dirs: list[Path]) -> list[Path]:
+    """Remove the empty ones of ``dirs`` without waiting; the ones still in use are returned."""
+    left = []
+    for d in dirs:
+        try:
+            d.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            left.append(d)
+    return left
 
 
 def remove_dirs(dirs: list[Path], timeout: float = 2.0) -> None:
@@ -138,14 +218,22 @@ def create(name: str, *, memory_mib: int | None, cpus: int | None, pids: int | N
 
 
 def find_dirs(name: str) -> list[Path]:
-    """The cgroup directories a box named ``name`` may have left, for cleanup by another process."""
+    """The cgroup directories a box named ``name`` may have left, for cleanup by another process,
+    with those of the boxes forked from it (``<name>.<n>``, see :func:`cell_name`)."""
     own = _self_cgroups()
     found: list[Path] = []
-    for controller in ("memory", "cpu", "pids"):
-        d = _v1_dir(controller, own, name)
-        if d is not None and d.exists():
+    candidates = [_v1_dir(controller, own, name) for controller in ("memory", "cpu", "pids")]
+    candidates.append(_ROOT / own.get("", "/").lstrip("/") / (_PREFIX + name))
+    for d in candidates:
+        if d is None:
+            continue
+        if d.exists():
             found.append(d)
-    v2 = _ROOT / own.get("", "/").lstrip("/") / (_PREFIX + name)
-    if v2.exists():
-        found.append(v2)
+        with contextlib.suppress(OSError):
+            found += [e for e in d.parent.iterdir() if e.name.startswith(d.name + ".") and e.is_dir()]
     return found
+
+
+def cell_name(box: str, n: int) -> str:
+    """The cgroup name of the ``n``-th box forked from box ``box`` (found by :func:`find_dirs`)."""
+    return f"{box}.{n}"

@@ -18,11 +18,14 @@ import dataclasses
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.spec import BoxSpec
+
+if TYPE_CHECKING:
+    from pytest_boxlite.runtimes._forkcell import ForkCell
 
 #: Default cap on captured bytes per output stream of one command.
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
@@ -144,6 +147,11 @@ class BoxHandle(Protocol):
         they see it (for :attr:`Capabilities.fork` runtimes)."""
         ...
 
+    def fork_cell(self, name: str) -> ForkCell | None:
+        """Cgroups and a stderr of its own for the box ``name`` about to be forked from this one
+        (see :mod:`pytest_boxlite.runtimes._forkcell`), or ``None`` where the runtime has none."""
+        ...
+
     def run_attached(self, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str]) -> int:
         """Run ``argv`` in the box with this process's stdin/stdout/stderr; return its exit status."""
         ...
@@ -175,6 +183,10 @@ class BoxDefaults:
     def fork_listener(self) -> tuple[socket.socket, str]:
         """Refused: only :attr:`Capabilities.fork` runtimes fork, and callers check that first."""
         raise BoxliteError(f"{self.runtime_name} boxes cannot be forked")
+
+    def fork_cell(self, name: str) -> ForkCell | None:
+        """``None``: boxes forked from this one share its cgroups and log (a VM's, inside it)."""
+        return None
 
     def run_attached(self, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str]) -> int:
         """Refused: this runtime has no way to hand a process's stdio to a box."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import selectors
@@ -17,8 +18,9 @@ from typing import Any, Protocol
 from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxDeadError, BoxliteError, BoxTimeoutError, ConfigError, file_error
 from pytest_boxlite.runtimes import _cgroups
+from pytest_boxlite.runtimes._forkcell import ForkCell
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxDefaults, HelperSink, RawResult
-from pytest_boxlite.runtimes.namespace.fork import fork_listener
+from pytest_boxlite.runtimes.namespace.fork import CELL_SOCKET, CellDealer, fork_listener
 from pytest_boxlite.runtimes.namespace.layout import _MAX_INFO, WORKDIR, ctl_dir, keep_marker
 from pytest_boxlite.runtimes.namespace.leftovers import kill_box_processes, remove_box_dirs
 from pytest_boxlite.runtimes.namespace.privileges import Limits
@@ -151,6 +153,10 @@ class NamespaceBox(BoxDefaults):
         self._destroyed = False
         #: The zygote this box was forked from (``None``: booted).
         self.forked_from = forked_from
+        #: The caps of each box forked per test from this one (memory MiB, cpus, pids): the box's
+        #: own, set by the runtime that made it.
+        self.cell_limits: tuple[int | None, int | None, int | None] = (None, None, None)
+        self._cells: CellDealer | None = None
 
     @property
     def agent_pid(self) -> int | None:
@@ -363,6 +369,22 @@ class NamespaceBox(BoxDefaults):
         """A listening socket in the box's guest-visible directory, for boxes forked from this one."""
         return fork_listener(self.box_dir)
 
+    def fork_cell(self, name: str) -> ForkCell:
+        """The cell of a box about to be forked from this one's warm interpreter: cgroups of its
+        own with this box's caps (where this host lets us make them) and its own stderr, which
+        the guest takes before the fork (see :mod:`pytest_boxlite.runtimes._forkcell`)."""
+        if self._destroyed:
+            raise BoxDeadError(f"box {self.name} has been destroyed")
+        if self._cells is None:
+            self._cells = CellDealer(self.box_dir)
+        memory_mib, cpus, pids = self.cell_limits
+        cg = _cgroups.create(_cgroups.cell_name(self.name, next(_CELLS)), memory_mib=memory_mib, cpus=cpus, pids=pids)
+        try:
+            return ForkCell(name, cg, {"sock": CELL_SOCKET}, self._cells.deal)
+        except BaseException:
+            cg.remove()
+            raise
+
     def run_attached(self, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str]) -> int:
         """Run ``argv`` in this box with this process's own stdin/stdout/stderr (see :func:`attach`)."""
         return attach(self.box_dir, argv, cwd=cwd, env=env)
@@ -431,6 +453,8 @@ class NamespaceBox(BoxDefaults):
         self._destroyed = True
         with contextlib.suppress(OSError):
             os.close(self._watchdog)
+        if self._cells is not None:
+            self._cells.close()
         if self._proc.poll() is None:
             # The pid namespace's first process: its death takes every process of the box along.
             kill_box_processes(self._info)
@@ -439,7 +463,14 @@ class NamespaceBox(BoxDefaults):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=5)
         self._cgroups.remove()
+        if self._cells is not None:
+            # Cgroups of boxes forked from this one that no one removed (their processes died with it).
+            _cgroups.remove_dirs(_cgroups.find_dirs(self.name))
         remove_box_dirs(self.box_dir)
+
+
+#: Numbers the cgroups of boxes forked per test (unique in this process; see ``fork_cell``).
+_CELLS = itertools.count(1)
 
 
 def attach(

@@ -168,6 +168,30 @@ def plan_limits(cg: _cgroups.CgroupSet, *, memory_mib: int | None, cpus: int | N
     return Limits(tuple(holding), tuple(missing), nproc)
 
 
+def forked_box_sharing(cg: _cgroups.CgroupSet, *, pids: int | None) -> str:
+    """What boxes forked per test from one warm box share on this host, for doctor.
+
+    Each gets cgroups of its own where this user may make them (``cg``: a probe's), killed whole
+    once its test is done; otherwise only its own stderr, and what its processes use counts where
+    its warm box's does (``RLIMIT_NPROC``, the host's memory).
+    """
+    if cg.applied:
+        own = ", ".join(cg.applied)
+        shared = [c for c in ("memory", "cpu", "pids") if c not in cg.applied]
+        rest = f"; shared with the host: {', '.join(shared)}" if shared else ""
+        return (
+            f"each boxed test's forked box has its own stderr and cgroups ({own}, its warm box's caps){rest}; "
+            "a box whose test is done is killed whole before the next test runs"
+        )
+    nproc = f"RLIMIT_NPROC {pids}" if pids else "the user's process limit"
+    return (
+        f"each boxed test's forked box has its own stderr but no cgroups (none can be made here): the boxes "
+        f"forked from one warm box share its {nproc} and the host's memory and cpu; processes an earlier "
+        "test left running (ended 2 s after its test) count against the next test's, and a fork refused "
+        "for that says so"
+    )
+
+
 def _write_id_maps(pid: int) -> None:
     """Map the whole id range one to one into a root host's box (``chown``, ``su`` work in it)."""
     for name in ("uid_map", "gid_map"):

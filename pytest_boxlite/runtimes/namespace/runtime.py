@@ -224,11 +224,15 @@ class NamespaceRuntime(RuntimeDefaults):
         )
         limits = plan_limits(cg, memory_mib=spec.memory_mib, cpus=spec.cpus, pids=spec.pids_limit)
         try:
-            return start(spec, name, box_dir, cg, timeout, identity, limits, self._base_env(spec, name))
+            box = start(spec, name, box_dir, cg, timeout, identity, limits, self._base_env(spec, name))
         except BaseException:
             cg.remove()
             remove_box_dirs(box_dir)
             raise
+        # Each box forked per test from this one's warm interpreter gets these caps in cgroups of
+        # its own (see NamespaceBox.fork_cell), not a share of this box's.
+        box.cell_limits = (spec.memory_mib or DEFAULT_MEMORY_MIB, spec.cpus, spec.pids_limit)
+        return box
 
     def _start(
         self,
