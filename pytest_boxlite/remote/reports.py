@@ -71,15 +71,27 @@ def failed_phase(
 
 
 def complete(
-    item: pytest.Item, reports: list[pytest.TestReport], why: str, log: tuple[str, str] | None, duration: float
+    item: pytest.Item,
+    reports: list[pytest.TestReport],
+    why: str,
+    log: tuple[str, str] | None,
+    duration: float,
+    *,
+    must_fail: bool = False,
 ) -> list[pytest.TestReport]:
-    """Add failed reports for the phases the box did not finish."""
+    """Add failed reports for the phases the box did not finish.
+
+    ``must_fail``: the test fails even where every phase it reported passed (the box sent something
+    the host refused after them: a warning or cache values over a budget); it fails at teardown.
+    """
     done = {r.when for r in reports}
     if "setup" not in done:
         return reports + failed_phase(item, "setup", why, log, duration)
     out = list(reports)
     if "call" not in done and all(r.passed for r in reports):
         out.append(make_report(item, "call", "failed", why, log, duration))
+    if must_fail and not any(r.failed for r in out):
+        return [r for r in out if r.when != "teardown"] + [make_report(item, "teardown", "failed", why, log, duration)]
     if "teardown" not in done:
         out.append(make_report(item, "teardown", "passed", None, None, 0.0))
     return out

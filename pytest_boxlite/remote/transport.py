@@ -135,6 +135,44 @@ WARNINGS_CAP = 1000
 #: Messages of earlier runs (left behind by a test's lingering thread) dropped before giving up.
 STALE_CAP = 1000
 
+#: What the host keeps of all boxed tests of one session together (each test is within its own
+#: caps above; these bound the sum): report text (the terminal reporter holds every report, passed
+#: ones included), warnings and the bytes of ``config.cache`` values written for boxes.  The test
+#: whose message would go over one fails, saying so; what it sent is not kept.
+SESSION_REPORT_BYTES = 256 << 20
+SESSION_WARNINGS = 10_000
+SESSION_WARNING_BYTES = 64 << 20
+SESSION_CACHE_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class SessionBudget:
+    """What this session's host has kept so far of what boxes sent (see ``SESSION_*``)."""
+
+    report_bytes: int = 0
+    warnings: int = 0
+    warning_bytes: int = 0
+    cache_bytes: int = 0
+
+
+_BUDGET_KEY = pytest.StashKey[SessionBudget]()
+
+
+def session_budget(config: pytest.Config) -> SessionBudget:
+    """This session's :class:`SessionBudget` (kept in ``config.stash``: one per session, not per module)."""
+    budget = config.stash.get(_BUDGET_KEY, None)
+    if budget is None:
+        budget = config.stash[_BUDGET_KEY] = SessionBudget()
+    return budget
+
+
+def over_budget(what: str, used: int | str, adding: int, cap: int) -> BoxSpoke:
+    """The clear failure of the test whose message would take the session over a budget."""
+    return BoxSpoke(
+        f"{what} over the session's budget: {adding} more after {used} of {cap} kept for all boxed "
+        "tests of this session (it bounds the host's memory and disk); what this message held was not kept"
+    )
+
 
 def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: int) -> Outcome:
     """Read one test's messages until ``DONE``; never raises for what the box does.
@@ -192,14 +230,26 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
     if name == msg.REPORT:
         # Many reports are legitimate (a subtest each, reruns); their total size is what is bounded.
         rep = _report(config, item, fields.get("data"))
-        out.report_bytes += len(rep.longreprtext) + sum(len(c) for _, c in rep.sections)
+        size = len(rep.longreprtext) + sum(len(c) for _, c in rep.sections)
+        out.report_bytes += size
         if len(out.reports) >= REPORTS_CAP or out.report_bytes > REPORT_BYTES_CAP:
             raise BoxSpoke(f"more than {REPORTS_CAP} reports or {REPORT_BYTES_CAP} bytes of them for one test")
+        budget = session_budget(config)
+        if budget.report_bytes + size > SESSION_REPORT_BYTES:
+            raise over_budget("report text", budget.report_bytes, size, SESSION_REPORT_BYTES)
+        budget.report_bytes += size
         out.reports.append(rep)
     elif name == msg.WARNING:
+        text_size = len(str(fields.get("message", ""))) + len(str(fields.get("line", "")))
         out.warnings += 1
-        out.warning_bytes += len(str(fields.get("message", "")))
+        out.warning_bytes += text_size
         if out.warnings <= WARNINGS_CAP and out.warning_bytes <= msg.WRITE_BACK_BYTES:
+            budget = session_budget(config)
+            if budget.warnings >= SESSION_WARNINGS or budget.warning_bytes + text_size > SESSION_WARNING_BYTES:
+                used = f"{budget.warnings} warnings and {budget.warning_bytes} bytes"
+                raise over_budget(f"a warning (at most {SESSION_WARNINGS})", used, text_size, SESSION_WARNING_BYTES)
+            budget.warnings += 1
+            budget.warning_bytes += text_size
             _relay_warning(item, fields)
     elif name == msg.OUTPUT:
         _relay_output(config, fields)
@@ -238,6 +288,7 @@ def _report(config: pytest.Config, item: pytest.Item, data: object) -> pytest.Te
     # what comes back must be a TestReport of the running item.
     if not isinstance(data, dict):
         raise BoxSpoke(f"a report that is not a TestReport (not a mapping): {reprlib.repr(data)}")
+    data = _plain(data, 0)
     try:
         rep = config.hook.pytest_report_from_serializable(config=config, data=data)
     except Exception as exc:  # noqa: BLE001 - whatever the box's bytes make pytest raise fails this test only
@@ -251,6 +302,55 @@ def _report(config: pytest.Config, item: pytest.Item, data: object) -> pytest.Te
     if rep.longrepr is not None and len(rep.longreprtext) > msg.FIELD_CAP:
         rep.longrepr = msg.cap(rep.longreprtext, "of this failure")
     return rep
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+#: Deepest nesting of a report's serialized form (pytest's own is about 8 deep; chained
+#: exceptions add a level or two each).
+_REPORT_DEPTH = 64
+
+
+def _text(value: str) -> str:
+    """``value`` encodable as UTF-8: a lone surrogate (``"\\ud800"``, or a byte a decoder escaped)
+    becomes U+FFFD, so no plugin's encoder on the host (execnet's under ``-n``, junitxml) fails on it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATES.sub("\ufffd", value)
+    return value
+
+
+def _plain(obj: object, depth: int) -> Any:
+    """A copy of a box's serialized report made of JSON's types only (tuples too, as pytest uses
+    them), every string encodable and every int of a sane size; anything else fails the test."""
+    kind = type(obj)
+    if kind is str:
+        return _text(obj)  # type: ignore[arg-type]
+    if obj is None or kind is bool or kind is float:
+        return obj
+    if kind is int:
+        if abs(obj) >= 1 << 63:  # type: ignore[arg-type]
+            raise BoxSpoke(f"a report with a number that big: {reprlib.repr(obj)}")
+        return obj
+    if depth >= _REPORT_DEPTH:
+        raise BoxSpoke(f"a report nested deeper than {_REPORT_DEPTH} levels")
+    if kind is list or kind is tuple:
+        items = [_plain(x, depth + 1) for x in obj]  # type: ignore[attr-defined]
+        return items if kind is list else tuple(items)
+    if kind is dict:
+        out = {}
+        for key, value in obj.items():  # type: ignore[attr-defined]
+            if type(key) is not str:
+                raise BoxSpoke(f"a report with a key that is not text: {reprlib.repr(key)}")
+            out[_text(key)] = _plain(value, depth + 1)
+        return out
+    raise BoxSpoke(f"a report with a value of type {kind.__name__[:50]}: {reprlib.repr(obj)}")
+
+
+#: Attributes of a rebuilt TestReport that are its own (pytest's fields, and what its plugins add:
+#: ``wasxfail``); any other (pytest's subtests add theirs) may not hide what the class defines
+#: (a method: ``toterminal=5`` would break the terminal reporter).
+_REPORT_FIELDS = frozenset(vars(pytest.TestReport("x", ("x", None, "x"), {}, "passed", None, "call"))) | {"wasxfail"}
 
 
 #: Outcomes a boxed test's report may have: pytest's, and pytest-rerunfailures' "rerun".
@@ -281,6 +381,32 @@ def _check_report_fields(rep: pytest.TestReport) -> None:
     )
     if not (pairs and located and shaped):
         raise BoxSpoke(f"a report whose fields are not shaped as pytest's: {reprlib.repr(vars(rep))}")
+    hiding = [k for k in vars(rep) if k not in _REPORT_FIELDS and hasattr(type(rep), k)]
+    if hiding:
+        raise BoxSpoke(f"a report with attributes that hide the report's own: {reprlib.repr(hiding)}")
+    wasxfail = vars(rep).get("wasxfail")
+    if wasxfail is not None and not isinstance(wasxfail, str):
+        raise BoxSpoke(f"a report whose wasxfail is not text: {reprlib.repr(wasxfail)}")
+    longrepr = rep.longrepr
+    if isinstance(longrepr, tuple) or (rep.outcome == "skipped" and wasxfail is None):
+        # A skip's (path, line, reason), as pytest makes it: -rs and junitxml unpack exactly that.
+        skip = (
+            isinstance(longrepr, tuple)
+            and len(longrepr) == 3
+            and isinstance(longrepr[0], str)
+            and _is_int(longrepr[1])
+            and isinstance(longrepr[2], str)
+        )
+        if not skip or rep.outcome != "skipped":
+            shape = reprlib.repr(longrepr)
+            raise BoxSpoke(f"a {rep.outcome!r} report whose longrepr is not a skip's (path, line, reason): {shape}")
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None and not (
+        isinstance(getattr(crash, "path", None), str)
+        and _is_int(getattr(crash, "lineno", None))
+        and isinstance(getattr(crash, "message", None), str)
+    ):
+        raise BoxSpoke(f"a report whose crash location is not (path, line, message): {reprlib.repr(vars(crash))}")
     if len(rep.sections) > 1000 or len(rep.user_properties) > 10_000:
         raise BoxSpoke("a report with more than 1000 sections or 10000 properties")
 
@@ -303,11 +429,15 @@ def _relay_warning(item: pytest.Item, fields: dict[str, Any]) -> None:
         message = category(text)
     except Exception:  # noqa: BLE001 - a warning class whose constructor wants more than a message
         message, category = UserWarning(text), UserWarning
+    # ``line``: the source line, as the box read it.  Given (even empty), formatwarning prints it
+    # instead of reading ``filename`` through linecache on the host: a box names any file it likes.
+    line = fields.get("line")
     wm = warnings.WarningMessage(
         message=message,
         category=category,
         filename=str(fields.get("filename", "?"))[:4096],
         lineno=_int(fields.get("lineno"), 0),
+        line=line.strip().split("\n", 1)[0][:1000] if isinstance(line, str) else "",
     )
     item.ihook.pytest_warning_recorded.call_historic(
         kwargs=dict(warning_message=wm, when="runtest", nodeid=item.nodeid, location=None)
@@ -341,11 +471,20 @@ def _store_cache(config: pytest.Config, values: object) -> None:
         return
     if not isinstance(values, dict) or len(values) > 1000:
         raise BoxSpoke("cache values that are not a small dict")
+    total = 0
     for key, value in values.items():
         if not isinstance(key, str) or len(key) > 500 or not _CACHE_KEY.match(key) or ".." in key.split("/"):
             raise BoxSpoke(f"a cache key that is not a plain relative name: {str(key)[:200]!r}")
-        if len(json.dumps(value)) > msg.FIELD_CAP:
+        size = len(json.dumps(value))
+        if size > msg.FIELD_CAP:
             raise BoxSpoke(f"a cache value over {msg.FIELD_CAP} bytes for {key!r}")
+        total += size
+    # Every value is checked before any is stored: a message over the budget stores nothing.
+    budget = session_budget(config)
+    if budget.cache_bytes + total > SESSION_CACHE_BYTES:
+        raise over_budget("cache values", budget.cache_bytes, total, SESSION_CACHE_BYTES)
+    budget.cache_bytes += total
+    for key, value in values.items():
         cache.set(key, value)
 
 
@@ -359,6 +498,9 @@ def _store_coverage(config: pytest.Config, fields: dict[str, Any], box: str) -> 
 
     Written through coverage's API from plain numbers; file names must be Python files under the
     host directories the box sees (so a report never quotes another host file on a box's word).
+    One data file per warm box, read before it is added to: every box forked from that warm box
+    sends what it ran under the warm box's name, and each must add to the total, not replace it
+    (coverage erases a data file it writes without having read it first).
     """
     coverage = sys.modules.get("coverage")
     cov = coverage.Coverage.current() if coverage is not None else None
@@ -387,6 +529,7 @@ def _store_coverage(config: pytest.Config, fields: dict[str, Any], box: str) -> 
             measured[name] = found
     suffix = "boxlite." + re.sub(r"[^A-Za-z0-9_.-]", "_", box)[:100]
     data = coverage.CoverageData(basename=os.path.abspath(cov.config.data_file), suffix=suffix)
+    data.read()  # what earlier tests of this warm box sent stays
     if arcs:
         data.add_arcs(measured)
     else:

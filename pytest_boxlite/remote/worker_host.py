@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shlex
 import socket
@@ -64,10 +65,38 @@ class ForkedBox:
     nodeid: str = ""  # the test it was forked for (collected in the warm interpreter first)
     token: str = ""
     network: bool = False
-    log_since: int = 0  # the fork parent's log size when it was forked
     #: Why there is no box after all (the warm interpreter's answer to the FORK); ``child`` is -1
     #: until that answer is read (see ``RemoteRunner._sync``).
     error: str | None = None
+
+
+class FrameCap:
+    """Refuses an execnet frame longer than :data:`messages.LINE_CAP` before its payload is read.
+
+    execnet reads a frame as ``io.read(9)`` (type, channel, length) and then ``io.read(length)``
+    with the length the sender wrote: wrapping the gateway's ``io.read`` sees that length first.
+    A frame over the cap ends the gateway (its receiver thread stops on the error) and
+    :attr:`refused` says why, for the report of the test that was running.
+    """
+
+    def __init__(self, gateway: Any, cap: int = msg.LINE_CAP) -> None:
+        io: Any = getattr(gateway, "_io", None)
+        read = getattr(io, "read", None)
+        if read is None:  # an execnet whose gateway keeps its io elsewhere: not run unbounded
+            raise BoxliteError(f"execnet {execnet.__version__}: the gateway's io has no read() to bound")
+        self.cap = cap
+        self.refused: str | None = None
+        self._read = read
+        io.read = self.read  # the receiver thread looks read() up on the io for every call
+
+    def read(self, numbytes: int) -> bytes:
+        if numbytes > self.cap:
+            self.refused = (
+                f"a frame of {numbytes} bytes on the execnet channel, over the cap of {self.cap} bytes "
+                "(refused before it was read)"
+            )
+            raise EOFError(self.refused)
+        return bytes(self._read(numbytes))
 
 
 @dataclasses.dataclass
@@ -76,9 +105,18 @@ class _Worker:
     channel: Any
     pid: int
     status_file: Path
+    frames: FrameCap | None = None
     #: Boxes asked for whose FORKED answer is still on the channel, oldest first: the answers come
     #: in order, and every other request on the channel reads them first.
     pending: list[ForkedBox] = dataclasses.field(default_factory=list)
+
+
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character but newline and tab written as ``\\xNN`` (``\\uNNNN``)."""
+    return _CONTROLS.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 def guest_args(config: pytest.Config) -> list[str]:
@@ -175,9 +213,6 @@ class RemoteRunner:
         self.fork_waits: list[float] = []
         #: Why a box's warm interpreter cannot fork fresh boxes (its kernel refuses the namespaces).
         self.fork_problems: dict[str, str] = {}
-        #: Forks inherit the fixtures wider than a function's from their warm interpreter, which
-        #: sets them up (``--boxlite-scope=test``; see ``teardown_shared``).
-        self.share_fixtures = False
         self._status_tmp = tempfile.TemporaryDirectory(prefix="boxlite-status-")
         self.status_dir = Path(self._status_tmp.name)
 
@@ -195,6 +230,8 @@ class RemoteRunner:
         spec_str = "execmodel=main_thread_only//popen//python=" + shlex.join(argv)
         gw = self._make_gateway(spec_str, handle)
         try:
+            # Bounded before the box's code runs: it sends nothing until remote_exec starts it.
+            frames = FrameCap(gw)
             channel = gw.remote_exec(self._source)
             channel.send(
                 {
@@ -223,7 +260,7 @@ class RemoteRunner:
             raise BoxliteError(f"pytest did not start inside box {handle.name}: {exc}\n{tail}".rstrip()) from exc
         problem = fields.get("fork_problem")
         with self._lock:
-            self._workers[handle.name] = _Worker(gw, channel, fields["pid"], status_file)
+            self._workers[handle.name] = _Worker(gw, channel, fields["pid"], status_file, frames)
             if problem is not None:
                 self.fork_problems[handle.name] = str(problem)[:500]  # the box's word: shown, capped
 
@@ -301,7 +338,10 @@ class RemoteRunner:
             worker.channel.send((msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq}))
         except (EOFError, OSError, execnet.RemoteError) as exc:
             return self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), None
+        self._log_since[handle.name] = handle.log_size()  # the report quotes what this run logged
         out = drain(ChannelStream(worker.channel), item, start + timeout, box=handle.name, seq=seq)
+        if out.hung_up is not None and worker.frames is not None and worker.frames.refused:
+            out.hung_up, out.spoke = None, worker.frames.refused
         if out.timed_out or out.spoke:
             self._kill(handle)
         elif out.hung_up is not None:
@@ -333,19 +373,18 @@ class RemoteRunner:
         """
         handle = lease.handle
         start = time.monotonic()
+        # Failure reports quote only what the box's fork parent logged since this test began: a box
+        # made ahead was forked while the test before it ran, whose writes are not this test's.
+        self._log_since[handle.name] = handle.log_size()
         box = self._take_ahead(handle.name, item.nodeid, network)
         if box is None:
             made = self._send_fork(handle, item.nodeid, network)
             if isinstance(made, str):
                 return None, self._failed(item, made, handle, 0.0), None
             box = made
-        # With shared fixtures the answer comes once they are set up (a slow session fixture's
-        # time): the test's own bound, as when its box set them up itself.
-        why = self._resolve(box, timeout if self.share_fixtures else min(timeout, 30.0))
+        why = self._resolve(box, min(timeout, 30.0))
         if why is not None:
             return None, self._failed(item, why, handle, 0.0), None
-        # Failure reports quote only what the box's fork parent logged since the box was forked.
-        self._log_since[handle.name] = box.log_since
         if box.stream is None:
             try:
                 box.stream = self._accept_fork(
@@ -378,7 +417,9 @@ class RemoteRunner:
         ``ahead``: as for :meth:`fork`, the boxes for those tests are forked once this item has started.
         """
         assert box.stream is not None and box.alive
-        start = time.monotonic() if start is None else start
+        if start is None:  # another test of a module's box: its report quotes what it logged
+            start = time.monotonic()
+            self._log_since[box.handle.name] = box.handle.log_size()
         self._seq += 1
         seq = self._seq
         line = json.dumps([msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq}]) + "\n"
@@ -405,12 +446,9 @@ class RemoteRunner:
             return f"box {handle.name} has no running test worker"
         _, fork_socket = self._fork_listener(handle)  # listening before the box can connect
         token = secrets.token_hex(8)
-        log_since = handle.log_size()
         request = {"nodeid": nodeid, "token": token, "sock": fork_socket, "hostname": name[:63], "network": network}
         if handle.fork_renews_all:
             request["renew_all"] = True  # absent otherwise: namespace boxes are forked as they always were
-        if self.share_fixtures:
-            request["shared"] = True  # wider fixtures are set up in the warm interpreter (BoxedExecutor)
         try:
             worker.channel.send((msg.FORK, request))
         except (EOFError, OSError, execnet.RemoteError) as exc:
@@ -425,7 +463,6 @@ class RemoteRunner:
             nodeid=nodeid,
             token=token,
             network=network,
-            log_since=log_since,
         )
         worker.pending.append(box)
         return box
@@ -572,7 +609,9 @@ class RemoteRunner:
             why = str(out.hung_up)
         else:
             why = f"the test process in the box {reports.describe_status(forked_code, forked=True)}"
-        return reports.complete(item, out.reports, why, self._log(handle), duration)
+        # What the host refused (or a timeout) fails the test even after phases that passed.
+        refused = out.timed_out or out.spoke is not None
+        return reports.complete(item, out.reports, why, self._log(handle), duration, must_fail=refused)
 
     def _accept_fork(
         self, worker: _Worker, listener: socket.socket, token: str, child: int, deadline: float, parent: str
@@ -635,25 +674,6 @@ class RemoteRunner:
             keep.append((w, child, deadline))
         self._lingering = keep
 
-    def teardown_shared(self, handle: BoxHandle, keep: list[str], nodeid: str, timeout: float) -> object:
-        """Have ``handle``'s warm interpreter tear down the fixtures it set up for its forks on the
-        nodes not in ``keep`` (node ids), as at ``nodeid``'s teardown: the box's serialized
-        report of that teardown (untrusted), ``None`` if nothing was torn down; raises
-        :class:`BoxliteError` if the warm interpreter did not answer."""
-        with self._lock:
-            worker = self._workers.get(handle.name)
-        if worker is None:
-            return None  # no warm interpreter left: what it had set up went with it
-        self._sync(worker, 10.0)  # answers owed to earlier FORKs come first on the channel
-        try:
-            worker.channel.send((msg.SHARED, {"keep": keep, "nodeid": nodeid}))
-            kind, fields = worker.channel.receive(timeout)
-        except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError, ValueError, TypeError) as exc:
-            raise BoxliteError(self._death_reason(handle, worker, exc)) from None
-        if kind != msg.TORNDOWN or not isinstance(fields, dict):
-            raise BoxliteError(f"the warm interpreter of box {handle.name} answered {str(kind)[:100]!r} to SHARED")
-        return fields.get("report")
-
     def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:
         self._sync(worker, 10.0)  # answers owed to earlier FORKs come first on the channel
         try:
@@ -695,9 +715,12 @@ class RemoteRunner:
         return f"the test process in the box {how}{gone} (channel: {type(exc).__name__}: {str(exc)[:500]})"
 
     def _log(self, handle: BoxHandle) -> tuple[str, str] | None:
-        """The box log's tail as a report section (for a forked box: only what it wrote)."""
+        """The box log's tail as a report section: only what was logged since this test began
+        (for a forked box: since its test began, not since its fork parent booted), with its
+        control characters escaped (the log holds what the box wrote: no escape sequence of a box
+        reaches the host's terminal)."""
         since = self._log_since.get(handle.name)
-        tail = handle.log_tail(since=since or 0)
+        tail = escape_controls(handle.log_tail(since=since or 0))
         return (f"boxlite log of {handle.name}", tail) if tail.strip() else None
 
     def _failed(self, item: pytest.Item, why: str, handle: BoxHandle, duration: float) -> list[pytest.TestReport]:

@@ -56,6 +56,14 @@ CALL_TIMEOUT = 30.0
 STDERR_GRACE = 2.0
 #: Lines the SDK itself writes into a command's stderr when the channel to the guest fails.
 _SDK_STREAM_ERRORS = ("Attach failed:", "Attach stream error:")
+#: Longest attach request a client may send (its argv and environment), and longest output
+#: frame of the shim (a base64 line of 48 KiB is 64 KiB).
+REQUEST_CAP = 1 << 20
+FRAME_CAP = 1 << 20
+#: Most text of one stream the bridge holds at once between the SDK and the client (read from
+#: the box, not yet written on): a box that writes faster than the host reads is cut off here,
+#: never buffered without end in the process that owns the VM.
+BACKLOG_CAP = 64 << 20
 
 FRAMING_SHIM = """
 import base64, os, signal, subprocess, sys
@@ -99,6 +107,8 @@ class FrameDecoder:
 
     def feed(self, text: str) -> list[bytes]:
         """The payload bytes in ``text``; raises :class:`BridgeStreamError` on anything else."""
+        if "\n" not in text and len(self.pending) + len(text) > FRAME_CAP:
+            raise BridgeStreamError(f"an output frame longer than {FRAME_CAP} bytes")  # before it is joined
         self.pending += text
         out: list[bytes] = []
         while "\n" in self.pending:
@@ -117,9 +127,45 @@ class FrameDecoder:
                 out.append(base64.b64decode(line, validate=True))
             except (binascii.Error, ValueError):
                 raise BridgeStreamError(f"corrupted output frame ({len(line)} characters)") from None
-        if len(self.pending) > 1 << 20:
-            raise BridgeStreamError("an output frame longer than 1 MiB")
+        if len(self.pending) > FRAME_CAP:
+            raise BridgeStreamError(f"an output frame longer than {FRAME_CAP} bytes")
         return out
+
+
+class Backlog:
+    """One stream's text between the SDK's reader (on the event loop) and its pump thread.
+
+    At most ``cap`` characters are held: past that the stream is cut (:attr:`overflowed`) and
+    its pump ends the command, rather than the bridge holding all a box writes.
+    """
+
+    def __init__(self, cap: int = BACKLOG_CAP) -> None:
+        self.cap = cap
+        self.overflowed = False
+        self._held = 0
+        self._lock = threading.Lock()
+        self._q: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+
+    def put(self, text: str | None) -> bool:
+        """Queue ``text`` (``None``: the stream ended); ``False`` once over the cap (stop reading)."""
+        if text is not None:
+            with self._lock:
+                if self.overflowed:
+                    return False
+                self._held += len(text)
+                self.overflowed = self._held > self.cap
+            if self.overflowed:
+                self._q.put(None)  # what is queued is still written; then the pump sees the cut
+                return False
+        self._q.put(text)
+        return True
+
+    def get(self) -> str | None:
+        text = self._q.get()
+        if text is not None:
+            with self._lock:
+                self._held -= len(text)
+        return text
 
 
 class VmBridge:
@@ -175,6 +221,8 @@ class VmBridge:
             data, got, _flags, _addr = socket.recv_fds(conn, 1 << 16, 8)
             fds = list(got)
             while not data.endswith(b"\n"):
+                if len(data) > REQUEST_CAP:
+                    raise BridgeStreamError(f"an attach request longer than {REQUEST_CAP} bytes")
                 more = conn.recv(1 << 16)
                 if not more:
                     return
@@ -224,8 +272,7 @@ class _Connection:
             return ex, ex.stdin(), ex.stdout(), ex.stderr()
 
         self.execution, stdin, stdout, stderr = b._call(start)
-        out_q: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        err_q: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        out_q, err_q = Backlog(), Backlog()
         drains = [
             asyncio.run_coroutine_threadsafe(_drain(stdout, out_q), b._loop),
             asyncio.run_coroutine_threadsafe(_drain(stderr, err_q), b._loop),
@@ -289,7 +336,7 @@ class _Connection:
             with contextlib.suppress(Exception):
                 self.bridge._call(lambda: stdin.close(), 5)
 
-    def _pump_out(self, q: queue.SimpleQueue[str | None]) -> None:
+    def _pump_out(self, q: Backlog) -> None:
         writable = True
         while (text := q.get()) is not None:
             if self.error is not None:
@@ -304,12 +351,19 @@ class _Connection:
             for data in payload:
                 if writable and not _write_all(self.fds[1], data, quiet=True):
                     writable = False  # the client is gone; keep draining so the command can finish
+        if q.overflowed and self.error is None:
+            self.error = f"the command's output ran more than {q.cap} bytes ahead of its client"
+            _write_all(self.fds[2], f"boxlite vm bridge: {self.error}\n".encode(), quiet=True)
+            self._kill()
 
-    def _pump_err(self, q: queue.SimpleQueue[str | None]) -> None:
+    def _pump_err(self, q: Backlog) -> None:
         while (text := q.get()) is not None:
             if self.bridge._closed and text.startswith(_SDK_STREAM_ERRORS):
                 continue  # the box is being destroyed: its channels ending is expected, not news
             _write_all(self.fds[2], text.encode("utf-8", "replace"), quiet=True)
+        if q.overflowed:  # diagnostics only: the rest is dropped, saying so
+            note = f"\nboxlite vm bridge: stderr ran more than {q.cap} bytes ahead; cut\n"
+            _write_all(self.fds[2], note.encode(), quiet=True)
 
     def _watch_client(self) -> None:
         # A signal message is relayed to the command's group (via the shim); hanging up kills it.
@@ -343,10 +397,11 @@ def _bind(sock: socket.socket, path: Path) -> None:
         os.close(dirfd)
 
 
-async def _drain(stream: Any, q: queue.SimpleQueue[str | None]) -> None:
+async def _drain(stream: Any, q: Backlog) -> None:
     try:
         async for text in stream:
-            q.put(text)
+            if not q.put(text):
+                return  # over the backlog's cap: the pump ends the command
     finally:
         q.put(None)
 
