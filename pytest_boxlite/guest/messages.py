@@ -15,6 +15,10 @@ host -> guest (execnet channel)
                                       fork a fresh box for ``nodeid`` that connects to ``sock``
                                       and runs each ``RUN`` sent on that stream (the first included)
     ``WAIT/POLL/KILL {pid}``          a forked box's exit status (``POLL`` does not wait)
+    ``SHARED {keep, nodeid}``         tear down the fixtures this warm interpreter set up for its
+                                      forked boxes (``FORK {shared: true}``) on the nodes whose ids
+                                      are not in ``keep`` (the next item's chain; ``[]``: all), as
+                                      pytest does after ``nodeid``; answered by ``TORNDOWN {report}``
     ``None``                          end the session
 guest -> host
     ``READY {pid, collected}``        the session is collected once, items are indexed by node id
@@ -34,6 +38,9 @@ guest -> host
     ``FORKED {pid, ended}`` / ``STATUS {code}``
                                       ``ended``: forked boxes reaped since the last FORK (pids)
     ``TOKEN {token}``                 first line of a forked box's stream: which request it answers
+    ``TORNDOWN {report}``             the answer to ``SHARED``: a serialized teardown report of
+                                      ``nodeid`` (its output and errors), or ``None`` if nothing was
+                                      torn down
 """
 
 from typing import Any
@@ -56,6 +63,8 @@ DONE = "done"
 FORKED = "forked"
 STATUS = "status"
 TOKEN = "token"
+SHARED = "shared"
+TORNDOWN = "torndown"
 
 #: Messages a test may send while it runs (everything else ends or is foreign to a run).
 RUN_MESSAGES = (REPORT, WARNING, EXIT, OUTPUT, CACHE, COVERAGE, FILES, ERROR, DONE)
