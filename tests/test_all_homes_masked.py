@@ -252,14 +252,17 @@ def test_another_users_registry_names_only_what_that_user_owns(tmp_path: Path, m
 
 def test_a_home_is_hidden_whole_unless_a_box_must_see_below_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unit layer (the homes found are replaced): what the mask plan hides for each kind of home."""
-    below = tmp_path / "elsewhere" / "home"
-    above = Path(os.getcwd()).parent
-    monkeypatch.setattr(mounts, "boxlite_homes", lambda: [str(below), str(above), "/"])
+    below = "/var/tmp/pbx-unit/elsewhere/home"  # only named, never made
+    above = str(Path(os.getcwd()).parent)
+    out_of_reach = str(tmp_path / "a-test-runs-home")  # under the host's /tmp, mirrored in no box
+    found = [below, above, "/", out_of_reach]
+    monkeypatch.setattr(mounts, "boxlite_homes", lambda wanted=None: [h for h in found if wanted is None or wanted(h)])
     plan = mounts._home_masks(tmp_path / "own")
     assert plan[0] == str(tmp_path / "own")
-    assert str(below) in plan
-    assert str(above) not in plan and os.path.join(str(above), "namespace") in plan
+    assert below in plan
+    assert above not in plan and os.path.join(above, "namespace") in plan
     assert "/" not in plan and "/namespace" in plan
+    assert not any(p.startswith(out_of_reach) for p in plan)
 
 
 def test_an_ordinary_users_box_hides_its_other_homes(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ import os
 import pwd
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["REGISTRY", "STATE_ENTRIES", "boxlite_homes", "register_home", "registries"]
@@ -80,24 +80,39 @@ def _read_entry(dirfd: int, name: str, owner: int) -> str | None:
     return text if text.startswith("/") and "\n" not in text else None
 
 
-def _entries(registry: str, owner: int) -> Iterator[str]:
-    """The home paths in ``registry`` (a directory owned by ``owner``, never a link), bounded."""
+#: What each registry held when last read: ``{registry: ((st_dev, st_ino, st_mtime_ns), paths)}``.
+#: An entry is added or removed by a rename or unlink in the directory, which changes its mtime.
+_READ: dict[str, tuple[tuple[int, int, int], tuple[str, ...]]] = {}
+
+
+def _entries(registry: str, owner: int) -> tuple[str, ...]:
+    """The home paths in ``registry`` (a directory owned by ``owner``, never a link), bounded;
+    read again only when the directory changed."""
     try:
         dirfd = os.open(registry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return
+        return ()
     try:
-        if os.fstat(dirfd).st_uid != owner:
-            return
+        st = os.fstat(dirfd)
+        if st.st_uid != owner:
+            return ()
+        stamp = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        known = _READ.get(registry)
+        if known is not None and known[0] == stamp:
+            return known[1]
         with os.scandir(dirfd) as it:
             names = [e.name for e in itertools.islice(it, _MAX_ENTRIES)]
-        for name in names:
-            if not name.startswith("."):
-                path = _read_entry(dirfd, name, owner)
-                if path is not None:
-                    yield path
+        paths = tuple(
+            path
+            for name in names
+            if not name.startswith(".")
+            for path in [_read_entry(dirfd, name, owner)]
+            if path is not None
+        )
+        _READ[registry] = (stamp, paths)
+        return paths
     except OSError:
-        return
+        return ()
     finally:
         os.close(dirfd)
 
@@ -142,17 +157,22 @@ def register_home(home: Path) -> None:
 
 def _prune(registry: Path) -> None:
     """Drop this user's entries whose home is gone (test runs make many short-lived homes)."""
-    with contextlib.suppress(OSError), os.scandir(registry) as it:
-        for e in it:
-            if e.name.startswith("."):
-                continue
-            try:
-                target = (registry / e.name).read_text(errors="replace").strip()
-            except OSError:
-                continue
-            if target.startswith("/") and not os.path.isdir(target):
+    try:
+        dirfd = os.open(registry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        with os.scandir(dirfd) as it:
+            names = [e.name for e in it if not e.name.startswith(".")]
+        for name in names:
+            target = _read_entry(dirfd, name, os.getuid())
+            if target is not None and not os.path.isdir(target):
                 with contextlib.suppress(OSError):
-                    os.unlink(registry / e.name)
+                    os.unlink(name, dir_fd=dirfd)
+    except OSError:
+        return
+    finally:
+        os.close(dirfd)
 
 
 _USERS: tuple[float, list[tuple[int, str]]] | None = None
@@ -197,17 +217,23 @@ def _owned_dir(path: str, owner: int | None) -> str | None:
     return real
 
 
-def boxlite_homes() -> list[str]:
+def boxlite_homes(wanted: Callable[[str], bool] | None = None) -> list[str]:
     """Every boxlite home this user may be able to see (links resolved, each once).
 
     Another user's homes count only where that user owns them; this user's own entries are
-    taken as they are.  Whether each can be read, and how to hide it, is the caller's to decide.
+    taken as they are.  ``wanted`` skips a recorded path before it is looked at (paths no box
+    can reach: most homes of test runs lie under the host's /tmp).  Whether each can be read,
+    and how to hide it, is the caller's to decide.
     """
     me = os.getuid()
     found: list[str] = []
 
     def add(path: str, owner: int | None) -> None:
+        if wanted is not None and not wanted(path):
+            return
         real = _owned_dir(path, owner)
+        if real is not None and wanted is not None and not wanted(real):
+            return
         if real is not None and real not in found:
             found.append(real)
 

@@ -240,10 +240,17 @@ def _home_masks(home: Path) -> list[str]:
         own = os.path.realpath(home)
     except (OSError, ValueError):
         own = str(home)
-    others = [h for h in boxlite_homes() if h != own]
+    visible = _must_stay_visible(os.getcwd(), tuple(sys.path))
+    # Under /tmp or /run a box sees only the directories mirrored there (the project, the venv):
+    # a home elsewhere below those tops is out of its reach already.
+    mirrored = [v for v in visible if _private(v)]
+
+    def reachable(h: str) -> bool:
+        return not _private(h) or any(h == v or h.startswith(v.rstrip("/") + "/") for v in mirrored)
+
+    others = [h for h in boxlite_homes(reachable) if h != own]
     if not others:
         return out
-    visible = _must_stay_visible(os.getcwd(), tuple(sys.path))
     for h in others:
         prefix = h.rstrip("/") + "/"
         if h.count("/") <= 1 or any(v == h or v.startswith(prefix) for v in visible):
@@ -251,6 +258,11 @@ def _home_masks(home: Path) -> list[str]:
         else:
             out.append(h)
     return out
+
+
+def _private(path: str) -> bool:
+    """Whether ``path`` lies in a top-level directory each box gets a private one of."""
+    return any(path == t or path.startswith(t + "/") for t in _PRIVATE_TOPS)
 
 
 @lru_cache(maxsize=8)
