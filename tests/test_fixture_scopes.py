@@ -23,12 +23,14 @@ tests in between or not ("previous item was not torn down properly" was the erro
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import textwrap
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from subruns import SubRun, sub_env
+from subruns import QUIET, SubRun, sub_env
 
 from pytest_boxlite import ledger
 
@@ -311,3 +313,59 @@ def test_worker_scope_runs_fixtures_as_locally(project: Path, home: Path, n: str
         ("klass", "TestC"): 1,
         ("klass", "TestD"): 1,
     }, out
+
+
+WARNING_CONFTEST = """
+import warnings
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def noisy():
+    warnings.warn(DeprecationWarning("shown, as for the first test that used it"))
+    return 1
+
+
+@pytest.fixture(scope="module")
+def strict():
+    warnings.warn(RuntimeWarning("made an error by the ini's filterwarnings"))
+    return 2
+"""
+
+WARNING_TESTS = """
+import pytest
+
+pytestmark = pytest.mark.boxlite
+
+def test_noisy(noisy): pass
+
+def test_noisy_again(noisy): pass
+
+def test_strict(strict): pass
+"""
+
+
+def test_a_shared_fixtures_warnings_are_filtered_and_shown_as_locally(tmp_path: Path, home: Path) -> None:
+    proj = tmp_path / "warn"
+    proj.mkdir()
+    (proj / "conftest.py").write_text(WARNING_CONFTEST)
+    (proj / "test_w.py").write_text(WARNING_TESTS)
+    (proj / "pytest.ini").write_text("[pytest]\nfilterwarnings =\n    error::RuntimeWarning\n")
+    local = subprocess.run(
+        [sys.executable, "-m", "pytest", *QUIET, "-rA", "-p", "no:randomly", "-p", "no:boxlite"],
+        cwd=proj,
+        env=sub_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert local.returncode == 1, local.stdout + local.stderr
+    run = SubRun(proj, home, "boxed", "-rA", "-p", "no:randomly")
+    assert run.wait(200) == 1, run.output
+    outs = {"local": local.stdout, "boxed": run.output}
+    for out in outs.values():
+        assert re.search(r"^ERROR test_w.py::test_strict - RuntimeWarning: made an error", out, re.M), out
+        assert re.search(r"^test_w.py::test_noisy\n +.*DeprecationWarning: shown, as for the first", out, re.M), out
+        assert "1 error" in out and "2 passed" in out, out
+    assert ledger.scan(home) == []

@@ -134,6 +134,58 @@ def _shared_names(item):
     return [n for n in names if defs.get(n) and getattr(defs[n][-1], "scope", "function") != "function"]
 
 
+def _warning_filter(arg, escape):
+    """A ``-W``/``filterwarnings`` line as ``warnings.filterwarnings`` arguments (pytest's own
+    parser is private): ``None`` if it does not parse (pytest reports that itself)."""
+    import builtins
+    import importlib
+    import re
+
+    parts = [p.strip() for p in str(arg).split(":")]
+    if len(parts) > 5:
+        return None
+    action, message, category, module, lineno = parts + [""] * (5 - len(parts))
+    actions = [a for a in ("default", "error", "ignore", "always", "module", "once") if a.startswith(action)]
+    if not actions:
+        return None
+    try:
+        if not category:
+            cls = Warning
+        elif "." in category:
+            mod, _, name = category.rpartition(".")
+            cls = getattr(importlib.import_module(mod), name)
+        else:
+            cls = getattr(builtins, category)
+        if not (isinstance(cls, type) and issubclass(cls, Warning)):
+            return None
+        number = int(lineno) if lineno else 0
+    except (ImportError, AttributeError, ValueError):
+        return None
+    if escape:
+        message = re.escape(message) if message else message
+        module = re.escape(module) + r"\Z" if module else module
+    return actions[0], message, cls, module, number
+
+
+def _apply_warning_filters(item):
+    """The warning filters pytest applies around ``item``'s run (its ``catch_warnings_for_item``):
+    so a warning a shared fixture raises as the warm interpreter prepares ``item`` is shown,
+    ignored or made an error as it would be in ``item``'s own setup."""
+    import warnings
+
+    config = item.config
+    if not sys.warnoptions:
+        warnings.filterwarnings("always", category=DeprecationWarning)
+        warnings.filterwarnings("always", category=PendingDeprecationWarning)
+    lines = [(a, False) for a in config.getini("filterwarnings")]
+    lines += [(a, True) for a in getattr(config.known_args_namespace, "pythonwarnings", None) or []]
+    lines += [(a, False) for mark in item.iter_markers(name="filterwarnings") for a in mark.args]
+    for arg, escape in lines:
+        parsed = _warning_filter(arg, escape)
+        if parsed is not None:
+            warnings.filterwarnings(*parsed)
+
+
 def _forget_cached_host_facts():
     """State the warm interpreter computed before the fork that is not true in the new box."""
     import platform
@@ -508,7 +560,7 @@ def serve(channel):
 
             full = item.fixturenames
             with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("default")
+                _apply_warning_filters(item)
                 item.fixturenames = names
                 try:
                     item.ihook.pytest_runtest_setup(item=item)
