@@ -36,6 +36,7 @@ from pytest_boxlite.guest import messages as msg
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.remote import reports
 from pytest_boxlite.remote.transport import BoxSpoke, ChannelStream, ForkStream, Outcome, drain
+from pytest_boxlite.runtimes._forkcell import ForkCell
 from pytest_boxlite.runtimes.base import BoxHandle
 from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, minimal_dirs, worker_env
 
@@ -68,6 +69,8 @@ class ForkedBox:
     #: Why there is no box after all (the warm interpreter's answer to the FORK); ``child`` is -1
     #: until that answer is read (see ``RemoteRunner._sync``).
     error: str | None = None
+    #: The box's own cgroups and stderr, where the runtime gives it some (``fork_cell``).
+    cell: ForkCell | None = None
 
 
 class FrameCap:
@@ -206,6 +209,8 @@ class RemoteRunner:
         self._seq = 0  # every run's number: its messages carry it (see transport.drain)
         #: Forked boxes that said DONE but may not have exited yet: (worker, pid, kill-after).
         self._lingering: list[tuple[_Worker, int, float]] = []
+        #: Cells of boxes that are done: killed at once, their cgroups removed once empty.
+        self._done_cells: list[ForkCell] = []
         #: Boxes forked ahead for the next tests, in their order, per fork parent (see ``fork``).
         self._ahead: dict[str, list[ForkedBox]] = {}
         #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
@@ -213,9 +218,6 @@ class RemoteRunner:
         self.fork_waits: list[float] = []
         #: Why a box's warm interpreter cannot fork fresh boxes (its kernel refuses the namespaces).
         self.fork_problems: dict[str, str] = {}
-        #: Forks inherit the fixtures wider than a function's from their warm interpreter, which
-        #: sets them up (``--boxlite-scope=test``; see ``teardown_shared``).
-        self.share_fixtures = False
         self._status_tmp = tempfile.TemporaryDirectory(prefix="boxlite-status-")
         self.status_dir = Path(self._status_tmp.name)
 
@@ -312,6 +314,9 @@ class RemoteRunner:
             self._drop_ahead(parent)
         with contextlib.suppress(Exception):
             self._reap_lingering(final=True)
+        cells, self._done_cells = self._done_cells, []
+        for cell in cells:
+            cell.remove()
         with self._lock:
             listeners, self._listeners = list(self._listeners.values()), {}
         for sock, _ in listeners:  # boxes that ended without passing through stop_worker
@@ -385,9 +390,7 @@ class RemoteRunner:
             if isinstance(made, str):
                 return None, self._failed(item, made, handle, 0.0), None
             box = made
-        # With shared fixtures the answer comes once they are set up (a slow session fixture's
-        # time): the test's own bound, as when its box set them up itself.
-        why = self._resolve(box, timeout if self.share_fixtures else min(timeout, 30.0))
+        why = self._resolve(box, min(timeout, 30.0))
         if why is not None:
             return None, self._failed(item, why, handle, 0.0), None
         if box.stream is None:
@@ -397,13 +400,16 @@ class RemoteRunner:
                 )
             except TimeoutError:
                 box.alive = False
+                self._retire(box)
                 self._fork_status(box.worker, msg.KILL, box.child)
-                return None, self._finish(item, Outcome(timed_out=True), handle, start, timeout, forked_code=None), None
+                out = Outcome(timed_out=True)
+                return None, self._finish(item, out, handle, start, timeout, forked_code=None, cell=box.cell), None
             if box.stream is None:
                 box.alive = False
+                self._retire(box)
                 died = self._fork_status(box.worker, msg.WAIT, box.child)
                 why = f"the box died before it could run the test: it {reports.describe_status(died, forked=True)}"
-                return None, self._failed(item, why, handle, time.monotonic() - start), None
+                return None, self._failed(item, why, handle, time.monotonic() - start, cell=box.cell), None
         done, exit_with = self.run_in(box, item, next_nodeid=next_nodeid, timeout=timeout, start=start, ahead=ahead)
         return (box if box.alive else None), done, exit_with
 
@@ -425,6 +431,10 @@ class RemoteRunner:
         if start is None:  # another test of a module's box: its report quotes what it logged
             start = time.monotonic()
             self._log_since[box.handle.name] = box.handle.log_size()
+        self._release_cells()  # nothing of a box that is done runs on beside this test
+        now = time.monotonic()
+        if any(deadline < now for _, _, deadline in self._lingering):
+            self._reap_lingering()  # those past their grace (at once: boxes without cgroups)
         self._seq += 1
         seq = self._seq
         line = json.dumps([msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq}]) + "\n"
@@ -454,12 +464,23 @@ class RemoteRunner:
         request = {"nodeid": nodeid, "token": token, "sock": fork_socket, "hostname": name[:63], "network": network}
         if handle.fork_renews_all:
             request["renew_all"] = True  # absent otherwise: namespace boxes are forked as they always were
-        if self.share_fixtures:
-            request["shared"] = True  # wider fixtures are set up in the warm interpreter (BoxedExecutor)
+        try:
+            # Cgroups and a stderr of the box's own (namespace runtime): a test that leaves
+            # processes, memory or output behind leaves them in its own box, not the next one's.
+            cell = handle.fork_cell(name)
+        except (OSError, BoxliteError) as exc:
+            return f"could not make the box's cgroups and log: {exc}"
+        if cell is not None:
+            request["cell"] = cell.request
         try:
             worker.channel.send((msg.FORK, request))
         except (EOFError, OSError, execnet.RemoteError) as exc:
+            if cell is not None:
+                cell.abandon()
+                self._done_cells.append(cell)
             return self._death_reason(handle, worker, exc)
+        if cell is not None:
+            cell.deal(10.0)  # a cell that could not be handed over: the guest refuses the fork, saying so
         box = ForkedBox(
             name,
             handle,
@@ -470,6 +491,7 @@ class RemoteRunner:
             nodeid=nodeid,
             token=token,
             network=network,
+            cell=cell,
         )
         worker.pending.append(box)
         return box
@@ -560,6 +582,7 @@ class RemoteRunner:
             with contextlib.suppress(OSError):
                 box.stream.conn.close()
         box.alive = False
+        self._retire(box)
         if self._resolve(box, 10.0) is None:  # with an error there is no box to end
             self._lingering.append((box.worker, box.child, time.monotonic()))
 
@@ -570,7 +593,11 @@ class RemoteRunner:
                 box.stream.conn.close()
         if box.alive:
             box.alive = False
-            self._end_fork(box.worker, box.child)
+            # A box without cgroups of its own (an ordinary user's) shares its warm box's process
+            # limit with the next one: it is ended before the next test runs, not after a grace.
+            unconfined = box.cell is not None and not box.cell.cgroups.dirs
+            self._end_fork(box.worker, box.child, 0.0 if unconfined else FORK_GRACE)
+        self._retire(box)
 
     def _settle(
         self, box: ForkedBox, item: pytest.Item, out: Outcome, start: float, timeout: float
@@ -583,14 +610,16 @@ class RemoteRunner:
         elif not out.done:
             box.alive = False
             code = self._fork_status(box.worker, msg.WAIT, box.child)
-            if box.handle.oom_kills() > box.oom_before:
+            if box.handle.oom_kills() > box.oom_before or (box.cell is not None and box.cell.oom_kills() > 0):
                 out.hung_up = BoxSpoke(_OOM)
         if out.done:
             self.fork_waits.append(time.monotonic() - start - sum(r.duration for r in out.reports))
         if not box.alive and box.stream is not None:
             with contextlib.suppress(OSError):
                 box.stream.conn.close()
-        return self._finish(item, out, box.handle, start, timeout, forked_code=code), out.exit
+        if not box.alive:
+            self._retire(box)
+        return self._finish(item, out, box.handle, start, timeout, forked_code=code, cell=box.cell), out.exit
 
     def _finish(
         self,
@@ -601,11 +630,13 @@ class RemoteRunner:
         timeout: float,
         *,
         forked_code: int | None,
+        cell: ForkCell | None = None,
     ) -> list[pytest.TestReport]:
-        """The complete reports for what ``drain`` saw."""
+        """The complete reports for what ``drain`` saw (``cell``: the forked box's own, whose log
+        they quote)."""
         duration = time.monotonic() - start
         if out.error is not None:
-            return self._failed(item, out.error, handle, duration)
+            return self._failed(item, out.error, handle, duration, cell=cell)
         if out.done or out.exit is not None:
             return out.reports
         if out.timed_out:
@@ -618,7 +649,7 @@ class RemoteRunner:
             why = f"the test process in the box {reports.describe_status(forked_code, forked=True)}"
         # What the host refused (or a timeout) fails the test even after phases that passed.
         refused = out.timed_out or out.spoke is not None
-        return reports.complete(item, out.reports, why, self._log(handle), duration, must_fail=refused)
+        return reports.complete(item, out.reports, why, self._log(handle, cell), duration, must_fail=refused)
 
     def _accept_fork(
         self, worker: _Worker, listener: socket.socket, token: str, child: int, deadline: float, parent: str
@@ -654,11 +685,11 @@ class RemoteRunner:
                 continue
             conn.close()  # a stale connection (from an earlier box that timed out): drop it
 
-    def _end_fork(self, worker: _Worker, child: int) -> None:
+    def _end_fork(self, worker: _Worker, child: int, grace: float = FORK_GRACE) -> None:
         """A forked box that said DONE must end; it is checked off the test's path (next fork, or
         shutdown), and one that lingers past :data:`FORK_GRACE` (a test that goes on after its
         report) is killed, so nothing outlives its test by more than that."""
-        self._lingering.append((worker, child, time.monotonic() + FORK_GRACE))
+        self._lingering.append((worker, child, time.monotonic() + grace))
 
     def _reap_lingering(
         self, worker: _Worker | None = None, ended: Container[object] = (), *, final: bool = False
@@ -680,25 +711,6 @@ class RemoteRunner:
                 continue
             keep.append((w, child, deadline))
         self._lingering = keep
-
-    def teardown_shared(self, handle: BoxHandle, keep: list[str], nodeid: str, timeout: float) -> object:
-        """Have ``handle``'s warm interpreter tear down the fixtures it set up for its forks on the
-        nodes not in ``keep`` (node ids), as at ``nodeid``'s teardown: the box's serialized
-        report of that teardown (untrusted), ``None`` if nothing was torn down; raises
-        :class:`BoxliteError` if the warm interpreter did not answer."""
-        with self._lock:
-            worker = self._workers.get(handle.name)
-        if worker is None:
-            return None  # no warm interpreter left: what it had set up went with it
-        self._sync(worker, 10.0)  # answers owed to earlier FORKs come first on the channel
-        try:
-            worker.channel.send((msg.SHARED, {"keep": keep, "nodeid": nodeid}))
-            kind, fields = worker.channel.receive(timeout)
-        except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError, ValueError, TypeError) as exc:
-            raise BoxliteError(self._death_reason(handle, worker, exc)) from None
-        if kind != msg.TORNDOWN or not isinstance(fields, dict):
-            raise BoxliteError(f"the warm interpreter of box {handle.name} answered {str(kind)[:100]!r} to SHARED")
-        return fields.get("report")
 
     def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:
         self._sync(worker, 10.0)  # answers owed to earlier FORKs come first on the channel
@@ -740,14 +752,33 @@ class RemoteRunner:
         gone = "" if handle.alive(timeout=1.0) else "; the box itself is gone"
         return f"the test process in the box {how}{gone} (channel: {type(exc).__name__}: {str(exc)[:500]})"
 
-    def _log(self, handle: BoxHandle) -> tuple[str, str] | None:
+    def _log(self, handle: BoxHandle, cell: ForkCell | None = None) -> tuple[str, str] | None:
         """The box log's tail as a report section: only what was logged since this test began
         (for a forked box: since its test began, not since its fork parent booted), with its
         control characters escaped (the log holds what the box wrote: no escape sequence of a box
-        reaches the host's terminal)."""
+        reaches the host's terminal).  A forked box with a cell of its own has a log of its own:
+        that one is quoted (once the box's last writer is gone, up to a second)."""
+        if cell is not None:
+            own = escape_controls(cell.log_tail(wait=1.0))
+            return (f"boxlite log of {cell.name}", own) if own.strip() else None
         since = self._log_since.get(handle.name)
         tail = escape_controls(handle.log_tail(since=since or 0))
         return (f"boxlite log of {handle.name}", tail) if tail.strip() else None
 
-    def _failed(self, item: pytest.Item, why: str, handle: BoxHandle, duration: float) -> list[pytest.TestReport]:
-        return reports.failed_phase(item, "setup", why, self._log(handle), duration)
+    def _failed(
+        self, item: pytest.Item, why: str, handle: BoxHandle, duration: float, *, cell: ForkCell | None = None
+    ) -> list[pytest.TestReport]:
+        return reports.failed_phase(item, "setup", why, self._log(handle, cell), duration)
+
+    def _retire(self, box: ForkedBox) -> None:
+        """A forked box is done: every process in its cgroups is killed now (no grace: nothing of
+        it may run on beside the next test), its cgroups removed once empty (:meth:`_release_cells`)."""
+        cell = box.cell
+        if cell is not None and all(c is not cell for c in self._done_cells):
+            cell.kill()
+            self._done_cells.append(cell)
+
+    def _release_cells(self) -> None:
+        """Remove the cgroups of the boxes that are done, where they are empty already (no wait)."""
+        if self._done_cells:
+            self._done_cells = [c for c in self._done_cells if not c.release()]
