@@ -6,7 +6,9 @@ boots.  It runs ``pytest.main`` with the host's own command line (so every optio
 other plugins and of the project's conftest files, means what it means on the host), collects the
 session ONCE, indexes every collected item by node id, and then runs the items the host asks for,
 by id, with the right ``nextitem``, so fixture scopes behave as in a local run.  In fork mode each
-forked box inherits that one collection.  The messages are listed in
+forked box inherits that one collection, and (``--boxlite-scope=test``) the fixtures wider than a
+function's, which this interpreter sets up once and tears down when pytest would (``_prepare``,
+``_teardown_shared``).  The messages are listed in
 :mod:`pytest_boxlite.guest.messages`.  Imports nothing of the package: standard library and pytest.
 """
 
@@ -100,6 +102,88 @@ def _cut_channel(channel):
                 os.dup2(null, f.fileno())
     finally:
         os.close(null)
+
+
+#: The stand-in item through which the warm interpreter tears down what it set up for its forked
+#: boxes (see ``GuestPlugin._teardown_shared``): pytest tears a node down only at an item's teardown.
+_SHADOW = "boxlite-shared-fixtures"
+
+
+def _noop():
+    """The stand-in item's test function (never called)."""
+
+
+def _shared_names(item):
+    """The fixtures of ``item`` that its forked box inherits set up: every one of its closure whose
+    scope is wider than the function's, in the closure's order (pytest sorts it widest scope first).
+
+    ``None`` for an item whose setup is more than filling its fixtures (a non-Python test item: its
+    ``setup()`` is test code, which must run in the test's own box).  Relies on what pytest 8.0 to 9
+    have and no public API offers before a fixture runs: ``Function._fixtureinfo.name2fixturedefs``
+    (each name of the closure -> its definitions, the last one the one used), ``FixtureDef.scope``,
+    and ``Function.setup()`` filling exactly ``item.fixturenames`` (a public attribute).
+    """
+    import pytest
+
+    if not isinstance(item, pytest.Function):
+        return None
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", None)
+    names = getattr(item, "fixturenames", None)
+    if not isinstance(defs, dict) or not isinstance(names, list):
+        return None
+    return [n for n in names if defs.get(n) and getattr(defs[n][-1], "scope", "function") != "function"]
+
+
+def _warning_filter(arg, escape):
+    """A ``-W``/``filterwarnings`` line as ``warnings.filterwarnings`` arguments (pytest's own
+    parser is private): ``None`` if it does not parse (pytest reports that itself)."""
+    import builtins
+    import importlib
+    import re
+
+    parts = [p.strip() for p in str(arg).split(":")]
+    if len(parts) > 5:
+        return None
+    action, message, category, module, lineno = parts + [""] * (5 - len(parts))
+    actions = [a for a in ("default", "error", "ignore", "always", "module", "once") if a.startswith(action)]
+    if not actions:
+        return None
+    try:
+        if not category:
+            cls = Warning
+        elif "." in category:
+            mod, _, name = category.rpartition(".")
+            cls = getattr(importlib.import_module(mod), name)
+        else:
+            cls = getattr(builtins, category)
+        if not (isinstance(cls, type) and issubclass(cls, Warning)):
+            return None
+        number = int(lineno) if lineno else 0
+    except (ImportError, AttributeError, ValueError):
+        return None
+    if escape:
+        message = re.escape(message) if message else message
+        module = re.escape(module) + r"\Z" if module else module
+    return actions[0], message, cls, module, number
+
+
+def _apply_warning_filters(item):
+    """The warning filters pytest applies around ``item``'s run (its ``catch_warnings_for_item``):
+    so a warning a shared fixture raises as the warm interpreter prepares ``item`` is shown,
+    ignored or made an error as it would be in ``item``'s own setup."""
+    import warnings
+
+    config = item.config
+    if not sys.warnoptions:
+        warnings.filterwarnings("always", category=DeprecationWarning)
+        warnings.filterwarnings("always", category=PendingDeprecationWarning)
+    lines = [(a, False) for a in config.getini("filterwarnings")]
+    lines += [(a, True) for a in getattr(config.known_args_namespace, "pythonwarnings", None) or []]
+    lines += [(a, False) for mark in item.iter_markers(name="filterwarnings") for a in mark.args]
+    for arg, escape in lines:
+        parsed = _warning_filter(arg, escape)
+        if parsed is not None:
+            warnings.filterwarnings(*parsed)
 
 
 def _forget_cached_host_facts():
@@ -271,6 +355,18 @@ def serve(channel):
             self.send = self._locked(lambda name, **fields: channel.send((name, fields)))
             self.cache_writes = {}
             self.coverage_sent = {}
+            #: The nodes of this warm interpreter's SetupState that carry what it set up for its
+            #: forked boxes (session first): fixtures wider than a function's, which pytest sets
+            #: up once per session, package, module or class and every box inherits.
+            self.shared = []
+            #: In a forked box whose item was prepared so: the node its teardown stops at (the
+            #: item's parent: what is above it belongs to the warm interpreter).
+            self.stop = None
+            #: Warnings that preparing the item raised: its box reports them as its own.
+            self.prepare_warnings = []
+            #: In such a box: fixtures wider than a function's that its test set up itself (asked
+            #: for with ``request.getfixturevalue``): torn down at its teardown, as the box ends.
+            self.own_wide = []
 
         def _locked(self, send):
             """``send`` made safe for the live-output threads (one message at a time)."""
@@ -353,6 +449,9 @@ def serve(channel):
                     except ProcessLookupError:
                         pass
                     channel.send((STATUS, {"code": self.wait(fields["pid"])}))  # noqa: F821
+                elif name == SHARED:  # noqa: F821
+                    report = self._teardown_shared(fields.get("keep") or (), fields.get("nodeid"))
+                    channel.send((TORNDOWN, {"report": report}))  # noqa: F821
 
         def _watch_cache(self, config):
             """Keep what tests store in ``config.cache``: the host stores it in its own cache."""
@@ -392,6 +491,144 @@ def serve(channel):
             if when == "runtest" and self.session is not None:
                 self.send(WARNING, **_warning_fields(warning_message, nodeid))  # noqa: F821
 
+        # -- fixtures wider than a function's: set up here, once, for every forked box --------
+        @pytest.hookimpl(wrapper=True)
+        def pytest_fixture_setup(self, fixturedef, request):
+            result = yield
+            if self.stop is not None and getattr(fixturedef, "scope", "function") != "function":
+                self.own_wide.append((fixturedef, request))
+            return result
+
+        @pytest.hookimpl(wrapper=True)
+        def pytest_runtest_teardown(self, item, nextitem):
+            """In a box whose item was prepared: its teardown stops at what the warm interpreter
+            set up; the wider fixtures the test set up itself end with it (``FixtureDef.finish``,
+            as their scope's node would at its teardown)."""
+            try:
+                result = yield
+            except BaseException:
+                self._finish_own_wide()
+                raise
+            self._finish_own_wide()
+            return result
+
+        @staticmethod
+        def _renew_capture(config):
+            """New files for pytest's global capture here, the forked box keeping the old ones:
+            this interpreter captures what fixtures print as it prepares the next box (see
+            ``_prepare``) while that box's test may run, and one file shared by both would mix
+            (and cut) their output.  CaptureManager's ``stop/start_global_capturing`` (pytest 8.0
+            to 9) are what pytest itself calls at the start and end of a session."""
+            capman = config.pluginmanager.getplugin("capturemanager")
+            if capman is None:
+                return
+            capman.stop_global_capturing()
+            capman.start_global_capturing()
+
+        def _finish_own_wide(self):
+            own, self.own_wide = self.own_wide, []
+            errors = []
+            for fixturedef, request in reversed(own):
+                try:
+                    fixturedef.finish(request)
+                except Exception as exc:  # noqa: BLE001 - every one is finished; the first error is raised
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+
+        def _prepare(self, item):
+            """Before ``item``'s box is forked: set up here what pytest sets up for ``item`` above
+            the function (its collectors, and its session, package, module and class fixtures), as
+            ``item``'s own setup would, then take ``item`` itself off the stack again.
+
+            The box inherits all of it set up (values, and files made in this box), and its own
+            setup then only sets up ``item``'s function-scoped fixtures.  What fails here (a fixture
+            error, a skip mark) is left for the box: its setup raises the same (pytest keeps a
+            fixture's error as its result for its scope, and a collector's for its subtree).
+            Returns the node the box's teardown stops at (what is above it stays here).
+            """
+            names = _shared_names(item)
+            chain = item.listchain()
+            if names is None:
+                # Not a Python function: its setup runs in its box only; nothing of ours is torn down there.
+                kept = [n for n in self.shared if n in chain]
+                return kept[-1] if kept else None
+            # The host asked for this already (SHARED) when the next item left a scope; for an
+            # item it did not tell us about (a test run again, say), here is when it is due.
+            self._teardown_shared([n.nodeid for n in chain], None)
+            import warnings
+
+            full = item.fixturenames
+            with warnings.catch_warnings(record=True) as caught:
+                _apply_warning_filters(item)
+                item.fixturenames = names
+                try:
+                    item.ihook.pytest_runtest_setup(item=item)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException:  # noqa: BLE001,S110 - the box's own setup raises it again and reports it
+                    pass
+                finally:
+                    item.fixturenames = full
+                try:
+                    # A collector, not an item, as the next one: its chain is what stays set up here.
+                    item.ihook.pytest_runtest_teardown(item=item, nextitem=item.parent)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException:  # noqa: BLE001,S110 - item-level finalizers: none ran here
+                    pass
+            self.prepare_warnings = [_warning_fields(w, item.nodeid) for w in caught]
+            self.shared = chain[:-1]
+            return item.parent
+
+        def _teardown_shared(self, keep, nodeid):
+            """Tear down what this interpreter set up on the nodes whose ids are not in ``keep``
+            (the next item's chain; empty: everything), as pytest does at the teardown of ``nodeid``
+            (the last item that needed them).  Returns that teardown's serialized report (its
+            output and error), or ``None`` when nothing was set up on such a node.
+
+            pytest tears nodes down only at an item's teardown: a stand-in item under the deepest
+            node goes through the setup and teardown hooks (its own fixtures none), with the
+            collector that stays as its next item.
+            """
+            keep = set(keep)
+            kept = []
+            for node in self.shared:
+                if node.nodeid not in keep:
+                    break
+                kept.append(node)
+            if len(kept) == len(self.shared):
+                return None
+            import pytest
+
+            top, self.shared = self.shared[-1], kept
+            shadow = pytest.Function.from_parent(top, name=_SHADOW, callobj=_noop)
+            shadow.fixturenames = []
+            sections = []
+
+            def add_section(when, key, content):
+                if content:
+                    sections.append(("Captured %s %s" % (key, when), cap(content)))  # noqa: F821 - messages.py
+
+            shadow.add_report_section = add_section
+            stop = (KeyboardInterrupt, SystemExit)
+            pytest.CallInfo.from_call(lambda: shadow.ihook.pytest_runtest_setup(item=shadow), "setup", reraise=stop)
+            target = kept[-1] if kept else None
+            call = pytest.CallInfo.from_call(
+                lambda: shadow.ihook.pytest_runtest_teardown(item=shadow, nextitem=target), "teardown", reraise=stop
+            )
+            item = self.items.get(nodeid) if nodeid else None
+            if item is None:
+                if call.excinfo is None and not sections:
+                    return None
+                item = shadow
+            report = pytest.TestReport.from_item_and_call(item, call)
+            report.sections = [(t, c) for t, c in sections if t.endswith(" teardown")]
+            if report.longrepr is not None and len(report.longreprtext) > FIELD_CAP:  # noqa: F821
+                report.longrepr = cap(report.longreprtext, "of this failure")  # noqa: F821
+            config = self.session.config
+            return config.hook.pytest_report_to_serializable(config=config, report=report)
+
         def _item(self, nodeid):
             item = self.items.get(nodeid)
             if item is not None:
@@ -416,7 +653,14 @@ def serve(channel):
             if item is None:
                 self.send(ERROR, text=error)  # noqa: F821
                 return
-            nextitem = self.items.get(next_nodeid) if next_nodeid else None
+            # Prepared in the warm interpreter, the item's teardown leaves what is above it there.
+            nextitem = self.items.get(next_nodeid) if next_nodeid else self.stop
+            if self.stop is not None:
+                # Nor may -x / --maxfail (the host's to act on) make it tear everything down.
+                item.session.config.option.maxfail = 0
+                for fields in self.prepare_warnings:
+                    self.send(WARNING, **fields)  # noqa: F821
+                self.prepare_warnings = []
             import time
 
             since = time.time() - 1.0  # file systems keep mtimes coarser than the clock
@@ -430,13 +674,14 @@ def serve(channel):
                     live.close()
             self._send_side_data(since)
 
-        def fork(self, nodeid, token, sock, hostname, network, renew_all=False, cell=None):
+        def fork(self, nodeid, token, sock, hostname, network, renew_all=False, shared=False, cell=None):
             """Fork a fresh box for ``nodeid`` (collected here first, so the box inherits it) that
             runs each ``RUN`` the host sends on its stream (one, or a module's), until the stream ends.
 
             ``renew_all``: the box is a VM, whose writable directories are no overlays (see
-            ``_fresh_box``).  ``cell``: where the host hands the box its own cgroups and stderr
-            (``take_cell``)."""
+            ``_fresh_box``).  ``shared``: the fixtures wider than a function's are set up here
+            first (see ``_prepare``), so the box inherits them.  ``cell``: where the host hands the
+            box its own cgroups and stderr (``take_cell``)."""
             # Reap boxes that have ended, and tell the host which (in FORKED): it then needs no
             # round trip per box to learn that a box it is done with has gone.
             ended = []
@@ -450,6 +695,7 @@ def serve(channel):
             if item is None:
                 channel.send((ERROR, {"text": error}))  # noqa: F821
                 return
+            stop = self._prepare(item) if shared else None
             # Root's fresh box maps every id into its new user namespace: this process writes the maps.
             # On a VM (renew_all) root forks the box as root of the VM's kernel: no maps to write.
             real_root = bool(renew_all) and os.geteuid() == 0
@@ -469,7 +715,10 @@ def serve(channel):
                 # boxes made ahead it is not waiting on this box's test yet).
                 if mapper is not None:
                     mapper.serve(pid)
+                self.prepare_warnings = []  # the box's to report
                 channel.send((FORKED, {"pid": pid, "ended": ended}))  # noqa: F821
+                if shared:
+                    self._renew_capture(item.config)
                 return
             # Here: pid 1 of the fresh box, in its new namespaces, ids mapped.
             code = 0
@@ -490,6 +739,7 @@ def serve(channel):
                     _init(test)
                 enter_test_namespaces(network, nested)  # noqa: F821 - guest/fresh.py
                 _forget_cached_host_facts()
+                self.stop = stop
                 out = conn.makefile("wb")
 
                 def send(name, **fields):

@@ -218,6 +218,9 @@ class RemoteRunner:
         self.fork_waits: list[float] = []
         #: Why a box's warm interpreter cannot fork fresh boxes (its kernel refuses the namespaces).
         self.fork_problems: dict[str, str] = {}
+        #: Forks inherit the fixtures wider than a function's from their warm interpreter, which
+        #: sets them up (``--boxlite-scope=test``; see ``teardown_shared``).
+        self.share_fixtures = False
         self._status_tmp = tempfile.TemporaryDirectory(prefix="boxlite-status-")
         self.status_dir = Path(self._status_tmp.name)
 
@@ -390,7 +393,9 @@ class RemoteRunner:
             if isinstance(made, str):
                 return None, self._failed(item, made, handle, 0.0), None
             box = made
-        why = self._resolve(box, min(timeout, 30.0))
+        # With shared fixtures the answer comes once they are set up (a slow session fixture's
+        # time): the test's own bound, as when its box set them up itself.
+        why = self._resolve(box, timeout if self.share_fixtures else min(timeout, 30.0))
         if why is not None:
             return None, self._failed(item, why, handle, 0.0), None
         if box.stream is None:
@@ -464,6 +469,8 @@ class RemoteRunner:
         request = {"nodeid": nodeid, "token": token, "sock": fork_socket, "hostname": name[:63], "network": network}
         if handle.fork_renews_all:
             request["renew_all"] = True  # absent otherwise: namespace boxes are forked as they always were
+        if self.share_fixtures:
+            request["shared"] = True  # wider fixtures are set up in the warm interpreter (BoxedExecutor)
         try:
             # Cgroups and a stderr of the box's own (namespace runtime): a test that leaves
             # processes, memory or output behind leaves them in its own box, not the next one's.
@@ -711,6 +718,25 @@ class RemoteRunner:
                 continue
             keep.append((w, child, deadline))
         self._lingering = keep
+
+    def teardown_shared(self, handle: BoxHandle, keep: list[str], nodeid: str, timeout: float) -> object:
+        """Have ``handle``'s warm interpreter tear down the fixtures it set up for its forks on the
+        nodes not in ``keep`` (node ids), as at ``nodeid``'s teardown: the box's serialized
+        report of that teardown (untrusted), ``None`` if nothing was torn down; raises
+        :class:`BoxliteError` if the warm interpreter did not answer."""
+        with self._lock:
+            worker = self._workers.get(handle.name)
+        if worker is None:
+            return None  # no warm interpreter left: what it had set up went with it
+        self._sync(worker, 10.0)  # answers owed to earlier FORKs come first on the channel
+        try:
+            worker.channel.send((msg.SHARED, {"keep": keep, "nodeid": nodeid}))
+            kind, fields = worker.channel.receive(timeout)
+        except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError, ValueError, TypeError) as exc:
+            raise BoxliteError(self._death_reason(handle, worker, exc)) from None
+        if kind != msg.TORNDOWN or not isinstance(fields, dict):
+            raise BoxliteError(f"the warm interpreter of box {handle.name} answered {str(kind)[:100]!r} to SHARED")
+        return fields.get("report")
 
     def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:
         self._sync(worker, 10.0)  # answers owed to earlier FORKs come first on the channel
