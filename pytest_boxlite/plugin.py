@@ -81,17 +81,19 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
     if in_guest():
-        config.pluginmanager.register(GuestRole(), "boxlite-guest")
         settings = resolve(config)
-        if settings.scope == "worker" and not _boots_nothing(config):
+        worker_scope = settings.scope == "worker" and not _boots_nothing(config)
+        terminal = worker_scope and _terminal_for_pdb(config)
+        config.pluginmanager.register(GuestRole(terminal=terminal), "boxlite-guest")
+        if worker_scope:
             from pytest_boxlite.session_in_box import WorkerScopeGuest
 
             config.pluginmanager.register(WorkerScopeGuest(settings), "boxlite-worker-scope")
-            if config.option.usepdb:
-                # The whole session is in this box, whose terminal pdb cannot use: no post-mortem
-                # (this runs before pytest's debugging plugin looks at the option), a line instead.
+            if config.option.usepdb and not terminal:
+                # pdb cannot use this box's terminal: no post-mortem (this runs before pytest's
+                # debugging plugin looks at the option), a line per failure instead.
                 config.option.usepdb = False
-                config.pluginmanager.register(PdbNotice(lambda item: True, header=True), "boxlite-pdb")
+                config.pluginmanager.register(PdbNotice(lambda item: True, header=_WORKER_PDB), "boxlite-pdb")
         return
     if _boots_nothing(config):
         return
@@ -109,7 +111,11 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         if _is_controller(config):
             session = BoxliteSession(
-                settings, session_id=session_id, worker_id=None, worker_mounts=lambda: worker_mounts_for(config)
+                settings,
+                session_id=session_id,
+                worker_id=None,
+                worker_mounts=lambda: worker_mounts_for(config),
+                project=config.rootpath,
             )
             role = ControllerPlugin(config, session)
         else:
@@ -121,7 +127,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[ROLE_KEY] = role
     config.pluginmanager.register(role, role.NAME)
     if config.option.usepdb and isinstance(role, HostPlugin):
-        config.pluginmanager.register(PdbNotice(_boxed_on(role), header=False), "boxlite-pdb")
+        config.pluginmanager.register(PdbNotice(_boxed_on(role)), "boxlite-pdb")
     if isinstance(role, ControllerPlugin) and settings.scope == "worker":
         from pytest_boxlite.session_in_box import WorkerRefusals
 
@@ -173,23 +179,26 @@ def _boxed_on(role: _SessionRole) -> Callable[[pytest.Item], bool]:
     return boxed
 
 
+#: The header line of a ``--boxlite-scope=worker`` session's box where pdb cannot use the terminal.
+_WORKER_PDB = (
+    "boxlite: --pdb cannot debug in this session's box while pytest captures file descriptors: add -s "
+    "(or --capture=sys) to debug in the box on this terminal, or run with -p no:boxlite"
+)
+
+
 class PdbNotice:
     """``--pdb`` and boxed tests: pdb cannot reach a box, so each boxed failure gets a line saying
     how to debug that test here, where pytest would have entered the debugger."""
 
-    def __init__(self, boxed: Callable[[pytest.Item], bool], *, header: bool) -> None:
+    def __init__(self, boxed: Callable[[pytest.Item], bool], *, header: str | None = None) -> None:
         self._boxed = boxed
+        #: The header line; ``None`` where the host role's header has one.
         self._header = header
         self._item: pytest.Item | None = None
         self._told: set[str] = set()
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
-        if not self._header:
-            return []  # the host role's header has the line
-        return [
-            "boxlite: --pdb does not enter boxed tests (they run in a box without this terminal); "
-            "to debug one here, run it with -p no:boxlite"
-        ]
+        return [self._header] if self._header else []
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
@@ -211,9 +220,23 @@ class PdbNotice:
             reporter.ensure_newline()
             reporter.write_line(
                 f"boxlite: --pdb: {report.nodeid} failed in a box, which no debugger here can enter; "
-                f"to debug it: pytest -p no:boxlite --pdb {report.nodeid}",
+                f"to debug it: pytest -p no:boxlite --pdb {report.nodeid}{' (or add -s)' if self._header else ''}",
                 yellow=True,
             )
+
+
+def _terminal_for_pdb(config: pytest.Config) -> bool:
+    """Whether pdb can use this box's terminal: the whole session in one box (``--boxlite-scope=worker``
+    without xdist) is handed the user's terminal itself, and pdb works there once pytest's capture is
+    not at the file-descriptor level (``-s``, ``--capture=sys``), whose restore of the terminal's
+    descriptors does not reach pdb in the box."""
+    if hasattr(config, "workerinput") or "PYTEST_XDIST_WORKER" in os.environ:
+        return False
+    try:
+        on_terminal = os.isatty(0) and os.isatty(1)
+    except OSError:
+        return False
+    return on_terminal and config.getoption("capture") != "fd"
 
 
 def _caller() -> str:
@@ -228,21 +251,29 @@ def _caller() -> str:
 class GuestRole:
     """Inside a box's pytest (boxed tests, ``--boxlite-scope=worker``): the host does the boxing."""
 
+    def __init__(self, *, terminal: bool = False) -> None:
+        #: pdb can use this box's terminal (see ``_terminal_for_pdb``).
+        self.terminal = terminal
+
     def pytest_enter_pdb(self, config: pytest.Config, pdb: object) -> None:
-        """``breakpoint()``, ``pdb.set_trace()`` and ``pytest.set_trace()`` in a box: no debugger can
-        reach the user's terminal from here, so the test fails at that line saying so, instead of
-        pdb reading end-of-file and quitting with a bare ``BdbQuit``."""
+        """``breakpoint()``, ``pdb.set_trace()`` and ``pytest.set_trace()`` in a box: where no debugger
+        can reach the user's terminal, the test fails at that line saying so, instead of pdb reading
+        end-of-file and quitting with a bare ``BdbQuit``."""
+        if self.terminal:
+            return  # the session's own box, on the user's terminal: pdb works as locally
         # pytest suspended capturing to hand the terminal to pdb; nobody resumes it if we refuse.
         capman = config.pluginmanager.getplugin("capturemanager")
         if capman is not None and hasattr(capman, "resume"):
             capman.resume()
         test = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0] or "this test"
         under_xdist = "PYTEST_XDIST_WORKER" in os.environ
+        worker_scope = config.pluginmanager.has_plugin("boxlite-worker-scope")
         pytest.fail(
             f"[boxlite] {test}: a debugger was asked for at {_caller()}, but this test runs in a box of "
             "pytest-boxlite, which has no terminal of yours to debug in. To debug it, run it unboxed: "
             f"pytest -p no:boxlite {'without -n ' if under_xdist else ''}{test}"
-            f"{' (xdist workers have no terminal either)' if under_xdist else ''}",
+            f"{' (xdist workers have no terminal either)' if under_xdist else ''}"
+            f"{'' if under_xdist or not worker_scope else ', or in its box from a terminal with -s'}",
             pytrace=False,
         )
 

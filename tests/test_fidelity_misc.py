@@ -363,17 +363,51 @@ def test_pdb_with_boxed_tests_says_so_where_it_would_debug(tmp_path: Path, home:
     argv = pytest_argv(home, "--pdb", f"--boxlite-scope={scope}", "test_pdb.py")
     rc, out = run_in_pty(argv, tmp_path, answers=answers)
     assert rc == pytest.ExitCode.TESTS_FAILED, out
-    assert "boxlite: --pdb does not enter boxed tests" in out, out
+    if all_boxed:
+        assert "boxlite: --pdb cannot debug in this session's box while pytest captures file descriptors: add -s" in out
+    else:
+        assert "boxlite: --pdb does not enter boxed tests" in out, out
 
     def told(name: str) -> bool:
         return (
             f"boxlite: --pdb: test_pdb.py::{name} failed in a box, which no debugger here can enter; "
-            f"to debug it: pytest -p no:boxlite --pdb test_pdb.py::{name}"
+            f"to debug it: pytest -p no:boxlite --pdb test_pdb.py::{name}{' (or add -s)' if all_boxed else ''}"
         ) in out
 
     assert told("test_boxed_fails"), out
     assert told("test_local_fails") == all_boxed, out
     assert ("(Pdb) " in out) != all_boxed, out
+    no_leftovers(home, out)
+
+
+IN_SESSION_BOX = """
+import os
+
+
+def test_debugged():
+    assert os.environ.get("PYTEST_BOXLITE_GUEST") == "1"  # in the session's box
+    x = 41
+    breakpoint()
+    assert x == 42  # set at the prompt
+
+
+def test_fails():
+    assert 3 == 4
+"""
+
+
+def test_worker_scope_with_s_debugs_in_the_box_on_this_terminal(tmp_path: Path, home: Path) -> None:
+    """The whole session in one box (--boxlite-scope=worker, no -n) is handed the terminal itself:
+    with -s, breakpoint() gets a working pdb (a value set at its prompt holds) and --pdb its
+    post-mortem, in the box."""
+    write(tmp_path, "test_in_box.py", IN_SESSION_BOX)
+    argv = pytest_argv(home, "--boxlite-scope=worker", "-s", "--pdb", "test_in_box.py")
+    answers = [(b"(Pdb) ", b"x = 42\n"), (b"(Pdb) ", b"c\n"), (b"(Pdb) ", b"c\n")]
+    rc, out = run_in_pty(argv, tmp_path, answers=answers)
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert re.search(r"\b1 failed, 1 passed\b", out), out
+    assert "PDB post_mortem" in out, out
+    assert "[boxlite]" not in out and "failed in a box" not in out, out
     no_leftovers(home, out)
 
 
