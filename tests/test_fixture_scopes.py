@@ -129,6 +129,12 @@ MODULES = {
             def test_b(self, use): pass
 
         def test_c(use): pass
+
+        class TestE:
+            @pytest.mark.boxlite
+            def test_a(self, use): pass
+
+            def test_b(self, use): pass
     """,
     "test_m4": """
         import pytest
@@ -182,7 +188,7 @@ def events(out: str) -> Counter[tuple[str, str, str, str]]:
 def uses(out: str) -> dict[str, tuple[str, str, str, str]]:
     """Per test: the side it ran on and the session, module and class tokens it got."""
     found = {nodeid: (side, s, m, k) for nodeid, side, s, m, k in _USE.findall(out)}
-    assert len(found) == 14, out
+    assert len(found) == 16, out
     return found
 
 
@@ -202,8 +208,7 @@ HOST_EXPECTED = {
     ("SETUP", "sess", "-"): 1,
     ("TEARDOWN", "sess", "-"): 1,
     **{(w, "mod", m): 1 for w in ("SETUP", "TEARDOWN") for m in ("test_m1", "test_m2", "test_m3")},
-    ("SETUP", "klass", "TestC"): 1,
-    ("TEARDOWN", "klass", "TestC"): 1,
+    **{(w, "klass", c): 1 for w in ("SETUP", "TEARDOWN") for c in ("TestC", "TestE")},
 }
 
 
@@ -218,7 +223,7 @@ def test_default_scope_sets_wider_fixtures_up_once_and_each_side_tears_down_when
     assert box == {
         **{(w, "sess", "-"): 1 for w in ("SETUP", "TEARDOWN")},
         **{(w, "mod", m): 1 for w in ("SETUP", "TEARDOWN") for m in ("test_m1", "test_m2", "test_m3", "test_m4")},
-        **{(w, "klass", c): 1 for w in ("SETUP", "TEARDOWN") for c in ("TestC", "TestD")},
+        **{(w, "klass", c): 1 for w in ("SETUP", "TEARDOWN") for c in ("TestC", "TestD", "TestE")},
     }, out
     assert host_side(counts) == HOST_EXPECTED, out
     found = uses(out)
@@ -312,6 +317,7 @@ def test_worker_scope_runs_fixtures_as_locally(project: Path, home: Path, n: str
         **{("mod", m): 1 for m in MODULES},
         ("klass", "TestC"): 1,
         ("klass", "TestD"): 1,
+        ("klass", "TestE"): 1,
     }, out
 
 
