@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         # Mostly a home this user may not read (another user's): say so, not a traceback.
         home = _home(args)
+        if not (isinstance(exc.filename, str) and exc.filename.startswith(str(home))):
+            print(f"error: {args.cmd} failed: {_os_problem(exc)}", file=sys.stderr)
+            return 1
         hint = ""
         if isinstance(exc, PermissionError):
             hint = (
