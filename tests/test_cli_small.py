@@ -6,14 +6,17 @@ from a terminal runs on a pty of the box's own (job control, Ctrl-C reaches the 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pty
 import re
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -220,6 +223,12 @@ def test_shell_from_a_terminal_has_job_control_and_ctrl_c(kept: tuple[Path, str]
         term.send("echo status=$?\n")
         assert term.expect(r"status=(\d+)")[1] == "130"
         assert time.monotonic() - started < 30, "Ctrl-C did not reach the sleep"
+        # The user's terminal is resized: the box's pty follows.
+        fcntl.ioctl(term.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 41, 123, 0, 0))
+        time.sleep(1.0)
+        term.send("stty size\n")
+        term.expect(r"41 123")
+        term.expect(r"[#$] ")
         term.send("sleep 60 &\n")  # a job left behind must not keep the shell command open
         term.expect(r"[#$] ")
         term.send("exit 3\n")

@@ -7,7 +7,7 @@ user's terminal as its stdin and stdout, starts ``ARGV`` on a pty of the box's o
 controlling terminal, in a session of its own) and copies bytes both ways.  The user's terminal
 is put in raw mode meanwhile, so Ctrl-C, Ctrl-Z and the rest reach the pty's line discipline,
 which signals the foreground job in the box; its mode is restored when the command ends.  The
-pty starts at the terminal's size.  Standard library only; exits with the command's status.
+pty follows the terminal's size.  Standard library only; exits with the command's status.
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ def _write_all(fd: int, data: bytes) -> bool:
     return True
 
 
+def _size(fd: int) -> bytes | None:
+    try:
+        return fcntl.ioctl(fd, termios.TIOCGWINSZ, b"\0" * 8)
+    except OSError:
+        return None
+
+
 def _copy(master: int, pid: int) -> int:
     """Copy the user's terminal to the pty and back until the command ends; its wait status.
 
@@ -42,6 +49,7 @@ def _copy(master: int, pid: int) -> int:
     """
     inputs = [master, 0]
     status = None  # the command's wait status, once it has ended
+    size = _size(0)
 
     def ended() -> int:
         return status if status is not None else os.waitpid(pid, 0)[1]
@@ -51,6 +59,15 @@ def _copy(master: int, pid: int) -> int:
             done, st = os.waitpid(pid, os.WNOHANG)
             if done:
                 status = st
+        # The user's terminal was resized (its SIGWINCH reaches the host's process, not this one):
+        # the pty takes the new size, and the kernel tells the command.
+        now = _size(0)
+        if now is not None and now != size:
+            size = now
+            try:
+                fcntl.ioctl(master, termios.TIOCSWINSZ, now)
+            except OSError:
+                pass
         try:
             ready, _, _ = select.select(inputs, [], [], 0.2 if status is None else 0.05)
         except InterruptedError:
@@ -81,10 +98,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         sys.stderr.write("terminal.py: no command\n")
         return 2
-    try:
-        size = fcntl.ioctl(0, termios.TIOCGWINSZ, b"\0" * 8)
-    except OSError:
-        size = None
+    size = _size(0)
     pid, master = pty.fork()
     if pid == 0:
         if size is not None:
