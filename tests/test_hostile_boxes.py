@@ -3,7 +3,7 @@
 Real sub-runs, boxed tests forked per test from a warm interpreter (namespace runtime, the default
 ``--boxlite-scope=test``):
 
-* a test that leaves 4,000 threads, or most of its memory cap, behind and never lets its box end
+* a test that leaves 4,000 threads, or a third of its memory cap, behind and never lets its box end
   (``os._exit`` replaced) does not make the next, innocent test fail: each forked box has cgroups
   of its own, and a box that is done is killed whole before the next test runs;
 * a test (and the warm interpreter's conftest) that writes megabytes to its stderr and to every
@@ -80,16 +80,18 @@ def test_2_innocent_threads_and_a_process():
 HOG = []
 
 
-@pytest.mark.boxlite(memory=256)
+@pytest.mark.boxlite(memory=320)
 def test_3_leaves_memory_behind():
-    HOG.append(b"x" * (200 << 20))  # written, so resident: most of the box's 256 MiB
+    HOG.append(b"x" * (100 << 20))  # written, so resident: a third of the box's 320 MiB
     never_end()
 
 
-@pytest.mark.boxlite(memory=256)
+@pytest.mark.boxlite(memory=320)
 def test_4_innocent_memory():
-    data = b"y" * (150 << 20)
-    assert len(data) == 150 << 20
+    # Fits its box's cap alone; beside the 100 MiB left behind it would not, and by the time the
+    # cap is reached it holds more than that: the OOM killer would pick it.
+    data = b"y" * (250 << 20)
+    assert len(data) == 250 << 20
 """
 )
 
@@ -236,7 +238,7 @@ def _check_flood_run(output: str, junit: Path, watch: _LogWatch) -> None:
 
 
 def test_a_lingering_test_does_not_starve_the_next(tmp_path: Path, home: Path, subruns: list[SubRun]) -> None:
-    """4,000 threads or 200 MiB left running in a box that never ends: the next tests pass."""
+    """4,000 threads or 100 MiB left running in a box that never ends: the next tests pass."""
     if os.geteuid() != 0:
         pytest.skip("cgroups for each forked box need root here (an ordinary user gets none)")
     (tmp_path / "test_starving.py").write_text(textwrap.dedent(STARVING))
