@@ -262,6 +262,7 @@ class HostPlugin(_SessionRole, NoLifecycle):
             worker_id=worker_id,
             lifecycle=self,
             worker_mounts=lambda: worker_mounts_for(config),
+            project=config.rootpath,
         )
         super().__init__(config, session)
         # Made at the first box: a run that boxes nothing (the plugin is installed, the run does

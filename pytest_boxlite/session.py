@@ -76,6 +76,7 @@ class BoxliteSession:
         worker_id: str | None,
         lifecycle: BoxLifecycle | None = None,
         worker_mounts: tuple[str, ...] | Callable[[], tuple[str, ...]] = (),
+        project: str | os.PathLike[str] | None = None,
         opener: Callable[[str, Path, str], Runtime] | None = None,
     ) -> None:
         self.settings = settings
@@ -85,6 +86,9 @@ class BoxliteSession:
         self.home = Path(settings.home).expanduser()
         remote = remote_target(settings.url, credential_file=settings.credential_file, max_boxes=settings.replicas)
         self.choice: Choice = choose(settings.runtime, remote)
+        #: The project (pytest's rootdir; the working directory if not given): every sandbox sees
+        #: it at its own path, copy-on-write (read-only on vm), wherever it lies, /tmp included.
+        self.project = os.path.abspath(project if project is not None else os.getcwd())
         self.default_spec = self.spec_for()
         self.report = SessionReport()
         self._lock = threading.Lock()
@@ -166,6 +170,8 @@ class BoxliteSession:
         if "memory" in overrides:
             overrides["memory_mib"] = overrides.pop("memory")
         base.update({k: v for k, v in overrides.items() if v is not None})
+        if not base.get("worker") and "mounts" not in base:
+            base["mounts"] = (self.project,)
         return BoxSpec(**base)
 
     def unused_image(self, image: str, what: str) -> str | None:

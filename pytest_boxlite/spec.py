@@ -68,9 +68,17 @@ def check_env(env: Mapping[str, str] | Iterable[tuple[str, str]], where: str) ->
     return tuple(sorted(out.items()))
 
 
+#: Directories never mounted into a box whole: its own root, and the host's /tmp and /run, which
+#: every box has private.  Asked for one of them (pytest invoked from /tmp, ``/`` on sys.path), a
+#: box gets the directories below it that were asked for, not the host's whole /tmp: that would
+#: show every user's files there (and stacking the credential masks over it cannot even mount).
+_NEVER_WHOLE = frozenset({"/", "/tmp", "/run"})
+
+
 def minimal_dirs(paths: Iterable[str]) -> tuple[str, ...]:
-    """Absolute, existing directories, without any that lie inside another one, sorted."""
-    dirs = sorted({os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.isdir(p)})
+    """Absolute, existing directories, without any that lie inside another one, sorted
+    (``/``, ``/tmp`` and ``/run`` themselves are dropped: see ``_NEVER_WHOLE``)."""
+    dirs = sorted({os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.isdir(p)} - _NEVER_WHOLE)
     out: list[str] = []
     for d in dirs:
         if not any(d == o or d.startswith(o.rstrip("/") + "/") for o in out):

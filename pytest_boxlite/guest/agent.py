@@ -212,6 +212,64 @@ def resolve_user(user, default):
     return uid, gid
 
 
+#: Where a command's private home is made when its user has no writable one in the box.
+_PRIVATE_HOMES = "/tmp/.boxlite-home"
+
+
+def home_for(uid, gid):
+    """``HOME`` for a command run as ``uid``/``gid`` when neither the box nor the call sets one.
+
+    The user's home in the box's ``/etc/passwd`` where it is a directory that user owns and can
+    write (copy-on-write over the host's), as ``su`` would give; else a private directory in the
+    box's own /tmp, made for it here: an ordinary user's host shows the host root's ``/root``
+    (and other users' homes) owned by nobody, read-only in the box.  Links are never followed.
+    """
+    # In a nested namespace (an id this box does not map) the user stands for the box's uid 0.
+    owner = uid if _mapped("uid", uid) else os.getuid()
+    entry = _find("/etc/passwd", 2, str(uid))
+    home = entry[5] if entry is not None and len(entry) > 5 else ""
+    if home.startswith("/"):
+        try:
+            st = os.stat(home)
+            writable = stat.S_ISDIR(st.st_mode) and st.st_uid == owner and st.st_mode & 0o300 == 0o300
+            # Not a directory bubblewrap made on the box's read-only root (an unreadable host /root).
+            writable = writable and not os.statvfs(home).f_flag & os.ST_RDONLY
+            if writable and (owner != os.getuid() or _can_write(home)):
+                return home
+        except (OSError, ValueError):
+            pass
+    path = "%s/%d" % (_PRIVATE_HOMES, uid)
+    try:
+        for d, mode in ((_PRIVATE_HOMES, 0o711), (path, 0o700)):
+            try:
+                os.mkdir(d, mode)
+            except FileExistsError:
+                pass
+            st = os.lstat(d)
+            if not stat.S_ISDIR(st.st_mode):
+                return "/"
+        if owner != os.getuid() or (_mapped("gid", gid) and os.lstat(path).st_gid != gid):
+            os.chown(path, owner, gid if _mapped("gid", gid) else os.getgid(), follow_symlinks=False)
+    except OSError:
+        return "/"
+    return path
+
+
+def _can_write(directory):
+    """Whether this agent (the box's root, as its commands) can make an entry in ``directory``:
+    a directory bubblewrap made where the host's is unreadable looks writable but is not."""
+    probe = "%s/.boxlite-probe-%d" % (directory, os.getpid())
+    try:
+        os.mkdir(probe, 0o700)
+    except OSError:
+        return False
+    try:
+        os.rmdir(probe)
+    except OSError:
+        pass
+    return True
+
+
 class _Child:
     """A Popen look-alike (pid, poll, wait) for a child this agent forked itself."""
 
@@ -492,6 +550,8 @@ def _serve(conn, base_env, default_user):
         except LookupError as exc:
             _send(conn, {"error": str(exc), "errno": 22})
             return
+        if "HOME" not in env:
+            env["HOME"] = home_for(uid, gid)
         try:
             # Under the lock: the reaper must not collect the child before it is tracked.
             with _TRACKED_LOCK:

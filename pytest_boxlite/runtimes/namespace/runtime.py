@@ -151,9 +151,9 @@ class NamespaceRuntime(RuntimeDefaults):
         return (tuple(sorted(masks.items())), tuple(mounts))
 
     def _base_env(self, spec: BoxSpec, name: str) -> dict[str, str]:
+        # No HOME: the agent gives each command its user's writable home (guest/agent.py home_for).
         env = {
             "PATH": _guest_path_env(),
-            "HOME": "/root",
             "LANG": "C.UTF-8",
             "HOSTNAME": name[:63],
             "TERM": "dumb",
