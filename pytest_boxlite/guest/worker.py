@@ -555,7 +555,10 @@ def serve(channel):
                 return kept[-1] if kept else None
             # The host asked for this already (SHARED) when the next item left a scope; for an
             # item it did not tell us about (a test run again, say), here is when it is due.
-            self._teardown_shared([n.nodeid for n in chain], None)
+            late = self._teardown_shared([n.nodeid for n in chain], None)
+            if late is not None and late.get("outcome") == "failed":
+                # No test's report is left to hold it: the box log does (quoted by failure reports).
+                sys.stderr.write("pytest-boxlite: a shared fixture's teardown failed before %s\n" % item.nodeid)
             import warnings
 
             full = item.fixturenames
