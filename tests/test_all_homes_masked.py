@@ -161,6 +161,21 @@ def test_a_home_above_the_project_hides_its_boxes_but_not_the_project(var_tmp: P
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def test_a_home_in_a_project_under_tmp_is_hidden(tmp_path: Path) -> None:
+    """A project under the host's /tmp is mirrored in its boxes, and a home inside it with it: run
+    from a subdirectory, so the project's root (not the working directory) is what is mirrored."""
+    project = tmp_path / "proj"
+    sub = project / "sub"
+    sub.mkdir(parents=True)
+    (project / "pytest.ini").write_text("[pytest]\n")
+    other = project / ".other-home"
+    logs = _keep_a_box(tmp_path / "keeper", other)
+    (sub / "test_peek.py").write_text(PEEK.format(other=str(other), logs=[str(p) for p in logs], defaults=[]))
+    run = _pytest(sub, f"--boxlite-home={tmp_path / 'mine'}", "test_peek.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"rootdir: {project}" in run.stdout, run.stdout
+
+
 def test_a_direct_box_cannot_read_another_home(var_tmp: Path, make_namespace_box: BoxFactory) -> None:
     """A sandbox box made after another session registered its home hides it: booted, and forked
     from a zygote booted before that home existed (its plan changed, so a new zygote is booted)."""
@@ -255,9 +270,12 @@ def test_a_home_is_hidden_whole_unless_a_box_must_see_below_it(tmp_path: Path, m
     below = "/var/tmp/pbx-unit/elsewhere/home"  # only named, never made
     above = str(Path(os.getcwd()).parent)
     out_of_reach = str(tmp_path / "a-test-runs-home")  # under the host's /tmp, mirrored in no box
-    found = [below, above, "/", out_of_reach]
+    project = str(tmp_path / "project")  # a project under /tmp: the box mirrors it
+    in_project = project + "/.boxlite-home"
+    found = [below, above, "/", out_of_reach, in_project]
     monkeypatch.setattr(mounts, "boxlite_homes", lambda wanted=None: [h for h in found if wanted is None or wanted(h)])
-    plan = mounts._home_masks(tmp_path / "own")
+    plan = mounts._home_masks(tmp_path / "own", ["/usr", project])
+    assert in_project in plan
     assert plan[0] == str(tmp_path / "own")
     assert below in plan
     assert above not in plan and os.path.join(above, "namespace") in plan

@@ -198,7 +198,7 @@ def _readable(path: Path, want_dir: bool) -> Path | None:
     return real
 
 
-def _secrets(home: Path) -> tuple[list[Path], list[Path]]:
+def _secrets(home: Path, tops: Sequence[str] = ()) -> tuple[list[Path], list[Path]]:
     """``(directories, files)`` to hide from guests: credentials in readable homes, and the boxlite home.
 
     Asked before every box (a forked one too: see ``NamespaceRuntime._fork_plan``), so the common
@@ -219,14 +219,14 @@ def _secrets(home: Path) -> tuple[list[Path], list[Path]]:
                     found.append(real)
     # Other boxes' control sockets, logs and records live in boxlite homes: a guest must reach none
     # of them, this session's or any other on this machine (another project's, another user's).
-    for path in _home_masks(home):
+    for path in _home_masks(home, tops):
         real = _readable(Path(path), want_dir=True)
         if real is not None and real not in dirs:
             dirs.append(real)
     return dirs, files
 
 
-def _home_masks(home: Path) -> list[str]:
+def _home_masks(home: Path, tops: Sequence[str] = ()) -> list[str]:
     """The directories that hide every boxlite home this user can see: each home as a whole, or
     (where a box must see something below it: the project, the interpreter, a user's home
     directory) its state entries one by one.
@@ -234,13 +234,15 @@ def _home_masks(home: Path) -> list[str]:
     This session's home is always hidden whole, as before; the rest come from the registry and
     the users' default homes (see :mod:`pytest_boxlite.runtimes._homes`), a few ``lstat`` calls
     for each user in the user database: asked per booted box (and per sandbox fork's plan).
+    ``tops`` are the box's copy-on-write directories (see :func:`_mask_plan`), the ones it
+    mirrors under /tmp and /run among them.
     """
     out = [str(home)]
     try:
         own = os.path.realpath(home)
     except (OSError, ValueError):
         own = str(home)
-    visible = _must_stay_visible(os.getcwd(), tuple(sys.path))
+    visible = (*_must_stay_visible(os.getcwd(), tuple(sys.path)), *tops)
     # Under /tmp or /run a box sees only the directories mirrored there (the project, the venv):
     # a home elsewhere below those tops is out of its reach already.
     mirrored = [v for v in visible if _private(v)]
@@ -381,7 +383,7 @@ def _mask_plan(home: Path, tops: Sequence[str]) -> tuple[dict[str, str], list[st
     directory (overlayfs cannot use a lower directory that has locked mounts below it).
     Secrets elsewhere (a read-only bound directory) get a mount: an empty tmpfs or /dev/null.
     """
-    dirs, files = _secrets(home)
+    dirs, files = _secrets(home, tops)
     entries: list[tuple[str, str, str]] = []
     mounts: list[str] = []
     by_top: dict[str, list[tuple[Path, str]]] = {}
