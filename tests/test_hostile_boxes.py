@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from subruns import QUIET, SubRun
+from test_nonroot import USER, Workdir
 
 pytestmark = [pytest.mark.escapes, pytest.mark.timeout(300)]
 
@@ -268,12 +269,10 @@ def test_output_and_descriptors_stay_in_their_own_box(
 USER_PYTHON = Path("/home/boxuser/venv/bin/python")
 
 
-def test_output_and_descriptors_stay_in_their_own_box_as_an_ordinary_user() -> None:
-    """The same as ``boxuser``: no cgroups, but the box's stderr is its own and the log capped."""
+def _as_user() -> tuple[str, Workdir]:
+    """The ordinary user's interpreter and a project directory of theirs (skips where there is none)."""
     import shutil
     import subprocess
-
-    from test_nonroot import USER, Workdir
 
     if os.geteuid() != 0 or shutil.which("runuser") is None:
         pytest.skip("needs root and runuser to run a sub-session as an ordinary user")
@@ -281,7 +280,29 @@ def test_output_and_descriptors_stay_in_their_own_box_as_an_ordinary_user() -> N
     probe = subprocess.run(["runuser", "-u", USER, "--", python, "-c", "import pytest_boxlite"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"{USER} cannot import pytest_boxlite with {python}: {probe.stderr.decode()[-300:]}")
-    work = Workdir()
+    return python, Workdir()
+
+
+def test_a_lingering_test_does_not_starve_the_next_as_an_ordinary_user() -> None:
+    """No cgroups for ``boxuser``: a box whose test is done is ended before the next test runs, so
+    the threads it left do not count against the next test's process limit (``RLIMIT_NPROC``)."""
+    import shutil
+
+    python, work = _as_user()
+    try:
+        work.write("test_starving.py", STARVING)
+        r = work.run(python, "-m", "pytest", *QUIET, "--basetemp", str(work.root / "bt"), "-p", "no:randomly")
+        out = r.stdout + r.stderr
+        assert r.returncode == 0 and "4 passed" in out, out[-4000:]
+    finally:
+        shutil.rmtree(work.root, ignore_errors=True)
+
+
+def test_output_and_descriptors_stay_in_their_own_box_as_an_ordinary_user() -> None:
+    """The same as ``boxuser``: no cgroups, but the box's stderr is its own and the log capped."""
+    import shutil
+
+    python, work = _as_user()
     watch = _LogWatch(work.boxlite_home)
     try:
         work.write("conftest.py", FLOOD_CONFTEST)

@@ -173,7 +173,7 @@ def forked_box_sharing(cg: _cgroups.CgroupSet, *, pids: int | None) -> str:
 
     Each gets cgroups of its own where this user may make them (``cg``: a probe's), killed whole
     once its test is done; otherwise only its own stderr, and what its processes use counts where
-    its warm box's does (``RLIMIT_NPROC``, the host's memory).
+    its warm box's does (``RLIMIT_NPROC``, the host's memory) until it is ended, before the next test.
     """
     if cg.applied:
         own = ", ".join(cg.applied)
@@ -186,9 +186,10 @@ def forked_box_sharing(cg: _cgroups.CgroupSet, *, pids: int | None) -> str:
     nproc = f"RLIMIT_NPROC {pids}" if pids else "the user's process limit"
     return (
         f"each boxed test's forked box has its own stderr but no cgroups (none can be made here): the boxes "
-        f"forked from one warm box share its {nproc} and the host's memory and cpu; processes an earlier "
-        "test left running (ended 2 s after its test) count against the next test's, and a fork refused "
-        "for that says so"
+        f"forked from one warm box share its {nproc} and the host's memory and cpu; a box whose test is done "
+        "is ended before the next test runs (through its warm interpreter: a round trip per test), while "
+        "the boxes made ahead for the next tests count against the same limit, and a fork refused for that "
+        "says so"
     )
 
 
