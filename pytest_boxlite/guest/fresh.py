@@ -575,8 +575,14 @@ def _tmp_view(mounts):
                 elif len(dirs) < _TMP_DIRS:
                     dirs.append(p)
             elif stat.S_ISREG(st.st_mode) and total + st.st_size <= _TMP_FILES_BYTES:
-                fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+                # Non-blocking, and checked again once open: a FIFO put in its place must not hang the box.
                 try:
+                    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                except OSError:
+                    continue  # not this box's to read (it would not be in the new /tmp either)
+                try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        continue
                     data = os.read(fd, st.st_size)
                 finally:
                     os.close(fd)
@@ -637,10 +643,17 @@ def _fresh_box(hostname, network, renew_all=False, own_root=False):
     # /tmp/pytest-of-<user>, tmp_path_factory's) is seen in the new /tmp, copy-on-write: each
     # directory with no mount beneath as a layer (a locked mount cannot be left out of a layer's
     # lower), the way to the mounts made anew.
-    paths, shown, files = _tmp_view(mounts)
-    for i, d in enumerate(shown):
-        os.mkdir("%s/tmp%d" % (stage, i))
-        _mount(libc, d, "%s/tmp%d" % (stage, i), None, _MS_BIND, None)
+    paths, dirs, files = _tmp_view(mounts)
+    shown = []
+    for d in dirs:
+        held = "%s/tmp%d" % (stage, len(shown))
+        os.mkdir(held)
+        try:
+            _mount(libc, d, held, None, _MS_BIND, None)
+        except OSError:
+            os.rmdir(held)  # one the box may not bind: it is not shown (as before, when none was)
+            continue
+        shown.append(d)
     for d in ("/tmp", "/workspace", "/dev/shm"):
         if os.path.isdir(d):
             _mount(libc, "tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777" if d != "/workspace" else "mode=0755")
@@ -649,7 +662,7 @@ def _fresh_box(hostname, network, renew_all=False, own_root=False):
     for i, d in enumerate(shown):
         os.mkdir(d)
         _overlay(libc, "%s/tmp%d" % (stage, i), d, stage, "t%d" % i)
-    for path, mode, data in files:  # files directly in /tmp: copies (a layer is a directory's)
+    for path, mode, data in files:  # the files beside them: copies (a layer is a directory's)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         try:
             os.write(fd, data)
