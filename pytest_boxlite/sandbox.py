@@ -153,7 +153,9 @@ class Sandbox:
 
     @property
     def workdir(self) -> str:
-        """Default working directory of commands and base of relative paths."""
+        """Default working directory of commands and base of relative paths: ``/workspace``, empty
+        and writable on every runtime.  The project (pytest's rootdir) is at its host path, not
+        here: pass ``cwd=str(pytestconfig.rootpath)`` to run a command in it."""
         return self.handle.workdir
 
     def __repr__(self) -> str:
