@@ -89,7 +89,10 @@ def run_all(args: argparse.Namespace, top: argparse.ArgumentParser) -> tuple[int
     for t in TABLES:
         if not t.in_all or (args.quick and not t.in_quick):
             continue
-        sub_args = resolve_defaults(top.parse_args([t.name, *(["--quick"] if args.quick else [])]))
+        argv = [t.name, *(["--quick"] if args.quick else [])]
+        if t is per_test.CPU:
+            argv.append("--no-real-suites")  # the real-suites table runs them itself
+        sub_args = resolve_defaults(top.parse_args(argv))
         log(f"== {t.name}")
         print(f"\n== python -m benchmarks {t.name}{' --quick' if args.quick else ''}", flush=True)
         started = time.monotonic()

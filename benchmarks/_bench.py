@@ -310,7 +310,9 @@ class Workdir:
     def __enter__(self) -> Workdir:
         return self
 
-    def __exit__(self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         with deferred_signals():
             for home in self._homes:
                 if home.exists():

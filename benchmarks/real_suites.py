@@ -8,8 +8,9 @@ no test of theirs is changed.  Rows per suite, interleaved ``--suite-rounds`` ti
 ``--boxlite``; ``--boxlite --boxlite-scope=module``; unboxed and ``--forked`` in the pytest 8
 environment.  Each row: its wall, its tests' outcomes (pytest's summary), the machine's busy CPU
 per test over its unboxed base (``/proc/stat``), and the ratio of its wall to the unboxed one.
-A row whose outcomes differ from its base's says so (pytest-forked errors on most of click's
-tests: its row says how many, and gets no ratio).  Takes minutes; not part of ``--quick``.
+A row whose outcomes differ from its base's shows both; one that timed out (``--suite-timeout``) or
+broke most of its tests (pytest-forked errors on most of click's) gets no ratio.  Takes minutes;
+not part of ``--quick``.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def add_suite_options(p: argparse.ArgumentParser) -> None:
     """The options of the real-suite rows (``cpu`` runs them too)."""
     p.add_argument("--suites", default=",".join(PROJECTS), help=f"comma-separated, of: {', '.join(PROJECTS)}")
     p.add_argument("--suite-rounds", type=positive, default=1, help="interleaved rounds of each suite (default: 1)")
-    p.add_argument("--suite-timeout", type=seconds, default=1800.0, help="bound on each suite run, s (default: 1800)")
+    p.add_argument("--suite-timeout", type=seconds, default=900.0, help="bound on each suite run, s (default: 900)")
     p.add_argument("--no-forked", action="store_true", help="skip the pytest 8 / pytest-forked rows")
     p.add_argument("--cache-dir", type=Path, default=_sdists.DEFAULT_CACHE,
                    help="sdists and environments (default: %(default)s)")  # fmt: skip
@@ -80,16 +81,20 @@ def _one(project: Project, src: Path, py: Path, key: str, label: str, extra: tup
     busy = machine_busy()
     rc, out, wall, timed_out = run_bounded(cmd, cwd=src, env=clean_env(), timeout=timeout)
     after = machine_busy()
-    if timed_out:
-        raise RunFailed(f"{project.name} {label}", cmd, f"timed out after {timeout:.0f} s", out)
     if home is not None:
         leak_check(f"{project.name} {label}", home, str(py))
         shutil.rmtree(home, ignore_errors=True)
     summary = pytest_summary(out)
-    if not summary:
+    if timed_out:
+        # A run that hangs is a row of the table (how far it got), not the end of the table.
+        progress = [ln.strip() for ln in out.splitlines() if ln.rstrip().endswith("%]")]
+        summary = f"timed out after {timeout:.0f} s" + (f" at {progress[-1].split()[-1]}" if progress else "")
+        log(f"  [{project.name}] {label}: {summary}; output tail:\n{out[-1500:]}")
+    elif not summary:
         raise RunFailed(f"{project.name} {label}", cmd, f"exit {rc} and no pytest summary", out)
     return {
         "rc": rc,
+        "timed_out": timed_out,
         "wall": wall,
         "cpu": after - busy if busy is not None and after is not None else None,
         "summary": summary,
@@ -135,14 +140,17 @@ def measure_project(project: Project, args: argparse.Namespace, work: Workdir) -
             "summary": rs[-1]["summary"],
             "counts": counts,
             "rc": rs[-1]["rc"],
+            "timed_out": any(r["timed_out"] for r in rs),
             "command": rs[-1]["command"],
         }
     for r in out["rows"].values():
         b = out["rows"].get(r["base"]) if r["base"] else None
         if b is None:
             continue
-        # A row runs where its outcomes are its base's; pytest-forked's errors are no speed.
         r["same_outcomes"] = r["counts"] == b["counts"]
+        # A row runs unless it timed out or most of its tests broke: pytest-forked's errors are no speed.
+        broke = sum(r["counts"].get(k, 0) - b["counts"].get(k, 0) for k in ("failed", "error"))
+        r["runs"] = not r["timed_out"] and not b["timed_out"] and broke <= b["tests"] / 2
         r["ratio"] = r["wall"] / b["wall"]
         n = b["tests"] or 1
         r["overhead"] = (r["wall"] - b["wall"]) / n
@@ -160,20 +168,23 @@ def render(res: dict[str, Any], trivial: dict[str, dict[str, Any]] | None) -> li
             continue
         for r in p["rows"].values():
             based = r["base"] is not None
-            runs = not based or r["same_outcomes"]
+            runs = not based or r["runs"]
             rows.append([
                 f"{name} {p['version']}", r["label"], str(r["tests"]), f"{r['wall']:.1f} s",
-                (fmt_ratio(r["ratio"]) if runs else "does not run") if based else "base",
+                (fmt_ratio(r["ratio"]) if runs else "timed out" if r["timed_out"] else "does not run")
+                if based
+                else "base",
                 fmt_delta(r["overhead"]) if based and runs else "-",
                 fmt_delta(r["overhead_cpu"]) if based and runs else "-",
                 "-" if r["cores"] is None else f"{r['cores']:.2f}",
-                r["summary"] if runs else f"{r['summary']} (base: {p['rows'][r['base']]['summary']})",
+                r["summary"] if not based or r["same_outcomes"]
+                else f"{r['summary']} (base: {p['rows'][r['base']]['summary']})",
             ])  # fmt: skip
         for why in p["skipped"]:
             rows.append([name, f"skipped: {why[:150]}", *[""] * 7])
         boxed, module = p["rows"]["boxed"], p["rows"]["module"]
         for r, target in ((boxed, TARGET_BOXED), (module, TARGET_MODULE)):
-            verdict = "holds" if r["ratio"] <= target else "DOES NOT HOLD"
+            verdict = "holds" if r["runs"] and r["ratio"] <= target else "DOES NOT HOLD"
             lines.append(f"target: {name} {r['label']} {fmt_ratio(r['ratio'])} unboxed (<= {target}x: {verdict})")
     out = [*table(header, rows, left=(0, 1, 8)), "", *lines]
     if trivial:
