@@ -158,12 +158,11 @@ class WorkerScopeGuest:
             if done.wait(_GRACE):
                 return
             # It did not stop: end this worker's box, as the other scopes kill a timed-out test's box.
-            with contextlib.suppress(OSError):
-                os.write(
-                    2,
-                    f"\nboxlite: {item.nodeid} timed out after {timeout:.0f}s and did not stop within "
-                    f"{_GRACE:.0f}s of being interrupted; ending this worker's box\n".encode(),
-                )
+            _last_words(
+                item,
+                f"boxlite: {item.nodeid} timed out after {timeout:.0f}s and did not stop within "
+                f"{_GRACE:.0f}s of being interrupted; ending this worker's box",
+            )
             os._exit(1)
 
         self._current = (item.nodeid, timeout)
@@ -215,6 +214,28 @@ class WorkerScopeGuest:
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
         with self._phase():
             return (yield)
+
+
+def _last_words(item: pytest.Item, message: str) -> None:
+    """Before the process ends unflushed (``os._exit``): what the test printed (pytest captures it at
+    the descriptor level, where it would be lost) and ``message``, on the real stderr, as
+    pytest-timeout's thread method does."""
+    captured = ""
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+    with contextlib.suppress(Exception):  # best effort: the process ends either way
+        if capman is not None:
+            capman.suspend_global_capture(in_=True)
+            out, err = capman.read_global_capture()
+            captured = out + err
+    with contextlib.suppress(Exception):
+        if not hasattr(item.config, "workerinput"):
+            # The session's own report so far (an xdist worker's stdout is its channel: left alone).
+            reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.flush()
+            sys.stdout.flush()
+        sys.stderr.write(f"{captured}\n{message}\n")
+        sys.stderr.flush()
 
 
 @contextlib.contextmanager

@@ -239,15 +239,24 @@ def test_after():
 """
 
 
-def test_worker_scope_ends_the_box_of_a_test_that_ignores_its_timeout(tmp_path: Path, home: Path) -> None:
-    """As the other scopes kill a timed-out test's box, the worker's box ends (xdist reports the
-    crash and starts a new worker) when the test does not stop after being interrupted."""
+@XDIST
+def test_worker_scope_ends_the_box_of_a_test_that_ignores_its_timeout(
+    tmp_path: Path, home: Path, xdist: Sequence[str]
+) -> None:
+    """As the other scopes kill a timed-out test's box, the worker's box ends when the test does
+    not stop after being interrupted, saying why (with -n, xdist reports the crash and a new worker
+    runs the rest; without, the session's box is the worker's and the run ends there)."""
     write(tmp_path, "test_stubborn.py", STUBBORN)
-    run = SubRun(tmp_path, home, "stubborn", "--boxlite-scope=worker", "-n", "2", "test_stubborn.py")
+    run = SubRun(tmp_path, home, "stubborn", "--boxlite-scope=worker", "-p", "no:randomly", *xdist, "test_stubborn.py")
     rc, out = finished(run)
     assert rc == pytest.ExitCode.TESTS_FAILED, out
-    assert "crashed while running 'test_stubborn.py::test_stubborn'" in out, out
-    assert re.search(r"\b1 failed, 1 passed\b", out), out
+    assert (
+        "boxlite: test_stubborn.py::test_stubborn timed out after 1s and did not stop within 5s of being "
+        "interrupted; ending this worker's box"
+    ) in out, out
+    if xdist:
+        assert "crashed while running 'test_stubborn.py::test_stubborn'" in out, out
+        assert re.search(r"\b1 failed, 1 passed\b", out), out
     no_leftovers(home, out)
 
 
