@@ -9,6 +9,7 @@ itself (``cd /tmp && pytest proj``) boots boxes that do not show the host's whol
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import shutil
@@ -25,7 +26,10 @@ from subruns import QUIET
 pytestmark = pytest.mark.timeout(300)
 
 USER = "boxuser"
-USER_PYTHON = Path("/home/boxuser/venv/bin/python")
+#: The interpreters the ordinary user may run this project with: this one, or its own venv's.
+USER_PYTHONS = (sys.executable, "/home/boxuser/venv/bin/python")
+#: This checkout, first on the sub-runs' path: they test this tree, whatever the venv installed.
+CHECKOUT = str(Path(__file__).resolve().parents[1])
 
 PROJECT_TESTS = """
 import os
@@ -110,12 +114,17 @@ class Project:
                 os.chown(p, owner.pw_uid, owner.pw_gid)
 
     def pytest(self, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONPATH": CHECKOUT,
+        }
         python = sys.executable
         prefix: list[str] = []
         if self.owner is not None:
             env["HOME"] = self.owner.pw_dir
-            python = str(USER_PYTHON)
+            python = _user_python() or sys.executable
             prefix = ["runuser", "-u", self.owner.pw_name, "--"]
         else:
             env["HOME"] = os.environ.get("HOME", "/root")
@@ -138,6 +147,21 @@ def _has_user() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1)
+def _user_python() -> str | None:
+    """The first of :data:`USER_PYTHONS` that the ordinary user can run this project with."""
+    for python in USER_PYTHONS:
+        probe = subprocess.run(
+            ["runuser", "-u", USER, "--", "env", f"PYTHONPATH={CHECKOUT}", python, "-c", "import pytest_boxlite"],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        if probe.returncode == 0:
+            return python
+    return None
+
+
 def _nonroot_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root to run sub-sessions as another user (runuser)"
@@ -145,8 +169,8 @@ def _nonroot_reason() -> str | None:
         return "runuser (util-linux) is not installed"
     if not _has_user():
         return f"no user named {USER} (.ci/run creates it)"
-    if not USER_PYTHON.exists():
-        return f"{USER_PYTHON} (the ordinary user's venv with this project installed) is missing"
+    if _user_python() is None:
+        return f"{USER} can run none of {', '.join(USER_PYTHONS)} with pytest_boxlite"
     return None
 
 
