@@ -83,17 +83,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if in_guest():
         settings = resolve(config)
         worker_scope = settings.scope == "worker" and not _boots_nothing(config)
-        terminal = worker_scope and _terminal_for_pdb(config)
-        config.pluginmanager.register(GuestRole(terminal=terminal), "boxlite-guest")
+        config.pluginmanager.register(GuestRole(terminal=worker_scope and _session_box(config)), "boxlite-guest")
         if worker_scope:
             from pytest_boxlite.session_in_box import WorkerScopeGuest
 
             config.pluginmanager.register(WorkerScopeGuest(settings), "boxlite-worker-scope")
-            if config.option.usepdb and not terminal:
-                # pdb cannot use this box's terminal: no post-mortem (this runs before pytest's
-                # debugging plugin looks at the option), a line per failure instead.
-                config.option.usepdb = False
-                config.pluginmanager.register(PdbNotice(lambda item: True, header=_WORKER_PDB), "boxlite-pdb")
         return
     if _boots_nothing(config):
         return
@@ -179,26 +173,14 @@ def _boxed_on(role: _SessionRole) -> Callable[[pytest.Item], bool]:
     return boxed
 
 
-#: The header line of a ``--boxlite-scope=worker`` session's box where pdb cannot use the terminal.
-_WORKER_PDB = (
-    "boxlite: --pdb cannot debug in this session's box while pytest captures file descriptors: add -s "
-    "(or --capture=sys) to debug in the box on this terminal, or run with -p no:boxlite"
-)
-
-
 class PdbNotice:
     """``--pdb`` and boxed tests: pdb cannot reach a box, so each boxed failure gets a line saying
     how to debug that test here, where pytest would have entered the debugger."""
 
-    def __init__(self, boxed: Callable[[pytest.Item], bool], *, header: str | None = None) -> None:
+    def __init__(self, boxed: Callable[[pytest.Item], bool]) -> None:
         self._boxed = boxed
-        #: The header line; ``None`` where the host role's header has one.
-        self._header = header
         self._item: pytest.Item | None = None
         self._told: set[str] = set()
-
-    def pytest_report_header(self, config: pytest.Config) -> list[str]:
-        return [self._header] if self._header else []
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
@@ -220,23 +202,16 @@ class PdbNotice:
             reporter.ensure_newline()
             reporter.write_line(
                 f"boxlite: --pdb: {report.nodeid} failed in a box, which no debugger here can enter; "
-                f"to debug it: pytest -p no:boxlite --pdb {report.nodeid}{' (or add -s)' if self._header else ''}",
+                f"to debug it: pytest -p no:boxlite --pdb {report.nodeid}",
                 yellow=True,
             )
 
 
-def _terminal_for_pdb(config: pytest.Config) -> bool:
-    """Whether pdb can use this box's terminal: the whole session in one box (``--boxlite-scope=worker``
-    without xdist) is handed the user's terminal itself, and pdb works there once pytest's capture is
-    not at the file-descriptor level (``-s``, ``--capture=sys``), whose restore of the terminal's
-    descriptors does not reach pdb in the box."""
-    if hasattr(config, "workerinput") or "PYTEST_XDIST_WORKER" in os.environ:
-        return False
-    try:
-        on_terminal = os.isatty(0) and os.isatty(1)
-    except OSError:
-        return False
-    return on_terminal and config.getoption("capture") != "fd"
+def _session_box(config: pytest.Config) -> bool:
+    """This pytest is the whole session in one box (``--boxlite-scope=worker`` without xdist), which
+    is handed the user's stdin, stdout and stderr themselves (see ``run_session_in_box``): pdb and
+    ``--pdb`` work there as locally."""
+    return not hasattr(config, "workerinput") and "PYTEST_XDIST_WORKER" not in os.environ
 
 
 def _caller() -> str:
@@ -252,7 +227,7 @@ class GuestRole:
     """Inside a box's pytest (boxed tests, ``--boxlite-scope=worker``): the host does the boxing."""
 
     def __init__(self, *, terminal: bool = False) -> None:
-        #: pdb can use this box's terminal (see ``_terminal_for_pdb``).
+        #: pdb can use the user's terminal from this box (see ``_session_box``).
         self.terminal = terminal
 
     def pytest_enter_pdb(self, config: pytest.Config, pdb: object) -> None:
@@ -260,20 +235,18 @@ class GuestRole:
         can reach the user's terminal, the test fails at that line saying so, instead of pdb reading
         end-of-file and quitting with a bare ``BdbQuit``."""
         if self.terminal:
-            return  # the session's own box, on the user's terminal: pdb works as locally
+            return  # the session's own box, with the user's stdin and stdout: pdb works as locally
         # pytest suspended capturing to hand the terminal to pdb; nobody resumes it if we refuse.
         capman = config.pluginmanager.getplugin("capturemanager")
         if capman is not None and hasattr(capman, "resume"):
             capman.resume()
         test = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0] or "this test"
         under_xdist = "PYTEST_XDIST_WORKER" in os.environ
-        worker_scope = config.pluginmanager.has_plugin("boxlite-worker-scope")
         pytest.fail(
             f"[boxlite] {test}: a debugger was asked for at {_caller()}, but this test runs in a box of "
             "pytest-boxlite, which has no terminal of yours to debug in. To debug it, run it unboxed: "
             f"pytest -p no:boxlite {'without -n ' if under_xdist else ''}{test}"
-            f"{' (xdist workers have no terminal either)' if under_xdist else ''}"
-            f"{'' if under_xdist or not worker_scope else ', or in its box from a terminal with -s'}",
+            f"{' (xdist workers have no terminal either)' if under_xdist else ''}",
             pytrace=False,
         )
 

@@ -41,6 +41,11 @@ def run_session_in_box(config: pytest.Config, settings: Settings) -> int:
         mounts=minimal_dirs([str(config.rootpath), str(config.invocation_params.dir), *venv, *sys.path]),
         cwd=str(config.invocation_params.dir),
     )
+    # pytest keeps capturing stdin (fd 0 on /dev/null) after start-up: the session's box must get
+    # the terminal itself, or input() and pdb in it read end-of-file.
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=True)
     proc = subprocess.Popen([*cmd, "--", sys.executable, "-m", "pytest", *config.invocation_params.args])
     try:
         return proc.wait()

@@ -362,30 +362,24 @@ def test_local_fails():
 """
 
 
-@pytest.mark.parametrize("scope", ["test", "worker"])
-def test_pdb_with_boxed_tests_says_so_where_it_would_debug(tmp_path: Path, home: Path, scope: str) -> None:
+def test_pdb_with_boxed_tests_says_so_where_it_would_debug(tmp_path: Path, home: Path) -> None:
     """--pdb on a terminal: a header line, and for a boxed failure a line naming it and how to
-    debug it here; in the default scope a local failure still gets pdb's post-mortem."""
+    debug it here; a local failure still gets pdb's post-mortem."""
     write(tmp_path, "test_pdb.py", PDB_FAILS)
-    all_boxed = scope == "worker"  # the whole session runs in the box
-    answers = [] if all_boxed else [(b"(Pdb) ", b"c\n")]
-    argv = pytest_argv(home, "--pdb", f"--boxlite-scope={scope}", "test_pdb.py")
-    rc, out = run_in_pty(argv, tmp_path, answers=answers)
+    argv = pytest_argv(home, "--pdb", "test_pdb.py")
+    rc, out = run_in_pty(argv, tmp_path, answers=[(b"(Pdb) ", b"c\n")])
     assert rc == pytest.ExitCode.TESTS_FAILED, out
-    if all_boxed:
-        assert "boxlite: --pdb cannot debug in this session's box while pytest captures file descriptors: add -s" in out
-    else:
-        assert "boxlite: --pdb does not enter boxed tests" in out, out
+    assert "boxlite: --pdb does not enter boxed tests" in out, out
 
     def told(name: str) -> bool:
         return (
             f"boxlite: --pdb: test_pdb.py::{name} failed in a box, which no debugger here can enter; "
-            f"to debug it: pytest -p no:boxlite --pdb test_pdb.py::{name}{' (or add -s)' if all_boxed else ''}"
+            f"to debug it: pytest -p no:boxlite --pdb test_pdb.py::{name}"
         ) in out
 
     assert told("test_boxed_fails"), out
-    assert told("test_local_fails") == all_boxed, out
-    assert ("(Pdb) " in out) != all_boxed, out
+    assert not told("test_local_fails"), out
+    assert out.count("PDB post_mortem") == 1, out  # the local failure's
     no_leftovers(home, out)
 
 
@@ -405,12 +399,13 @@ def test_fails():
 """
 
 
-def test_worker_scope_with_s_debugs_in_the_box_on_this_terminal(tmp_path: Path, home: Path) -> None:
-    """The whole session in one box (--boxlite-scope=worker, no -n) is handed the terminal itself:
-    with -s, breakpoint() gets a working pdb (a value set at its prompt holds) and --pdb its
-    post-mortem, in the box."""
+@pytest.mark.parametrize("capture", ["--capture=fd", "-s"])
+def test_worker_scope_debugs_in_the_box_on_this_terminal(tmp_path: Path, home: Path, capture: str) -> None:
+    """The whole session in one box (--boxlite-scope=worker, no -n) is handed the terminal itself
+    (stdin too, which the host's pytest keeps on /dev/null while it captures): breakpoint() gets a
+    working pdb (a value set at its prompt holds) and --pdb its post-mortem, in the box, as locally."""
     write(tmp_path, "test_in_box.py", IN_SESSION_BOX)
-    argv = pytest_argv(home, "--boxlite-scope=worker", "-s", "--pdb", "test_in_box.py")
+    argv = pytest_argv(home, "--boxlite-scope=worker", capture, "--pdb", "test_in_box.py")
     answers = [(b"(Pdb) ", b"x = 42\n"), (b"(Pdb) ", b"c\n"), (b"(Pdb) ", b"c\n")]
     rc, out = run_in_pty(argv, tmp_path, answers=answers)
     assert rc == pytest.ExitCode.TESTS_FAILED, out
