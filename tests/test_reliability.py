@@ -963,6 +963,7 @@ import pytest
 def test_fixture(boxlite_sandbox):
     assert boxlite_sandbox.run(["true"]).ok
 
+@pytest.mark.filterwarnings("default::pytest.PytestWarning")  # namespace: "has no effect" (shown, not raised)
 def test_pool_with_another_missing_image(boxlite_pool):
     with boxlite_pool.sandbox(image="also-does-not-exist:0") as sb:
         assert sb.execute_command("echo ok").stdout == "ok\\n"
@@ -988,6 +989,7 @@ def test_nonexistent_image(pytester: pytest.Pytester, home: Path, kind: str) -> 
             ["boxlite: image=does-not-exist:nope (unused: namespace boxes show the host's filesystem) *"]
         )
         result.assert_outcomes(passed=3)
+        assert "boxlite_pool.sandbox(image='also-does-not-exist:0') has no effect on the namespace runtime" in out
         assert summary_leaked(out) == "0"
     else:
         assert result.ret == pytest.ExitCode.TESTS_FAILED
