@@ -26,8 +26,12 @@ __all__ = [
     "GuestToolError",
     "InvalidPathError",
     "LeaseTimeoutError",
+    "OutputTimeoutError",
+    "OutputWaitError",
+    "ProcessExitedError",
     "RuntimeUnavailableError",
     "SandboxFileError",
+    "UnsupportedError",
     "file_error",
 ]
 
@@ -58,6 +62,31 @@ class BoxTimeoutError(BoxliteError, TimeoutError):
 
 class LeaseTimeoutError(BoxTimeoutError):
     """No box could be leased from the pool within the lease timeout."""
+
+
+class UnsupportedError(BoxliteError, NotImplementedError):
+    """The box's runtime cannot do what was asked (e.g. ``spawn`` or ``publish``); the message names it."""
+
+
+class OutputWaitError(BoxliteError):
+    """A wait on a box process (its output, a port) did not see what it waited for.
+
+    ``lines`` holds the process's last output lines (text, escaped), also quoted in the message.
+    """
+
+    def __init__(self, message: str, lines: list[str] | None = None) -> None:
+        self.lines = list(lines or [])
+        if self.lines:
+            message += "\n--- last output lines ---\n" + "\n".join(self.lines)
+        super().__init__(message)
+
+
+class ProcessExitedError(OutputWaitError):
+    """The process exited (or its output ended) before what was waited for appeared."""
+
+
+class OutputTimeoutError(OutputWaitError, BoxTimeoutError):
+    """What was waited for did not appear within the timeout."""
 
 
 class GuestToolError(BoxliteError):

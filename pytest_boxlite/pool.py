@@ -142,7 +142,11 @@ class Lease:
         if self._released:
             return
         self._released = True
-        self.pool._give_back(self, keep=keep)
+        try:
+            # Processes it spawned are killed (and said so, in a warning) and its ports unpublished.
+            self.sandbox.end("its box went back to the pool")
+        finally:
+            self.pool._give_back(self, keep=keep)
 
     def __enter__(self) -> Sandbox:
         return self.sandbox

@@ -22,6 +22,8 @@ import shlex
 import stat
 import tarfile
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, NamedTuple
@@ -32,8 +34,12 @@ from pytest_boxlite.errors import (
     ConfigError,
     GuestToolError,
     InvalidPathError,
+    OutputTimeoutError,
+    ProcessExitedError,
     file_error,
 )
+from pytest_boxlite.process import BoxProcess, end_processes
+from pytest_boxlite.publish import Relay
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxHandle, RawResult, helper_argv
 from pytest_boxlite.spec import check_env
 
@@ -134,6 +140,10 @@ class Sandbox:
         self.default_timeout = default_timeout
         self.max_output = max_output
         self.max_transfer = max_transfer
+        #: Processes started with :meth:`spawn` not yet closed, and published ports' relays.
+        self._processes: list[BoxProcess] = []
+        self._relays: dict[int, Relay] = {}
+        self._ports_lock = threading.Lock()
 
     # -- identity ---------------------------------------------------------
     @property
@@ -224,6 +234,105 @@ class Sandbox:
         )
         result = _to_result(label, raw)
         return result.check() if check else result
+
+    # -- processes and ports -----------------------------------------------
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: PathLike | None = None,
+        user: str | None = None,
+    ) -> BoxProcess:
+        """Start ``argv`` (no shell) in the box and return at once, as :class:`subprocess.Popen`.
+
+        The result has Popen's interface (``stdin``/``stdout``/``stderr`` binary streams, ``poll``,
+        ``wait``, ``communicate``, ``send_signal``, ...) plus ``wait_for_output``; see
+        :class:`pytest_boxlite.process.BoxProcess` for where it differs.  Each output stream keeps
+        at most :attr:`max_output` unread bytes (``stdout.truncated`` says a flood was cut).  A
+        process still running when the sandbox ends or goes back to the pool is killed, with a
+        :class:`~pytest_boxlite.process.BoxProcessWarning` in the test's report.  A missing
+        executable raises :class:`FileNotFoundError` (a
+        :class:`~pytest_boxlite.errors.BoxFileNotFoundError`).
+        """
+        if isinstance(argv, (str, bytes)) or not argv:
+            raise ConfigError("spawn() takes a non-empty list of arguments, e.g. ['python3', '-m', 'http.server']")
+        args = [str(a) for a in argv]
+        for a in args:
+            if "\0" in a:
+                raise ConfigError(f"argument {a!r} contains a NUL byte")
+        env_pairs = dict(check_env(env or {}, "env")) if env else None
+        raw = self.handle.spawn(args, env=env_pairs, cwd=self._path(cwd) if cwd is not None else None, user=user)
+        proc = BoxProcess(raw, args, box=self.name, max_output=self.max_output)
+        with self._ports_lock:
+            # Closed ones are dropped here, so a long-lived sandbox keeps no list of them all.
+            self._processes[:] = [p for p in self._processes if not p.closed] + [proc]
+        return proc
+
+    def publish(self, port: int) -> tuple[str, int]:
+        """Make the box's TCP ``port`` (on its own loopback) reachable from the host; returns the
+        host's ``(address, port)`` to connect to (an ephemeral port on ``127.0.0.1``).
+
+        Works with the box's network off: the host relays each connection into the box.  Each
+        box has its own ports (two boxes may both listen on 8000).  The relay ends with the
+        sandbox.  Use :meth:`wait_for_port` to wait until something listens.
+        """
+        port = _port(port)
+        with self._ports_lock:
+            if port in self._relays:
+                host, hport = self._relays[port].address
+                raise ConfigError(f"port {port} of box {self.name} is already published at {host}:{hport}")
+            # One connection first: a runtime that cannot reach a box port (UnsupportedError) or
+            # a dead box fails here, before the host listens; nothing listening yet is fine.
+            with contextlib.suppress(ConnectionRefusedError):
+                self.handle.connect_port(port, timeout=5.0).close()
+            relay = Relay(lambda t: self.handle.connect_port(port, timeout=t), box=self.name, port=port)
+            self._relays[port] = relay
+        return relay.address
+
+    def wait_for_port(self, port: int, *, timeout: float, process: BoxProcess | None = None) -> None:
+        """Wait until something in the box listens on TCP ``port`` (its loopback), polling.
+
+        Raises :class:`~pytest_boxlite.errors.OutputTimeoutError` after ``timeout`` seconds, or
+        :class:`~pytest_boxlite.errors.ProcessExitedError` as soon as ``process`` (the server, when
+        given) has exited; both quote its last output lines.
+        """
+        port = _port(port)
+        t = self._timeout(timeout)
+        deadline = time.monotonic() + t
+        pause = 0.002
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.handle.connect_port(port, timeout=max(0.5, min(left, 5.0))).close()
+                return
+            except ConnectionRefusedError:
+                pass
+            if process is not None and process.poll() is not None:
+                raise ProcessExitedError(
+                    f"{process._label()} exited with status {process.returncode} before port {port} listened",
+                    process.last_lines(),
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OutputTimeoutError(
+                    f"nothing listened on port {port} of box {self.name} within {t:g} s",
+                    process.last_lines() if process is not None else None,
+                )
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
+
+    def end(self, why: str = "its sandbox ended") -> list[str]:
+        """Kill and reap every process :meth:`spawn` started that still runs, and stop every
+        published port's relay; warns (:class:`~pytest_boxlite.process.BoxProcessWarning`) about
+        each process killed, and returns those lines.  The pool calls it when the box goes back."""
+        with self._ports_lock:
+            procs, self._processes = self._processes, []
+            relays, self._relays = list(self._relays.values()), {}
+        said = end_processes(procs, why)
+        for relay in relays:
+            relay.close()
+        return said
 
     def _timeout(self, timeout: float | None) -> float:
         t = self.default_timeout if timeout is None else timeout
@@ -980,6 +1089,12 @@ def _extract_tree(stream: IO[bytes], dest: Path, label: str) -> None:
             ) from None
     finally:
         os.close(root_fd)
+
+
+def _port(port: object) -> int:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError(f"a port is a number from 1 to 65535, got {port!r}")
+    return port
 
 
 def _positive(name: str, value: object) -> None:

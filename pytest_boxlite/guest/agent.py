@@ -14,11 +14,14 @@ which no guest can see.  One connection is one request:
 * ``{"op": "helper"}`` with three descriptors: like ``exec``, but the file
   helper (:mod:`pytest_boxlite.guest.files`) runs in a fork of this agent, which
   has it imported already: no interpreter start-up per file operation.
+* ``{"op": "connect", "port": n}`` -> ``{"connected": n}`` with one descriptor: a TCP socket
+  connected to the box's own ``127.0.0.1:n`` (published ports), or ``{"error": ..., "errno": n}``.
 * ``{"op": "exec", "argv": [...], "env": {...}, "cwd": ..., "user": ...}`` sent
   together with three file descriptors (stdin, stdout, stderr) -> ``{"pid": n}``
   or ``{"error": msg, "errno": n}``, later ``{"exit": code}`` (negative: signal).
-  A ``{"signal": n}`` line from the client signals the process group; the
-  client hanging up kills it, so no guest process outlives its caller.
+  A ``{"signal": n}`` line from the client signals the process group (the process
+  alone with ``"signal_group": false`` in the request: ``Sandbox.spawn``); the
+  client hanging up kills the group, so no guest process outlives its caller.
 
 The descriptors are passed with SCM_RIGHTS, so the output never travels
 through this process: it is binary-clean and costs no copy here.
@@ -402,8 +405,13 @@ def _killpg(pid, sig):
         pass
 
 
-def _watch_client(conn, proc):
-    """Relay signals from the client; kill the process group when it hangs up."""
+def _watch_client(conn, proc, group=True):
+    """Relay signals from the client; kill the process group when it hangs up.
+
+    A ``{"signal": n}`` line signals the process group (``group``, an ``exec``), or the process
+    alone (a ``spawn``-style request: ``"signal_group": false``, as ``Popen.send_signal``); a
+    line's own ``"group"`` says which for that signal.
+    """
     buf = b""
     while True:
         try:
@@ -418,10 +426,42 @@ def _watch_client(conn, proc):
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             try:
-                sig = int(json.loads(line.decode())["signal"])
-            except (ValueError, KeyError, TypeError):
+                msg = json.loads(line.decode())
+                sig = int(msg["signal"])
+                whole = bool(msg.get("group", group))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue
-            _killpg(proc.pid, sig)
+            if whole:
+                _killpg(proc.pid, sig)
+            elif proc.returncode is None:
+                # Not reaped yet (the serving thread reaps it: no poll() here, which could reap
+                # it under that thread's waitpid): the pid is still this child's.
+                try:
+                    os.kill(proc.pid, sig)
+                except (ProcessLookupError, PermissionError, ValueError, OverflowError):
+                    pass
+
+
+#: How long the agent tries to connect to a port of its box for the host (``connect``).
+_CONNECT_TIMEOUT = 5.0
+
+
+def _connect_port(conn, req):
+    """``{"op": "connect", "port": n}``: connect to the box's own ``127.0.0.1:n`` (this agent is in
+    the box's network namespace) and hand the connected socket to the host (SCM_RIGHTS), which
+    relays a published port through it.  Only the box's loopback, only TCP: never anywhere else."""
+    port = req.get("port")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        _send(conn, {"error": "connect needs a port from 1 to 65535, got %r" % (port,), "errno": 22})
+        return
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=_CONNECT_TIMEOUT)
+    except OSError as exc:
+        _send(conn, {"error": exc.strerror or str(exc), "errno": exc.errno or 0})
+        return
+    with sock:
+        sock.settimeout(None)
+        socket.send_fds(conn, [(json.dumps({"connected": port}) + "\n").encode()], [sock.fileno()])
 
 
 def _cwd(req):
@@ -537,6 +577,9 @@ def _serve(conn, base_env, default_user):
         if op == "ping":
             _send(conn, {"pong": os.getpid()})
             return
+        if op == "connect":
+            _connect_port(conn, req)
+            return
         if op not in ("exec", "helper"):
             _send(conn, {"error": "unknown op %r" % (op,), "errno": 22})
             return
@@ -567,7 +610,8 @@ def _serve(conn, base_env, default_user):
             os.close(fd)
         fds = []
         _send(conn, {"pid": proc.pid})
-        watcher = threading.Thread(target=_watch_client, args=(conn, proc), daemon=True)
+        group = req.get("signal_group", True) is not False
+        watcher = threading.Thread(target=_watch_client, args=(conn, proc, group), daemon=True)
         watcher.start()
         try:
             code = proc.wait()

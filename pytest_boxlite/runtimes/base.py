@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from pytest_boxlite import guest
-from pytest_boxlite.errors import BoxliteError
+from pytest_boxlite.errors import BoxliteError, UnsupportedError
 from pytest_boxlite.spec import BoxSpec
 
 if TYPE_CHECKING:
@@ -65,6 +65,41 @@ class BoxRecord:
     runtime: str
     state: str
     home: str
+
+
+class RawProcess(Protocol):
+    """A process a runtime started in a box for :meth:`BoxHandle.spawn`, as the host holds it.
+
+    Its stdio are host descriptors this object owns (``stdin`` writable, ``stdout``/``stderr``
+    readable; what a box writes is hostile: read them bounded).  :meth:`fileno` is a descriptor
+    that turns readable when :meth:`feed` has something to read (the process's exit).
+    """
+
+    #: The process's pid as the box sees it.
+    pid: int
+    stdin: int
+    stdout: int
+    stderr: int
+
+    def fileno(self) -> int:
+        """The control descriptor to select on."""
+        ...
+
+    def feed(self) -> int | None:
+        """Read what the control descriptor has; the exit status once known (negative: signal).
+
+        Raises :class:`~pytest_boxlite.errors.BoxDeadError` when the box hung up before the
+        process's exit was known.
+        """
+        ...
+
+    def signal(self, sig: int, *, group: bool = False) -> None:
+        """Send ``sig`` to the process (with ``group``, to its whole process group)."""
+        ...
+
+    def close(self) -> None:
+        """Hang up: a process still running is killed with its process group.  Idempotent."""
+        ...
 
 
 @runtime_checkable
@@ -156,6 +191,17 @@ class BoxHandle(Protocol):
         """Run ``argv`` in the box with this process's stdin/stdout/stderr; return its exit status."""
         ...
 
+    def spawn(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None, cwd: str | None, user: str | None
+    ) -> RawProcess:
+        """Start ``argv`` in the box and return at once (``Sandbox.spawn``)."""
+        ...
+
+    def connect_port(self, port: int, *, timeout: float) -> socket.socket:
+        """A TCP connection to ``port`` on the box's own loopback, made in the box's network
+        (``Sandbox.publish``); :class:`ConnectionRefusedError` while nothing listens there."""
+        ...
+
 
 class BoxDefaults:
     """The defaults of :class:`BoxHandle`'s optional capabilities, for a box class to inherit."""
@@ -191,6 +237,18 @@ class BoxDefaults:
     def run_attached(self, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str]) -> int:
         """Refused: this runtime has no way to hand a process's stdio to a box."""
         raise BoxliteError(f"{self.runtime_name} boxes cannot run a command attached to this process")
+
+    def spawn(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None, cwd: str | None, user: str | None
+    ) -> RawProcess:
+        """Refused: this runtime cannot start a process that outlives the call."""
+        raise UnsupportedError(
+            f"the {self.runtime_name} runtime cannot spawn processes (Sandbox.spawn); use run() instead"
+        )
+
+    def connect_port(self, port: int, *, timeout: float) -> socket.socket:
+        """Refused: this runtime cannot reach a port in its box from the host."""
+        raise UnsupportedError(f"the {self.runtime_name} runtime cannot publish box ports (Sandbox.publish)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import os
 import selectors
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -365,6 +367,100 @@ class NamespaceBox(BoxDefaults):
             error=error,
         )
 
+    def spawn(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None, cwd: str | None, user: str | None
+    ) -> _AgentProcess:
+        """Start ``argv`` in the box through the agent, its stdio host pipes; return at once."""
+        if user is not None and not isinstance(user, (str, int)):
+            raise ConfigError(f"user must be a name or 'uid[:gid]', got {user!r}")
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        req: dict[str, Any] = {
+            "op": "exec",
+            "argv": list(argv),
+            "env": dict(env or {}),
+            "cwd": cwd,
+            # Popen.send_signal signals the process itself, not its group.
+            "signal_group": False,
+        }
+        if user is not None:
+            req["user"] = "0:0" if str(user) == "root" else str(user)
+        ours = [in_w, out_r, err_r]
+        try:
+            try:
+                sock, lines = self._request(req, [in_r, out_w, err_w], _SPAWN_TIMEOUT)
+            finally:
+                for fd in (in_r, out_w, err_w):
+                    os.close(fd)
+            try:
+                first = lines.read(time.monotonic() + _SPAWN_TIMEOUT)
+                if "error" in first:
+                    raise file_error(int(first.get("errno") or 0), str(first["error"]), _text(first.get("filename")))
+                pid = first.get("pid")
+                if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+                    raise BoxDeadError(f"box {self.name}: the agent sent no pid for the process")
+            except BaseException:
+                sock.close()
+                raise
+        except BaseException:
+            for fd in ours:
+                os.close(fd)
+            raise
+        sock.setblocking(False)
+        return _AgentProcess(self.name, sock, lines, pid, in_w, out_r, err_r)
+
+    def connect_port(self, port: int, *, timeout: float) -> socket.socket:
+        """A connection to ``port`` on the box's loopback, made by its agent (in the box's network
+        namespace) and handed over with SCM_RIGHTS: the socket is checked to be a TCP stream."""
+        deadline = time.monotonic() + timeout
+        sock, _lines = self._request({"op": "connect", "port": int(port)}, [], timeout)
+        with sock:
+            buf = b""
+            fds: list[int] = []
+            try:
+                while b"\n" not in buf:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise BoxTimeoutError(f"box {self.name}: the agent did not connect to port {port} in time")
+                    sock.settimeout(left)
+                    try:
+                        data, more, _flags, _addr = socket.recv_fds(sock, 4096, 1)
+                    except TimeoutError:
+                        continue
+                    fds += more
+                    if not data:
+                        raise BoxDeadError(f"box {self.name}: the agent hung up on a connect to port {port}")
+                    buf += data
+                    if len(buf) > 4096 or len(fds) > 1:
+                        raise BoxDeadError(f"box {self.name}: the agent sent an oversized answer to a connect")
+                try:
+                    msg = json.loads(buf.split(b"\n", 1)[0].decode())
+                except ValueError:
+                    raise BoxDeadError(f"box {self.name}: the agent sent a malformed answer to a connect") from None
+                if not isinstance(msg, dict):
+                    raise BoxDeadError(f"box {self.name}: the agent sent a malformed answer to a connect")
+                if "error" in msg:
+                    code = msg.get("errno")
+                    code = code if isinstance(code, int) and not isinstance(code, bool) else 0
+                    err = OSError(code, f"box {self.name}, port {port}: {_text(msg['error'])}")
+                    if code == errno.ECONNREFUSED:
+                        err = ConnectionRefusedError(code, f"box {self.name}: nothing listens on port {port}")
+                    raise err
+                if msg.get("connected") != port or len(fds) != 1:
+                    raise BoxDeadError(f"box {self.name}: the agent's answer to a connect carried no socket")
+                fd = fds.pop()
+                st = os.fstat(fd)
+                conn = socket.socket(fileno=fd)
+                if not stat.S_ISSOCK(st.st_mode) or conn.family != socket.AF_INET or conn.type != socket.SOCK_STREAM:
+                    conn.close()
+                    raise BoxDeadError(f"box {self.name}: the agent handed over something other than a TCP socket")
+                conn.setblocking(True)
+                return conn
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
     def fork_listener(self) -> tuple[socket.socket, str]:
         """A listening socket in the box's guest-visible directory, for boxes forked from this one."""
         return fork_listener(self.box_dir)
@@ -467,6 +563,66 @@ class NamespaceBox(BoxDefaults):
             # Cgroups of boxes forked from this one that no one removed (their processes died with it).
             _cgroups.remove_dirs(_cgroups.find_dirs(self.name))
         remove_box_dirs(self.box_dir)
+
+
+#: Bound on the agent's answer to a ``spawn`` (the process's pid, or why it could not start).
+_SPAWN_TIMEOUT = 10.0
+
+
+def _text(value: object, limit: int = 500) -> str | None:
+    """A string the agent sent, cut to ``limit`` characters (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    return str(value)[:limit]
+
+
+class _AgentProcess:
+    """A process the agent started for :meth:`NamespaceBox.spawn` (see :class:`RawProcess`): its
+    control connection (the agent's exit message; signals; hanging up kills its group) and the
+    host ends of its stdio pipes, which the caller takes over."""
+
+    def __init__(
+        self, box: str, sock: socket.socket, lines: _Lines, pid: int, stdin: int, stdout: int, stderr: int
+    ) -> None:
+        self.box = box
+        self._sock = sock
+        self._lines = lines
+        self.pid = pid
+        self.stdin = stdin
+        self.stdout = stdout
+        self.stderr = stderr
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def feed(self) -> int | None:
+        self._lines.feed()
+        while (msg := self._lines.pop()) is not None:
+            code = msg.get("exit")
+            if isinstance(code, int) and not isinstance(code, bool):
+                return code
+        if self._lines.eof:
+            raise BoxDeadError(f"box {self.box}: the agent hung up before the process exited")
+        return None
+
+    def pending(self) -> int | None:
+        """The exit status if it already arrived with the pid (no read)."""
+        while (msg := self._lines.pop()) is not None:
+            code = msg.get("exit")
+            if isinstance(code, int) and not isinstance(code, bool):
+                return code
+        return None
+
+    def signal(self, sig: int, *, group: bool = False) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.send((json.dumps({"signal": int(sig), "group": bool(group)}) + "\n").encode())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close()
 
 
 #: Numbers the cgroups of boxes forked per test (unique in this process; see ``fork_cell``).
