@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -323,6 +324,50 @@ def test_oversized_frame_is_refused_before_it_is_read(tmp_path: Path, args: tupl
     run.outcome("test_frame_800mb_next", "passed")
     assert 0 < run.host_hwm_kib < RSS_BOUND_KIB, f"host pytest's peak RSS {run.host_hwm_kib} KiB"
     assert 0 < run.tree_maxrss_kib < RSS_BOUND_KIB, f"the sub-run's peak RSS (ru_maxrss) {run.tree_maxrss_kib} KiB"
+
+
+def test_execnet_receiver_is_held_back_while_the_host_takes_nothing() -> None:
+    """A real popen gateway sends 40 messages of 4 MB at once: while the host takes none, the
+    receiver thread queues at most ``QUEUED_CAP`` of them (before: all 40, 160 MB in the host);
+    each still arrives, in order, once taken."""
+    import execnet
+
+    from pytest_boxlite.remote.worker_host import FrameCap
+
+    gw = execnet.makegateway("popen")
+    try:
+        frames = FrameCap(gw)
+        channel = gw.remote_exec("for i in range(40):\n    channel.send(str(i) * (4 << 20))")
+        frames.watch(channel)
+        time.sleep(2.0)  # ample for 160 MB through a pipe: a receiver not held back has read it all
+        queued = channel._items.qsize()
+        # At most a few frames (each under the frame cap): 8 x 16 MiB is what the host may hold.
+        assert queued <= FrameCap.QUEUED_CAP <= 8, f"{queued} messages queued in the host, none taken"
+        got = [channel.receive(30) for _ in range(40)]
+        for i, x in enumerate(got):  # whole, and in the order sent
+            assert len(x) == len(str(i)) * (4 << 20) and x.startswith(str(i) * 2), (i, x[:20])
+    finally:
+        frames.release()
+        gw.exit()
+
+
+def test_execnet_frame_over_the_cap_is_refused_before_it_is_read() -> None:
+    import execnet
+
+    from pytest_boxlite.remote.worker_host import FrameCap
+
+    gw = execnet.makegateway("popen")
+    try:
+        frames = FrameCap(gw, cap=1 << 20)
+        channel = gw.remote_exec("channel.send(b'x' * (2 << 20))")
+        frames.watch(channel)
+        with pytest.raises((EOFError, OSError, execnet.RemoteError)):
+            channel.receive(30)
+        assert frames.refused is not None and "over the cap of 1048576 bytes" in frames.refused
+    finally:
+        frames.release()
+        with contextlib.suppress(Exception):
+            gw.exit()
 
 
 # --------------------------------------------------------------------------------------------

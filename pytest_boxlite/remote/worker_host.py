@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Container, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,13 +75,23 @@ class ForkedBox:
 
 
 class FrameCap:
-    """Refuses an execnet frame longer than :data:`messages.LINE_CAP` before its payload is read.
+    """Refuses an execnet frame longer than :data:`messages.LINE_CAP` before its payload is read,
+    and holds back the gateway's receiver while the host has not taken what it already read.
 
     execnet reads a frame as ``io.read(9)`` (type, channel, length) and then ``io.read(length)``
     with the length the sender wrote: wrapping the gateway's ``io.read`` sees that length first.
     A frame over the cap ends the gateway (its receiver thread stops on the error) and
     :attr:`refused` says why, for the report of the test that was running.
+
+    execnet's receiver thread reads on its own and queues what it read on the channel for
+    ``receive``: a box that writes faster than the host takes its messages would have the host
+    hold all of it.  Once :meth:`watch` names the channel, the receiver reads on only while fewer
+    than :data:`QUEUED_CAP` messages wait there (the box then waits, as a forked box's socket
+    makes it), so the host holds at most that many frames of at most ``cap`` bytes each.
     """
+
+    #: Messages read but not yet taken by the host, at most (each at most ``cap`` bytes).
+    QUEUED_CAP = 4
 
     def __init__(self, gateway: Any, cap: int = msg.LINE_CAP) -> None:
         io: Any = getattr(gateway, "_io", None)
@@ -90,9 +101,27 @@ class FrameCap:
         self.cap = cap
         self.refused: str | None = None
         self._read = read
+        self._channel: Any = None
+        self._queue: Any = None
+        self._released = threading.Event()
         io.read = self.read  # the receiver thread looks read() up on the io for every call
 
+    def watch(self, channel: Any) -> None:
+        """Hold the receiver back while ``channel`` has :data:`QUEUED_CAP` messages not taken."""
+        queue = getattr(channel, "_items", None)  # execnet's queue of what receive() hands out
+        if queue is None or not callable(getattr(queue, "qsize", None)):
+            raise BoxliteError(f"execnet {execnet.__version__}: the channel's queue cannot be bounded")
+        self._channel, self._queue = channel, queue
+
+    def release(self) -> None:
+        """The host is done with the gateway: the receiver reads on (to its end) without waiting."""
+        self._released.set()
+
     def read(self, numbytes: int) -> bytes:
+        queue, channel = self._queue, self._channel
+        while queue is not None and queue.qsize() >= self.QUEUED_CAP:
+            if self._released.wait(0.005) or channel.isclosed():
+                break
         if numbytes > self.cap:
             self.refused = (
                 f"a frame of {numbytes} bytes on the execnet channel, over the cap of {self.cap} bytes "
@@ -221,6 +250,9 @@ class RemoteRunner:
         #: Forks inherit the fixtures wider than a function's from their warm interpreter, which
         #: sets them up (``--boxlite-scope=test``; see ``teardown_shared``).
         self.share_fixtures = False
+        #: Every live gateway's frame bound, released at shutdown (a receiver held back by a box's
+        #: unread messages must still reach the end of its stream); weak: a gone gateway's goes.
+        self._frame_caps: weakref.WeakSet[FrameCap] = weakref.WeakSet()
         self._status_tmp = tempfile.TemporaryDirectory(prefix="boxlite-status-")
         self.status_dir = Path(self._status_tmp.name)
 
@@ -240,7 +272,9 @@ class RemoteRunner:
         try:
             # Bounded before the box's code runs: it sends nothing until remote_exec starts it.
             frames = FrameCap(gw)
+            self._frame_caps.add(frames)
             channel = gw.remote_exec(self._source)
+            frames.watch(channel)
             channel.send(
                 {
                     "args": self._args,
@@ -304,6 +338,8 @@ class RemoteRunner:
         if listener is not None:
             listener[0].close()
         if w is not None:
+            if w.frames is not None:
+                w.frames.release()
             with contextlib.suppress(Exception):
                 w.gateway.exit()
 
@@ -324,6 +360,8 @@ class RemoteRunner:
             listeners, self._listeners = list(self._listeners.values()), {}
         for sock, _ in listeners:  # boxes that ended without passing through stop_worker
             sock.close()
+        for frames in list(self._frame_caps):
+            frames.release()
         with contextlib.suppress(Exception):
             self.group.terminate(timeout=5.0)
         self._status_tmp.cleanup()
@@ -766,6 +804,8 @@ class RemoteRunner:
         with contextlib.suppress(Exception):
             handle.destroy()
         if w is not None:
+            if w.frames is not None:
+                w.frames.release()
             with contextlib.suppress(Exception):
                 w.channel.close()
 
