@@ -240,6 +240,8 @@ class RemoteRunner:
         self._lingering: list[tuple[_Worker, int, float]] = []
         #: Cells of boxes that are done: killed at once, their cgroups removed once empty.
         self._done_cells: list[ForkCell] = []
+        #: A box without cgroups is done: it is ended before the next test runs (see ``close``).
+        self._end_now = False
         #: Boxes forked ahead for the next tests, in their order, per fork parent (see ``fork``).
         self._ahead: dict[str, list[ForkedBox]] = {}
         #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
@@ -475,9 +477,9 @@ class RemoteRunner:
             start = time.monotonic()
             self._log_since[box.handle.name] = box.handle.log_size()
         self._release_cells()  # nothing of a box that is done runs on beside this test
-        now = time.monotonic()
-        if any(deadline < now for _, _, deadline in self._lingering):
-            self._reap_lingering()  # those past their grace (at once: boxes without cgroups)
+        if self._end_now:
+            self._end_now = False
+            self._reap_lingering()  # boxes without cgroups that are done: ended before this test runs
         self._seq += 1
         seq = self._seq
         line = json.dumps([msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq}]) + "\n"
@@ -642,6 +644,7 @@ class RemoteRunner:
             # limit with the next one: it is ended before the next test runs, not after a grace.
             unconfined = box.cell is not None and not box.cell.cgroups.dirs
             self._end_fork(box.worker, box.child, 0.0 if unconfined else FORK_GRACE)
+            self._end_now = self._end_now or unconfined
         self._retire(box)
 
     def _settle(

@@ -151,8 +151,10 @@ class ForkCell:
         """Kill the box's processes and remove its cgroups where they are empty already (never
         waits); True once nothing of it is left.  Called again until it is."""
         if self._left:
-            self.cgroups.kill()
+            # Killed when it was done (kill()): by now it is usually gone, and the removal is all.
             self._left = _cgroups.try_remove_dirs(self._left)
+            if self._left:
+                self.cgroups.kill()
         return not self._left
 
     def remove(self, timeout: float = 2.0) -> None:
