@@ -14,7 +14,10 @@ wrong, every other test with its own outcome, no INTERNALERROR, no box left, and
 * bounds: an 800 MB frame on each transport (a forked box's JSON stream; the warm interpreter's
   execnet channel, ``--boxlite-fresh=boot``) is refused before it is buffered, the host's peak RSS
   under 150 MB (``ru_maxrss`` of the sub-run's process tree, from a wrapper's
-  ``getrusage(RUSAGE_CHILDREN)``, and the host pytest's own ``VmHWM``);
+  ``getrusage(RUSAGE_CHILDREN)``, and the host pytest's own ``VmHWM``); on a real popen gateway
+  (no box: the unit layer of that bound), execnet's receiver is held back while the host takes
+  nothing, and the vm bridge's frame decoder and backlog are cut at their caps;
+* the box log a failure report quotes: only what its own test logged, control characters escaped;
 * session budgets: report text, warnings and cache values over the session's budget fail the test
   that overflows it.  The sub-run's host conftest lowers the budgets (``SESSION_*`` of
   :mod:`pytest_boxlite.remote.transport`) so that a few MiB reach them in seconds; the real
