@@ -110,12 +110,13 @@ def plan_for(item: pytest.Item, session: BoxliteSession) -> BoxPlan | None:
     except BoxliteError as exc:
         raise _bad(item, str(exc)) from None
     if not item.stash.get(_WARNED_KEY, False):
-        item.stash[_WARNED_KEY] = True
         unheld = session.unheld_caps(spec)
         if unheld:
             # The header names the default's caps only: say so for the test that asks for more.
             asked = ", ".join(f"{k}={kwargs[k]!r}" for k in ("memory", "cpus") if k in kwargs)
-            _warn_at(item, f"{item.nodeid}: @pytest.mark.boxlite({asked}) is not enforced here: {unheld}")
+            gist = "is not enforced here"
+            _warn_at(item, f"{item.nodeid}: @pytest.mark.boxlite({asked}) {gist}: {unheld}", gist)
+        item.stash[_WARNED_KEY] = True  # only once given: a warning made an error is raised again
     return BoxPlan(spec, timeout)
 
 
@@ -123,11 +124,20 @@ def plan_for(item: pytest.Item, session: BoxliteSession) -> BoxPlan | None:
 _WARNED_KEY = pytest.StashKey[bool]()
 
 
-def _warn_at(item: pytest.Item, message: str) -> None:
+def _warn_at(item: pytest.Item, message: str, gist: str) -> None:
+    """A warning at ``item``'s line, given at collection.  Where the warning filters make it an error
+    (``filterwarnings = error``), that error would be an INTERNALERROR in a collection hook: it is a
+    usage error instead, as pytest's own configuration-time warnings stop the run there."""
     lineno = item.location[1]
-    warnings.warn_explicit(
-        pytest.PytestWarning(message),
-        category=pytest.PytestWarning,
-        filename=str(item.path),
-        lineno=(lineno or 0) + 1,
-    )
+    try:
+        warnings.warn_explicit(
+            pytest.PytestWarning(message),
+            category=pytest.PytestWarning,
+            filename=str(item.path),
+            lineno=(lineno or 0) + 1,
+        )
+    except Warning as exc:
+        raise pytest.UsageError(
+            f"{exc} (a PytestWarning that the warning filters make an error; to let it pass, add "
+            f"'default:.*{gist}:pytest.PytestWarning' to filterwarnings)"
+        ) from None

@@ -523,6 +523,12 @@ def test_a_memory_request_that_cannot_hold_warns_per_test(tmp_path: Path, home: 
         ), out
         assert out.count("is not enforced here") == 1, out  # not for the test that asks for nothing
         assert re.search(r"\b2 passed, 1 warning\b", out), out
+        # Warnings made errors: a usage error naming the test (in a collection hook it was an INTERNALERROR).
+        as_errors = ("-W", "error::pytest.PytestWarning")
+        rc, out = finished(SubRun(tmp_path, home, "memory-error", *as_errors, "test_memory.py"))
+        assert rc == pytest.ExitCode.USAGE_ERROR, out
+        assert "ERROR: test_memory.py::test_asks_for_memory: @pytest.mark.boxlite(memory=512) is not enforced" in out
+        assert "INTERNALERROR" not in out, out
     else:
         assert "is not enforced here" not in out, out
         assert re.search(r"\b2 passed in\b", out), out
