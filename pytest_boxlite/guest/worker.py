@@ -580,6 +580,13 @@ def serve(channel):
                     raise
                 except BaseException:  # noqa: BLE001,S110 - item-level finalizers: none ran here
                     pass
+                if hasattr(item, "_request"):
+                    # As pytest's runtestprotocol leaves an item after its teardown (and sets it up
+                    # again for a rerun): the box's own setup starts from a new request.  pytest
+                    # 8.0's request counts each fixture's lookups, and one that failed here would
+                    # otherwise read as a recursive dependency there.
+                    item._request = False
+                    item.funcargs = None
             self.prepare_warnings = [_warning_fields(w, item.nodeid) for w in caught]
             self.shared = chain[:-1]
             return item.parent
