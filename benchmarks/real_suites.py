@@ -87,8 +87,8 @@ def _one(project: Project, src: Path, py: Path, key: str, label: str, extra: tup
     summary = pytest_summary(out)
     if timed_out:
         # A run that hangs is a row of the table (how far it got), not the end of the table.
-        progress = [ln.strip() for ln in out.splitlines() if ln.rstrip().endswith("%]")]
-        summary = f"timed out after {timeout:.0f} s" + (f" at {progress[-1].split()[-1]}" if progress else "")
+        progress = [ln.split()[-1].strip("[]") for ln in out.splitlines() if ln.rstrip().endswith("%]")]
+        summary = f"timed out after {timeout:.0f} s" + (f" at {progress[-1]}" if progress else "")
         log(f"  [{project.name}] {label}: {summary}; output tail:\n{out[-1500:]}")
     elif not summary:
         raise RunFailed(f"{project.name} {label}", cmd, f"exit {rc} and no pytest summary", out)
