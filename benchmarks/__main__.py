@@ -28,6 +28,7 @@ from benchmarks import (
     remote_server,
     replicas,
     sandbox_fork,
+    services,
     suite_size,
     vm_path,
     xdist,
@@ -50,6 +51,7 @@ TABLES: tuple[Table, ...] = (
     fork_profile.PROFILE_FORK,
     real_suites.REAL_SUITES,
     fidelity.FIDELITY,
+    services.SERVICES,
 )
 
 

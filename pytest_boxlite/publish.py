@@ -86,6 +86,8 @@ class Relay:
                     return
                 self._open.add(inner)
             for sock in (client, inner):
+                # Blocking descriptors: splice() on one with a timeout (non-blocking) fails EAGAIN.
+                sock.setblocking(True)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             back = threading.Thread(target=_copy, args=(inner, client), daemon=True)
             back.start()
