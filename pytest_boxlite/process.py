@@ -185,6 +185,13 @@ class BoxProcess:
         self._pump_thread = threading.Thread(target=self._pump, name=f"boxlite-proc-{box}-{self.pid}", daemon=True)
         self._pump_thread.start()
 
+    def __del__(self) -> None:
+        # A process whose box was destroyed without close(): its pump ended, its wake pipe stays.
+        if not getattr(self, "_closed", True):
+            for fd in (getattr(self, "_wake_r", -1), getattr(self, "_wake_w", -1)):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
     def __repr__(self) -> str:
         return f"<BoxProcess pid={self.pid} box={self.box} returncode={self.returncode} args={self.args!r}>"
 
