@@ -562,6 +562,8 @@ def serve(channel):
             import warnings
 
             full = item.fixturenames
+            if hasattr(item, "_request") and not item._request:
+                item._initrequest()  # prepared before (a test run again): as runtestprotocol does
             with warnings.catch_warnings(record=True) as caught:
                 _apply_warning_filters(item)
                 item.fixturenames = names
