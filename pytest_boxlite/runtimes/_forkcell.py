@@ -8,7 +8,7 @@ forked box, before any of its code runs:
 * its own cgroups (memory, cpu, pids: the warm box's limits), which the box's first process joins
   itself through descriptors the host opened (:meth:`ForkCell.descriptors`), and which the host
   kills whole once the box is done (:meth:`ForkCell.kill`);
-* its own stderr: a pipe whose read end a thread of this process drains into a bounded tail
+* its own stderr: a pipe whose read end a thread of this process (one for all) drains into a bounded tail
   (:class:`ForkLog`), quoted by that box's own failure reports and no one else's.
 
 The descriptors travel to the warm interpreter on a Unix socket of the runtime's (``deal``); the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,23 +30,73 @@ from pytest_boxlite.runtimes import _cgroups
 LOG_KEPT = 256 << 10
 
 
-class ForkLog:
-    """A forked box's stderr: a pipe drained by a daemon thread of this process into a bounded tail.
+class _Drainer:
+    """One daemon thread that drains the stderr pipes of every live :class:`ForkLog` of this
+    process (one epoll set), started with the first: no thread per forked box.  A pipe is added
+    to the epoll set directly (epoll_ctl beside a running epoll_wait is the kernel's to order), so
+    adding one wakes nobody: the thread runs only when a box has written."""
 
-    Only the write end goes to the box.  The thread ends when every holder of the write end has
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._logs: dict[int, ForkLog] = {}
+        self._epoll = select.epoll()
+        self._thread: threading.Thread | None = None
+
+    def add(self, log: ForkLog) -> None:
+        with self._lock:
+            self._logs[log.read_end] = log
+            self._epoll.register(log.read_end, select.EPOLLIN)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="boxlite-fork-logs", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                events = self._epoll.poll()
+            except InterruptedError:
+                continue
+            for fd, _ in events:
+                with self._lock:
+                    log = self._logs.get(fd)
+                if log is not None and not log.take():
+                    with self._lock:
+                        del self._logs[fd]
+                        self._epoll.unregister(fd)
+                    log.close()
+
+
+_DRAINER = _Drainer()
+
+
+def _new_drainer_in_child() -> None:
+    # A forked copy of this process has no drainer thread (nor the parent's logs): it starts afresh.
+    global _DRAINER
+    _DRAINER = _Drainer()
+
+
+os.register_at_fork(after_in_child=_new_drainer_in_child)
+
+
+class ForkLog:
+    """A forked box's stderr: a pipe drained by this process (one thread for all, :class:`_Drainer`)
+    into a bounded tail.
+
+    Only the write end goes to the box.  The pipe ends when every holder of the write end has
     closed it (the box's processes have ended), so :meth:`tail` can wait for what a box that just
     died wrote last.
     """
 
     def __init__(self, name: str, kept: int = LOG_KEPT) -> None:
+        self.name = name
         self.kept = kept
-        self._read_end, self.write_end = os.pipe2(os.O_CLOEXEC)
+        self.read_end, self.write_end = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self.read_end, False)
         self._buf = bytearray()
         self.total = 0
         self._lock = threading.Lock()
         self._ended = threading.Event()
-        thread = threading.Thread(target=self._drain, name=f"boxlite-log-{name}", daemon=True)
-        thread.start()
+        _DRAINER.add(self)
 
     def handed_over(self) -> None:
         """The box holds the write end now (or never will): this process closes its own."""
@@ -53,25 +104,27 @@ class ForkLog:
             os.close(self.write_end)
             self.write_end = -1
 
-    def _drain(self) -> None:
+    def take(self) -> bool:
+        """Read what the pipe holds into the tail (the drainer's thread); False at its end."""
         try:
-            while True:
-                try:
-                    chunk = os.read(self._read_end, 1 << 16)
-                except InterruptedError:
-                    continue
-                except OSError:
-                    return
-                if not chunk:
-                    return
-                with self._lock:
-                    self.total += len(chunk)
-                    self._buf += chunk
-                    if len(self._buf) > self.kept:
-                        del self._buf[: len(self._buf) - self.kept]
-        finally:
-            os.close(self._read_end)
-            self._ended.set()
+            chunk = os.read(self.read_end, 1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        with self._lock:
+            self.total += len(chunk)
+            self._buf += chunk
+            if len(self._buf) > self.kept:
+                del self._buf[: len(self._buf) - self.kept]
+        return True
+
+    def close(self) -> None:
+        """The pipe ended (the drainer's thread): its read end is closed."""
+        os.close(self.read_end)
+        self._ended.set()
 
     def tail(self, max_bytes: int = 4000, *, wait: float = 0.0) -> str:
         """The last ``max_bytes`` the box wrote (lossily decoded), after waiting up to ``wait``
