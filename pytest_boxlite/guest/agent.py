@@ -593,7 +593,7 @@ def _serve(conn, base_env, default_user):
         except LookupError as exc:
             _send(conn, {"error": str(exc), "errno": 22})
             return
-        if "HOME" not in env:
+        if op == "exec" and "HOME" not in env:  # the file helper runs with no environment of the box's
             env["HOME"] = home_for(uid, gid)
         try:
             # Under the lock: the reaper must not collect the child before it is tracked.
