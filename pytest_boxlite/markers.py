@@ -115,7 +115,7 @@ def plan_for(item: pytest.Item, session: BoxliteSession) -> BoxPlan | None:
             # The header names the default's caps only: say so for the test that asks for more.
             asked = ", ".join(f"{k}={kwargs[k]!r}" for k in ("memory", "cpus") if k in kwargs)
             gist = "is not enforced here"
-            _warn_at(item, f"{item.nodeid}: @pytest.mark.boxlite({asked}) {gist}: {unheld}", gist)
+            warn_at(item, f"{item.nodeid}: @pytest.mark.boxlite({asked}) {gist}: {unheld}", gist)
         item.stash[_WARNED_KEY] = True  # only once given: a warning made an error is raised again
     return BoxPlan(spec, timeout)
 
@@ -124,7 +124,7 @@ def plan_for(item: pytest.Item, session: BoxliteSession) -> BoxPlan | None:
 _WARNED_KEY = pytest.StashKey[bool]()
 
 
-def _warn_at(item: pytest.Item, message: str, gist: str) -> None:
+def warn_at(item: pytest.Item, message: str, gist: str) -> None:
     """A warning at ``item``'s line, given at collection.  Where the warning filters make it an error
     (``filterwarnings = error``), that error would be an INTERNALERROR in a collection hook: it is a
     usage error instead, as pytest's own configuration-time warnings stop the run there."""

@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import threading
-import warnings
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +21,7 @@ import pytest
 from pytest_boxlite import reporting
 from pytest_boxlite.errors import BoxliteError, ConfigError
 from pytest_boxlite.fixtures import CALL_FAILED_KEY
-from pytest_boxlite.markers import BoxPlan, plan_for
+from pytest_boxlite.markers import BoxPlan, plan_for, warn_at
 from pytest_boxlite.pool import NoLifecycle
 from pytest_boxlite.runtimes import BoxHandle, header_notes, preflight
 from pytest_boxlite.session import BoxliteSession
@@ -373,13 +372,7 @@ class HostPlugin(_SessionRole, NoLifecycle):
             if unused:
                 # One warning per image: the test would otherwise run on the host's distribution unawares.
                 warned.add(image)
-                lineno = item.location[1]
-                warnings.warn_explicit(
-                    pytest.PytestWarning(unused),
-                    category=pytest.PytestWarning,
-                    filename=str(item.path),
-                    lineno=(lineno or 0) + 1,
-                )
+                warn_at(item, unused, "has no effect on the")
             if has_timeout:
                 # pytest-timeout acts inside the box; on the host it could only kill the whole session.
                 item.add_marker(pytest.mark.timeout(0), append=False)

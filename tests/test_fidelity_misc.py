@@ -493,6 +493,30 @@ def test_pool_image_warns_where_unused_and_malformed_names_fail(tmp_path: Path, 
     no_leftovers(home, out)
 
 
+MARKER_IMAGE = """
+import pytest
+
+
+@pytest.mark.boxlite(image="alpine:3")
+def test_marker_image():
+    pass
+"""
+
+
+def test_a_collection_warning_made_an_error_is_a_usage_error(tmp_path: Path, home: Path) -> None:
+    """filterwarnings=error (this suite's own setting, and many projects'): the marker's image
+    warning, given in a collection hook, stops the run as a usage error naming the test and the
+    filter that lets it pass, not an INTERNALERROR."""
+    write(tmp_path, "test_marker_image.py", MARKER_IMAGE)
+    as_errors = ("-W", "error::pytest.PytestWarning")
+    rc, out = finished(SubRun(tmp_path, home, "image-error", *as_errors, "test_marker_image.py"))
+    assert rc == pytest.ExitCode.USAGE_ERROR, out
+    assert "ERROR: test_marker_image.py::test_marker_image: @pytest.mark.boxlite(image='alpine:3') has no effect" in out
+    assert "to let it pass, add 'default:.*has no effect on the:pytest.PytestWarning' to filterwarnings" in out
+    assert "INTERNALERROR" not in out, out
+    no_leftovers(home, out)
+
+
 MEMORY_TESTS = """
 import pytest
 
