@@ -74,6 +74,7 @@ from pytest_boxlite.errors import (
     RuntimeUnavailableError,
     file_error,
 )
+from pytest_boxlite.runtimes import _vmspawn
 from pytest_boxlite.runtimes._forkrelay import ForkRelay
 from pytest_boxlite.runtimes._vmbridge import VmBridge
 from pytest_boxlite.runtimes.base import (
@@ -320,6 +321,24 @@ class VmBox(BoxDefaults):
             raise
         except Exception as exc:
             raise self._rt.wrap_exec_error(exc, self, argv[0]) from exc
+
+    def spawn(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None, cwd: str | None, user: str | None
+    ) -> _vmspawn.VmProcess:
+        """Start ``argv`` through the SDK's exec under a pid shim (see :mod:`~pytest_boxlite.runtimes._vmspawn`)."""
+        if self._dead:
+            raise BoxDeadError(f"box {self.name} is dead")
+        tag = secrets.token_hex(8)
+        env_items = [*dict(env or {}).items(), (EXEC_TAG, tag)]
+        shim = ["-I", "-S", "-c", _vmspawn.SHIM, *argv]
+        proc = _vmspawn.VmProcess(self.name, self._rt.loop.loop, lambda: self._kill_tagged(tag))
+
+        def start() -> Any:  # the SDK's awaitable
+            return self._box.exec(self.guest_python, shim, env_items, False, user, None, cwd or WORKDIR)
+
+        asyncio.run_coroutine_threadsafe(proc.run(start, self._answers), self._rt.loop.loop)
+        _vmspawn.wait_header(proc, self.name, lambda exc: self._rt.wrap_exec_error(exc, self, argv[0]))
+        return proc
 
     def run_helper(self, payload: bytes, *, timeout: float, max_output: int, sink: HelperSink) -> RawResult:
         """Run the file helper as a guest command (:func:`helper_argv`), its stdout streamed to ``sink``."""
