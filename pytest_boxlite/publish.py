@@ -88,7 +88,8 @@ class Relay:
             for sock in (client, inner):
                 # Blocking descriptors: splice() on one with a timeout (non-blocking) fails EAGAIN.
                 sock.setblocking(True)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with contextlib.suppress(OSError):  # a runtime's box end may be a Unix socket (vm)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             back = threading.Thread(target=_copy, args=(inner, client), daemon=True)
             back.start()
             _copy(client, inner)

@@ -365,13 +365,3 @@ def test_a_runtime_without_spawn_says_so() -> None:
     assert isinstance(info.value, NotImplementedError)
     with pytest.raises(errors.UnsupportedError, match="the fake runtime cannot publish"):
         Sandbox(_NoSpawn()).publish(8000)  # type: ignore[arg-type]
-
-
-def test_the_vm_runtime_says_it_cannot_publish_yet(runtimes: _Runtimes) -> None:
-    """The vm runtime (on the SDK double where no VM boots) has no published ports yet: a clear error."""
-    handle = runtimes.get("vm").create_box(BoxSpec(), new_box_name(), timeout=CREATE_TIMEOUT)
-    try:
-        with pytest.raises(errors.UnsupportedError, match="the vm runtime cannot publish box ports"):
-            Sandbox(handle).publish(8000)
-    finally:
-        handle.destroy()

@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import json
 import os
 import select
 import socket
+import subprocess
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -259,3 +262,75 @@ def wait_header(proc: VmProcess, box: str, wrap: Callable[[Exception], BoxliteEr
     except Exception as exc:
         proc.discard()
         raise wrap(exc) from exc
+
+
+#: The guest side of one connection to a published port on a VM: connects to the box's own
+#: ``127.0.0.1:PORT``, says ``+`` (or ``-ERRNO``) on a line, then copies stdin -> socket and
+#: socket -> stdout (binary-clean through the box's stdio bridge).
+CONNECT = """
+import os, socket, sys, threading
+try:
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5)
+except OSError as e:
+    os.write(1, b"-%d\\n" % (e.errno or 0))
+    sys.exit(1)
+s.settimeout(None)
+os.write(1, b"+\\n")
+def up():
+    while True:
+        d = os.read(0, 65536)
+        if not d:
+            break
+        s.sendall(d)
+    s.shutdown(socket.SHUT_WR)
+threading.Thread(target=up, daemon=True).start()
+while True:
+    d = s.recv(65536)
+    if not d:
+        break
+    os.write(1, d)
+"""
+
+
+def connect_port(argv: list[str], box: str, port: int, timeout: float) -> socket.socket:
+    """Run the host command ``argv`` (the box's attach of :data:`CONNECT`) on one end of a socket
+    pair and return the other end once the guest connected; the command ends with the connection."""
+    ours, theirs = socket.socketpair()
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=theirs.fileno(), stdout=theirs.fileno(), stderr=subprocess.DEVNULL, close_fds=True
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    threading.Thread(target=proc.wait, daemon=True).start()  # reaped when the connection ends
+    try:
+        deadline = time.monotonic() + timeout
+        status = b""
+        while not status.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BoxTimeoutError(f"box {box}: no connection to port {port} within {timeout:g} s")
+            ours.settimeout(left)
+            try:
+                more = ours.recv(1)
+            except TimeoutError:
+                continue
+            if not more or len(status) > 16:
+                raise BoxDeadError(f"box {box}: the connection to port {port} ended before it was made")
+            status += more
+        if status != b"+\n":
+            code = status[1:-1]
+            err = int(code) if status[:1] == b"-" and code.isdigit() else 0
+            if err == errno.ECONNREFUSED:
+                raise ConnectionRefusedError(err, f"box {box}: nothing listens on port {port}")
+            raise OSError(err, f"box {box}: cannot connect to port {port}: {os.strerror(err) if err else status!r}")
+        ours.settimeout(None)
+        return ours
+    except BaseException:
+        ours.close()
+        with contextlib.suppress(OSError):
+            proc.kill()
+        raise

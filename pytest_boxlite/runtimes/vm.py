@@ -340,6 +340,14 @@ class VmBox(BoxDefaults):
         _vmspawn.wait_header(proc, self.name, lambda exc: self._rt.wrap_exec_error(exc, self, argv[0]))
         return proc
 
+    def connect_port(self, port: int, *, timeout: float) -> socket.socket:
+        """A connection to ``port`` on the VM's own loopback, made by a guest command whose stdio
+        carries it through this box's stdio bridge (one attach helper per connection)."""
+        if self._dead:
+            raise BoxDeadError(f"box {self.name} is dead")
+        argv = self.attach_argv([self.guest_python, "-I", "-S", "-c", _vmspawn.CONNECT, str(int(port))], cwd="/")
+        return _vmspawn.connect_port(argv, self.name, int(port), timeout)
+
     def run_helper(self, payload: bytes, *, timeout: float, max_output: int, sink: HelperSink) -> RawResult:
         """Run the file helper as a guest command (:func:`helper_argv`), its stdout streamed to ``sink``."""
         return self.exec(
