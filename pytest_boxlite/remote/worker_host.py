@@ -37,8 +37,7 @@ from pytest_boxlite.guest import messages as msg
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.remote import reports
 from pytest_boxlite.remote.transport import BoxSpoke, ChannelStream, ForkStream, Outcome, drain
-from pytest_boxlite.runtimes._forkcell import ForkCell
-from pytest_boxlite.runtimes.base import BoxHandle
+from pytest_boxlite.runtimes.base import BoxHandle, ForkCell
 from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, minimal_dirs, worker_env
 
 #: At most this many pids of one FORKED's list of ended boxes are read (one per box made since

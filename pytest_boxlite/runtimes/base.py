@@ -18,14 +18,12 @@ import dataclasses
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxliteError, UnsupportedError
+from pytest_boxlite.runtimes._forkcell import ForkCell as ForkCell  # re-exported: fork_cell() returns one
 from pytest_boxlite.spec import BoxSpec
-
-if TYPE_CHECKING:
-    from pytest_boxlite.runtimes._forkcell import ForkCell
 
 #: Default cap on captured bytes per output stream of one command.
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
