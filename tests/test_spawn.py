@@ -184,6 +184,33 @@ def test_signals_reach_the_process_itself(sb: Sandbox) -> None:
     assert proc.wait(timeout=20) == 0  # its own handler exited
 
 
+_FAMILY = """
+import os, signal, time
+def on(sig, _frame):
+    os.write(1, b"%s got %d\\n" % (who, sig))
+who = b"parent"
+signal.signal(signal.SIGUSR1, on)
+if os.fork() == 0:
+    who = b"child"  # same process group as its parent
+    os.write(1, b"child ready\\n")
+    while True:
+        time.sleep(0.05)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_send_signal_reaches_the_process_not_its_group(sb: Sandbox) -> None:
+    proc = sb.spawn([py(sb), "-c", _FAMILY])
+    proc.wait_for_output("child ready", timeout=20)
+    proc.send_signal(signal.SIGUSR1)
+    proc.wait_for_output("parent got", timeout=20)
+    time.sleep(1.0)  # time for the child's line, which may come before or after the parent's
+    assert not [line for line in proc.last_lines() if "child got" in line]  # as Popen.send_signal
+    proc.close()  # ends the group: the child too
+    assert not [c for c in box_commands(sb) if "who = b" in c]
+
+
 def test_signals_after_exit_are_ignored(sb: Sandbox) -> None:
     proc = sb.spawn(["true"])
     assert proc.wait(timeout=20) == 0
