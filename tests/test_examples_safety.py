@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from subruns import QUIET, sub_env
 
 ROOT = Path(__file__).resolve().parent.parent
