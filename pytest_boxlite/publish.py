@@ -4,14 +4,13 @@ The host listens on ``127.0.0.1:<ephemeral port>``; for each connection it accep
 box's runtime for a connection to the published port *on the box's loopback* (made inside the
 box's network, so the box needs no network of its own: namespace boxes' agent connects and hands
 the socket over), then copies bytes both ways.  The relay never connects anywhere else, holds at
-most :data:`MAX_CONNECTIONS` connections and a pipe's worth of bytes per direction (``splice``:
-nothing is buffered in Python), and ends with the box.
+most :data:`MAX_CONNECTIONS` connections and one buffer of bytes per direction of each, and ends
+with the box.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 from collections.abc import Callable
@@ -21,11 +20,12 @@ from pytest_boxlite.errors import BoxliteError
 __all__ = ["MAX_CONNECTIONS", "Relay"]
 
 #: Connections one published port relays at once; more are accepted and closed at once.
-MAX_CONNECTIONS = 128
+MAX_CONNECTIONS = 64
 #: How long the box may take to connect one relayed connection to its port.
 CONNECT_TIMEOUT = 5.0
-#: Bytes one ``splice`` moves at most (through a pipe sized to it).
-_SPLICE = 1 << 20
+#: The copy buffer of one direction of one connection: with :data:`MAX_CONNECTIONS`, a published
+#: port holds at most 2 x 64 x 512 KiB = 64 MiB of the box's bytes.
+_BUFFER = 512 << 10
 
 Connect = Callable[[float], socket.socket]
 
@@ -86,7 +86,7 @@ class Relay:
                     return
                 self._open.add(inner)
             for sock in (client, inner):
-                # Blocking descriptors: splice() on one with a timeout (non-blocking) fails EAGAIN.
+                # Blocking: a socket with a timeout (the runtime's connect) would time the copy out.
                 sock.setblocking(True)
                 with contextlib.suppress(OSError):  # a runtime's box end may be a Unix socket (vm)
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -108,7 +108,7 @@ class Relay:
                 return
             self._closed = True
             doomed = list(self._open)
-        # shutdown() wakes the threads blocked in accept() and splice(); close() alone would not.
+        # shutdown() wakes the threads blocked in accept() and recv(); close() alone would not.
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
@@ -121,30 +121,25 @@ class Relay:
 def _copy(src: socket.socket, dst: socket.socket) -> None:
     """Copy ``src`` to ``dst`` until ``src`` ends, then end ``dst``'s writing side.
 
-    Through a pipe with ``splice``: the bytes never enter this process, and at most a pipe's
-    capacity of them is in flight.  Any error ends the copy (and, through the shutdown, the
-    other direction's peer sees the end).
+    Through one buffer of :data:`_BUFFER` bytes (``recv_into``/``sendall``, which release the
+    GIL): at most that much of a connection's bytes per direction is in this process.  Measured
+    here, this beats ``splice`` through a pipe (more wake-ups per byte).  Any error ends the copy
+    (and, through the shutdown, the other direction's peer sees the end).
     """
-    r, w = os.pipe2(os.O_CLOEXEC)
+    buf = bytearray(_BUFFER)
+    view = memoryview(buf)
     try:
-        with contextlib.suppress(OSError):
-            import fcntl
-
-            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, _SPLICE)
-        sfd, dfd = src.fileno(), dst.fileno()
         while True:
-            n = os.splice(sfd, w, _SPLICE)
-            if n == 0:
+            n = src.recv_into(buf)
+            if not n:
                 break
-            while n:
-                n -= os.splice(r, dfd, n)
+            dst.sendall(view[:n])
     except OSError:
         # A reset or a cut (close()): end both directions, so the other copy wakes too.
         for sock in (src, dst):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
     finally:
-        os.close(r)
-        os.close(w)
+        view.release()
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
