@@ -169,11 +169,15 @@ def test_a_home_in_a_project_under_tmp_is_hidden(tmp_path: Path) -> None:
     sub.mkdir(parents=True)
     (project / "pytest.ini").write_text("[pytest]\n")
     other = project / ".other-home"
-    logs = _keep_a_box(tmp_path / "keeper", other)
-    (sub / "test_peek.py").write_text(PEEK.format(other=str(other), logs=[str(p) for p in logs], defaults=[]))
-    run = _pytest(sub, f"--boxlite-home={tmp_path / 'mine'}", "test_peek.py")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert f"rootdir: {project}" in run.stdout, run.stdout
+    try:
+        logs = _keep_a_box(tmp_path / "keeper", other)
+        (sub / "test_peek.py").write_text(PEEK.format(other=str(other), logs=[str(p) for p in logs], defaults=[]))
+        run = _pytest(sub, f"--boxlite-home={tmp_path / 'mine'}", "test_peek.py")
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert f"rootdir: {project}" in run.stdout, run.stdout
+    finally:
+        # The kept box outlives its session by design: remove it, as the var_tmp fixture does.
+        _cleanup(other)
 
 
 def test_a_direct_box_cannot_read_another_home(var_tmp: Path, make_namespace_box: BoxFactory) -> None:
