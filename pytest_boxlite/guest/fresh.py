@@ -7,6 +7,8 @@ of the package.
 
 import ctypes
 import os
+import sys
+import time
 
 # check_libc and limit_caps come from guest/caps.py, which the host sends ahead of this file in the
 # same remote_exec (this file imports nothing of the package).
@@ -209,7 +211,45 @@ _KNOWN_THREADS = _threads()
 
 def _only_known_threads():
     now = _threads()
-    return now is not None and _KNOWN_THREADS is not None and now <= _KNOWN_THREADS
+    # At most one other thread (execnet's reader): _hold_off_gil_requests is sound for one.
+    return now is not None and _KNOWN_THREADS is not None and now <= _KNOWN_THREADS and len(now) <= 2
+
+
+# --- no GIL drop request may be pending when clone(2) copies this interpreter ---------------------
+# A thread that waits for the GIL longer than the switch interval (5 ms) sets the interpreter's
+# "drop request"; the holder gives the GIL up at its next check of the eval breaker and, with a
+# request pending, waits in drop_gil until another thread has taken it (CPython's FORCE_SWITCHING).
+# os.fork() calls PyOS_AfterFork_Child in C right after fork(2), before any bytecode runs, and that
+# re-creates the GIL and clears the request (take_gil resets it).  Our clone(2) goes through
+# ctypes: the child comes back into the eval loop first, and the CALL that made the system call
+# checks the eval breaker as it returns.  So when execnet's reader woke with data during the clone
+# (copying a large interpreter's page tables takes milliseconds) and set the request, the child
+# dropped the GIL there and waited forever for a thread it does not have (pid 1 of the box, one
+# thread, in eval_frame_handle_pending -> drop_gil -> pthread_cond_wait; its thread list still
+# held the reader's state: PyOS_AfterFork_Child never ran).  Clearing the request in the child is
+# impossible (no bytecode runs before that check), so none may be pending at the clone:
+#: The switch interval while a box is cloned: no wait for the GIL that starts after it is set can
+#: time out (and ask for the GIL) before the clone is over.
+_HOLD_OFF_INTERVAL = 30.0
+
+
+def _hold_off_gil_requests():
+    """Make sure no GIL drop request is pending, nor can be set, until the interval is restored.
+
+    Returns the switch interval to restore (in the parent right after clone(2), in the child right
+    after PyOS_AfterFork_Child).  With the long interval set, a wait for the GIL that starts now
+    cannot time out during the clone; one that started before (5 ms at most) may still, so the GIL
+    is given up twice: the first release wakes the other thread (or, with a request pending, hands
+    it the GIL, whose take_gil clears the request), so it waits anew with the long interval; the
+    second hands it the GIL again if it set a request as it woke (its timed wait ended as the
+    first release signalled it).  Sound for one other thread (see :func:`_only_known_threads`).
+    Costs two GIL releases (microseconds).
+    """
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(_HOLD_OFF_INTERVAL)
+    time.sleep(0)  # releases the GIL and takes it back
+    time.sleep(0)
+    return interval
 
 
 def box_flags(network):
@@ -258,10 +298,12 @@ def clone_box(network, mapper=None, real_root=False, flags=None, cell=None):
     if number is None or not _only_known_threads():
         return _clone_box_by_forks(flags, mapper, real_root, cell)
     api = ctypes.pythonapi
+    interval = _hold_off_gil_requests()  # see there: else the child can hang before it is ready
     api.PyOS_BeforeFork()
     pid = _SYSCALL(number, flags | _SIGCHLD, 0, 0, 0, 0)
     err = ctypes.get_errno()
     if pid != 0:
+        sys.setswitchinterval(interval)
         api.PyOS_AfterFork_Parent()
         _close_cell(cell)
         if pid < 0:
@@ -270,6 +312,7 @@ def clone_box(network, mapper=None, real_root=False, flags=None, cell=None):
             mapper.born_in_namespace = True
         return pid
     api.PyOS_AfterFork_Child()
+    sys.setswitchinterval(interval)
     if real_root:
         _or_exit(_die_with_parent)
     else:

@@ -1,0 +1,102 @@
+"""guest/fresh.py's clone_box while another thread wants the GIL: the child must never hang.
+
+A forked box's pid 1 used to hang now and then (click's suite under --boxlite stopped after a few
+hundred tests): clone(2) is made through ctypes, so the child runs the eval loop's check of the
+eval breaker before PyOS_AfterFork_Child; if execnet's reader thread had woken with data during
+the clone and asked for the GIL (a "drop request"), the child gave the GIL up there and waited
+forever in drop_gil for a thread it does not have.  Here a reader thread gets a byte every 0.3 ms
+from a writer process (as execnet's reader gets the host's messages) while the interpreter, made
+large enough that each clone copies page tables for a while, clones child after child; a short
+switch interval makes the reader ask for the GIL on nearly every clone.  Each child must exit
+within a bound; without the fix one hangs within the first few dozen clones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_boxlite import guest
+
+SCRIPT = r"""
+import json
+import os
+import runpy
+import subprocess
+import sys
+import threading
+import time
+
+forks, bound = int(sys.argv[3]), float(sys.argv[4])
+sys.setswitchinterval(1e-5)  # the reader asks for the GIL after 10 us of waiting, not 5 ms
+ballast = bytearray(64 << 20)  # a large interpreter: each clone(2) copies its page tables
+for i in range(0, len(ballast), 4096):
+    ballast[i] = 1
+writer = subprocess.Popen(
+    [sys.executable, "-c", "import os, time\nwhile True:\n    os.write(1, b'x')\n    time.sleep(0.0003)"],
+    stdout=subprocess.PIPE,
+)
+
+
+def receive():  # as execnet's reader: a blocking read, then the GIL to hand the data over
+    while os.read(writer.stdout.fileno(), 1):
+        pass
+
+
+threading.Thread(target=receive, daemon=True).start()
+# Loaded after the reader started, as in the warm interpreter (fresh.py counts it as known).
+ns = runpy.run_path(sys.argv[1], init_globals=runpy.run_path(sys.argv[2]))
+result = {"raw_clone": ns["_SYS_CLONE"].get(os.uname().machine) is not None and ns["_only_known_threads"]()}
+made = 0
+try:
+    for made in range(1, forks + 1):
+        # No namespaces (flags=0, real_root: no id maps), so no privilege is needed: the child
+        # only has to get through clone_box and exit.
+        pid = ns["clone_box"](True, None, True, flags=0)
+        if pid == 0:
+            os._exit(0)
+        deadline = time.monotonic() + bound
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                with open("/proc/%d/wchan" % pid) as fh:
+                    result["hung_in"] = fh.read()
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                result["hung_at"] = made
+                raise SystemExit
+            time.sleep(0.002)
+finally:
+    writer.kill()
+    writer.wait()
+    result["forks"] = made
+    print(json.dumps(result))
+"""
+
+
+@pytest.mark.reliability
+@pytest.mark.skipif(sys.platform != "linux", reason="clone(2) is Linux's")
+def test_clone_box_child_never_hangs_while_the_reader_wants_the_gil(tmp_path: Path) -> None:
+    forks, bound = 150, 10.0
+    script = tmp_path / "clones.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(guest.path("fresh")), str(guest.path("caps")), str(forks), str(bound)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not result["raw_clone"]:
+        pytest.skip("clone_box takes fork(3)'s path on this machine (no clone(2) number known)")
+    assert "hung_at" not in result, (
+        f"a cloned child hung before it exited (clone {result['hung_at']} of {forks}, "
+        f"waiting in {result.get('hung_in')!r} for over {bound} s): a GIL drop request was pending at the clone"
+    )
+    assert result["forks"] == forks
