@@ -199,6 +199,10 @@ class PdbNotice:
         self._told.add(report.nodeid)
         reporter = item.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
+            # ensure_newline knows only of a file's progress line: a progress letter written after the
+            # "waiting for a box" line (or under -qq) leaves the cursor mid-line all the same.
+            if item.config.get_terminal_writer().width_of_current_line:
+                reporter.write("\n")
             reporter.ensure_newline()
             reporter.write_line(
                 f"boxlite: --pdb: {report.nodeid} failed in a box, which no debugger here can enter; "

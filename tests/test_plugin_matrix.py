@@ -939,13 +939,17 @@ def test_last_failed_after_boxed_run(proj: Project, mode: tuple[str, ...]) -> No
 
 
 def test_pdb_says_why_in_one_line(proj: Project) -> None:
-    """``--boxlite --pdb``: no hang, the failure is reported, and the output says why no debugger comes."""
+    """``--boxlite --pdb``: no hang, the failure is reported, and the output says why no debugger comes:
+    one header line for the run, and one line for the boxed failure with the command that debugs it."""
     proj.files(test_pdb="def test_bad():\n    assert 0\n")
     run = proj.run("--boxlite", "--pdb", timeout=90)
     assert run.outcome("test_bad") == ["failed"], run.tail()
     # (Not any line with "pdb" and "box": the run's paths hold the test's name and the user's.)
     lines = [ln for ln in run.output.splitlines() if ln.startswith("boxlite:") and "--pdb" in ln]
-    assert len(lines) == 1, run.tail()
+    header = [ln for ln in lines if ln.startswith("boxlite: --pdb does not enter boxed tests")]
+    failure = [ln for ln in lines if "test_pdb.py::test_bad failed in a box" in ln]
+    assert len(header) == 1 and len(failure) == 1 and len(lines) == 2, run.tail()
+    assert "pytest -p no:boxlite --pdb test_pdb.py::test_bad" in failure[0], failure[0]
 
 
 SUBTEST_TESTS = """
