@@ -8,7 +8,6 @@ of the package.
 import ctypes
 import os
 import sys
-import time
 
 # check_libc and limit_caps come from guest/caps.py, which the host sends ahead of this file in the
 # same remote_exec (this file imports nothing of the package).
@@ -243,12 +242,12 @@ def _hold_off_gil_requests():
     it the GIL, whose take_gil clears the request), so it waits anew with the long interval; the
     second hands it the GIL again if it set a request as it woke (its timed wait ended as the
     first release signalled it).  Sound for one other thread (see :func:`_only_known_threads`).
-    Costs two GIL releases (microseconds).
+    Costs two GIL releases (a few microseconds).
     """
     interval = sys.getswitchinterval()
     sys.setswitchinterval(_HOLD_OFF_INTERVAL)
-    time.sleep(0)  # releases the GIL and takes it back
-    time.sleep(0)
+    os.sched_yield()  # releases the GIL and takes it back (time.sleep(0): ~100 us, timer slack)
+    os.sched_yield()
     return interval
 
 
