@@ -56,8 +56,15 @@ def _boots_nothing(config: pytest.Config) -> bool:
 
 
 def _is_controller(config: pytest.Config) -> bool:
-    """True for the xdist controller (it runs no pool); False for workers and plain runs."""
-    return not hasattr(config, "workerinput") and bool(getattr(config.option, "dist", "no") != "no")
+    """True for the xdist controller (it runs no pool); False for workers and plain runs.
+
+    ``-d`` (``distload``) and ``-n`` become ``--dist=load`` only in xdist's own
+    ``pytest_cmdline_main``, which may run after this plugin's (both are tryfirst; their order is
+    the plugins' registration order, which the installed distributions decide): read all three.
+    """
+    opt = config.option
+    distributed = getattr(opt, "dist", "no") != "no" or getattr(opt, "distload", False)
+    return not hasattr(config, "workerinput") and bool(distributed or getattr(opt, "numprocesses", None))
 
 
 @pytest.hookimpl(tryfirst=True)
