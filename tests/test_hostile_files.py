@@ -342,7 +342,7 @@ def test_a_planted_nss_module_is_never_loaded_by_file_operations(
 # hostile answers: bounded before they are buffered
 
 HOSTILE_HELPER = r'''
-import json, resource, sys
+import json, sys
 from pytest_boxlite import errors
 from pytest_boxlite.runtimes.base import BoxDefaults, RawResult
 from pytest_boxlite.sandbox import Sandbox
@@ -397,13 +397,18 @@ for name, chunks in cases.items():
         out[name] = "accepted"
     except errors.GuestToolError as exc:
         out[name] = "refused: %s (after %d bytes)" % (exc, box.fed)
-out["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out["maxrss_kib"] = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps(out))
 '''
 
 
 def run_measured(script: str, tmp_path: Path, *args: str) -> dict[str, object]:
-    """Run ``script`` in a fresh interpreter; its last stdout line as JSON."""
+    """Run ``script`` in a fresh interpreter; its last stdout line as JSON.
+
+    The scripts report their peak as ``VmHWM``, their own address space's: ``ru_maxrss`` of
+    ``RUSAGE_SELF`` keeps across execve the peak of the process before it, a fork of this pytest
+    (hundreds of MB in a whole suite's run).
+    """
     path = tmp_path / "measure.py"
     path.write_text(script)
     proc = subprocess.run(
@@ -480,7 +485,7 @@ def test_a_malformed_answer_is_a_clear_error(call: str, answer: bytes, tmp_path:
 
 
 REAL_DOWNLOAD = r"""
-import json, os, resource, sys, tempfile
+import json, os, sys, tempfile
 from pathlib import Path
 from pytest_boxlite import errors
 from pytest_boxlite.runtimes import open_runtime
@@ -508,7 +513,7 @@ try:
         box.destroy()
 finally:
     rt.close()
-out["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out["maxrss_kib"] = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps(out))
 """
 
