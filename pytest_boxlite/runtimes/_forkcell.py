@@ -216,8 +216,12 @@ class ForkCell:
             _cgroups.remove_dirs(self._left, timeout)
         self._left = [d for d in self._left if d.exists()]
 
-    def log_tail(self, max_bytes: int = 4000, *, wait: float = 0.0) -> str:
-        """The tail of what the box wrote to its stderr (see :meth:`ForkLog.tail`)."""
+    def log_tail(self, max_bytes: int = 16_000, *, wait: float = 0.0) -> str:
+        """The tail of what the box wrote to its stderr (see :meth:`ForkLog.tail`).
+
+        The box's stderr holds its own test's words only, so a crash's whole faulthandler dump fits
+        (4,000 bytes cut its first line off once the interpreter's paths were long: a venv under /tmp).
+        """
         return self.log.tail(max_bytes, wait=wait)
 
     def pids_exhausted(self) -> bool:
