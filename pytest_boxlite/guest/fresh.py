@@ -210,8 +210,7 @@ _KNOWN_THREADS = _threads()
 
 def _only_known_threads():
     now = _threads()
-    # At most one other thread (execnet's reader): _hold_off_gil_requests is sound for one.
-    return now is not None and _KNOWN_THREADS is not None and now <= _KNOWN_THREADS and len(now) <= 2
+    return now is not None and _KNOWN_THREADS is not None and now <= _KNOWN_THREADS
 
 
 # --- no GIL drop request may be pending when clone(2) copies this interpreter ---------------------
@@ -226,29 +225,66 @@ def _only_known_threads():
 # dropped the GIL there and waited forever for a thread it does not have (pid 1 of the box, one
 # thread, in eval_frame_handle_pending -> drop_gil -> pthread_cond_wait; its thread list still
 # held the reader's state: PyOS_AfterFork_Child never ran).  Clearing the request in the child is
-# impossible (no bytecode runs before that check), so none may be pending at the clone:
+# impossible (no bytecode runs before that check), so none may be pending at the clone, nor be set
+# during it: see _hold_off_gil_requests.
+
 #: The switch interval while a box is cloned: no wait for the GIL that starts after it is set can
 #: time out (and ask for the GIL) before the clone is over.
 _HOLD_OFF_INTERVAL = 30.0
+#: futex(2)'s number: the GIL's waits (its condition variable and mutex) block in it.
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "riscv64": 98, "ppc64le": 221, "ppc64": 221}
+#: How many times the other threads are looked at (the GIL given up between) before the box is
+#: made with fork(3) instead (safe: os.fork runs PyOS_AfterFork_Child before any bytecode).
+_HOLD_OFF_TRIES = 50
+
+
+def _off_the_gil(futex, me):
+    """Whether every other thread of this process is blocked in a system call that is no futex
+    wait (execnet's reader in its read(2)), as the kernel says: then none is waiting for the GIL."""
+    for tid in os.listdir("/proc/self/task"):
+        if tid == me:
+            continue
+        fd = os.open("/proc/self/task/%s/syscall" % tid, os.O_RDONLY)
+        try:
+            first = os.read(fd, 64).split(b" ", 1)[0]
+        finally:
+            os.close(fd)
+        # "running" (not blocked: it may be about to ask for the GIL), or blocked in a futex.
+        if not first.isdigit() or int(first) == futex:
+            return False
+    return True
 
 
 def _hold_off_gil_requests():
-    """Make sure no GIL drop request is pending, nor can be set, until the interval is restored.
+    """The switch interval to restore once cloned (in the parent right after clone(2), in the child
+    right after PyOS_AfterFork_Child), with none of this process's threads able to have a GIL drop
+    request pending at the clone or to set one during it; ``None`` where that cannot be made sure
+    (the caller forks with fork(3) instead).
 
-    Returns the switch interval to restore (in the parent right after clone(2), in the child right
-    after PyOS_AfterFork_Child).  With the long interval set, a wait for the GIL that starts now
-    cannot time out during the clone; one that started before (5 ms at most) may still, so the GIL
-    is given up twice: the first release wakes the other thread (or, with a request pending, hands
-    it the GIL, whose take_gil clears the request), so it waits anew with the long interval; the
-    second hands it the GIL again if it set a request as it woke (its timed wait ended as the
-    first release signalled it).  Sound for one other thread (see :func:`_only_known_threads`).
-    Costs two GIL releases (a few microseconds).
+    The long interval first: a wait for the GIL that starts after it cannot time out during the
+    clone.  Then each other thread must be seen blocked outside the GIL's waits (in its read(2)),
+    so every wait it starts from then on is a long one; any request it set before was cleared as
+    it took the GIL on its way back to that read, and one this thread set is cleared as it takes
+    the GIL back after looking (take_gil clears it).  Not a matter of timing: a thread woken from
+    an old 5 ms wait but not yet run reads as "running", never as blocked.  Until all are seen so
+    the GIL is given up (os.sched_yield) for them to get on.  Costs one read of /proc per other
+    thread (about 10 us) when they are idle.
     """
+    futex = _SYS_FUTEX.get(os.uname().machine)
+    if futex is None:
+        return None
+    me = os.readlink("/proc/thread-self").rsplit("/", 1)[-1]
     interval = sys.getswitchinterval()
     sys.setswitchinterval(_HOLD_OFF_INTERVAL)
-    os.sched_yield()  # releases the GIL and takes it back (time.sleep(0): ~100 us, timer slack)
-    os.sched_yield()
-    return interval
+    try:
+        for _ in range(_HOLD_OFF_TRIES):
+            if _off_the_gil(futex, me):
+                return interval
+            os.sched_yield()  # releases the GIL (time.sleep(0) costs ~100 us: timer slack)
+    except OSError:
+        pass  # no /proc view of the threads here: fork(3)'s path
+    sys.setswitchinterval(interval)
+    return None
 
 
 def box_flags(network):
@@ -294,10 +330,12 @@ def clone_box(network, mapper=None, real_root=False, flags=None, cell=None):
         flags &= ~_CLONE_NEWUSER
     uid, gid = os.geteuid(), os.getegid()
     number = _SYS_CLONE.get(os.uname().machine)
-    if number is None or not _only_known_threads():
+    # No GIL drop request may be pending at the clone (see _hold_off_gil_requests): else the child
+    # hangs before PyOS_AfterFork_Child.
+    interval = _hold_off_gil_requests() if number is not None and _only_known_threads() else None
+    if interval is None:
         return _clone_box_by_forks(flags, mapper, real_root, cell)
     api = ctypes.pythonapi
-    interval = _hold_off_gil_requests()  # see there: else the child can hang before it is ready
     api.PyOS_BeforeFork()
     pid = _SYSCALL(number, flags | _SIGCHLD, 0, 0, 0, 0)
     err = ctypes.get_errno()
