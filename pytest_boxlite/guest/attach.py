@@ -78,6 +78,20 @@ def _hand_over(sock, request, fds):
         signal.signal(sig, forward)
 
 
+def _json_lines(buf, chunk):
+    """``buf`` with ``chunk`` added: the JSON values of its complete lines (``None`` for one that is
+    not JSON) and what is left of it."""
+    buf = (buf + chunk)[-65536:]  # the peer's lines are short: never grow without bound
+    *lines, rest = buf.split(b"\n")
+    values = []
+    for line in lines:
+        try:
+            values.append(json.loads(line.decode()))
+        except ValueError:
+            values.append(None)
+    return values, rest
+
+
 def _messages(sock):
     """The peer's JSON lines (``None`` for one that is not JSON) until it hangs up; bounded."""
     buf = b""
@@ -88,13 +102,8 @@ def _messages(sock):
             continue
         if not chunk:
             return
-        buf = (buf + chunk)[-65536:]  # the peer's lines are short: never grow without bound
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            try:
-                yield json.loads(line.decode())
-            except ValueError:
-                yield None
+        values, buf = _json_lines(buf, chunk)
+        yield from values
 
 
 def via_server(argv):
@@ -257,13 +266,8 @@ class _CappedLog:
                         continue
                     if not chunk:
                         return
-                    buf = (buf + chunk)[-65536:]  # the peer's lines are short: never grow without bound
-                    while b"\n" in buf:
-                        line, buf = buf.split(b"\n", 1)
-                        try:
-                            yield json.loads(line.decode())
-                        except ValueError:
-                            yield None
+                    values, buf = _json_lines(buf, chunk)
+                    yield from values
         finally:
             sel.close()
 
