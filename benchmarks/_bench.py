@@ -14,6 +14,7 @@ import select
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -399,3 +400,16 @@ class Table:
     in_all: bool = True
     #: Part of ``all --quick``.
     in_quick: bool = True
+
+
+def summary(samples: list[float]) -> dict[str, Any]:
+    """p50/p90/min/max of ``samples`` (seconds), with the samples themselves."""
+    p90 = statistics.quantiles(samples, n=10, method="inclusive")[8] if len(samples) >= 2 else samples[0]
+    return {
+        "n": len(samples),
+        "p50": statistics.median(samples),
+        "p90": p90,
+        "min": min(samples),
+        "max": max(samples),
+        "samples": samples,
+    }

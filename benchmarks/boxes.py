@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from benchmarks._bench import Table, deferred_signals, fmt_time, log, machine_header, option, seconds, table
+from benchmarks._bench import Table, deferred_signals, fmt_time, log, machine_header, option, seconds, summary, table
 from pytest_boxlite.errors import RuntimeUnavailableError
 from pytest_boxlite.runtimes import BoxHandle, Runtime, open_runtime, probe
 from pytest_boxlite.sandbox import ExecResult, Sandbox
@@ -46,20 +46,6 @@ START_TIMEOUT = {"namespace": 60.0, "vm": 600.0}
 RUNTIMES = ("namespace", "vm")
 #: Bound on each 1/20 MiB transfer (the vm path base64-encodes through lossy text stdout).
 IO_TIMEOUT = 120.0
-
-
-# -- statistics -------------------------------------------------------------
-def summary(samples: list[float]) -> dict[str, Any]:
-    """p50/p90/min/max of ``samples`` (seconds), with the samples themselves."""
-    p90 = statistics.quantiles(samples, n=10, method="inclusive")[8] if len(samples) >= 2 else samples[0]
-    return {
-        "n": len(samples),
-        "p50": statistics.median(samples),
-        "p90": p90,
-        "min": min(samples),
-        "max": max(samples),
-        "samples": samples,
-    }
 
 
 def timed(fn: Callable[[], T]) -> tuple[float, T]:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks._bench import Table, deferred_signals, fmt_time, log, machine_header, option, table
+from benchmarks._bench import Table, deferred_signals, fmt_time, log, machine_header, option, summary, table
 from pytest_boxlite.errors import RuntimeUnavailableError
 from pytest_boxlite.pool import BoxPool, make_namer
 from pytest_boxlite.runtimes import Runtime, open_runtime, probe
@@ -51,17 +51,6 @@ WARMUP = 3
 
 
 # -- helpers ----------------------------------------------------------------
-def summary(samples: list[float]) -> dict[str, Any]:
-    """p50/p90/min/max of ``samples`` (seconds), with the samples themselves."""
-    p90 = statistics.quantiles(samples, n=10, method="inclusive")[8] if len(samples) >= 2 else samples[0]
-    return {
-        "n": len(samples),
-        "p50": statistics.median(samples),
-        "p90": p90,
-        "min": min(samples),
-        "max": max(samples),
-        "samples": samples,
-    }
 
 
 def wait_until(cond: Callable[[], bool], pool: BoxPool, timeout: float, what: str) -> None:
