@@ -41,6 +41,8 @@ def host_sentinel() -> dict[str, object]:
 
 
 _PLUGIN = "pytest_boxlite.plugin"
+#: Fixtures whose tests run on the host and box their work instead (see pytest_collection_modifyitems).
+_SANDBOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
 _HARM = (
     "These examples delete files, edit /etc, fill /tmp, kill every `sleep` process and change the "
     "hostname on purpose; outside a box they would do it to this machine"
@@ -92,12 +94,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test here must be boxed: an unmarked one would run its body on the host."""
+    """Every test here must be boxed: an unmarked one would run its body on the host.
+
+    Except a test of the sandbox fixtures (which cannot be marked: boxes do not nest): it runs on
+    the host by design and does its work through its sandbox, in a box."""
     here = Path(__file__).resolve().parent
     unmarked = [
         item.nodeid
         for item in items
-        if item.path.resolve().is_relative_to(here) and item.get_closest_marker("boxlite") is None
+        if item.path.resolve().is_relative_to(here)
+        and item.get_closest_marker("boxlite") is None
+        and not _SANDBOX_FIXTURES.intersection(getattr(item, "fixturenames", ()))
     ]
     if unmarked:
         raise pytest.UsageError(
