@@ -2,7 +2,9 @@
 
 The public API: the :class:`Sandbox` a box is driven through, the :class:`BoxlitePool` of the
 ``boxlite_pool`` fixture and the :class:`Lease` it hands out, :class:`BoxSpec`, and the errors
-(every one a :class:`BoxliteError`).
+(every one a :class:`BoxliteError`), and service fixtures: :func:`service` with its readiness
+checks (:class:`PortReady`, :class:`OutputReady`, :class:`HttpReady`, :class:`CommandReady`) and
+the :class:`Service` a test gets.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ if TYPE_CHECKING:
     from pytest_boxlite.fixtures import BoxlitePool
     from pytest_boxlite.pool import Lease, PoolStats
     from pytest_boxlite.sandbox import ExecResult, GrepMatch, Sandbox, SearchResult
+    from pytest_boxlite.services import (
+        CommandReady,
+        HttpReady,
+        OutputReady,
+        PortReady,
+        Ready,
+        Service,
+        ServiceStartError,
+        service,
+    )
 
     __version__: str
 
@@ -47,6 +59,14 @@ _LAZY = {
     "GrepMatch": "pytest_boxlite.sandbox",
     "Sandbox": "pytest_boxlite.sandbox",
     "SearchResult": "pytest_boxlite.sandbox",
+    "service": "pytest_boxlite.services",
+    "Service": "pytest_boxlite.services",
+    "ServiceStartError": "pytest_boxlite.services",
+    "Ready": "pytest_boxlite.services",
+    "PortReady": "pytest_boxlite.services",
+    "OutputReady": "pytest_boxlite.services",
+    "HttpReady": "pytest_boxlite.services",
+    "CommandReady": "pytest_boxlite.services",
 }
 
 
@@ -83,17 +103,25 @@ __all__ = [
     "BoxliteError",
     "BoxlitePool",
     "CommandError",
+    "CommandReady",
     "ConfigError",
     "ExecResult",
     "GrepMatch",
     "GuestToolError",
+    "HttpReady",
     "InvalidPathError",
     "Lease",
     "LeaseTimeoutError",
+    "OutputReady",
     "PoolStats",
+    "PortReady",
+    "Ready",
     "RuntimeUnavailableError",
     "Sandbox",
     "SandboxFileError",
     "SearchResult",
+    "Service",
+    "ServiceStartError",
     "__version__",
+    "service",
 ]

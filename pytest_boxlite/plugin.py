@@ -149,6 +149,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config) -> None:
+    """Service fixtures (``pytest_boxlite.service``): their manager joins before the first test, only
+    where a conftest imported that module (a run without services imports nothing for them)."""
+    import sys
+
+    services = sys.modules.get("pytest_boxlite.services")
+    if services is not None:
+        services.activate(config)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """One line for the tests that ``--boxlite`` left on the host because they lease sandboxes."""
     on_host: dict[str, str] = {}

@@ -1,0 +1,122 @@
+"""The ledger's record of running services: which box runs which service, on which ports.
+
+A service fixture (:mod:`pytest_boxlite.services`) writes ``<home>/services/<box>.json`` when its
+service is ready and removes it when the service stops; ``python -m pytest_boxlite ls`` shows the
+record on its box's line.  The records are the host's alone: they live in the boxlite home, which
+every box masks (``ledger.OwnerLock.acquire`` registers it), and nothing from a box is written into
+them but what the host itself chose (names, port numbers).
+
+A record outlives a session killed with ``kill -9``; the box it names is then a leftover, reaped
+by the ledger at the next start, and :func:`prune` drops records whose owner is dead (a service
+fixture's first use, and ``clean``).  ``ls`` shows a record only on the line of a box that exists.
+
+No pytest here: ``python -m pytest_boxlite ls`` imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+from pytest_boxlite import ledger
+
+__all__ = ["describe", "prune", "read_all", "remove", "write"]
+
+#: Bound on one record (a name, a few ports): anything larger is not ours.
+_MAX_RECORD = 16 * 1024
+#: Records read by one ``ls``.
+_MAX_RECORDS = 4096
+_BOX = re.compile(r"^pbx-[A-Za-z0-9_-]{1,200}$")
+
+
+def _dir(home: Path) -> Path:
+    return Path(home) / "services"
+
+
+def write(home: Path, box: str, record: dict[str, Any]) -> None:
+    """Record that ``box`` runs the service ``record`` describes (atomically, never through a link)."""
+    if not _BOX.match(box):
+        return
+    where = _dir(home)
+    where.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(record, sort_keys=True).encode()[:_MAX_RECORD]
+    tmp = where / f".{box}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, where / f"{box}.json")
+
+
+def remove(home: Path, box: str) -> None:
+    """Forget ``box``'s record (nothing if there is none)."""
+    if _BOX.match(box):
+        with contextlib.suppress(OSError):
+            (_dir(home) / f"{box}.json").unlink()
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, _MAX_RECORD + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_RECORD:
+        return None
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def read_all(home: Path) -> dict[str, dict[str, Any]]:
+    """Every record under ``home``: box name -> record (malformed ones left out)."""
+    where = _dir(home)
+    found: dict[str, dict[str, Any]] = {}
+    try:
+        names = sorted(os.listdir(where))[:_MAX_RECORDS]
+    except OSError:
+        return found
+    for name in names:
+        box = name.removesuffix(".json")
+        if name.endswith(".json") and _BOX.match(box):
+            record = _read(where / name)
+            if record is not None:
+                found[box] = record
+    return found
+
+
+def describe(record: dict[str, Any]) -> str:
+    """``service=redis ports=6379->127.0.0.1:40123``: one record, for ``ls``."""
+    name = str(record.get("service", "?"))[:100]
+    ports = record.get("ports")
+    pairs = []
+    if isinstance(ports, dict):
+        for port, address in list(ports.items())[:32]:
+            pairs.append(f"{str(port)[:5]}->{str(address)[:60]}")
+    return f"service={name}" + (f" ports={','.join(pairs)}" if pairs else "")
+
+
+def prune(home: Path) -> list[str]:
+    """Remove the records whose owner (by their box's name) is dead; returns their box names."""
+    dropped = []
+    for box in read_all(home):
+        owner = ledger.owner_of(box)
+        if owner is None or not ledger.owner_alive(Path(home), owner):
+            remove(home, box)
+            dropped.append(box)
+    return dropped

@@ -1,0 +1,875 @@
+"""Service fixtures: a server declared in a conftest in a few lines, run in a box, reached by tests.
+
+::
+
+    # conftest.py
+    from pytest_boxlite import HttpReady, service
+
+    web = service("web", ["python3", "-m", "http.server", "8000"], ports=[8000], ready=HttpReady(8000))
+
+    # a test
+    def test_it(web):
+        host, port = web.address(8000)
+
+``service(...)`` returns a real pytest fixture (``pytest.fixture(scope=..., name=...)``) that the
+conftest binds to a module global.  Its value is a :class:`Service`: the service's addresses, its
+recent output (:meth:`Service.logs`), its :class:`~pytest_boxlite.sandbox.Sandbox` and its
+:class:`~pytest_boxlite.process.BoxProcess`.
+
+Design (how an instance lives)
+------------------------------
+* **One instance per scope and process.**  A :class:`ServiceManager` per pytest process (an
+  xdist worker is one) owns every instance, keyed by the declaration and the node of its scope
+  (the session, a package, a module, a class, a test).  The fixture function asks the manager;
+  the manager stops an instance after the protocol of the last test in its scope (the next item
+  lies outside that node), after pytest's own teardown of that test, so fixtures built on the
+  service are torn down first.  What is still running at the session's end is stopped then.
+* **Its box** is leased from the session's pool (``boxlite_pool.sandbox``'s path, with the
+  declaration's ``image``), ``setup`` runs in it, then the process is spawned, its ``ports``
+  published on the host's loopback (a relay: the box's network stays off) and the readiness
+  checks run, within ``timeout``.  A check that fails raises :class:`ServiceStartError` naming the
+  service, what was awaited and the process's last output lines; the box is given back at once.
+* **Reports.**  A test that fails while it uses a service gets a report section
+  ``boxlite service NAME`` holding the service's last output lines (bounded: :data:`LOG_LINES`
+  lines of at most 300 characters each).  With ``--boxlite-keep``, the box of a service used by a
+  failed test (or one that was never ready) is kept, the service still running in it.
+* **Ledger.**  A running service is recorded on its box's entry
+  (:mod:`pytest_boxlite.service_ledger`), so ``python -m pytest_boxlite ls`` shows it; the box is
+  reaped as every box is (at the end, after Ctrl-C, and after ``kill -9`` at the next start), and
+  the service's processes die with their box.
+
+Boxed tests (``--boxlite``, ``@pytest.mark.boxlite``)
+-----------------------------------------------------
+A boxed test's wider fixtures are set up in its box's pytest, and boxes do not nest: a service
+is always realised **on the host**.  The contract between the host and the box:
+
+* Host: :func:`descriptions_for` ``(item)`` starts (or reuses) on the host the instances of every
+  service in ``item``'s fixture closure, for ``item``'s scopes, and returns one JSON-able
+  description per fixture name: ``{"name", "scope", "key", "box", "ports": {"8000": ["127.0.0.1",
+  40123]}}`` (box port -> the host's published address).  The transport that runs the item in its
+  box (and that sets its wider fixtures up ahead, see ``guest/worker.py``'s ``_prepare``) sends
+  those descriptions with the item.
+* Box: before ``item``'s fixtures are set up there, the transport calls :func:`receive`
+  ``(descriptions)`` with each description's ``ports`` rewritten to the address *the box* reaches
+  that port at (the in-box relay to the host's published port).  The service fixture, run in the
+  box, then returns a :class:`Service` built from the description (no sandbox, no process: those
+  are on the host).  Without a description, it fails saying so.
+* The host's manager keeps the instance until the last test of its scope is done, boxed or not,
+  so boxed and unboxed tests of one scope share one instance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import itertools
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pytest_boxlite.errors import BoxliteError, ConfigError, OutputWaitError
+
+if TYPE_CHECKING:
+    from pytest_boxlite.pool import Lease
+    from pytest_boxlite.process import BoxProcess
+    from pytest_boxlite.sandbox import Sandbox
+    from pytest_boxlite.session import BoxliteSession
+
+__all__ = [
+    "LOG_LINES",
+    "CommandReady",
+    "HttpReady",
+    "OutputReady",
+    "PortReady",
+    "Ready",
+    "Service",
+    "ServiceManager",
+    "ServiceStartError",
+    "descriptions_for",
+    "receive",
+    "service",
+]
+
+#: Output lines of a service that :meth:`Service.logs` and failing reports show.
+LOG_LINES = 200
+SCOPES = ("session", "package", "module", "class", "function")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
+#: The report section's title for a service's output (``NAME`` is the fixture's name).
+SECTION = "boxlite service {name}"
+
+
+class ServiceStartError(OutputWaitError):
+    """A service could not be started, or was not ready in time: the message names the service and
+    what was awaited, and quotes the process's last output lines (``lines``)."""
+
+    def __init__(self, service: str, message: str, lines: list[str] | None = None) -> None:
+        self.service = service
+        super().__init__(message, lines)
+
+
+# -- readiness checks ---------------------------------------------------------------------------
+class Ready:
+    """A readiness check of a service.  ``timeout`` bounds this check (the service's own ``timeout``
+    bounds them all); ``None``: only the service's."""
+
+    timeout: float | None = None
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def wait(self, target: _Starting, deadline: float) -> None:
+        """Return once ready; raise :class:`~pytest_boxlite.errors.OutputWaitError` (or a subclass)
+        when the deadline passes or the process exits first."""
+        raise NotImplementedError
+
+    def _check_timeout(self) -> None:
+        t = self.timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise ConfigError(f"{self.describe()}: timeout must be a positive number of seconds, got {t!r}")
+
+
+def _check_port(port: object, what: str) -> int:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError(f"{what}: a port is an int from 1 to 65535, got {port!r}")
+    return port
+
+
+@dataclass(frozen=True)
+class PortReady(Ready):
+    """Ready once something in the box listens on TCP ``port``.
+
+    A listening port is not always a ready service (a database may accept connections before it
+    serves queries): combine it with :class:`OutputReady` or :class:`CommandReady` for those.
+    """
+
+    port: int
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_port(self.port, "PortReady")
+        self._check_timeout()
+
+    def describe(self) -> str:
+        return f"PortReady({self.port})"
+
+    def wait(self, target: _Starting, deadline: float) -> None:
+        target.sandbox.wait_for_port(self.port, timeout=_left(deadline), process=target.process)
+
+
+@dataclass(frozen=True)
+class OutputReady(Ready):
+    """Ready once a line of the process's output matches ``pattern`` (``re.search``);
+    ``stream``: ``"stdout"``, ``"stderr"`` or ``None`` for either."""
+
+    pattern: str | bytes | re.Pattern[str] | re.Pattern[bytes]
+    stream: str | None = None
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.stream not in (None, "stdout", "stderr"):
+            raise ConfigError(f"OutputReady: stream must be 'stdout', 'stderr' or None, got {self.stream!r}")
+        if not isinstance(self.pattern, (str, bytes, re.Pattern)):
+            raise ConfigError(f"OutputReady: pattern must be a str, bytes or compiled pattern, got {self.pattern!r}")
+        try:
+            re.compile(self.pattern) if isinstance(self.pattern, (str, bytes)) else None
+        except re.error as exc:
+            raise ConfigError(f"OutputReady: bad pattern {self.pattern!r}: {exc}") from None
+        self._check_timeout()
+
+    def describe(self) -> str:
+        pattern = self.pattern.pattern if isinstance(self.pattern, re.Pattern) else self.pattern
+        return f"OutputReady({pattern!r}{'' if self.stream is None else f', stream={self.stream!r}'})"
+
+    def wait(self, target: _Starting, deadline: float) -> None:
+        target.process.wait_for_output(self.pattern, timeout=_left(deadline), stream=self.stream)
+
+
+@dataclass(frozen=True)
+class HttpReady(Ready):
+    """Ready once ``GET path`` on the box's ``port`` answers ``status``.  The port must be one of
+    the service's ``ports``: the request goes through its published address, as a test's would."""
+
+    port: int
+    path: str = "/"
+    status: int = 200
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_port(self.port, "HttpReady")
+        if not isinstance(self.path, str) or not self.path.startswith("/") or any(c in self.path for c in "\r\n "):
+            raise ConfigError(f"HttpReady: path must start with '/' and hold no spaces or newlines, got {self.path!r}")
+        if isinstance(self.status, bool) or not isinstance(self.status, int) or not 100 <= self.status <= 599:
+            raise ConfigError(f"HttpReady: status must be an HTTP status code, got {self.status!r}")
+        self._check_timeout()
+
+    def describe(self) -> str:
+        return f"HttpReady({self.port}, path={self.path!r}, status={self.status})"
+
+    def wait(self, target: _Starting, deadline: float) -> None:
+        host, port = target.addresses[self.port]
+        pause = 0.01
+        seen = "no answer yet"
+        while True:
+            left = _left(deadline)
+            conn = http.client.HTTPConnection(host, port, timeout=max(0.2, min(left, 5.0)))
+            try:
+                conn.request("GET", self.path, headers={"Connection": "close"})
+                # Only the status line and headers are read (http.client bounds both); not the body.
+                got = conn.getresponse().status
+                if got == self.status:
+                    return
+                seen = f"the last answer was {got}"
+            except (OSError, http.client.HTTPException) as exc:
+                seen = f"the last try: {type(exc).__name__}: {str(exc)[:200]}"
+            finally:
+                conn.close()
+            target.check_running(f"GET {self.path} on port {self.port} answered {self.status}")
+            if time.monotonic() + pause >= deadline:
+                raise _Timeout(f"GET {self.path} on port {self.port} did not answer {self.status} in time ({seen})")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+
+@dataclass(frozen=True)
+class CommandReady(Ready):
+    """Ready once ``argv`` (a list, run without a shell; a string: through ``/bin/sh -c``) exits 0
+    in the service's box, e.g. ``CommandReady(["pg_isready", "-h", "127.0.0.1"])``."""
+
+    argv: Sequence[str] | str
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        argv: object = self.argv
+        if isinstance(argv, str):
+            if not argv.strip():
+                raise ConfigError("CommandReady: the command is empty")
+        elif not isinstance(argv, (list, tuple)) or not argv or not all(isinstance(a, str) for a in argv):
+            raise ConfigError(f"CommandReady: argv must be a non-empty list of str or a shell string: {self.argv!r}")
+        else:
+            object.__setattr__(self, "argv", tuple(self.argv))
+        self._check_timeout()
+
+    def describe(self) -> str:
+        return f"CommandReady({self.argv if isinstance(self.argv, str) else list(self.argv)!r})"
+
+    def wait(self, target: _Starting, deadline: float) -> None:
+        pause = 0.02
+        last = ""
+        while True:
+            left = _left(deadline)
+            t = max(0.5, min(left, 10.0))
+            sb = target.sandbox
+            argv = self.argv
+            res = sb.execute_command(argv, timeout=t) if isinstance(argv, str) else sb.run(argv, timeout=t)
+            if res.ok:
+                return
+            last = f"the last try exited {res.exit_code}" + (
+                f": {res.stderr.strip().splitlines()[-1][:200]!r}" if res.stderr.strip() else ""
+            )
+            target.check_running(f"{self.describe()} succeeded")
+            if time.monotonic() + pause >= deadline:
+                raise _Timeout(f"{self.describe()} did not succeed in time ({last})")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.25)
+
+
+class _Timeout(OutputWaitError):
+    """A check's own polling ran out of time (turned into a :class:`ServiceStartError`)."""
+
+
+class _Exited(OutputWaitError):
+    """The process ended while a check polled."""
+
+
+def _left(deadline: float) -> float:
+    # A positive bound, however late: the waits reject 0 (they then time out at once).
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def _as_checks(ready: Ready | Sequence[Ready] | None, ports: tuple[int, ...]) -> tuple[Ready, ...]:
+    if ready is None:
+        return tuple(PortReady(p) for p in ports)
+    checks = (ready,) if isinstance(ready, Ready) else tuple(ready) if isinstance(ready, (list, tuple)) else None
+    if checks is None or not all(isinstance(c, Ready) for c in checks):
+        raise ConfigError(
+            "ready must be a readiness check (PortReady, OutputReady, HttpReady, CommandReady), a list of them, "
+            f"or None, got {ready!r}"
+        )
+    for c in checks:
+        if isinstance(c, HttpReady) and c.port not in ports:
+            raise ConfigError(f"{c.describe()}: port {c.port} is not one of the service's ports {list(ports)}")
+    return checks
+
+
+# -- declarations ---------------------------------------------------------------------------------
+_SEQ = itertools.count(1)
+#: Every declaration made in this process, by fixture name (a box's pytest imports the same conftests).
+_DECLARED: dict[str, list[ServiceSpec]] = {}
+
+
+@dataclass(frozen=True, eq=False)
+class ServiceSpec:
+    """One ``service(...)`` declaration (checked)."""
+
+    name: str
+    argv: tuple[str, ...]
+    ports: tuple[int, ...]
+    checks: tuple[Ready, ...]
+    timeout: float
+    scope: str
+    env: tuple[tuple[str, str], ...] | None
+    cwd: str | None
+    user: str | None
+    image: str | None
+    setup: tuple[str, ...]
+    #: The file that declared it: a conftest's directory covers the tests below it; a test
+    #: module covers itself.
+    where: str
+    key: str = field(default_factory=lambda: f"s{next(_SEQ)}")
+
+    def covers(self, path: Path) -> bool:
+        where = Path(self.where)
+        if where.name == "conftest.py":
+            return path.is_relative_to(where.parent)
+        return path == where
+
+    def label(self) -> str:
+        return f"service {self.name!r} ({' '.join(self.argv)[:200]!r})"
+
+
+def service(
+    name: str,
+    argv: Sequence[str],
+    *,
+    ports: Sequence[int] = (),
+    ready: Ready | Sequence[Ready] | None = None,
+    timeout: float = 30.0,
+    scope: str = "session",
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    user: str | None = None,
+    image: str | None = None,
+    setup: str | Sequence[str] | None = None,
+) -> Any:
+    """Declare a service and return its pytest fixture (bind it to a module global of a conftest).
+
+    ``argv`` runs without a shell in a box of its own, leased from the session's pool (``image``:
+    the box's image, as ``boxlite_pool.sandbox(image=...)``); ``setup``: shell commands run in that
+    box first, in order, each of which must succeed (like ``--boxlite-setup``, but per instance).
+    ``env``, ``cwd`` and ``user`` are the process's.  ``ports``: the box's TCP ports to publish on
+    the host's loopback.  ``ready``: a readiness check, a list of them (all must pass, in order), or
+    ``None`` for "each of ``ports`` listens".  ``timeout``: seconds from start to ready.
+    ``scope``: the fixture's scope; one instance per scope and xdist worker.
+
+    The fixture's value is a :class:`Service`.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigError(f"service name must be a Python identifier (it is the fixture's name), got {name!r}")
+    if isinstance(argv, (str, bytes)) or not argv or not all(isinstance(a, str) for a in argv):
+        raise ConfigError(f"service {name!r}: argv must be a non-empty list of str (no shell), got {argv!r}")
+    if any("\0" in a for a in argv):
+        raise ConfigError(f"service {name!r}: an argument contains a NUL byte")
+    if isinstance(ports, (str, bytes, int)):
+        raise ConfigError(f"service {name!r}: ports must be a list of ints, got {ports!r}")
+    port_list = tuple(_check_port(p, f"service {name!r}") for p in ports)
+    if len(set(port_list)) != len(port_list):
+        raise ConfigError(f"service {name!r}: a port is listed twice in {list(port_list)}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"service {name!r}: timeout must be a positive number of seconds, got {timeout!r}")
+    if scope not in SCOPES:
+        raise ConfigError(f"service {name!r}: scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+    if env is not None and not (
+        isinstance(env, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise ConfigError(f"service {name!r}: env must be a dict of str to str, got {env!r}")
+    for what, value in (("cwd", cwd), ("user", user), ("image", image)):
+        if value is not None and not (isinstance(value, str) and value.strip()):
+            raise ConfigError(f"service {name!r}: {what} must be a non-empty string or None, got {value!r}")
+    if setup is None:
+        steps: tuple[str, ...] = ()
+    elif isinstance(setup, str):
+        steps = (setup,)
+    elif isinstance(setup, (list, tuple)) and all(isinstance(s, str) for s in setup):
+        steps = tuple(setup)
+    else:
+        raise ConfigError(f"service {name!r}: setup must be a shell command, a list of them, or None, got {setup!r}")
+    try:
+        checks = _as_checks(ready, port_list)
+    except ConfigError as exc:
+        raise ConfigError(f"service {name!r}: {exc}") from None
+    caller = sys._getframe(1).f_code.co_filename
+    spec = ServiceSpec(
+        name=name,
+        argv=tuple(argv),
+        ports=port_list,
+        checks=checks,
+        timeout=float(timeout),
+        scope=scope,
+        env=tuple(env.items()) if env else None,
+        cwd=cwd,
+        user=user,
+        image=image,
+        setup=steps,
+        where=os.path.abspath(caller),
+    )
+    # A conftest imported again (pytester runs, importlib mode) declares anew: the newest wins.
+    same = [s for s in _DECLARED.get(name, []) if s.where != spec.where]
+    _DECLARED[name] = [*same, spec]
+
+    def provide(request: pytest.FixtureRequest) -> Service:
+        return _provide(request, spec)
+
+    provide.__doc__ = f"The service {name!r}: {' '.join(argv)[:200]} (a pytest_boxlite.Service)."
+    provide.__name__ = name
+    provide.__qualname__ = name
+    return pytest.fixture(scope=scope, name=name)(provide)  # type: ignore[call-overload]
+
+
+def _provide(request: pytest.FixtureRequest, spec: ServiceSpec) -> Service:
+    from pytest_boxlite.spec import in_guest
+
+    if in_guest():
+        return _guest_service(spec, request)
+    return manager(request.config).instance(spec, request.node.nodeid)
+
+
+def spec_for(item: pytest.Item, name: str) -> ServiceSpec | None:
+    """The declaration the fixture ``name`` of ``item`` comes from (the closest one covering it)."""
+    path = Path(str(item.path))
+    found = [s for s in _DECLARED.get(name, ()) if s.covers(path)]
+    if not found:
+        return None
+    # The deepest conftest wins, as pytest's own fixture overriding goes; a test module's own first.
+    return max(found, key=lambda s: (Path(s.where).name != "conftest.py", len(Path(s.where).parts)))
+
+
+def scope_node(item: pytest.Item, spec: ServiceSpec) -> str:
+    """The node id of ``spec``'s scope for ``item``, as ``request.node`` of its fixture would be."""
+    if spec.scope == "function":
+        return item.nodeid
+    if spec.scope == "session":
+        return item.session.nodeid
+    chain = item.listchain()
+    if spec.scope == "package":
+        here = Path(spec.where).parent
+        packages = [n for n in chain if isinstance(n, pytest.Package)]
+        for n in packages:
+            if Path(str(n.path)) == here:
+                return n.nodeid
+        return packages[-1].nodeid if packages else item.session.nodeid
+    module = item.getparent(pytest.Module)
+    if spec.scope == "class":
+        cls = item.getparent(pytest.Class)
+        if cls is not None:
+            return cls.nodeid
+    return module.nodeid if module is not None else item.nodeid
+
+
+def services_of(item: pytest.Item) -> list[tuple[str, ServiceSpec]]:
+    """``(fixture name, declaration)`` of each service in ``item``'s fixture closure."""
+    names = getattr(item, "fixturenames", ())
+    out = []
+    for name in names:
+        if name in _DECLARED:
+            spec = spec_for(item, name)
+            if spec is not None:
+                out.append((name, spec))
+    return out
+
+
+# -- the fixture's value ------------------------------------------------------------------------------
+class Service:
+    """A running service: where to reach it, its recent output, its box and process.
+
+    On the host, :attr:`sandbox` and :attr:`process` are the service's
+    :class:`~pytest_boxlite.sandbox.Sandbox` and :class:`~pytest_boxlite.process.BoxProcess`.  In a
+    boxed test they are ``None`` (the service runs on the host; its addresses are those the box
+    reaches it at).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        addresses: Mapping[int, tuple[str, int]],
+        *,
+        sandbox: Sandbox | None = None,
+        process: BoxProcess | None = None,
+        scope: str = "session",
+        key: str = "",
+    ) -> None:
+        self.name = name
+        self._addresses = dict(addresses)
+        #: The service's box (``None`` in a boxed test).
+        self.sandbox = sandbox
+        #: The service's process in its box (``None`` in a boxed test).
+        self.process = process
+        self.scope = scope
+        self.key = key
+
+    def __repr__(self) -> str:
+        where = ", ".join(f"{p}->{h}:{hp}" for p, (h, hp) in self._addresses.items())
+        return f"<Service {self.name} {where or 'no ports'}>"
+
+    @property
+    def ports(self) -> list[int]:
+        """The box ports the service publishes, in declaration order."""
+        return list(self._addresses)
+
+    def address(self, port: int | None = None) -> tuple[str, int]:
+        """``(host, port)`` to connect to for the box's ``port`` (default: the first of ``ports``)."""
+        if not self._addresses:
+            raise ConfigError(f"service {self.name!r} publishes no ports (declare them with ports=[...])")
+        if port is None:
+            port = next(iter(self._addresses))
+        try:
+            return self._addresses[port]
+        except KeyError:
+            raise ConfigError(
+                f"port {port!r} is not published by service {self.name!r}: its ports are {self.ports}"
+            ) from None
+
+    @property
+    def host(self) -> str:
+        """The host part of the first port's address."""
+        return self.address()[0]
+
+    @property
+    def port(self) -> int:
+        """The port part of the first port's address."""
+        return self.address()[1]
+
+    def url(self, scheme: str = "http", port: int | None = None, path: str = "") -> str:
+        """``scheme://host:port/path`` for the box's ``port`` (default: the first)."""
+        host, hport = self.address(port)
+        if path and not path.startswith("/"):
+            path = "/" + path
+        return f"{scheme}://{host}:{hport}{path}"
+
+    def logs(self, lines: int = LOG_LINES) -> str:
+        """The service's last ``lines`` output lines (each ``stdout: ...``/``stderr: ...``, escaped)."""
+        if self.process is None:
+            return "(the service runs on the host: its output is in the report of a test that fails while using it)"
+        return "\n".join(self.process.last_lines(lines))
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able description (what a boxed test's fixture is built from)."""
+        return {
+            "name": self.name,
+            "scope": self.scope,
+            "key": self.key,
+            "box": self.sandbox.name if self.sandbox is not None else None,
+            "ports": {str(p): [h, hp] for p, (h, hp) in self._addresses.items()},
+        }
+
+
+# -- starting and stopping ----------------------------------------------------------------------------
+@dataclass
+class _Starting:
+    """What the readiness checks see of a service being started."""
+
+    spec: ServiceSpec
+    sandbox: Sandbox
+    process: BoxProcess
+    addresses: dict[int, tuple[str, int]]
+
+    def check_running(self, awaited: str) -> None:
+        if self.process.poll() is not None:
+            raise _Exited(f"it exited with status {self.process.returncode} before {awaited}")
+
+
+@dataclass
+class _Instance:
+    spec: ServiceSpec
+    scope_key: str
+    lease: Lease
+    service: Service
+    #: A test that used it failed (its box is kept with --boxlite-keep).
+    failed: bool = False
+
+
+class ServiceManager:
+    """The service instances of one pytest process (see the module docstring), and its hooks."""
+
+    NAME = "boxlite-services"
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self._lock = threading.RLock()
+        self._live: dict[tuple[str, str], _Instance] = {}
+        #: A start that failed: raised again to the other tests of its scope (as pytest keeps a
+        #: fixture's error for its scope), without trying again.
+        self._failed: dict[tuple[str, str], ServiceStartError] = {}
+        self._item: pytest.Item | None = None
+        self._pruned = False
+
+    def _session(self) -> BoxliteSession:
+        from pytest_boxlite.fixtures import get_session
+
+        return get_session(self.config)
+
+    # -- instances ------------------------------------------------------------------------------
+    def instance(self, spec: ServiceSpec, scope_key: str) -> Service:
+        """The running instance of ``spec`` for the scope node ``scope_key``, started if need be."""
+        key = (spec.key, scope_key)
+        with self._lock:
+            live = self._live.get(key)
+            if live is not None:
+                return live.service
+            failed = self._failed.get(key)
+            if failed is not None:
+                raise failed
+            try:
+                inst = self._start(spec, scope_key)
+            except ServiceStartError as exc:
+                self._failed[key] = exc
+                raise
+            self._live[key] = inst
+            return inst.service
+
+    def _start(self, spec: ServiceSpec, scope_key: str) -> _Instance:
+        from pytest_boxlite import service_ledger
+        from pytest_boxlite.fixtures import BoxlitePool
+
+        session = self._session()
+        if not self._pruned:
+            self._pruned = True
+            with contextlib.suppress(OSError):
+                service_ledger.prune(session.home)
+        fields: dict[str, Any] = {} if spec.image is None else {"image": spec.image}
+        deadline = time.monotonic() + spec.timeout
+        try:
+            lease = BoxlitePool(session)._lease(f"service {spec.name!r}", spec.timeout, False, fields)
+        except BoxliteError as exc:
+            raise ServiceStartError(spec.name, f"{spec.label()}: could not get a box: {exc}") from exc
+        ok = False
+        proc: BoxProcess | None = None
+        try:
+            sb = lease.sandbox
+            for step in spec.setup:
+                res = sb.execute_command(step, timeout=_left(deadline))
+                if not res.ok:
+                    out = (res.stdout + res.stderr).strip().splitlines()[-20:]
+                    why = "timed out" if res.timed_out else f"exited {res.exit_code}"
+                    raise ServiceStartError(spec.name, f"{spec.label()}: setup {step!r} {why} in box {sb.name}", out)
+            try:
+                proc = sb.spawn(spec.argv, env=dict(spec.env) if spec.env else None, cwd=spec.cwd, user=spec.user)
+            except (BoxliteError, OSError) as exc:
+                raise ServiceStartError(spec.name, f"{spec.label()}: could not start in box {sb.name}: {exc}") from exc
+            addresses = {p: sb.publish(p) for p in spec.ports}
+            starting = _Starting(spec, sb, proc, addresses)
+            for check in spec.checks:
+                own = deadline if check.timeout is None else min(deadline, time.monotonic() + check.timeout)
+                try:
+                    check.wait(starting, own)
+                except OutputWaitError as exc:
+                    raise self._not_ready(spec, check, proc, sb, own == deadline, exc) from None
+            svc = Service(spec.name, addresses, sandbox=sb, process=proc, scope=spec.scope, key=scope_key)
+            inst = _Instance(spec, scope_key, lease, svc)
+            with contextlib.suppress(OSError):
+                service_ledger.write(
+                    session.home,
+                    sb.name,
+                    {
+                        "service": spec.name,
+                        "scope": spec.scope,
+                        "ports": {str(p): f"{h}:{hp}" for p, (h, hp) in addresses.items()},
+                        "pid": os.getpid(),
+                    },
+                )
+            ok = True
+            return inst
+        finally:
+            if not ok:
+                keep = session.settings.keep
+                if keep and proc is not None:
+                    self._detach(lease.sandbox, proc)
+                elif proc is not None:
+                    proc.close()
+                lease.release(keep=keep)
+
+    def _not_ready(
+        self, spec: ServiceSpec, check: Ready, proc: BoxProcess, sb: Sandbox, overall: bool, exc: OutputWaitError
+    ) -> ServiceStartError:
+        lines = proc.last_lines()
+        code = proc.poll()
+        if code is not None:
+            what = f"exited with status {code} before it was ready ({check.describe()})"
+        else:
+            bound = f"{spec.timeout:g} s" if overall else f"its check's {check.timeout:g} s"
+            what = f"was not ready within {bound}: {check.describe()} did not pass"
+        detail = str(exc).split("\n--- last output lines ---", 1)[0]
+        return ServiceStartError(spec.name, f"{spec.label()} in box {sb.name} {what}; {detail}", lines)
+
+    @staticmethod
+    def _detach(sb: Sandbox, proc: BoxProcess) -> None:
+        """Leave ``proc`` running in its kept box (not killed when the sandbox ends)."""
+        with sb._ports_lock:
+            sb._processes[:] = [p for p in sb._processes if p is not proc]
+
+    def stop(self, key: tuple[str, str]) -> None:
+        from pytest_boxlite import service_ledger
+
+        with self._lock:
+            inst = self._live.pop(key, None)
+            self._failed.pop(key, None)
+        if inst is None:
+            return
+        sb = inst.lease.sandbox
+        settings = self._session().settings
+        keep = settings.keep and inst.failed
+        with contextlib.suppress(OSError):
+            service_ledger.remove(self._session().home, sb.name)
+        proc = inst.service.process
+        if proc is not None:
+            if keep:
+                self._detach(sb, proc)
+            else:
+                proc.close()  # its process group too; not a "left running" warning: it is ours to stop
+        if keep:
+            # The summary's "kept box" line names the service (reporting.BOX_PROPERTY).
+            item = self._item
+            if item is not None:
+                item.user_properties.append(("boxlite_box", sb.name))
+        with contextlib.suppress(BoxliteError):
+            inst.lease.release(keep=keep)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            keys = list(self._live)
+            self._failed.clear()
+        for key in reversed(keys):  # the newest (narrowest) first
+            self.stop(key)
+
+    def used_by(self, item: pytest.Item) -> list[tuple[str, _Instance]]:
+        """The running instances ``item`` uses: ``(fixture name, instance)``."""
+        out = []
+        with self._lock:
+            for name, spec in services_of(item):
+                inst = self._live.get((spec.key, scope_node(item, spec)))
+                if inst is not None:
+                    out.append((name, inst))
+        return out
+
+    def descriptions_for(self, item: pytest.Item) -> dict[str, dict[str, Any]]:
+        """Start (or reuse) on the host every service ``item`` uses, for its scopes, and describe
+        each (fixture name -> :meth:`Service.describe`).  A start that fails is described as
+        ``{"name", "error": message}``: the box's fixture raises it for the test."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, spec in services_of(item):
+            try:
+                out[name] = self.instance(spec, scope_node(item, spec)).describe()
+            except ServiceStartError as exc:
+                out[name] = {"name": name, "error": str(exc)[:64_000]}
+        return out
+
+    # -- hooks ----------------------------------------------------------------------------------
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
+        self._item = item
+        try:
+            return (yield)
+        finally:
+            try:
+                keep = {n.nodeid for n in nextitem.listchain()} if nextitem is not None else set()
+                with self._lock:
+                    done = [k for k in self._live if k[1] not in keep]
+                    for k in list(self._failed):
+                        if k[1] not in keep:
+                            self._failed.pop(k, None)
+                for key in reversed(done):
+                    self.stop(key)
+            finally:
+                self._item = None
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        item = self._item
+        if not report.failed or item is None or report.nodeid != item.nodeid:
+            return
+        for name, inst in self.used_by(item):
+            inst.failed = True
+            title = SECTION.format(name=name)
+            if any(t == title for t, _ in report.sections):
+                continue
+            text = inst.service.logs() or "(no output)"
+            report.sections.append((title, f"{inst.service!r} in box {inst.lease.sandbox.name}\n{text}"))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.stop_all()
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.stop_all()
+
+
+_MANAGER_KEY = pytest.StashKey[ServiceManager]()
+
+
+def manager(config: pytest.Config) -> ServiceManager:
+    """This process's :class:`ServiceManager` (registered as a plugin at first use)."""
+    found = config.stash.get(_MANAGER_KEY, None)
+    if found is None:
+        found = ServiceManager(config)
+        config.stash[_MANAGER_KEY] = found
+        config.pluginmanager.register(found, ServiceManager.NAME)
+    return found
+
+
+def activate(config: pytest.Config) -> None:
+    """Register the manager before the first test runs, where services are declared (the plugin
+    calls it after collection, only once this module was imported by a conftest)."""
+    from pytest_boxlite.fixtures import SESSION_KEY
+
+    if _DECLARED and SESSION_KEY in config.stash:
+        manager(config)
+
+
+def descriptions_for(config: pytest.Config, item: pytest.Item) -> dict[str, dict[str, Any]]:
+    """Host side of the boxed-test contract (see the module docstring)."""
+    if not _DECLARED or not services_of(item):
+        return {}
+    return manager(config).descriptions_for(item)
+
+
+# -- in a box -------------------------------------------------------------------------------------
+#: Descriptions the transport handed to this box's pytest (see :func:`receive`), by fixture name.
+_RECEIVED: dict[str, dict[str, Any]] = {}
+
+
+def receive(descriptions: Mapping[str, Any]) -> None:
+    """Box side of the contract: the descriptions of the services of the item about to run, their
+    ``ports`` already the addresses this box reaches them at.  Bytes from the host, but checked
+    all the same (they are parsed, never followed)."""
+    for name, desc in dict(descriptions).items():
+        if isinstance(name, str) and isinstance(desc, dict):
+            _RECEIVED[name] = desc
+
+
+def _guest_service(spec: ServiceSpec, request: pytest.FixtureRequest) -> Service:
+    desc = _RECEIVED.get(spec.name)
+    if desc is None:
+        raise ServiceStartError(
+            spec.name,
+            f"{spec.label()}: this test runs in a box, and the host handed it no address of the service "
+            "(services are started on the host; this transport does not pass them to boxed tests yet). "
+            f"Run the test on the host: pytest -p no:boxlite, or without --boxlite for {request.node.nodeid}",
+        )
+    error = desc.get("error")
+    if isinstance(error, str):
+        raise ServiceStartError(spec.name, f"on the host: {error}")
+    addresses: dict[int, tuple[str, int]] = {}
+    raw = desc.get("ports")
+    if isinstance(raw, dict):
+        for port, address in raw.items():
+            with contextlib.suppress(TypeError, ValueError):
+                host, hport = address
+                addresses[int(port)] = (str(host), int(hport))
+    return Service(spec.name, addresses, scope=spec.scope, key=str(desc.get("key", "")))
