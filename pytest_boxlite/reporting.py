@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_boxlite.runtimes import kind_notes
+from pytest_boxlite.runtimes import images_on_request, kind_notes
 from pytest_boxlite.session import BoxliteSession
 
 if TYPE_CHECKING:
@@ -23,6 +23,10 @@ def header(session: BoxliteSession, *, controller: bool = False) -> list[str]:
     per = " per worker" if controller else ""
     s = session.settings
     image = s.image + (f" (unused: {unused_image})" if unused_image else "")
+    if images_on_request(c.kind):
+        # Boxes show the host's files unless an image is asked for; then its digest says which.
+        root = session.default_spec.root
+        image = root.label() if root is not None else "host filesystem"
     return [
         f"boxlite: runtime={c.kind} ({why})",
         f"boxlite: image={image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={session.home}",

@@ -20,7 +20,10 @@ from pytest_boxlite.errors import BoxliteError, BoxStartError, ConfigError
 from pytest_boxlite.pool import BoxLifecycle, BoxPool, NoLifecycle, make_namer
 from pytest_boxlite.runtimes import BoxHandle, Choice, Runtime, choose, open_choice, remote_target
 from pytest_boxlite.settings import Settings
-from pytest_boxlite.spec import BoxSpec
+from pytest_boxlite.spec import BoxSpec, ImageRoot, check_image
+
+#: How long resolving one image may take (a first unpack of a large archive; a registry pull).
+IMAGE_TIMEOUT = 600.0
 
 
 @dataclasses.dataclass
@@ -89,7 +92,14 @@ class BoxliteSession:
         #: The project (pytest's rootdir; the working directory if not given): every sandbox sees
         #: it at its own path, copy-on-write (read-only on vm), wherever it lies, /tmp included.
         self.project = os.path.abspath(project if project is not None else os.getcwd())
+        #: Images resolved to their root filesystems (or why they cannot be), per reference.
+        self._images: dict[str, ImageRoot | ConfigError] = {}
+        self._images_lock = threading.Lock()
         self.default_spec = self.spec_for()
+        if settings.all and self.default_spec.root is not None:
+            # Every test is boxed in the image: an image that cannot run the interpreter is a
+            # usage error now, before any box boots, not one error per test.
+            self.spec_for(worker=True, mounts=())
         self.report = SessionReport()
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -172,16 +182,64 @@ class BoxliteSession:
         base.update({k: v for k, v in overrides.items() if v is not None})
         if not base.get("worker") and "mounts" not in base:
             base["mounts"] = (self.project,)
+        if self.image_explicit(overrides.get("image")):
+            from pytest_boxlite.runtimes import image_problem, images_on_request
+
+            if images_on_request(self.choice.kind):
+                base["root"] = self.image_root(base["image"])
+                spec = BoxSpec(**base)
+                problem = image_problem(self.choice.kind, spec)
+                if problem is not None:
+                    raise ConfigError(problem)
+                return spec
         return BoxSpec(**base)
+
+    def image_explicit(self, override: str | None = None) -> bool:
+        """Whether boxes get an image that was asked for (an ``image=`` of a call or marker, or
+        ``--boxlite-image``/ini/environment), not the default one.  A runtime that boxes on the
+        host's files unless asked (namespace) shows the image only then."""
+        return override is not None or self.settings.sources.get("image", "default") != "default"
+
+    def image_root(self, image: str) -> ImageRoot:
+        """``image`` resolved through the image store of this session's home (pulled or unpacked
+        once, shared by every session and worker); a :class:`ConfigError` naming the image and the
+        cause where it cannot be (unknown, missing or corrupt archive, another architecture)."""
+        check_image(image)
+        with self._images_lock:
+            known = self._images.get(image)
+            if known is None:
+                known = self._images[image] = self._resolve(image)
+        if isinstance(known, ConfigError):
+            raise ConfigError(str(known))
+        return known
+
+    def _resolve(self, image: str) -> ImageRoot | ConfigError:
+        try:
+            from pytest_boxlite.images import ImageError, ensure_image, store_dir
+        except ImportError as exc:  # pragma: no cover - the package ships it
+            return ConfigError(f"image {image!r}: the image store is not available ({exc})")
+        try:
+            found = ensure_image(image, store=store_dir(self.home), timeout=IMAGE_TIMEOUT)
+        except (ImageError, BoxliteError, OSError) as exc:
+            return ConfigError(f"image {image!r} cannot be used: {exc}")
+        cfg = found.config
+        return ImageRoot(
+            reference=image,
+            digest=found.digest,
+            rootfs=str(found.rootfs),
+            env=tuple((str(k), str(v)) for k, v in (cfg.env or ())),
+            workdir=cfg.workdir or None,
+            user=cfg.user or None,
+        )
 
     def unused_image(self, image: str, what: str) -> str | None:
         """The warning for ``what`` (``"<test>: @pytest.mark.boxlite"``, ``"boxlite_pool.sandbox"``)
         asking for ``image`` where this session's runtime uses no image, else ``None``.  The one
         text both the marker and the pool fixture warn with."""
-        from pytest_boxlite.runtimes import kind_notes
+        from pytest_boxlite.runtimes import images_on_request, kind_notes
 
         _, unused = kind_notes(self.choice.kind)
-        if not unused or image == self.settings.image:
+        if not unused or image == self.settings.image or images_on_request(self.choice.kind):
             return None
         return (
             f"{what}(image={image!r}) has no effect on the {self.choice.kind} runtime ({unused}); "

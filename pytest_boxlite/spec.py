@@ -38,6 +38,9 @@ _IMAGE_REF = re.compile(
     r"(?::[\w][\w.-]{0,127})?"
     r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?\Z"
 )
+#: The containers ecosystem's transport names for local images (``oci:DIR[:TAG]``...) and
+#: ``docker://`` for a registry reference spelled out.
+_TRANSPORTS = ("oci:", "oci-archive:", "docker-archive:")
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -45,6 +48,53 @@ _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 def default_image() -> str:
     """``python:<host major.minor>-slim``: the guest runs the host's Python version."""
     return f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
+
+
+def check_image(image: object) -> str:
+    """``image`` if it is an image reference (registry ``[registry/]name[:tag][@digest]``, or a
+    transport: ``oci:DIR[:TAG]``, ``oci-archive:PATH[:TAG]``, ``docker-archive:PATH``,
+    ``docker://REF``); else a :class:`ConfigError` saying what is expected."""
+    if not isinstance(image, str) or not image.strip():
+        raise ConfigError(f"image must be a non-empty string, got {image!r}")
+    expected = (
+        "expected [registry/]name[:tag][@digest] with a lower-case name (e.g. 'python:3.12-slim', "
+        "'ghcr.io/org/tool:1.0'), or a local image: 'oci:DIR[:TAG]', 'oci-archive:PATH[:TAG]', "
+        "'docker-archive:PATH', 'docker://REF'"
+    )
+    if len(image) > 4096 or any(ord(c) < 32 for c in image):
+        raise ConfigError(f"image {image[:200]!r} is not an OCI image reference: {expected}")
+    if image.startswith("docker://"):
+        ref = image[len("docker://") :]
+        if len(ref) <= 512 and _IMAGE_REF.match(ref):
+            return image
+    elif image.startswith(_TRANSPORTS):
+        if image.partition(":")[2].strip():
+            return image
+    elif len(image) <= 512 and _IMAGE_REF.match(image):
+        return image
+    raise ConfigError(f"image {image!r} is not an OCI image reference: {expected}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRoot:
+    """An image resolved to its unpacked root filesystem in the image store: what a runtime that
+    shows the host's files unless asked (namespace) boots a box of the image on."""
+
+    #: The reference as the user wrote it.
+    reference: str
+    #: The image's digest, ``sha256:<hex>``.
+    digest: str
+    #: The complete unpacked tree (never changed: each box lays its own writable layer on it).
+    rootfs: str
+    #: The image config's ``Env`` (under the spec's env), ``WorkingDir`` and ``User``.
+    env: tuple[tuple[str, str], ...] = ()
+    workdir: str | None = None
+    user: str | None = None
+
+    def label(self) -> str:
+        """``<reference>@sha256:<12 hex>`` for headers and box records."""
+        algo, _, hexdigest = self.digest.partition(":")
+        return f"{self.reference}@{algo}:{hexdigest[:12]}"
 
 
 def check_env(env: Mapping[str, str] | Iterable[tuple[str, str]], where: str) -> tuple[tuple[str, str], ...]:
@@ -108,15 +158,15 @@ class BoxSpec:
     #: Who runs in the box: a name or ``uid[:gid]``; ``None`` is the runtime's default (boxed tests:
     #: the host user, as locally; sandbox commands: root in the box, like a container's exec).
     user: str | None = None
+    #: The image's root filesystem where the runtime boxes on it only when asked (namespace: the
+    #: image was named explicitly), set by the session; ``None``: the runtime's default root
+    #: (namespace: the host's files; vm: always ``image``, whatever this says).
+    root: ImageRoot | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.image, str) or not self.image.strip():
-            raise ConfigError(f"image must be a non-empty string, got {self.image!r}")
-        if len(self.image) > 512 or not _IMAGE_REF.match(self.image):
-            raise ConfigError(
-                f"image {self.image!r} is not an OCI image reference: expected [registry/]name[:tag][@digest] "
-                "with a lower-case name, e.g. 'python:3.12-slim' or 'ghcr.io/org/tool:1.0'"
-            )
+        check_image(self.image)
+        if self.root is not None and not isinstance(self.root, ImageRoot):
+            raise ConfigError(f"root must be an ImageRoot, got {self.root!r}")
         if self.cpus is not None and (not isinstance(self.cpus, int) or isinstance(self.cpus, bool) or self.cpus < 1):
             raise ConfigError(f"cpus must be a positive integer, got {self.cpus!r}")
         if self.memory_mib is not None and (
@@ -132,7 +182,7 @@ class BoxSpec:
 
     def describe(self) -> str:
         """A short human-readable label, e.g. for the report header."""
-        parts = [self.image]
+        parts = [self.root.label() if self.root is not None else self.image]
         if self.cpus:
             parts.append(f"cpus={self.cpus}")
         if self.memory_mib:

@@ -169,14 +169,45 @@ def choose(requested: str, remote: RemoteTarget | None = None) -> Choice:
 def kind_notes(kind: str) -> tuple[str | None, str | None]:
     """What the report says of runtime ``kind``: ``(isolation caveat, why images are unused)``.
 
-    Kept here so that code outside ``runtimes/`` never branches on a runtime's name.
+    Kept here so that code outside ``runtimes/`` never branches on a runtime's name.  No runtime
+    leaves an image it is asked for unused now (namespace boxes are on the image's root
+    filesystem when one is named: :func:`images_on_request`); the second part stays ``None``.
     """
     if kind == "namespace":
-        return (
-            "namespace isolation shares the host kernel, weaker than a VM",
-            "namespace boxes show the host's filesystem",
-        )
+        return "namespace isolation shares the host kernel, weaker than a VM", None
     return None, None
+
+
+def images_on_request(kind: str) -> bool:
+    """Whether runtime ``kind`` boxes on the host's files unless an image is named explicitly
+    (namespace), and then on the image's root filesystem from the local image store (the session
+    resolves it: ``BoxSpec.root``).  The vm runtime always boots ``spec.image`` itself."""
+    return kind == "namespace"
+
+
+def image_problem(kind: str, spec: BoxSpec) -> str | None:
+    """Why a box of ``spec`` (its ``root`` resolved) cannot work on runtime ``kind`` (boxed tests:
+    the image cannot run the host's interpreter), with the fix; else ``None``."""
+    if kind != "namespace" or spec.root is None or not spec.worker:
+        return None
+    import os
+    import sys
+
+    from pytest_boxlite.runtimes.namespace.image import interpreter_mounts, interpreter_problem
+
+    dirs, _ = interpreter_mounts()
+    why = interpreter_problem(spec.root, [*spec.mounts, *dirs])
+    if why is None:
+        return None
+    libc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else None
+    need = "an image with the host's C library"
+    if libc:
+        need = f"an image with {libc.replace('glibc ', 'glibc >= ')} (the host's)"
+    return (
+        f"image {spec.root.reference} cannot run {os.path.realpath(sys.executable)} (the interpreter of boxed tests, "
+        f"which runs on the image's own C library): {why}; use {need}, or run the test on the host and "
+        "give it a boxlite_pool.sandbox(image=...) for the commands that need the image"
+    )
 
 
 def preflight(kind: str) -> str | None:

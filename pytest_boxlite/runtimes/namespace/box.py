@@ -236,6 +236,8 @@ class NamespaceBox(BoxDefaults):
             in_r = os.open(os.devnull, os.O_RDONLY)
         else:
             in_r, in_w = os.pipe()
+        if cwd is None and op == "exec" and self.workdir != WORKDIR:
+            cwd = self.workdir  # the image config's WorkingDir (the agent's default is /workspace)
         req: dict[str, Any] = {"op": op, "argv": list(argv), "env": dict(env or {}), "cwd": cwd}
         if user is not None:
             req["user"] = "0:0" if str(user) == "root" else str(user)
@@ -380,7 +382,7 @@ class NamespaceBox(BoxDefaults):
             "op": "exec",
             "argv": list(argv),
             "env": dict(env or {}),
-            "cwd": cwd,
+            "cwd": cwd if cwd is not None or self.workdir == WORKDIR else self.workdir,
             # Popen.send_signal signals the process itself, not its group.
             "signal_group": False,
         }
@@ -464,6 +466,12 @@ class NamespaceBox(BoxDefaults):
     def fork_listener(self) -> tuple[socket.socket, str]:
         """A listening socket in the box's guest-visible directory, for boxes forked from this one."""
         return fork_listener(self.box_dir)
+
+    def guest_listener(self, name: str) -> tuple[socket.socket, str]:
+        """A listening Unix socket ``name`` in the box's guest-visible directory (read-only to the
+        box), mode 0666, and its path as this box and the boxes forked from it see it: the host end
+        of a service reached from a boxed test (:mod:`pytest_boxlite.reach`)."""
+        return fork_listener(self.box_dir, name)
 
     def fork_cell(self, name: str) -> ForkCell:
         """The cell of a box about to be forked from this one's warm interpreter: cgroups of its

@@ -17,6 +17,7 @@ from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxStartError, BoxTimeoutError, RuntimeUnavailableError
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes.base import BoxRecord, RuntimeDefaults
+from pytest_boxlite.runtimes.namespace import image as _image
 from pytest_boxlite.runtimes.namespace.box import NamespaceBox
 from pytest_boxlite.runtimes.namespace.bwrap import find_bwrap
 from pytest_boxlite.runtimes.namespace.layout import (
@@ -66,9 +67,19 @@ _Starter = Callable[
 HELPER = guest.path("files")
 
 
+_SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 def _guest_path_env() -> str:
     bindir = os.path.dirname(sys.executable)
-    return f"{bindir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    return f"{bindir}:{_SYSTEM_PATH}"
+
+
+def _image_mounts(spec: BoxSpec) -> tuple[tuple[str, ...], list[str]]:
+    """What a box of an image shows of the host at its own paths: ``(directories, files)``: the
+    spec's mounts (the project; a test worker's ``sys.path``), and a test worker's interpreter."""
+    dirs, files = _image.interpreter_mounts() if spec.worker else ([], [])
+    return minimal_dirs([*spec.mounts, *dirs]), files
 
 
 class NamespaceRuntime(RuntimeDefaults):
@@ -107,8 +118,18 @@ class NamespaceRuntime(RuntimeDefaults):
     def _bwrap_argv(
         self, spec: BoxSpec, name: str, box_dir: Path, persist: Path | None, info_fd: int, block_fd: int | None
     ) -> list[str]:
-        mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
         masks, mask_mounts = self._masks(spec)
+        if spec.root is not None:
+            dirs, files = _image_mounts(spec)
+            shown, _ = _image.host_mount_args(spec.root, dirs, files, masks, spec.template, persist)
+            layers = _image.image_args(spec.root, spec.template, persist)
+            workdir = spec.root.workdir if spec.root.workdir and spec.root.workdir.startswith("/") else WORKDIR
+            below = [*shown, *_image.kit_args()]
+        else:
+            mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
+            layers = _layer_args(self.bwrap, spec.template, persist, masks)
+            below = _mirror_args(mirror_from, masks, spec.template, persist)
+            workdir = WORKDIR
         argv = [
             self.bwrap,
             "--unshare-user", "--uid", "0", "--gid", "0",
@@ -121,14 +142,15 @@ class NamespaceRuntime(RuntimeDefaults):
             "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--new-session",
             "--hostname", name[:63],
-            *_layer_args(self.bwrap, spec.template, persist, masks),
+            *layers,
             "--proc", "/proc", "--dev", "/dev", "--ro-bind", "/sys", "/sys",
             "--tmpfs", "/tmp", "--tmpfs", "/run",
             "--dir", WORKDIR,
-            *_mirror_args(mirror_from, masks, spec.template, persist),
+            *below,
             *mask_mounts,
             "--ro-bind", str(box_dir), GUEST_CTL,
-            "--chdir", WORKDIR,
+            "--dir", workdir,
+            "--chdir", workdir,
         ]  # fmt: skip
         if block_fd is not None:
             # A root host writes the box's id maps itself (the whole range, one to one) before it runs.
@@ -138,7 +160,23 @@ class NamespaceRuntime(RuntimeDefaults):
         return argv
 
     def _masks(self, spec: BoxSpec) -> tuple[dict[str, str], list[str]]:
-        """The mask layers and mounts hiding credentials (those on the host now) in a box of ``spec``."""
+        """The mask layers and mounts hiding credentials (those on the host now) in a box of ``spec``.
+
+        A box of an image sees only the host directories it mounts: the masks of those alone."""
+        if spec.root is not None:
+            dirs, files = _image_mounts(spec)
+            _, overlays = _image.host_mount_args(spec.root, dirs, files, {}, None, None)
+            layers, mounts = _mask_plan(self.home, overlays)
+            shown = [*dirs, *files]
+            kept: list[str] = []
+            i = 0
+            while i < len(mounts):
+                width = 2 if mounts[i] == "--tmpfs" else 3
+                target = mounts[i + width - 1]
+                if any(target == d or target.startswith(d.rstrip("/") + "/") for d in shown):
+                    kept += mounts[i : i + width]
+                i += width
+            return layers, kept
         mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
         tops = [e[-1] for e in mount_plan(self.bwrap)[0] if e[0] == "overlay"] + _mirrored(mirror_from)
         return _mask_plan(self.home, tops)
@@ -153,13 +191,16 @@ class NamespaceRuntime(RuntimeDefaults):
     def _base_env(self, spec: BoxSpec, name: str) -> dict[str, str]:
         # No HOME: the agent gives each command its user's writable home (guest/agent.py home_for).
         env = {
-            "PATH": _guest_path_env(),
+            "PATH": _guest_path_env() if spec.root is None else _SYSTEM_PATH,
             "LANG": "C.UTF-8",
             "HOSTNAME": name[:63],
             "TERM": "dumb",
             "BOXLITE_BOX": name,
             "BOXLITE_RUNTIME": "namespace",
         }
+        if spec.root is not None:
+            # The image config's Env, under the spec's own.
+            env.update(dict(spec.root.env))
         env.update(dict(spec.env))
         return env
 
@@ -216,6 +257,10 @@ class NamespaceRuntime(RuntimeDefaults):
         except FileExistsError:
             raise BoxStartError(f"a box named {name!r} already exists in {self.state_dir}") from None
         identity = box_identity(spec)
+        if spec.root is not None and spec.user is None and not spec.worker and spec.root.user and _host_root():
+            # The image config's User, where the box maps every id (a root host): elsewhere only
+            # the host user is mapped, and commands run as root in the box as without an image.
+            identity = _image.image_identity(spec.root) or identity
         cg = _cgroups.create(
             name,
             memory_mib=spec.memory_mib or DEFAULT_MEMORY_MIB,
@@ -229,6 +274,8 @@ class NamespaceRuntime(RuntimeDefaults):
             cg.remove()
             remove_box_dirs(box_dir)
             raise
+        if spec.root is not None and spec.root.workdir and spec.root.workdir.startswith("/"):
+            box.workdir = spec.root.workdir  # the image config's WorkingDir: commands' default cwd
         # Each box forked per test from this one's warm interpreter gets these caps in cgroups of
         # its own (see NamespaceBox.fork_cell), not a share of this box's.
         box.cell_limits = (spec.memory_mib or DEFAULT_MEMORY_MIB, spec.cpus, spec.pids_limit)
@@ -263,16 +310,21 @@ class NamespaceRuntime(RuntimeDefaults):
         try:
             _bind(listener, ctl / "agent.sock")
             listener.listen(64)
+            kit = spec.root is not None
             cfg = {
                 "listen_fd": listener.fileno(),
                 "watchdog_fd": watch_r,
                 "env": env,
-                "helper": str(HELPER),
+                "helper": _image.kit_path(HELPER) if kit else str(HELPER),
                 "user": list(identity),
                 "nproc": limits.nproc,
                 "zygote": zygote,
             }
-            agent = [self.guest_python_for(spec), "-I", "-S", str(AGENT), json.dumps(cfg)]
+            if kit:
+                # The host's interpreter on the host's loader and libraries (see .image).
+                agent = [*_image.kit_argv(), "-I", "-S", _image.kit_path(AGENT), json.dumps(cfg)]
+            else:
+                agent = [self.guest_python_for(spec), "-I", "-S", str(AGENT), json.dumps(cfg)]
             bwrap = self._bwrap_argv(spec, name, box_dir, persist, info_w, block_r)
             if seccomp_fd is not None:
                 bwrap += ["--seccomp", str(seccomp_fd)]

@@ -1,0 +1,348 @@
+"""Namespace boxes on an image's root filesystem (``BoxSpec.root``, set by the session).
+
+A box of an image sees the image's unpacked tree (from the image store, see
+:mod:`pytest_boxlite.images`) copy-on-write: one overlay per top-level directory of the tree, the
+tree as the lower layer and an empty upper layer per box (in memory), as the host's directories
+are laid for a box without an image.  The runtime's own ``/proc``, ``/dev``, ``/sys``, ``/tmp``,
+``/run``, ``/workspace`` and control directory come on top, then the host directories the spec
+mounts at their own paths (the project; for boxed tests the interpreter's prefix, ``sys.path`` and
+the project), then the credential masks of those directories.  Nothing else of the host is
+visible.
+
+**The agent** (:mod:`pytest_boxlite.guest.agent`) is the host's Python, which an image's C
+library may not be able to run (busybox, musl, an old glibc).  So it runs on the host's own loader
+and libraries, bound read-only under :data:`HOST_KIT` (a directory of its own at the box's top
+level): ``<kit>/.lib/<loader> --library-path <kit>/.lib <kit>/<python> -I -S <kit>/<agent>``.
+The loader's search path is the agent's alone (no ``LD_LIBRARY_PATH``): every command the agent
+starts execs the image's own binaries with the image's loader and libraries, so ``cat``, ``sh``
+and ``python3`` in a box are the image's.  The file operations (``read_file``, ``upload``...) run
+in forks of the agent, so they need nothing of the image either.
+
+**Boxed tests** in an image run the host's interpreter at its own path *with the image's C
+library*: a test is meant to see the image's userland (its libc, its ``/etc``, its tools), and a
+test whose interpreter ran on the host's libraries would not.  So the image must be able to run
+that interpreter (its loader and the libraries it links, a glibc at least as new as the host's):
+:func:`interpreter_problem` checks the loader and the libraries before any box boots and says what
+is missing; a glibc too old shows as the worker's own start-up error, quoted in the failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+
+from pytest_boxlite import guest
+from pytest_boxlite.errors import BoxStartError
+from pytest_boxlite.spec import ImageRoot
+
+#: Where the agent's interpreter, loader and libraries are bound in a box of an image.
+HOST_KIT = "/.boxlite-host"
+#: Top-level entries of an image's tree the box never shows (the runtime mounts its own).
+_RUNTIME_TOPS = frozenset({"proc", "dev", "sys", "tmp", "run"})
+#: Directories a box of an image never gets from the host whole (they are the image's userland):
+#: an interpreter installed there has its executable bound alone, its ``sys.path`` entries are
+#: bound one by one.
+_SYSTEM_DIRS = frozenset(
+    {"/", "/usr", "/usr/local", "/usr/bin", "/usr/sbin", "/usr/lib", "/usr/lib64", "/usr/local/bin", "/opt"}
+)
+#: Where an image's libraries are looked for (the default search path of glibc and musl).
+_LIB_DIRS = (
+    "lib", "lib64", "usr/lib", "usr/lib64", "usr/local/lib",
+    "lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu", "lib/aarch64-linux-gnu", "usr/lib/aarch64-linux-gnu",
+)  # fmt: skip
+_LDD_TIMEOUT = 30.0
+
+
+def _ldd(paths: Sequence[str]) -> tuple[str | None, dict[str, str]]:
+    """``(loader, {soname: host path})`` of ``paths`` (ELF files), from the host's ``ldd``."""
+    try:
+        out = subprocess.run(
+            ["ldd", *paths], capture_output=True, text=True, timeout=_LDD_TIMEOUT, env={"LC_ALL": "C"}
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BoxStartError(f"cannot list the host interpreter's libraries with ldd: {exc}") from None
+    loader: str | None = None
+    libs: dict[str, str] = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[1] == "=>" and parts[2].startswith("/"):
+            libs.setdefault(parts[0], parts[2])
+        elif len(parts) == 2 and parts[0].startswith("/") and parts[1].startswith("(0x"):
+            loader = loader or parts[0]
+    return loader, libs
+
+
+def _dynload_dir() -> str | None:
+    """Where the interpreter's C extension modules live (``lib-dynload``)."""
+    import importlib.util
+
+    for name in ("_socket", "_ctypes", "select"):
+        found = importlib.util.find_spec(name)
+        origin = str(getattr(found, "origin", None) or "")
+        if origin.endswith(".so"):
+            return os.path.dirname(origin)
+    return None
+
+
+@lru_cache(maxsize=1)
+def _host_interpreter() -> tuple[str, str, dict[str, str], tuple[str, ...]]:
+    """``(python, loader, libraries, stdlib dirs)`` of this interpreter, links resolved."""
+    exe = os.path.realpath(sys.executable)
+    dynload = _dynload_dir()
+    elves = [exe]
+    if dynload is not None:
+        with contextlib.suppress(OSError):
+            elves += sorted(e.path for e in os.scandir(dynload) if e.name.endswith(".so"))
+    loader, libs = _ldd(elves)
+    if loader is None:
+        raise BoxStartError(f"{exe} names no dynamic loader (ldd): the namespace runtime needs a dynamic interpreter")
+    paths = sysconfig.get_paths()
+    std = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib") if paths.get(k)}
+    if dynload is not None:
+        std.add(os.path.realpath(dynload))
+    stdlib = tuple(d for d in sorted(std) if not any(d.startswith(o + "/") for o in std if o != d))
+    return exe, loader, {k: os.path.realpath(v) for k, v in libs.items()}, stdlib
+
+
+def kit_args() -> list[str]:
+    """bwrap arguments binding the agent's interpreter, loader, libraries and guest code under
+    :data:`HOST_KIT`, read-only (a tmpfs of its own: a top-level mount a forked box keeps)."""
+    exe, loader, libs, stdlib = _host_interpreter()
+    lib = f"{HOST_KIT}/.lib"
+    args = ["--tmpfs", HOST_KIT]
+    args += ["--ro-bind", os.path.realpath(loader), f"{lib}/{os.path.basename(loader)}"]
+    for soname, path in sorted(libs.items()):
+        args += ["--ro-bind", path, f"{lib}/{soname}"]
+    args += ["--ro-bind", exe, HOST_KIT + exe]
+    for d in stdlib:
+        args += ["--ro-bind", d, HOST_KIT + d]
+    gdir = os.path.realpath(os.path.dirname(guest.path("agent")))
+    args += ["--ro-bind", gdir, HOST_KIT + gdir, "--remount-ro", HOST_KIT]
+    return args
+
+
+def kit_argv() -> list[str]:
+    """How the agent's interpreter starts in a box of an image (its own loader and libraries)."""
+    exe, loader, _, _ = _host_interpreter()
+    lib = f"{HOST_KIT}/.lib"
+    return [f"{lib}/{os.path.basename(loader)}", "--library-path", lib, HOST_KIT + exe]
+
+
+def kit_path(path: Path | str) -> str:
+    """Where host file ``path`` of the guest code is in a box of an image."""
+    return HOST_KIT + os.path.realpath(path)
+
+
+def _entries(rootfs: str) -> list[os.DirEntry[str]]:
+    try:
+        return sorted(os.scandir(rootfs), key=lambda e: e.name)
+    except OSError as exc:
+        raise BoxStartError(f"the image's root filesystem {rootfs} cannot be read: {exc.strerror}") from None
+
+
+def image_args(root: ImageRoot, template: str | None = None, persist: Path | None = None) -> list[str]:
+    """bwrap arguments laying the image's tree copy-on-write: each top-level directory an overlay
+    (the tree its lower layer, then a template's layer of it; the box's writes in memory, or kept
+    in ``persist`` for a template build), its links and files as they are."""
+    args: list[str] = []
+    for entry in _entries(root.rootfs):
+        if entry.name in _RUNTIME_TOPS or entry.name == HOST_KIT.lstrip("/"):
+            continue
+        target = "/" + entry.name
+        if entry.is_symlink():
+            args += ["--symlink", os.readlink(entry.path), target]
+        elif entry.is_dir(follow_symlinks=False):
+            args += ["--overlay-src", entry.path]
+            if template is not None and (Path(template) / "upper" / entry.name).is_dir():
+                args += ["--overlay-src", str(Path(template) / "upper" / entry.name)]
+            if persist is not None:
+                upper, work = persist / "upper" / entry.name, persist / "work" / entry.name
+                upper.mkdir(parents=True, exist_ok=True)
+                work.mkdir(parents=True, exist_ok=True)
+                args += ["--overlay", str(upper), str(work), target]
+            else:
+                args += ["--tmp-overlay", target]
+        elif entry.is_file(follow_symlinks=False):
+            args += ["--ro-bind", entry.path, target]
+    return args
+
+
+def host_mount_args(
+    root: ImageRoot,
+    mounts: Sequence[str],
+    files: Sequence[str],
+    masks: Mapping[str, str],
+    template: str | None,
+    persist: Path | None,
+) -> tuple[list[str], list[str]]:
+    """bwrap arguments showing host directories ``mounts`` (and single files ``files``) at their
+    own paths in a box of the image: ``(arguments, the directories laid copy-on-write)``.
+
+    A directory under /tmp or /run, or whose top-level directory the image lacks, is laid
+    copy-on-write (an overlay; in a read-only tmpfs made for its top-level directory, which a
+    forked box keeps whole); one inside a directory of the image is bound read-only (an overlay
+    cannot be renewed per forked box beneath another one: a forked box lays the bind again).
+    """
+    from pytest_boxlite.runtimes.namespace.mounts import _overlay
+
+    tops = {e.name: e for e in _entries(root.rootfs)}
+    args: list[str] = []
+    overlays: list[str] = []
+    made: list[str] = []
+    for m in mounts:
+        top = m.split("/")[1]
+        private = top in ("tmp", "run")
+        entry = tops.get(top)
+        if entry is not None and not private and entry.is_symlink():
+            raise BoxStartError(
+                f"image {root.reference}: /{top} is a link in the image; host directory {m} cannot be shown there"
+            )
+        if private or entry is None:
+            if not private and "/" + top != m and "/" + top not in made:
+                args += ["--tmpfs", "/" + top]
+                made.append("/" + top)
+            args += _overlay(m, template, persist, masks)
+            overlays.append(m)
+        else:
+            args += ["--ro-bind", m, m]
+    for f in files:
+        args += ["--ro-bind", f, f]
+    for top in made:
+        args += ["--remount-ro", top]
+    return args, overlays
+
+
+def interpreter_mounts() -> tuple[list[str], list[str]]:
+    """What boxed tests' interpreter needs at its own paths beyond ``sys.path``: ``(directories,
+    files)``: its prefixes (a virtual environment's ``pyvenv.cfg``), or, where one is a system
+    directory the image has its own of, the executable alone."""
+    exe = os.path.realpath(sys.executable)
+    dirs: list[str] = []
+    files: list[str] = []
+    for d in (sys.prefix, sys.exec_prefix, sys.base_prefix):
+        real = os.path.realpath(d)
+        if real in _SYSTEM_DIRS or real.count("/") == 1:
+            continue
+        dirs.append(real)
+    if not any(exe.startswith(d + "/") for d in dirs):
+        files.append(exe)
+    return dirs, files
+
+
+def _in_image(rootfs: str, path: str, depth: int = 0) -> bool:
+    """Whether ``path`` (absolute, in the image) names a file in the tree at ``rootfs``, links
+    resolved inside the tree (never outside it: a link's target is read as the image's path)."""
+    parts = [p for p in path.split("/") if p and p != "."]
+    cur = rootfs
+    for i, part in enumerate(parts):
+        if part == "..":
+            cur = os.path.dirname(cur) if cur != rootfs else rootfs
+            continue
+        nxt = os.path.join(cur, part)
+        try:
+            st = os.lstat(nxt)
+        except OSError:
+            return False
+        import stat as _stat
+
+        if _stat.S_ISLNK(st.st_mode):
+            if depth > 16:
+                return False
+            target = os.readlink(nxt)
+            base = "/" if target.startswith("/") else "/" + os.path.relpath(cur, rootfs)
+            rest = "/".join(parts[i + 1 :])
+            return _in_image(rootfs, os.path.normpath(os.path.join(base, target, rest)), depth + 1)
+        cur = nxt
+    return os.path.isfile(cur) if parts else False
+
+
+@lru_cache(maxsize=1)
+def _exe_libs() -> dict[str, str]:
+    """The libraries the host's interpreter executable links (``{soname: host path}``)."""
+    return _ldd([os.path.realpath(sys.executable)])[1]
+
+
+def interpreter_problem(root: ImageRoot, mounted: Sequence[str]) -> str | None:
+    """Why the image cannot run the host's interpreter for boxed tests, or ``None``.
+
+    ``mounted``: host directories the box shows at their own paths (a library found there, e.g.
+    a pyenv build's ``libpython``, comes from the host).  Cached per image and mounts: the session
+    asks for every boxed test's spec."""
+    return _interpreter_problem(root.rootfs, tuple(mounted))
+
+
+@lru_cache(maxsize=64)
+def _interpreter_problem(rootfs: str, mounted: tuple[str, ...]) -> str | None:
+    exe, loader, _, _ = _host_interpreter()
+    if not _in_image(rootfs, loader):
+        return f"no dynamic loader {loader} in the image (the glibc loader {exe} was built for)"
+    missing = []
+    for soname, path in sorted(_exe_libs().items()):
+        if any(path.startswith(m.rstrip("/") + "/") for m in mounted):
+            continue
+        if not any(_in_image(rootfs, f"/{d}/{soname}") for d in _LIB_DIRS):
+            missing.append(soname)
+    if missing:
+        return f"the image has no {', '.join(missing)} (libraries {exe} links)"
+    return None
+
+
+def _image_file(rootfs: str, rel: str, limit: int = 1 << 20) -> str:
+    """A file of the image's tree (``etc/passwd``), read bounded and never through a link."""
+    fd = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in rel.split("/")[:-1]:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        leaf = os.open(rel.split("/")[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+    finally:
+        os.close(fd)
+    try:
+        return os.read(leaf, limit).decode("utf-8", "replace")
+    finally:
+        os.close(leaf)
+
+
+def image_identity(root: ImageRoot) -> tuple[int, int] | None:
+    """The image config's ``User`` as ``(uid, gid)`` (names from the image's own /etc/passwd and
+    /etc/group), or ``None`` when it names no one the image knows."""
+    if not root.user:
+        return None
+    name, _, group = root.user.partition(":")
+
+    def lookup(rel: str, key: str) -> tuple[int, int] | None:
+        try:
+            text = _image_file(root.rootfs, rel)
+        except OSError:
+            return None
+        for line in text.splitlines():
+            fields = line.split(":")
+            if len(fields) >= 4 and fields[0] == key and fields[2].isdigit() and fields[3].isdigit():
+                return int(fields[2]), int(fields[3])
+        return None
+
+    if name.isdigit():
+        uid, gid = int(name), int(name)
+    else:
+        found = lookup("etc/passwd", name)
+        if found is None:
+            return None
+        uid, gid = found
+    if group:
+        if group.isdigit():
+            gid = int(group)
+        else:
+            found = lookup("etc/group", group)
+            if found is None:
+                return None
+            gid = found[0]
+    if uid > 0xFFFFFFFE or gid > 0xFFFFFFFE:
+        return None
+    return uid, gid

@@ -1,0 +1,151 @@
+"""Namespace boxes on an image's root filesystem (issue 25, items 1 and 3).
+
+Real boxes, booted and forked (the ``namespace_mode`` fixture), on small images built here from
+Debian's ``busybox-static`` (a static busybox, so no C library the host's Python could use) and,
+for boxed tests, on an image carrying the host interpreter's own glibc.  Skipped only where
+busybox-static is not installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CREATE_TIMEOUT, new_box_name
+
+from pytest_boxlite.runtimes import Runtime, image_problem
+from pytest_boxlite.sandbox import Sandbox
+from pytest_boxlite.spec import BoxSpec, ImageRoot
+
+pytestmark = pytest.mark.timeout(90)
+
+BUSYBOX = shutil.which("busybox") or "/usr/bin/busybox"
+OS_RELEASE = 'NAME="Boxlite Test Busybox"\nID=boxlite-busybox\n'
+needs_busybox = pytest.mark.skipif(
+    not os.path.isfile(BUSYBOX) or b"static" not in subprocess.run(["file", "-L", BUSYBOX], capture_output=True).stdout,
+    reason="needs Debian's busybox-static (apt-get install busybox-static)",
+)
+
+
+def busybox_tree(root: Path, os_release: str = OS_RELEASE) -> Path:
+    """A minimal root filesystem: a static busybox with its applets as links, an os-release."""
+    for d in ("bin", "etc", "root", "home", "usr/bin", "var/tmp"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+    for applet in ("sh", "cat", "ls", "env", "id", "echo", "touch", "rm", "mkdir", "pwd", "test", "wc", "stat"):
+        (root / "bin" / applet).symlink_to("busybox")
+    (root / "etc" / "os-release").write_text(os_release)
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/sh\n")
+    (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    return root
+
+
+def image_root(rootfs: Path, ref: str, **config: object) -> ImageRoot:
+    digest = "sha256:" + hashlib.sha256(str(rootfs).encode()).hexdigest()
+    return ImageRoot(reference=ref, digest=digest, rootfs=str(rootfs), **config)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def busybox(tmp_path_factory: pytest.TempPathFactory) -> ImageRoot:
+    """The busybox image's root, with a config (Env, WorkingDir)."""
+    tree = busybox_tree(tmp_path_factory.mktemp("busybox-rootfs"))
+    (tree / "srv" / "app").mkdir(parents=True)
+    return image_root(
+        tree, "oci:/images/busybox:test", env=(("IMAGE_VAR", "from-image"), ("SHARED", "image")), workdir="/srv/app"
+    )
+
+
+def boot(rt: Runtime, spec: BoxSpec) -> Sandbox:
+    return Sandbox(rt.create_box(spec, new_box_name(), timeout=CREATE_TIMEOUT))  # type: ignore[arg-type]
+
+
+@needs_busybox
+def test_a_box_of_an_image_shows_the_image_not_the_host(namespace_runtime: Runtime, busybox: ImageRoot) -> None:
+    spec = BoxSpec(image=busybox.reference, root=busybox, mounts=(str(Path(__file__).parent),))
+    sb = boot(namespace_runtime, spec)
+    try:
+        assert sb.execute_command("cat /etc/os-release", timeout=20).stdout == OS_RELEASE
+        r = sb.execute_command("busybox echo works; ls /usr/bin | wc -l; test -e /etc/debian_version; echo $?")
+        assert r.stdout.split() == ["works", "0", "1"], r
+        # The host's interpreter, its libraries and the host's /etc are nowhere at their paths.
+        for host_path in (os.path.realpath(sys.executable), "/etc/debian_version", "/lib64/ld-linux-x86-64.so.2"):
+            assert sb.execute_command(f"test -e {host_path}; echo $?").stdout.strip() == "1", host_path
+        # What the runtime mounts on purpose is there: the directory the spec mounts.
+        assert sb.execute_command(f"test -f {__file__}; echo $?").stdout.strip() == "0"
+        # The file operations work although the image has no Python (forks of the agent).
+        sb.write_bytes("/root/note.txt", b"hello\x00bytes")
+        assert sb.read_bytes("/root/note.txt") == b"hello\x00bytes"
+        assert sb.execute_command("cat /root/note.txt").stdout == "hello\x00bytes"
+    finally:
+        sb.handle.destroy()
+
+
+@needs_busybox
+def test_the_image_config_env_and_workdir(namespace_runtime: Runtime, busybox: ImageRoot) -> None:
+    spec = BoxSpec(image=busybox.reference, root=busybox, env=(("SHARED", "spec"),))
+    sb = boot(namespace_runtime, spec)
+    try:
+        r = sb.execute_command("echo $IMAGE_VAR $SHARED; pwd", timeout=20)
+        assert r.stdout.split() == ["from-image", "spec", "/srv/app"], r
+    finally:
+        sb.handle.destroy()
+
+
+@needs_busybox
+def test_each_box_of_an_image_is_pristine(namespace_runtime: Runtime, busybox: ImageRoot) -> None:
+    spec = BoxSpec(image=busybox.reference, root=busybox)
+    before = sorted(str(p.relative_to(busybox.rootfs)) for p in Path(busybox.rootfs).rglob("*"))
+    for _ in range(2):
+        sb = boot(namespace_runtime, spec)
+        try:
+            r = sb.execute_command(
+                "ls /etc/mark /bin/mark 2>&1; echo x > /etc/mark; rm /bin/cat; echo y > /bin/mark; "
+                "echo z > /etc/os-release; mkdir /newtop; cat /etc/os-release",
+                timeout=20,
+            )
+            assert "No such file" in r.stdout and r.stdout.count("No such file") == 2, r
+            assert r.stdout.endswith("z\n"), r
+        finally:
+            sb.handle.destroy()
+    # The image's tree itself is never written.
+    assert sorted(str(p.relative_to(busybox.rootfs)) for p in Path(busybox.rootfs).rglob("*")) == before
+    assert (Path(busybox.rootfs) / "etc" / "os-release").read_text() == OS_RELEASE
+
+
+@needs_busybox
+@pytest.mark.escapes
+def test_masks_hold_in_a_box_of_an_image(namespace_runtime: Runtime, busybox: ImageRoot) -> None:
+    """A host directory the box shows keeps its credentials hidden, as without an image."""
+    home = Path.home()
+    netrc = home / ".netrc"
+    if netrc.exists():
+        pytest.skip("this host has a ~/.netrc of its own; not touching it")
+    netrc.write_text("machine pbx-test.invalid login x password SECRET-NETRC\n")
+    try:
+        spec = BoxSpec(image=busybox.reference, root=busybox, mounts=(str(home),))
+        sb = boot(namespace_runtime, spec)
+        try:
+            r = sb.execute_command(f"cat {netrc}; ls -a {home}", timeout=20)
+            assert "SECRET" not in r.stdout, r
+            assert ".netrc" in r.stdout  # the file is there, empty: a mask, not a missing home
+        finally:
+            sb.handle.destroy()
+    finally:
+        netrc.unlink()
+
+
+@needs_busybox
+def test_an_image_without_the_loader_cannot_box_tests(busybox: ImageRoot) -> None:
+    spec = BoxSpec(image=busybox.reference, root=busybox, worker=True)
+    why = image_problem("namespace", spec)
+    assert why is not None
+    assert busybox.reference in why and os.path.realpath(sys.executable) in why
+    assert "no dynamic loader /lib" in why and "glibc >=" in why
+    # A sandbox of the same image is fine: its agent runs on the host's loader.
+    assert image_problem("namespace", BoxSpec(image=busybox.reference, root=busybox)) is None
+    assert image_problem("vm", spec) is None
