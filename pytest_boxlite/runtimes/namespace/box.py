@@ -467,12 +467,6 @@ class NamespaceBox(BoxDefaults):
         """A listening socket in the box's guest-visible directory, for boxes forked from this one."""
         return fork_listener(self.box_dir)
 
-    def guest_listener(self, name: str) -> tuple[socket.socket, str]:
-        """A listening Unix socket ``name`` in the box's guest-visible directory (read-only to the
-        box), mode 0666, and its path as this box and the boxes forked from it see it: the host end
-        of a service reached from a boxed test (:mod:`pytest_boxlite.reach`)."""
-        return fork_listener(self.box_dir, name)
-
     def fork_cell(self, name: str) -> ForkCell:
         """The cell of a box about to be forked from this one's warm interpreter: cgroups of its
         own with this box's caps (where this host lets us make them) and its own stderr, which
