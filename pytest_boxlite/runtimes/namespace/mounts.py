@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pytest_boxlite.errors import BoxStartError
 from pytest_boxlite.runtimes._homes import STATE_ENTRIES, boxlite_homes
+from pytest_boxlite.runtimes.namespace.regroup import regroup_args
 
 #: Credential directories masked by an empty tmpfs inside every box (in every home it can read).
 _SECRET_DIRS = (
@@ -113,7 +114,7 @@ def _overlay(path: str, template: str | None, persist: Path | None, masks: Mappi
     """bwrap arguments for one copy-on-write directory: the host's ``path``, then the template's
     layer of it and its mask layer; its writes kept in ``persist`` (a template build) or thrown away."""
     layer = path.strip("/")
-    args = ["--overlay-src", path]
+    args = ["--overlay-src", path, *regroup_args(path)]  # the user's files of a group the box cannot map
     if template is not None and (Path(template) / "upper" / layer).is_dir():
         args += ["--overlay-src", str(Path(template) / "upper" / layer)]
     if path in masks:

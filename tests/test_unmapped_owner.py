@@ -1,0 +1,161 @@
+"""An ordinary user's project whose files have a group the box cannot map (issue 23: "for every
+user, wherever the project lies").
+
+``git archive | tar -x`` as root, then ``chown -R user``: the files are the user's, their group
+stays root's.  The user's box maps only the user's own uid and gid, so overlayfs could not copy
+such a file (or a directory holding what is removed) up: ``rm -rf`` of the project in a box failed
+with ``EOVERFLOW`` (Errno 75).  :mod:`pytest_boxlite.runtimes.namespace.regroup` lays a re-owned
+copy of those entries under the box's writable layer; these check that a boxed test can change
+everything there as the host user could, that nothing reaches the host, and what the copy holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_nonroot import Workdir, _skip_reason
+
+from pytest_boxlite.runtimes.namespace.regroup import scan
+
+pytestmark = pytest.mark.timeout(240)
+
+BOXED = """
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.boxlite
+def test_change_everything():
+    data = HERE / "pkg" / "data.txt"
+    assert os.stat(data).st_gid == os.getgid()  # the user's own group (not the overflow group)
+    data.write_text("changed in the box")  # a copy-up of the file
+    os.chmod(HERE / "pkg", 0o700)  # and of its directory
+    os.rename(HERE / "pkg" / "mod.py", HERE / "pkg" / "renamed.py")
+    assert os.readlink(HERE / "pkg" / "link") == "data.txt"
+    (HERE / "pkg" / "link").unlink()
+    shutil.rmtree(HERE / "pkg")
+    (HERE / "notes.txt").unlink()
+    assert sorted(p.name for p in HERE.iterdir() if p.name != "__pycache__") == ["test_boxed.py"]
+
+
+def test_a_sandbox_changes_the_project_too(boxlite_sandbox):
+    r = boxlite_sandbox.execute_command("rm -rf {project}/pkg && echo gone", timeout=60)
+    assert r.ok and r.stdout.strip() == "gone", r
+"""
+
+
+def _tree_digest(root: Path) -> dict[str, tuple[int, int, int, str]]:
+    """Every entry below ``root``: mode, owner, group and content (a link's target), links unfollowed."""
+    out: dict[str, tuple[int, int, int, str]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                body = "-> " + os.readlink(p)
+            elif stat.S_ISREG(st.st_mode):
+                body = hashlib.sha256(p.read_bytes()).hexdigest()
+            else:
+                body = ""
+            out[str(p.relative_to(root))] = (st.st_mode, st.st_uid, st.st_gid, body)
+    return out
+
+
+@pytest.fixture
+def work() -> Iterator[Workdir]:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    w = Workdir()
+    yield w
+    shutil.rmtree(w.root, ignore_errors=True)
+
+
+def test_a_project_of_a_foreign_group_can_be_changed_in_its_boxes(work: Workdir) -> None:
+    work.write("test_boxed.py", BOXED.format(project=work.project))
+    work.write("notes.txt", "notes\n")
+    pkg = work.project / "pkg"
+    pkg.mkdir()
+    (pkg / "data.txt").write_text("host data\n")
+    (pkg / "mod.py").write_text("X = 1\n")
+    os.symlink("data.txt", pkg / "link")
+    # The user's files, root's group: what `tar -x` as root and `chown -R user` leave.
+    for p in [work.project, *work.project.rglob("*")]:
+        os.lchown(p, work.uid, 0)
+    before = _tree_digest(work.project)
+
+    r = work.pytest("--boxlite-runtime=namespace", "-p", "no:randomly", "-rA", "test_boxed.py")
+
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert "2 passed" in r.stdout
+    assert "Errno 75" not in r.stdout
+    # Nothing of what the boxes did reached the host's files.
+    assert _tree_digest(work.project) == before
+    assert (pkg / "data.txt").read_text() == "host data\n"
+    # The copy the boxes stacked is the user's, with the user's group and the host's content, and
+    # the boxes' writes did not land there either.
+    layers = [
+        p for p in Path(f"/tmp/pytest-boxlite-{work.uid}/regroup").glob("*/*/tree") if (p / "pkg" / "mod.py").exists()
+    ]
+    mine = [p for p in layers if (p / "test_boxed.py").read_text() == (work.project / "test_boxed.py").read_text()]
+    assert mine, layers
+    copy = mine[-1]
+    assert (copy / "pkg" / "data.txt").read_text() == "host data\n"
+    assert os.readlink(copy / "pkg" / "link") == "data.txt"
+    for p in [copy / "pkg", copy / "pkg" / "data.txt", copy / "pkg" / "link"]:
+        st = p.lstat()
+        assert (st.st_uid, st.st_gid) == (work.uid, work.gid)
+    assert stat.S_IMODE((copy / "pkg").stat().st_mode) == stat.S_IMODE(before["pkg"][0])
+    assert (copy / "pkg" / "data.txt").stat().st_mtime_ns == (pkg / "data.txt").stat().st_mtime_ns
+
+
+def test_scan_takes_only_the_users_own_entries_and_follows_no_link(tmp_path: Path) -> None:
+    """The unit layer: which entries get a copy (called with an owner and group of the test's
+    choosing, so it runs as any user)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give files other owners")
+    uid, gid = 4242, 4243
+    top = tmp_path / "top"
+    tree = top / "mid" / "proj"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "theirs").mkdir()
+    (tree / "sub" / "a.txt").write_text("a")
+    (tree / "own.txt").write_text("b")
+    (tree / "theirs" / "hidden.txt").write_text("c")
+    os.symlink("/etc/shadow", tree / "sub" / "shadow")
+    os.symlink(str(tree / "theirs"), tree / "into-theirs")
+    sub = tree / "sub"
+    for p in [top, top / "mid", tree, sub, sub / "a.txt", sub / "shadow", tree / "into-theirs"]:
+        os.lchown(p, uid, 0)  # the user's, with a group the box cannot map
+    os.chown(tree / "own.txt", uid, gid)  # the user's own group: nothing to do
+    os.chown(tree / "theirs", 0, 0)  # another owner's directory: not entered
+    os.chown(tree / "theirs" / "hidden.txt", uid, 0)
+
+    found = scan(str(top), str(tree), uid, gid)
+
+    names = ["mid", "mid/proj", "mid/proj/into-theirs", "mid/proj/sub", "mid/proj/sub/a.txt", "mid/proj/sub/shadow"]
+    assert sorted(found) == names
+    assert found["mid/proj/sub/shadow"].kind == "link" and found["mid/proj/sub/shadow"].target == "/etc/shadow"
+    assert found["mid/proj/sub/a.txt"].kind == "file" and found["mid/proj/sub/a.txt"].size == 1
+    # A tree below a directory of another owner is left alone: a copy would show that directory
+    # as the box's root's.
+    os.chown(top / "mid", 0, 0)
+    assert scan(str(top), str(tree), uid, gid) == {}
+    os.chown(top / "mid", uid, gid)
+    # And nothing at all where no entry needs it.
+    for p in [tree, tree / "sub", tree / "sub" / "a.txt"]:
+        os.chown(p, uid, gid)
+    for p in [tree / "sub" / "shadow", tree / "into-theirs"]:
+        os.lchown(p, uid, gid)
+    assert scan(str(top), str(tree), uid, gid) == {}
