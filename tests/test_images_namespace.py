@@ -61,7 +61,7 @@ def busybox(tmp_path_factory: pytest.TempPathFactory) -> ImageRoot:
 
 
 def boot(rt: Runtime, spec: BoxSpec) -> Sandbox:
-    return Sandbox(rt.create_box(spec, new_box_name(), timeout=CREATE_TIMEOUT))  # type: ignore[arg-type]
+    return Sandbox(rt.create_box(spec, new_box_name(), timeout=CREATE_TIMEOUT))
 
 
 @needs_busybox
