@@ -103,9 +103,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = ledger.scan(home)
     if not rows:
         print("no boxes")
+    from pytest_boxlite import service_ledger
+
+    services = service_ledger.read_all(home)  # the services running in boxes (service fixtures)
     for r in rows:
         owner = f"{r.owner} ({'alive' if r.owner_alive else 'dead'})" if r.owner else "(not ours)"
         flags = " kept" if r.kept else ""
+        record = services.get(r.name)
+        if record is not None and r.owner_alive:
+            flags += " " + service_ledger.describe(record)
         print(f"{r.name:32} {r.runtime:10} {'running' if r.running else 'stopped':8} owner={owner}{flags}")
     # The provisioned templates (--boxlite-setup): `clean --templates` removes exactly these.
     for line in list_templates(home):
@@ -138,6 +144,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
             print(f"removed {name}")
         return 0
     removed = ledger.reconcile(home, include_kept=args.kept)
+    from pytest_boxlite import service_ledger
+
+    service_ledger.prune(home)  # the records of services whose session is dead
     print(f"removed {len(removed)} box(es)" + (": " + ", ".join(removed) if removed else ""))
     return 0
 

@@ -7,8 +7,9 @@ every box masks (``ledger.OwnerLock.acquire`` registers it), and nothing from a 
 them but what the host itself chose (names, port numbers).
 
 A record outlives a session killed with ``kill -9``; the box it names is then a leftover, reaped
-by the ledger at the next start, and :func:`prune` drops records whose owner is dead (a service
-fixture's first use, and ``clean``).  ``ls`` shows a record only on the line of a box that exists.
+by the ledger at the next start, and :func:`prune` drops the records of boxes that are gone or
+whose owner is dead (a service fixture's first use, and ``clean``).  ``ls`` shows a record only on
+the line of a box that exists and whose owner lives.
 
 No pytest here: ``python -m pytest_boxlite ls`` imports this module.
 """
@@ -112,11 +113,12 @@ def describe(record: dict[str, Any]) -> str:
 
 
 def prune(home: Path) -> list[str]:
-    """Remove the records whose owner (by their box's name) is dead; returns their box names."""
+    """Remove the records of boxes that are gone or whose owner is dead; returns their box names."""
+    boxes = {lo.name: lo for lo in ledger.scan(Path(home))}
     dropped = []
     for box in read_all(home):
-        owner = ledger.owner_of(box)
-        if owner is None or not ledger.owner_alive(Path(home), owner):
+        lo = boxes.get(box)
+        if lo is None or not lo.owner_alive:
             remove(home, box)
             dropped.append(box)
     return dropped

@@ -32,7 +32,8 @@ Design (how an instance lives)
 * **Reports.**  A test that fails while it uses a service gets a report section
   ``boxlite service NAME`` holding the service's last output lines (bounded: :data:`LOG_LINES`
   lines of at most 300 characters each).  With ``--boxlite-keep``, the box of a service used by a
-  failed test (or one that was never ready) is kept, the service still running in it.
+  failed test (or one that was never ready) is kept, with its files (the process itself is
+  stopped: a box ends a process whose host end is gone).
 * **Ledger.**  A running service is recorded on its box's entry
   (:mod:`pytest_boxlite.service_ledger`), so ``python -m pytest_boxlite ls`` shows it; the box is
   reaped as every box is (at the end, after Ctrl-C, and after ``kill -9`` at the next start), and
@@ -452,24 +453,23 @@ def spec_for(item: pytest.Item, name: str) -> ServiceSpec | None:
 
 
 def scope_node(item: pytest.Item, spec: ServiceSpec) -> str:
-    """The node id of ``spec``'s scope for ``item``, as ``request.node`` of its fixture would be."""
+    """The node id of ``spec``'s scope for ``item``: that of ``request.node`` of its fixture, as
+    pytest chooses it (a package scope is the declaring conftest's package, else the session; a
+    class scope outside a class is the test itself)."""
     if spec.scope == "function":
         return item.nodeid
     if spec.scope == "session":
         return item.session.nodeid
-    chain = item.listchain()
     if spec.scope == "package":
         here = Path(spec.where).parent
-        packages = [n for n in chain if isinstance(n, pytest.Package)]
-        for n in packages:
-            if Path(str(n.path)) == here:
+        for n in item.listchain():
+            if isinstance(n, pytest.Package) and Path(str(n.path)) == here:
                 return n.nodeid
-        return packages[-1].nodeid if packages else item.session.nodeid
-    module = item.getparent(pytest.Module)
+        return item.session.nodeid
     if spec.scope == "class":
         cls = item.getparent(pytest.Class)
-        if cls is not None:
-            return cls.nodeid
+        return cls.nodeid if cls is not None else item.nodeid
+    module = item.getparent(pytest.Module)
     return module.nodeid if module is not None else item.nodeid
 
 
@@ -648,7 +648,15 @@ class ServiceManager:
         try:
             lease = BoxlitePool(session)._lease(f"service {spec.name!r}", spec.timeout, False, fields)
         except BoxliteError as exc:
-            raise ServiceStartError(spec.name, f"{spec.label()}: could not get a box: {exc}") from exc
+            with self._lock:
+                running = sorted({inst.spec.name for inst in self._live.values()})
+            held = (
+                f" (each running service holds a box of the pool until its scope ends: {', '.join(running)} "
+                "run now; --boxlite-replicas must leave room for them)"
+                if running
+                else ""
+            )
+            raise ServiceStartError(spec.name, f"{spec.label()}: could not get a box: {exc}{held}") from exc
         ok = False
         proc: BoxProcess | None = None
         try:
@@ -688,12 +696,10 @@ class ServiceManager:
             return inst
         finally:
             if not ok:
-                keep = session.settings.keep
-                if keep and proc is not None:
-                    self._detach(lease.sandbox, proc)
-                elif proc is not None:
+                if proc is not None:
                     proc.close()
-                lease.release(keep=keep)
+                # A service that never got ready: its box (files, setup's work) kept to look into.
+                lease.release(keep=session.settings.keep)
 
     def _not_ready(
         self, spec: ServiceSpec, check: Ready, proc: BoxProcess, sb: Sandbox, overall: bool, exc: OutputWaitError
@@ -707,12 +713,6 @@ class ServiceManager:
             what = f"was not ready within {bound}: {check.describe()} did not pass"
         detail = str(exc).split("\n--- last output lines ---", 1)[0]
         return ServiceStartError(spec.name, f"{spec.label()} in box {sb.name} {what}; {detail}", lines)
-
-    @staticmethod
-    def _detach(sb: Sandbox, proc: BoxProcess) -> None:
-        """Leave ``proc`` running in its kept box (not killed when the sandbox ends)."""
-        with sb._ports_lock:
-            sb._processes[:] = [p for p in sb._processes if p is not proc]
 
     def stop(self, key: tuple[str, str]) -> None:
         from pytest_boxlite import service_ledger
@@ -729,10 +729,10 @@ class ServiceManager:
             service_ledger.remove(self._session().home, sb.name)
         proc = inst.service.process
         if proc is not None:
-            if keep:
-                self._detach(sb, proc)
-            else:
-                proc.close()  # its process group too; not a "left running" warning: it is ours to stop
+            # Its process group too; no "left running" warning: it is ours to stop.  A kept box
+            # keeps its files; the process ends here all the same (a box kills a process whose
+            # host end went away), to be started again there with ``python -m pytest_boxlite shell``.
+            proc.close()
         if keep:
             # The summary's "kept box" line names the service (reporting.BOX_PROPERTY).
             item = self._item
