@@ -221,7 +221,9 @@ class BoxliteSession:
         try:
             found = ensure_image(image, store=store_dir(self.home), timeout=IMAGE_TIMEOUT)
         except (ImageError, BoxliteError, OSError) as exc:
-            return ConfigError(f"image {image!r} cannot be used: {exc}")
+            why = str(exc)
+            named = f"image {image!r}: "
+            return ConfigError(f"image {image!r} cannot be used: {why[len(named) :] if why.startswith(named) else why}")
         cfg = found.config
         return ImageRoot(
             reference=image,

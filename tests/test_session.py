@@ -152,7 +152,7 @@ def test_boxlite_pool_sandbox_with_its_own_spec(pytester: pytest.Pytester, home:
         # namespace: "image ... has no effect" (shown, not raised: an in-process sub-run)
         @pytest.mark.filterwarnings("default::pytest.PytestWarning")
         def test_other_spec(boxlite_pool, boxlite_sandbox):
-            with boxlite_pool.sandbox(image="python:3.12-slim", env={"GREETING": "hello there"}) as sb:
+            with boxlite_pool.sandbox(env={"GREETING": "hello there"}) as sb:
                 assert sb.execute_command("echo $GREETING").stdout.strip() == "hello there"
                 assert sb.name != boxlite_sandbox.name
             assert boxlite_sandbox.execute_command("echo ${GREETING:-unset}").stdout.strip() == "unset"
