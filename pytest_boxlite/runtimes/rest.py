@@ -61,6 +61,7 @@ from pytest_boxlite.errors import (
     ConfigError,
     RuntimeUnavailableError,
 )
+from pytest_boxlite.runtimes import _vmimage
 from pytest_boxlite.runtimes.base import BoxRecord
 from pytest_boxlite.runtimes.vm import EventLoopThread, VmBox, VmRuntime, _import_boxlite, resource_options
 from pytest_boxlite.spec import BoxSpec
@@ -341,11 +342,24 @@ class RestRuntime(VmRuntime):
         return super().wrap_exec_error(exc, box, program)
 
     # -- boxes ------------------------------------------------------------------------------------
+    def image_options(self, image: str) -> dict[str, Any]:
+        """A registry reference only: the server pulls images itself, and a local image
+        (``oci:``, ``oci-archive:``, ``docker-archive:``) is a file on this machine that it cannot
+        read (``BoxOptions.rootfs_path`` would name a path on the *server*)."""
+        if _vmimage.is_local(image):
+            raise ConfigError(
+                f"image {image!r} is a file on this machine, which the boxlite server at "
+                f"{self.target.display} cannot read (it pulls images from registries itself): push the "
+                f"image to a registry the server reaches (e.g. skopeo copy {image} docker://REGISTRY/NAME:TAG) "
+                "and name that, or run without --boxlite-url (the local vm or namespace runtime takes local images)"
+            )
+        return {"image": image.removeprefix("docker://")}
+
     def box_options(self, spec: BoxSpec) -> Any:
         bl = self.sdk
         lease = self.target.lease
         kwargs: dict[str, Any] = {
-            "image": spec.image,
+            **self.image_options(spec.image),
             "env": list(spec.env),
             # The dead-man switch: stopped after a lease without use, deleted a while after that.
             "auto_stop": lease,
@@ -358,6 +372,7 @@ class RestRuntime(VmRuntime):
         """Create the box on the server; a retried create whose first answer was lost finds its box."""
         already = tuple(getattr(self.sdk, n) for n in ("AlreadyExistsError", "InvalidArgumentError"))
         first = [True]
+        self.image_options(spec.image)  # a local image is refused before anything reaches the server
 
         async def create() -> Any:
             try:

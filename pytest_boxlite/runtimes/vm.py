@@ -74,7 +74,7 @@ from pytest_boxlite.errors import (
     RuntimeUnavailableError,
     file_error,
 )
-from pytest_boxlite.runtimes import _vmspawn
+from pytest_boxlite.runtimes import _vmimage, _vmspawn
 from pytest_boxlite.runtimes._forkrelay import ForkRelay
 from pytest_boxlite.runtimes._vmbridge import VmBridge
 from pytest_boxlite.runtimes.base import (
@@ -448,8 +448,9 @@ class VmRuntime(RuntimeDefaults):
     name = "vm"
     isolation = "BoxLite micro-VM (KVM / Hypervisor.framework): own kernel, own filesystem, hardware isolation"
 
-    def __init__(self, home: Path, *, sdk: Any | None = None) -> None:
-        """Open BoxLite on ``home``.  ``sdk`` replaces the ``boxlite`` module (the tests' SDK double)."""
+    def __init__(self, home: Path, *, sdk: Any | None = None, images: Path | None = None) -> None:
+        """Open BoxLite on ``home``.  ``sdk`` replaces the ``boxlite`` module (the tests' SDK double);
+        ``images`` is the image store local images go through (default: :func:`image_store`)."""
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
         self.sdk = sdk if sdk is not None else _import_boxlite()
@@ -468,6 +469,10 @@ class VmRuntime(RuntimeDefaults):
                 raise
             raise RuntimeUnavailableError(f"boxlite cannot open home {self.home}: {exc}") from None
         self._closed = False
+        #: Local images (``oci:``...) of this runtime, as layouts the SDK's ``rootfs_path`` takes.
+        self.images = Path(images) if images is not None else None
+        self._layouts: dict[str, _vmimage.LocalLayout] = {}
+        self._image_mutex = threading.Lock()
         #: Provisioned templates of this home: key -> the (stopped) SDK box that pool boxes are cloned from.
         self._templates: dict[str, Any] = {}
         self._template_mutex = threading.Lock()
@@ -486,10 +491,29 @@ class VmRuntime(RuntimeDefaults):
             return file_error(errno.EACCES, f"box {box.name}: cannot run {program!r}: {text}", program)
         return BoxDeadError(f"box {box.name}: exec of {program!r} failed: {exc}")
 
+    def local_image(self, ref: str) -> _vmimage.LocalLayout:
+        """The OCI layout that ``BoxOptions.rootfs_path`` gets for the local image ``ref`` (through the
+        machine's image store, once per machine; see :mod:`._vmimage`).  A missing, corrupt or
+        ambiguous image is a :class:`ConfigError` naming it, before any box exists."""
+        with self._image_mutex:
+            layout = self._layouts.get(ref)
+            if layout is None:
+                store = self.images if self.images is not None else image_store(self.home)
+                layout = self._layouts[ref] = _vmimage.local_layout(ref, store)
+        return layout
+
+    def image_options(self, image: str) -> dict[str, Any]:
+        """``BoxOptions`` fields for ``image``: a registry reference goes to the SDK's puller
+        (``image``; ``docker://`` is the transport's name, not part of the reference), a local one
+        to ``rootfs_path``, which the SDK takes over ``image`` (an OCI layout directory, read at start)."""
+        if _vmimage.is_local(image):
+            return {"image": None, "rootfs_path": self.local_image(image).path}
+        return {"image": image.removeprefix("docker://")}
+
     def box_options(self, spec: BoxSpec) -> Any:
         bl = self.sdk
         kwargs: dict[str, Any] = {
-            "image": spec.image,
+            **self.image_options(spec.image),
             "env": list(spec.env),
             # No working_dir: whether the OCI runtime creates a missing one is unverified (#13); the
             # box makes /workspace itself once it is up, and every exec names its cwd.
@@ -505,13 +529,15 @@ class VmRuntime(RuntimeDefaults):
 
     def register_box(self, spec: BoxSpec, name: str) -> Any:
         """Create the box record without booting it (works without KVM)."""
+        # Outside the loop: a local image may be extracted first, and a bad one is a usage error.
+        options = self.box_options(spec)
 
         async def create() -> Any:
-            return await self._rt.create(self.box_options(spec), name=name)
+            return await self._rt.create(options, name=name)
 
         try:
             return self.loop.call(create, BOOKKEEPING_TIMEOUT, f"create {name}")
-        except BoxTimeoutError:
+        except (BoxTimeoutError, ConfigError):  # a bad image is a usage error, not a failed start
             raise
         except Exception as exc:  # OverflowError for cpus > 255 too: a bad spec, not a crash
             raise BoxStartError(f"boxlite could not create box {name} ({spec.describe()}): {exc}") from exc
@@ -715,6 +741,14 @@ class VmRuntime(RuntimeDefaults):
             # The home is this owner's alone and holds no box any more: leave nothing for the
             # ledger to count as a leftover (the shared image store is only linked from here).
             shutil.rmtree(self.home, ignore_errors=True)
+
+
+def image_store(home: Path) -> Path:
+    """The machine's image store for the vm home ``home`` (``<base>/vm/<owner>``, see :func:`prepare_home`):
+    :func:`pytest_boxlite.images.store_dir` of ``<base>``, shared with the namespace runtime."""
+    from pytest_boxlite.images import store_dir
+
+    return store_dir(Path(home).parent.parent)
 
 
 def vm_homes(home: Path) -> Path:

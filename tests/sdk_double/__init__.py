@@ -45,7 +45,10 @@ is section 4 of ``reviews/vm-sdk-review.md``:
 14. the home layout, ``boxes/<id>/logs/console.log``, ``boxes/<id>/shim.stderr``
     and ``logs/boxlite.log.<date>``;
 15. a per-home image index: the first start of an image in a home counts one
-    registry contact (``db/registry_contacts``), shared blobs or not.
+    registry contact (``db/registry_contacts``), shared blobs or not;
+16. ``rootfs_path`` (a ``str``; a non-empty one wins over ``image``): a local OCI image layout,
+    checked at start with the real SDK's messages, its first manifest booted on, no registry
+    contact (:mod:`sdk_double._local_image`).
 
 The error classes are the real wheel's own (:mod:`boxlite.errors` is pure
 Python), so names, codes and bases are exact.  What the double cannot know
@@ -89,6 +92,8 @@ from boxlite.errors import (
     StoppedError,
     UnsupportedError,
 )
+
+from sdk_double import _local_image
 
 __all__ = [
     "AccessToken",
@@ -256,6 +261,10 @@ class BoxOptions:
         advanced=None,
         secrets=...,
     ):
+        # Both are Option<String> in the binding: anything but a str (a Path too) is refused.
+        for what, value in (("image", image), ("rootfs_path", rootfs_path)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"argument '{what}': '{type(value).__name__}' object cannot be cast as 'str'")
         self.image = image
         self.rootfs_path = rootfs_path
         self.cpus = _check_int(cpus, 8, "cpus")
@@ -703,6 +712,8 @@ class _BoxState:
         self.watch_w: int | None = None
         self.ns_init: int | None = None
         self.lock = threading.Lock()
+        #: The local OCI image (``rootfs_path``) this box boots on, once started.
+        self.local: _local_image.LocalImage | None = None
 
     # The blocking parts run on threads of their own (see _in_thread).
     def start_blocking(self) -> None:
@@ -714,7 +725,11 @@ class _BoxState:
             for host, _guest, _ro in self.opts.volumes:
                 if not os.path.exists(host):
                     raise ConfigError(f"Volume host path does not exist: {host}")
-            self.rt.pull(self.rec["image"])
+            if self.opts.rootfs_path:
+                # Read in place: no registry contact (the real SDK's load_from_local).
+                self.local = _local_image.load(self.opts.rootfs_path, self.rt.home / "images" / "extracted")
+            else:
+                self.rt.pull(self.rec["image"])
             self._launch()
 
     def _launch(self) -> None:
@@ -737,7 +752,7 @@ class _BoxState:
             # holds all of them in its own kernel (sethostname works there), so ask for them back
             # (they are the box's user namespace's, worth nothing on the host).
             argv += ["--cap-add", "ALL"]
-        for entry in entries:
+        for entry in entries if self.local is None else []:
             kind, path = entry[0], entry[-1]
             if path.strip("/") not in _IMAGE_TOPS:
                 continue
@@ -747,6 +762,11 @@ class _BoxState:
                 argv += ["--ro-bind", path, path]
             else:
                 argv += self._disk_layer(path)
+        kit: list[str] = [_image_python()]
+        if self.local is not None:
+            argv += _local_image.mounts(self.local, self._disk_layer)
+            binds, kit = _local_image.agent_kit(_image_python())
+            argv += binds
         argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
         # The box's disk: what the guest writes outside /tmp and /run persists across stop and start
         # (and is what clone_box and export copy), as a VM's disk image does.
@@ -766,7 +786,7 @@ class _BoxState:
         if NO_USER_NAMESPACES:
             argv.append("--disable-userns")
         watch_r, watch_w = os.pipe()
-        agent = [_image_python(), "-I", "-S", "-c", _GUEST_SOURCE, f"{_CTL}/agent.sock", str(watch_r)]
+        agent = [*kit, "-I", "-S", "-c", _GUEST_SOURCE, f"{_CTL}/agent.sock", str(watch_r)]
         shim_err = open(self.dir / "shim.stderr", "ab")  # noqa: SIM115 - handed to the child
         try:
             proc = subprocess.Popen(
@@ -802,13 +822,13 @@ class _BoxState:
             fh.write(f"[double] box {self.rec['id']} booted, agent pid {proc.pid}\n")
         self.rt.update(self.rec, status="running", pid=proc.pid, pid_start=_start_time(proc.pid), started=time.time())
 
-    def _disk_layer(self, path: str) -> list[str]:
-        layer = path.strip("/").replace("/", "%")
+    def _disk_layer(self, path: str, dest: str | None = None) -> list[str]:
+        layer = (dest or path).strip("/").replace("/", "%")
         upper = self.dir / "disk" / "upper" / layer
         work = self.dir / "disk" / "work" / layer
         upper.mkdir(parents=True, exist_ok=True)
         work.mkdir(parents=True, exist_ok=True)
-        return ["--overlay-src", path, "--overlay", str(upper), str(work), path]
+        return ["--overlay-src", path, "--overlay", str(upper), str(work), dest or path]
 
     def stop_blocking(self) -> None:
         with self.lock:
@@ -945,7 +965,7 @@ class Box:
             if state.rec["status"] == "stopped":
                 raise InvalidStateError(f"box {state.rec['id']} is stopped")
             assert state.opts is not None
-            merged = dict(_image_env())
+            merged = dict(_image_env() if state.local is None else state.local.env)
             merged.update(state.opts.env)
             merged.update(env or [])
             argv = [str(command), *(str(a) for a in (args or []))]
@@ -1184,7 +1204,8 @@ class Boxlite:
                 rec = {
                     "id": bid,
                     "name": name,
-                    "image": options.image or options.rootfs_path,
+                    # A non-empty rootfs_path wins over image; the record shows it as the real one does.
+                    "image": f"rootfs:{options.rootfs_path}" if options.rootfs_path else options.image,
                     "cpus": options.cpus or 1,
                     "memory_mib": options.memory_mib or 1024,
                     "auto_delete": 1 if options.auto_delete is None else options.auto_delete,
