@@ -1,0 +1,515 @@
+"""Apply OCI layers (tar changesets) to a directory: hostile-input code.
+
+Every layer is untrusted (whoever wrote the test image).  Members are parsed by :mod:`tarfile`;
+their modes are set as its ``data`` extraction filter sets them (PEP 706: no setuid/setgid/sticky
+bits, no group/other write, no ownership), and where this Python has that filter (3.11.4+; not
+Debian's 3.11.2) each member passes it too.  The filter alone is not enough for layers (it checks
+against the host's view of links, and extracts through them): the files are written here, through
+directory file descriptors opened with ``O_NOFOLLOW``, so no host call ever follows a link planted
+by a layer:
+
+- a member's parent path is resolved *inside* the tree with the box's semantics (the tree is the
+  box's ``/``: absolute links and ``..`` at the top stay in it), as containerd and docker do;
+- an absolute symlink target is kept as a link, rewritten relative to the member's directory
+  (``/usr/bin/x`` at ``bin/sh`` becomes ``../usr/bin/x``), which the box resolves the same way;
+  a relative one climbing above the top is clamped there, as the kernel clamps ``/..``;
+- hard links must name a file already in the tree; device nodes and FIFOs are skipped;
+- whiteouts (``.wh.NAME``) and opaque markers (``.wh..wh..opq``) remove lower layers' entries
+  without following links;
+- directories keep ``u+rwx`` so the unpacking user can always remove the tree again;
+- sizes are bounded: bytes written, members, name lengths.
+
+Ownership is never changed: files belong to the unpacking user, which the box maps to its own ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import gzip
+import hashlib
+import io
+import os
+import shutil
+import stat
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from pytest_boxlite.images.reference import ImageError
+
+__all__ = ["DEFAULT_MAX_MEMBERS", "DEFAULT_MAX_UNPACKED", "Limits", "apply_layer", "open_layer_stream", "tree_size"]
+
+DEFAULT_MAX_UNPACKED = 8 << 30
+DEFAULT_MAX_MEMBERS = 1_000_000
+_MAX_NAME = 4096
+_MAX_LINK_HOPS = 40
+_WH = ".wh."
+_OPAQUE = ".wh..wh..opq"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_CHUNK = 1 << 20
+#: PEP 706's ``data`` filter, where this Python has it (3.11.4+; Debian's 3.11.2 has not).
+_DATA_FILTER = getattr(tarfile, "data_filter", None)
+
+
+class Limits:
+    """What one image may cost to unpack: bytes of file data and number of members, all layers together."""
+
+    def __init__(self, max_unpacked: int = DEFAULT_MAX_UNPACKED, max_members: int = DEFAULT_MAX_MEMBERS) -> None:
+        self.max_unpacked = max_unpacked
+        self.max_members = max_members
+        self.unpacked = 0
+        self.members = 0
+        self.skipped_special = 0
+
+
+class _HashingReader(io.RawIOBase):
+    """Reads a (decompressed) layer stream, hashing it and refusing more than ``limit`` bytes."""
+
+    def __init__(self, raw: IO[bytes], limit: int, what: str) -> None:
+        self._raw = raw
+        self._limit = limit
+        self._what = what
+        self.count = 0
+        self.sha = hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self._raw.read(len(b))
+        n = len(data)
+        self.count += n
+        if self.count > self._limit:
+            raise ImageError(
+                f"{self._what}: the layer unpacks to more than {self._limit} bytes (the image's size bound)"
+            )
+        self.sha.update(data)
+        b[:n] = data
+        return n
+
+    def drain(self) -> None:
+        while self.read(_CHUNK):
+            pass
+
+
+def _compression(head: bytes) -> str:
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip"
+    if head.startswith(b"\x28\xb5\x2f\xfd"):
+        return "zstd"
+    if head.startswith(b"BZh"):
+        return "bzip2"
+    if head.startswith(b"\xfd7zXZ\x00"):
+        return "xz"
+    return "tar"
+
+
+@contextlib.contextmanager
+def open_layer_stream(blob: Path, limit: int, what: str) -> Iterator[_HashingReader]:
+    """The decompressed bytes of layer ``blob`` (tar, gzip; zstd where the ``zstandard`` module is)."""
+    with open(blob, "rb") as raw:
+        kind = _compression(raw.read(6))
+        raw.seek(0)
+        stream: Any
+        if kind == "gzip":
+            stream = gzip.GzipFile(fileobj=raw, mode="rb")
+        elif kind == "tar":
+            stream = raw
+        elif kind == "zstd":
+            try:
+                import zstandard  # type: ignore[import-not-found, unused-ignore]
+            except ImportError:
+                raise ImageError(
+                    f"{what}: the layer is zstd-compressed and the 'zstandard' module is not installed "
+                    "(pip install zstandard, or re-pack the image with gzip layers: "
+                    "skopeo copy --dest-compress-format gzip)"
+                ) from None
+            stream = zstandard.ZstdDecompressor().stream_reader(raw)
+        else:
+            raise ImageError(f"{what}: {kind}-compressed layers are not supported (use tar, gzip or zstd layers)")
+        yield _HashingReader(stream, limit, what)
+
+
+def _split(name: str) -> list[str]:
+    return [p for p in name.split("/") if p not in ("", ".")]
+
+
+class _Tree:
+    """The tree being built, addressed by in-tree paths, through directory fds only."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.rootfd = os.open(root, _DIR_FLAGS)
+        self._cache: dict[tuple[str, ...], tuple[int, tuple[str, ...]]] = {}
+
+    def close(self) -> None:
+        self.forget()
+        os.close(self.rootfd)
+
+    def forget(self) -> None:
+        """Drop cached directory fds: a link or directory changed, so paths may resolve otherwise."""
+        for fd, _ in self._cache.values():
+            os.close(fd)
+        self._cache.clear()
+
+    def resolve_dir(self, parts: list[str], *, create: bool, what: str) -> tuple[int, tuple[str, ...]] | None:
+        """A new fd (the caller closes it) of directory ``parts`` resolved inside the tree, and its real path.
+
+        Links are followed with the box's semantics (absolute from the tree's top; ``..`` stops
+        there).  Missing directories are made when ``create`` (a layer may omit its parents), a
+        non-directory in the way is replaced by one (the upper layer wins); else None.
+        """
+        key = tuple(parts)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return os.dup(hit[0]), hit[1]
+        fds: list[int] = []
+        real: list[str] = []
+        todo = list(reversed(parts))
+        hops = 0
+        try:
+            while todo:
+                comp = todo.pop()
+                if comp in ("", "."):
+                    continue
+                cur = fds[-1] if fds else self.rootfd
+                if comp == "..":
+                    if fds:
+                        os.close(fds.pop())
+                        real.pop()
+                    continue
+                try:
+                    st = os.stat(comp, dir_fd=cur, follow_symlinks=False)
+                except FileNotFoundError:
+                    if not create:
+                        return None
+                    os.mkdir(comp, 0o755, dir_fd=cur)
+                    st = os.stat(comp, dir_fd=cur, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    hops += 1
+                    if hops > _MAX_LINK_HOPS:
+                        raise ImageError(f"{what}: too many levels of symbolic links under {'/'.join(parts)!r}")
+                    target = os.readlink(comp, dir_fd=cur)
+                    if target.startswith("/"):
+                        for fd in fds:
+                            os.close(fd)
+                        fds.clear()
+                        real.clear()
+                    todo.extend(reversed(target.split("/")))
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    if not create:
+                        return None
+                    os.unlink(comp, dir_fd=cur)
+                    os.mkdir(comp, 0o755, dir_fd=cur)
+                fds.append(os.open(comp, _DIR_FLAGS, dir_fd=cur))
+                real.append(comp)
+            fd = os.dup(fds[-1]) if fds else os.dup(self.rootfd)
+        finally:
+            for f in fds:
+                os.close(f)
+        self._cache[key] = (fd, tuple(real))
+        return os.dup(fd), tuple(real)
+
+    def remove(self, dirfd: int, name: str) -> None:
+        """Remove entry ``name`` of ``dirfd`` (a whole directory tree too), following no link."""
+        try:
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            _rmtree_at(dirfd, name)
+        else:
+            os.unlink(name, dir_fd=dirfd)
+        self.forget()
+
+
+def _rmtree_at(dirfd: int, name: str) -> None:
+    """Remove directory ``name`` of ``dirfd`` and all below it, through fds, following no link.
+
+    (``shutil.rmtree(dir_fd=)`` is 3.11+; this also runs on 3.10, and without recursion, so depth
+    is bounded by names' length only.)
+    """
+    stack: list[tuple[int, str, int]] = []  # (parent fd, name, fd of the directory itself)
+    top = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+    stack.append((os.dup(dirfd), name, top))
+    try:
+        while stack:
+            parent, dname, fd = stack[-1]
+            descended = False
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        with contextlib.suppress(OSError):
+                            os.chmod(entry.name, 0o700, dir_fd=fd, follow_symlinks=False)
+                        stack.append((os.dup(fd), entry.name, os.open(entry.name, _DIR_FLAGS, dir_fd=fd)))
+                        descended = True
+                        break
+                    os.unlink(entry.name, dir_fd=fd)
+            if descended:
+                continue
+            stack.pop()
+            os.close(fd)
+            try:
+                os.rmdir(dname, dir_fd=parent)
+            finally:
+                os.close(parent)
+    finally:
+        for parent, _, fd in stack:
+            os.close(parent)
+            os.close(fd)
+
+
+def _safe_mode(member: tarfile.TarInfo) -> int:
+    """The mode a member gets, as PEP 706's ``data`` filter sets it (no setuid/setgid/sticky, no
+    group/other write, owner read+write on files), and ``u+rwx`` on directories, so the tree's
+    owner can always remove it."""
+    mode = (member.mode or 0) & 0o755
+    if member.isdir():
+        return mode | 0o700
+    if not mode & 0o100:
+        mode &= ~0o111
+    return mode | 0o600
+
+
+def _link_target(parent: tuple[str, ...], target: str) -> str:
+    """Symlink ``target`` of a member in directory ``parent``, as written into the tree.
+
+    Absolute: relative to ``parent`` (``/usr/bin/x`` at ``bin/sh`` is ``../usr/bin/x``), which
+    the box, whose ``/`` is the tree, resolves the same way.  Relative and climbing above the
+    top: clamped there, as the kernel clamps ``/..``.  Else literal.
+    """
+    if target.startswith("/"):
+        return "/".join([".."] * len(parent) + _split(target)) or "."
+    depth = len(parent)
+    for comp in target.split("/"):
+        if comp == "..":
+            depth -= 1
+            if depth < 0:
+                return _clamped(parent, target)
+        elif comp not in ("", "."):
+            depth += 1
+    return target
+
+
+def _clamped(parent: tuple[str, ...], target: str) -> str:
+    """``target`` (a link at directory ``parent``) as the box resolves it, written relative to ``parent``.
+
+    ``..`` at the top stays at the top, as in the box, where the tree is ``/``.
+    """
+    parts: list[str] = [] if target.startswith("/") else list(parent)
+    for comp in target.split("/"):
+        if comp in ("", "."):
+            continue
+        if comp == "..":
+            if parts:
+                parts.pop()
+        else:
+            parts.append(comp)
+    rel = "/".join([".."] * len(parent) + parts)
+    return rel or "."
+
+
+def apply_layer(root: Path, blob: Path, *, diff_id: str | None, limits: Limits, what: str) -> None:
+    """Apply layer ``blob`` to ``root``; check its uncompressed digest against ``diff_id`` if given.
+
+    Raises :class:`ImageError` naming ``what`` (the image and layer) and the member at fault.
+    """
+    tree = _Tree(root)
+    dest = os.path.realpath(root)
+    created: set[tuple[str, ...]] = set()
+    try:
+        with open_layer_stream(blob, limits.max_unpacked + (64 << 20), what) as reader:
+            try:
+                with tarfile.open(fileobj=reader, mode="r|") as tf:
+                    for member in tf:
+                        _apply_member(tree, tf, member, dest, created, limits, what)
+                reader.drain()
+            except tarfile.TarError as exc:
+                raise ImageError(
+                    f"{what}: the layer is not a valid tar archive ({exc}); is the image truncated or corrupt?"
+                ) from None
+            except (EOFError, gzip.BadGzipFile, OSError) as exc:
+                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise ImageError(f"{what}: no space left to unpack the image under {root}") from None
+                raise ImageError(f"{what}: cannot read the layer ({exc}); is the image truncated or corrupt?") from None
+            if diff_id is not None and f"sha256:{reader.sha.hexdigest()}" != diff_id:
+                raise ImageError(
+                    f"{what}: the layer's content does not match the image config's diff_id {diff_id} "
+                    f"(got sha256:{reader.sha.hexdigest()}): the image is corrupt; rebuild or re-save it"
+                )
+    finally:
+        tree.close()
+
+
+def _apply_member(
+    tree: _Tree,
+    tf: tarfile.TarFile,
+    member: tarfile.TarInfo,
+    dest: str,
+    created: set[tuple[str, ...]],
+    limits: Limits,
+    what: str,
+) -> None:
+    limits.members += 1
+    if limits.members > limits.max_members:
+        raise ImageError(f"{what}: more than {limits.max_members} members in the image (its member bound)")
+    name = member.name
+    if len(name) > _MAX_NAME or len(member.linkname) > _MAX_NAME or "\0" in name:
+        raise ImageError(f"{what}: member name {name[:80]!r}... is longer than {_MAX_NAME} characters")
+    parts = _split(name)
+    if ".." in parts:
+        raise ImageError(f"{what}: member {name!r} leaves the image's root ('..'): the layer is hostile or broken")
+    if not parts:
+        return  # the root itself: its mode stays the store's
+    if member.ischr() or member.isblk() or member.isfifo():
+        limits.skipped_special += 1  # a box gets its own /dev; nodes in an image are never made
+        return
+    base = parts[-1]
+    if base.startswith(_WH):
+        _whiteout(tree, parts, created, what)
+        return
+    if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+        limits.skipped_special += 1
+        return
+    checked = copy.copy(member)
+    checked.mode = _safe_mode(member)
+    checked.uid = checked.gid = 0  # never used: nothing is chowned
+    if member.issym():
+        checked.linkname = _link_target(tuple(parts[:-1]), member.linkname)
+    if _DATA_FILTER is not None:
+        # PEP 706's own checks as well, where this Python has them (3.11.4+, 3.12+).
+        try:
+            try:
+                _DATA_FILTER(checked, dest)
+            except tarfile.LinkOutsideDestinationError:
+                if not checked.issym():
+                    raise
+                # Through links planted earlier, the host would resolve it outside (the box
+                # would not: its / stops '..'): written lexically resolved instead.
+                checked.linkname = _clamped(tuple(parts[:-1]), checked.linkname)
+                _DATA_FILTER(checked, dest)
+        except tarfile.FilterError as exc:
+            raise ImageError(f"{what}: member {name!r} refused: {exc}") from None
+    found = tree.resolve_dir(parts[:-1], create=True, what=what)
+    assert found is not None
+    dirfd, real_parent = found
+    try:
+        _write_member(tree, tf, member, checked, dirfd, real_parent, created, limits, what)
+    finally:
+        os.close(dirfd)
+
+
+def _write_member(
+    tree: _Tree,
+    tf: tarfile.TarFile,
+    member: tarfile.TarInfo,
+    checked: tarfile.TarInfo,
+    dirfd: int,
+    real_parent: tuple[str, ...],
+    created: set[tuple[str, ...]],
+    limits: Limits,
+    what: str,
+) -> None:
+    base = _split(member.name)[-1]
+    key = (*real_parent, base)
+    created.add(key)
+    if checked.isdir():
+        mode = checked.mode
+        try:
+            st = os.stat(base, dir_fd=dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            tree.remove(dirfd, base)
+            st = None
+        if st is None:
+            os.mkdir(base, 0o700, dir_fd=dirfd)
+        os.chmod(base, mode, dir_fd=dirfd, follow_symlinks=False)
+        return
+    tree.remove(dirfd, base)
+    if checked.issym():
+        os.symlink(checked.linkname, base, dir_fd=dirfd)
+        tree.forget()
+    elif checked.islnk():
+        _hardlink(tree, dirfd, base, checked, what)
+    else:
+        limits.unpacked += checked.size
+        if limits.unpacked > limits.max_unpacked:
+            raise ImageError(f"{what}: the image unpacks to more than {limits.max_unpacked} bytes (its size bound)")
+        mode = checked.mode
+        fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
+        try:
+            src = tf.extractfile(member)
+            assert src is not None
+            with os.fdopen(fd, "wb", closefd=False) as out:
+                shutil.copyfileobj(src, out, _CHUNK)
+            os.fchmod(fd, mode)
+            with contextlib.suppress(OverflowError, ValueError, OSError):
+                os.utime(fd, (member.mtime, member.mtime))
+        finally:
+            os.close(fd)
+
+
+def _hardlink(tree: _Tree, dirfd: int, base: str, member: tarfile.TarInfo, what: str) -> None:
+    target = _split(member.linkname)
+    if not target or ".." in target:
+        raise ImageError(f"{what}: hard link {member.name!r} -> {member.linkname!r} points outside the image")
+    found = tree.resolve_dir(target[:-1], create=False, what=what)
+    if found is None:
+        raise ImageError(f"{what}: hard link {member.name!r} names {member.linkname!r}, which is not in the image")
+    srcfd, _ = found
+    try:
+        try:
+            st = os.stat(target[-1], dir_fd=srcfd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise ImageError(
+                f"{what}: hard link {member.name!r} names {member.linkname!r}, which is not in the image"
+            ) from None
+        if stat.S_ISDIR(st.st_mode):
+            raise ImageError(f"{what}: hard link {member.name!r} names directory {member.linkname!r}")
+        os.link(target[-1], base, src_dir_fd=srcfd, dst_dir_fd=dirfd, follow_symlinks=False)
+    finally:
+        os.close(srcfd)
+
+
+def _whiteout(tree: _Tree, parts: list[str], created: set[tuple[str, ...]], what: str) -> None:
+    found = tree.resolve_dir(parts[:-1], create=False, what=what)
+    if found is None:
+        return  # nothing below to hide
+    dirfd, real_parent = found
+    try:
+        base = parts[-1]
+        if base == _OPAQUE:
+            # Empty the directory of lower layers' entries; this layer's own stay.
+            for entry in os.listdir(dirfd):
+                if (*real_parent, entry) not in created:
+                    tree.remove(dirfd, entry)
+            return
+        victim = base[len(_WH) :]
+        if victim in ("", ".", "..") or (*real_parent, victim) in created:
+            return
+        tree.remove(dirfd, victim)
+    finally:
+        os.close(dirfd)
+
+
+def tree_size(root: Path) -> int:
+    """Bytes on disk of the tree at ``root`` (each inode once; links never followed)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, n))
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += st.st_blocks * 512
+    return total
