@@ -29,10 +29,14 @@ is missing; a glibc too old shows as the worker's own start-up error, quoted in 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import secrets
+import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -110,15 +114,51 @@ def _host_interpreter() -> tuple[str, str, dict[str, str], tuple[str, ...]]:
     return exe, loader, {k: os.path.realpath(v) for k, v in libs.items()}, stdlib
 
 
+_KIT_LOCK = threading.Lock()
+
+
+def _lib_dir() -> str:
+    """A directory holding copies of the agent's loader and libraries (one mount per box, not one
+    per library: a box costs what one without an image does).  Made once per set of libraries in
+    this user's private /tmp directory (see :func:`~.mounts.private_tmp`), complete before it is
+    renamed into place."""
+    from pytest_boxlite.runtimes.namespace.mounts import private_tmp
+
+    _, loader, libs, _ = _host_interpreter()
+    files = {os.path.basename(loader): os.path.realpath(loader), **libs}
+    stamp = []
+    for name, path in sorted(files.items()):
+        st = os.stat(path)
+        stamp.append((name, path, st.st_size, st.st_mtime_ns))
+    key = hashlib.sha256(repr(stamp).encode()).hexdigest()[:16]
+    base = private_tmp() / "kit"
+    done = base / key
+    with _KIT_LOCK:
+        if (done / ".complete").is_file():
+            return str(done)
+        base.mkdir(exist_ok=True, mode=0o700)
+        tmp = base / f"{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        tmp.mkdir(mode=0o755)
+        try:
+            for name, path in files.items():
+                shutil.copy2(path, tmp / name)
+            (tmp / ".complete").write_text("")
+            try:
+                os.rename(tmp, done)
+            except OSError:  # another process made it first (or a stale one is in the way)
+                if not (done / ".complete").is_file():
+                    shutil.rmtree(done, ignore_errors=True)
+                    os.rename(tmp, done)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(done)
+
+
 def kit_args() -> list[str]:
     """bwrap arguments binding the agent's interpreter, loader, libraries and guest code under
     :data:`HOST_KIT`, read-only (a tmpfs of its own: a top-level mount a forked box keeps)."""
-    exe, loader, libs, stdlib = _host_interpreter()
-    lib = f"{HOST_KIT}/.lib"
-    args = ["--tmpfs", HOST_KIT]
-    args += ["--ro-bind", os.path.realpath(loader), f"{lib}/{os.path.basename(loader)}"]
-    for soname, path in sorted(libs.items()):
-        args += ["--ro-bind", path, f"{lib}/{soname}"]
+    exe, _, _, stdlib = _host_interpreter()
+    args = ["--tmpfs", HOST_KIT, "--ro-bind", _lib_dir(), f"{HOST_KIT}/.lib"]
     args += ["--ro-bind", exe, HOST_KIT + exe]
     for d in stdlib:
         args += ["--ro-bind", d, HOST_KIT + d]
