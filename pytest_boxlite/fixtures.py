@@ -6,7 +6,7 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from pytest_boxlite.spec import BoxSpec
 
 SESSION_KEY = pytest.StashKey["BoxliteSession"]()
+#: Makes the host role of a run without ``--boxlite`` that has not needed one yet (see
+#: ``plugin.LazyHost``) and returns its session.
+PROMOTE_KEY = pytest.StashKey[Callable[[], "BoxliteSession"]]()
 #: The call-phase report of an item, so fixtures can tell whether the test failed.
 CALL_FAILED_KEY = pytest.StashKey[bool]()
 
@@ -28,6 +31,9 @@ def get_session(config: pytest.Config) -> BoxliteSession:
     try:
         return config.stash[SESSION_KEY]
     except KeyError:
+        promote = config.stash.get(PROMOTE_KEY, None)
+        if promote is not None:
+            return promote()
         from pytest_boxlite.spec import in_guest
 
         if in_guest():

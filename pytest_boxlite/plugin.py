@@ -24,6 +24,7 @@ import pytest
 
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.fixtures import (  # noqa: F401 - fixtures are found as attributes of this plugin
+    PROMOTE_KEY,
     SESSION_KEY,
     boxlite_module_sandbox,
     boxlite_pool,
@@ -34,7 +35,8 @@ from pytest_boxlite.settings import add_options, resolve
 from pytest_boxlite.spec import in_guest
 
 if TYPE_CHECKING:
-    from pytest_boxlite.roles import _SessionRole
+    from pytest_boxlite.roles import HostPlugin, _SessionRole
+    from pytest_boxlite.session import BoxliteSession
 
 # Only what every pytest process with this plugin needs is imported here: options, fixtures,
 # markers.  The roles (pool, runtimes, remote execution) are imported in pytest_configure where
@@ -98,6 +100,21 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if _boots_nothing(config):
         return
+    settings = resolve(config)
+    configured = any(source != "default" for source in settings.sources.values())
+    if not settings.all and not configured and not _is_controller(config):
+        # Nothing is boxed unless a test asks for it: the host role waits for the first one.  A run
+        # that sets any boxlite option (command line, ini, environment) gets it now, as one with
+        # --boxlite does: a bad home, runtime or image stops the run at its start.
+        lazy = LazyHost(config)
+        config.stash[PROMOTE_KEY] = lazy.promote
+        config.pluginmanager.register(lazy, LazyHost.NAME)
+        return
+    _register_role(config)
+
+
+def _register_role(config: pytest.Config) -> _SessionRole:
+    """Make this process's role (host or controller) and register it."""
     from pytest_boxlite import ledger
     from pytest_boxlite.roles import ControllerPlugin, HostPlugin, worker_mounts_for
     from pytest_boxlite.session import BoxliteSession
@@ -133,6 +150,107 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_boxlite.session_in_box import WorkerRefusals
 
         config.pluginmanager.register(WorkerRefusals(), "boxlite-worker-refusals")
+    return role
+
+
+#: The fixtures whose sandboxes are boxes of the host's pool (``roles._BOX_FIXTURES``, the same set).
+BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
+#: What a home holds while any session, live or dead, has boxes or an owner lock in it: one
+#: directory per runtime kind (``runtimes.kinds()``) and the owners' locks.  A clean session
+#: leaves them empty.
+HOME_STATE_DIRS = ("namespace", "vm", "sessions")
+
+
+def _has_state(home: Path) -> bool:
+    """Whether ``home`` may hold leftovers to reconcile: one ``scandir`` per state directory (a
+    missing or unreadable one holds nothing this process could reconcile either)."""
+    for name in HOME_STATE_DIRS:
+        try:
+            with os.scandir(home / name) as entries:
+                if next(entries, None) is not None:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _needs_box(item: pytest.Item) -> bool:
+    """Without ``--boxlite``: the item is marked ``boxlite`` or leases sandboxes (see ``markers.plan_for``)."""
+    return item.get_closest_marker("boxlite") is not None or bool(
+        BOX_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+    )
+
+
+class LazyHost:
+    """The host of a run without ``--boxlite`` (plain or an xdist worker) until a test is boxed.
+
+    Most runs of a project that installs the plugin box nothing.  This stand-in holds off the host
+    role (:class:`~pytest_boxlite.roles.HostPlugin`: the pool, the runtimes, the home's
+    preparation and owner lock, the runtime's probing for the header) until something needs a
+    box: a test marked ``boxlite`` or taking a sandbox fixture (at collection), service fixtures
+    (after it), a sandbox fixture asked for with ``request.getfixturevalue`` (see
+    :func:`pytest_boxlite.fixtures.get_session`), or a home that holds state of another session at
+    the session's start (the role reconciles dead sessions' leftovers then, as always).  Once
+    made, the role gets the hook calls it missed; the header lines, if pytest shows a header, come
+    after the collection line instead.
+    """
+
+    NAME = "boxlite-lazy-host"
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.role: HostPlugin | None = None
+        self._session: pytest.Session | None = None
+        #: The role was made before the terminal wrote the header (it has its lines there).
+        self._in_header = False
+        self._late_header_done = False
+
+    def promote(self) -> BoxliteSession:
+        """Make and register the host role (once), replaying the session start it missed; its session."""
+        return self._host().session
+
+    def _host(self) -> HostPlugin:
+        if self.role is None:
+            from pytest_boxlite.roles import HostPlugin
+
+            role = _register_role(self.config)
+            if not isinstance(role, HostPlugin):  # pytest_configure makes no LazyHost for a controller
+                raise TypeError(f"pytest-boxlite: a LazyHost made a {type(role).__name__}, not the host role")
+            self.role = role
+            if self._session is not None:
+                role.pytest_sessionstart(self._session)
+        return self.role
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self._session = session
+        if _has_state(Path(resolve(self.config).home).expanduser()):
+            self.promote()
+        # tryfirst: before the terminal's own session start writes the header.
+        self._in_header = self.role is not None
+
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        if self.role is not None:
+            return  # the role itself is registered now and sees this call
+        if _needs_box(item):
+            self._host().pytest_itemcollected(item)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if self.role is not None:
+            return
+        # Another plugin or a conftest may have marked items after their collection.
+        if any(_needs_box(item) for item in items):
+            self._host().pytest_collection_modifyitems(config, items)
+
+    def pytest_report_collectionfinish(self, config: pytest.Config) -> list[str]:
+        """The role's header lines, for a role made after the header was written."""
+        if self.role is None or self._in_header or self._late_header_done:
+            return []
+        self._late_header_done = True
+        if config.get_verbosity() < 0 or config.option.no_header:
+            return []  # where pytest writes no header
+        return self.role.pytest_report_header(config)
 
 
 #: A setup report's attribute naming why its test ran on the host under ``--boxlite`` (it survives
@@ -157,6 +275,9 @@ def pytest_collection_modifyitems(config: pytest.Config) -> None:
 
     services = sys.modules.get("pytest_boxlite.services")
     if services is not None:
+        promote = config.stash.get(PROMOTE_KEY, None)
+        if promote is not None and getattr(services, "_DECLARED", None):
+            promote()  # service fixtures run sandboxes: the host role is needed
         services.activate(config)
 
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from pytest_boxlite.runtimes import RUNTIME_CHOICES
 from pytest_boxlite.spec import DEFAULT_ENV_DENY, default_image
 
 ENV_PREFIX = "PYTEST_BOXLITE_"
@@ -73,6 +72,13 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _runtime(v: str) -> str:
+    # The runtimes package only where a runtime is named: every pytest process resolves the settings.
+    from pytest_boxlite.runtimes import RUNTIME_CHOICES
+
+    return _choice(*RUNTIME_CHOICES)(v)
+
+
 def _network(v: str) -> bool:
     return _choice("on", "off")(v.strip().lower()) == "on"
 
@@ -120,7 +126,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("replicas", _positive_int, lambda: 2, "cap on live boxes per pytest process; also the warm-pool size", "N"),
     Option(
         "runtime",
-        _choice(*RUNTIME_CHOICES),
+        _runtime,
         lambda: "auto",
         "auto (vm when a VM can boot, else namespace), vm or namespace",
         "KIND",

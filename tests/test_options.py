@@ -20,10 +20,10 @@ from pytest_boxlite.spec import default_image
 
 SHOW_SETTINGS = """
 import dataclasses, json
-from pytest_boxlite.fixtures import SESSION_KEY
+from pytest_boxlite.fixtures import get_session
 
 def test_show(pytestconfig):
-    session = pytestconfig.stash[SESSION_KEY]
+    session = get_session(pytestconfig)  # a run that boxes nothing makes its session on demand
     s = session.settings
     values = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "sources"}
     shown = {"values": values, "sources": s.sources, "runtime": session.choice.kind}
