@@ -31,7 +31,7 @@ from typing import Any
 import execnet
 import pytest
 
-from pytest_boxlite import guest
+from pytest_boxlite import guest, reach
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.guest import messages as msg
 from pytest_boxlite.pool import Lease
@@ -381,6 +381,9 @@ class RemoteRunner:
             worker = self._workers.get(handle.name)
         if worker is None:
             return self._failed(item, f"box {handle.name} has no running test worker", handle, 0.0), None
+        why = self._reach(handle, item)
+        if why is not None:
+            return self._failed(item, why, handle, 0.0), None
         start = time.monotonic()
         self._seq += 1
         seq = self._seq
@@ -479,6 +482,12 @@ class RemoteRunner:
         if self._end_now:
             self._end_now = False
             self._reap_lingering()  # boxes without cgroups that are done: ended before this test runs
+        why = self._reach(box.handle, item, box)
+        if why is not None:
+            box.alive = False
+            self._retire(box)
+            self._fork_status(box.worker, msg.KILL, box.child)
+            return self._failed(item, why, box.handle, 0.0, cell=box.cell), None
         self._seq += 1
         seq = self._seq
         line = json.dumps([msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq}]) + "\n"
@@ -491,6 +500,24 @@ class RemoteRunner:
                 self._fork_ahead(box.handle, ahead, box.network)
             out = drain(box.stream, item, start + timeout, box=box.handle.name, seq=seq)
         return self._settle(box, item, out, start, timeout)
+
+    def _reach(self, handle: BoxHandle, item: pytest.Item, box: ForkedBox | None = None) -> str | None:
+        """Make the services ``item`` uses reachable in its box (``box``, forked from ``handle``'s
+        warm interpreter, or ``handle``'s own) at their host addresses, before it runs
+        (:mod:`pytest_boxlite.reach`); why not, if they cannot be."""
+        services = sys.modules.get("pytest_boxlite.services")  # imported by a conftest that declares one
+        targets = reach.targets_of(services.descriptions_for(self.config, item)) if services is not None else []
+        if not targets:
+            return None
+        why = "could not make the test's services reachable in its box"
+        try:
+            if box is not None and box.stream is not None:
+                reach.prepare_forked(box.name, box.stream.conn, targets, agent=getattr(handle, "agent_pid", None))
+            else:
+                reach.prepare_booted(handle.name, getattr(handle, "agent_pid", None), targets)
+        except (BoxliteError, OSError) as exc:
+            return f"{why}: {exc}"
+        return None
 
     def _send_fork(self, handle: BoxHandle, nodeid: str, network: bool) -> ForkedBox | str:
         """Ask ``handle``'s warm interpreter for a fresh box for ``nodeid``: the box (its pid known
@@ -841,6 +868,7 @@ class RemoteRunner:
     def _retire(self, box: ForkedBox) -> None:
         """A forked box is done: every process in its cgroups is killed now (no grace: nothing of
         it may run on beside the next test), its cgroups removed once empty (:meth:`_release_cells`)."""
+        reach.close_box(box.name)
         cell = box.cell
         if cell is not None and all(c is not cell for c in self._done_cells):
             cell.kill()

@@ -1,0 +1,441 @@
+"""Boxed tests reach services: a service's host address, reachable from inside a box whose
+network is off (issue 24, "Boxed tests reach services too").
+
+A service fixture (:mod:`pytest_boxlite.services`) runs its server in a box of its own and
+publishes its ports on the host's ``127.0.0.1:<ephemeral>`` (:mod:`pytest_boxlite.publish`).  A
+test on the host connects there.  A *boxed* test runs in a box with a network namespace of its
+own (a box forked per test has one of its own too), where the host's ``127.0.0.1:PORT`` does not
+exist.  This module makes **the same address** work there, so a client configured with the
+fixture's value works boxed and unboxed, with no code in the box:
+
+* Before a boxed test runs, the host makes a listening socket *inside the test process's network
+  namespace* at ``127.0.0.1:<the service's host port>``: a short-lived helper process enters the
+  box's user and network namespaces (``setns`` through a pidfd of the test process), binds and
+  listens there, hands the socket back over ``SCM_RIGHTS`` and exits (:func:`listen_in`).  The
+  helper is made non-dumpable first and lies in the host's pid namespace, which the box cannot
+  see: nothing in the box can reach it.
+* A host thread accepts on that socket (:class:`Offer`) and, for each connection, connects to
+  **exactly one address, fixed when the offer was made**: the service's published ``(host,
+  port)``, in the host's network.  The box's bytes are copied, never parsed: nothing the box
+  sends can choose or change where the host connects.  At most :data:`MAX_CONNECTIONS`
+  connections at once per offer (more are accepted and closed at once), one buffer of
+  :data:`publish._BUFFER <pytest_boxlite.publish>` bytes per direction of each.
+* The offer ends with the test process (its pidfd turns readable when it exits: the accept loop
+  waits on both), or with :func:`close_all` at the session's end; each relayed connection ends
+  with either of its peers, and all of them with the offer.
+
+Seam with :mod:`pytest_boxlite.services` (helper H4's): the host side of a boxed test calls
+:func:`prepare` with the test's services' descriptions (``services.descriptions_for``: fixture
+name -> ``{"ports": {"6379": ["127.0.0.1", 40123]}, ...}``) and the box's test process; the box
+side needs nothing from this module: the description's addresses work there as they are (the
+``ports`` rewrite of ``services.receive`` is the identity).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pytest_boxlite.errors import BoxliteError, ConfigError
+from pytest_boxlite.publish import _copy
+
+__all__ = [
+    "MAX_CONNECTIONS",
+    "Offer",
+    "ReachError",
+    "close_all",
+    "close_box",
+    "listen_in",
+    "prepare",
+    "prepare_booted",
+    "prepare_forked",
+    "targets_of",
+]
+
+#: Connections one offer relays at once (per test box and service address); more are closed at once.
+MAX_CONNECTIONS = 32
+#: How long the host waits to connect to the service for one relayed connection.
+CONNECT_TIMEOUT = 5.0
+#: Bound on the helper that makes the listening socket in the box's network.
+HELPER_TIMEOUT = 10.0
+#: Offers per test box (each is a listener and a thread on the host).
+MAX_OFFERS = 64
+_SO_PEERPIDFD = 77  # Linux 6.5+ (socket.SO_PEERPIDFD from Python 3.13)
+_LOOPBACK = "127.0.0.1"
+
+#: The helper: enter the namespaces of the process of the pidfd, listen there, hand the socket
+#: back, exit.  Run with -I -S: it imports nothing from the project or the user's site.
+_HELPER = r"""
+import ctypes, os, socket, sys
+pidfd, out, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+libc = ctypes.CDLL(None, use_errno=True)
+back = socket.socket(fileno=out)
+def fail(what):
+    back.sendall(("E%d %s" % (ctypes.get_errno(), what)).encode()); os._exit(1)
+if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: nothing in the box may ptrace this process
+    fail("prctl")
+# The user namespace too (an ordinary user holds no capability over the box's network without it).
+if libc.setns(pidfd, 0x10000000 | 0x40000000) != 0 and libc.setns(pidfd, 0x40000000) != 0:
+    fail("setns")
+s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+try:
+    s.bind(("127.0.0.1", port))
+    s.listen(64)
+except OSError as exc:
+    back.sendall(("E%d bind 127.0.0.1:%d: %s" % (exc.errno or 0, port, exc.strerror)).encode()); os._exit(1)
+socket.send_fds(back, [b"OK"], [s.fileno()])
+os._exit(0)
+"""
+
+
+class ReachError(BoxliteError):
+    """A service's address could not be made reachable in a boxed test's box; the message says why."""
+
+
+def _pidfd_pid(pidfd: int) -> int:
+    """The pid (in this process's pid namespace) of the process a pidfd refers to; -1 once it exited."""
+    for line in Path(f"/proc/self/fdinfo/{pidfd}").read_text().splitlines():
+        if line.startswith("Pid:"):
+            return int(line.split()[1])
+    raise ReachError("this kernel's pidfds do not say their pid")
+
+
+def listen_in(pidfd: int, port: int) -> socket.socket:
+    """A TCP socket listening on ``127.0.0.1:port`` in the network namespace of the process of
+    ``pidfd`` (made by a short-lived helper; see the module docstring)."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with mine:
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _HELPER, str(pidfd), str(theirs.fileno()), str(port)],
+                pass_fds=(pidfd, theirs.fileno()),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={"PATH": "/usr/bin:/bin"},
+                cwd="/",
+            )
+        finally:
+            theirs.close()
+        try:
+            mine.settimeout(HELPER_TIMEOUT)
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(mine, 512, 1)
+            except TimeoutError:
+                raise ReachError(f"the helper that listens in the box did not answer in {HELPER_TIMEOUT:g} s") from None
+        finally:
+            try:
+                proc.wait(HELPER_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    if data != b"OK" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ReachError(f"could not listen on 127.0.0.1:{port} in the box: {data[:300].decode('utf-8', 'replace')}")
+    sock = socket.socket(fileno=fds[0])
+    if sock.family != socket.AF_INET or sock.type != socket.SOCK_STREAM or sock.getsockname() != (_LOOPBACK, port):
+        sock.close()
+        raise ReachError("the helper handed back something other than the listening socket asked for")
+    return sock
+
+
+class Offer:
+    """Relays connections accepted on ``listener`` (in a box's network) to ``target`` (on the
+    host), until ``pidfd``'s process exits or :meth:`close` (see the module docstring)."""
+
+    def __init__(self, listener: socket.socket, target: tuple[str, int], *, pidfd: int, box: str) -> None:
+        self.target = (str(target[0]), int(target[1]))
+        self.box = box
+        self._listener = listener
+        self._listener.setblocking(False)
+        self._pidfd = os.dup(pidfd)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._active = 0
+        self._closed = False
+        #: Connections closed at once (the offer was full, or the service refused), and relayed.
+        self.refused = 0
+        self.relayed = 0
+        self._thread = threading.Thread(target=self._accept, name=f"boxlite-reach-{box}-{target[1]}", daemon=True)
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def active(self) -> int:
+        """Connections being relayed now."""
+        with self._lock:
+            return self._active
+
+    def _accept(self) -> None:
+        try:
+            while not self._closed:
+                ready, _, _ = select.select([self._listener.fileno(), self._pidfd, self._wake_r], [], [])
+                if self._pidfd in ready or self._wake_r in ready:
+                    return  # the box's test process ended (or close()): so does the offer
+                try:
+                    conn, _ = self._listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    return
+                with self._lock:
+                    full = self._closed or self._active >= MAX_CONNECTIONS
+                    if full:
+                        self.refused += 1
+                    else:
+                        self._active += 1
+                        self._open.add(conn)
+                if full:
+                    conn.close()
+                    continue
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        finally:
+            self._shut()
+
+    def _serve(self, conn: socket.socket) -> None:
+        out: socket.socket | None = None
+        try:
+            conn.setblocking(True)
+            try:
+                # The one address this offer was made for; nothing from the box is read first.
+                out = socket.create_connection(self.target, timeout=CONNECT_TIMEOUT)
+            except OSError:
+                with self._lock:
+                    self.refused += 1
+                return
+            with self._lock:
+                if self._closed:
+                    return
+                self._open.add(out)
+                self.relayed += 1
+            out.setblocking(True)
+            for sock in (conn, out):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            back = threading.Thread(target=_copy, args=(out, conn), daemon=True)
+            back.start()
+            _copy(conn, out)
+            back.join()
+        finally:
+            with self._lock:
+                self._active -= 1
+                for end in (conn, out):
+                    if end is not None:
+                        self._open.discard(end)
+                        end.close()
+
+    def _shut(self) -> None:
+        with self._lock:
+            if self._closed and self._listener.fileno() < 0:
+                return
+            self._closed = True
+            doomed = list(self._open)
+        self._listener.close()
+        for sock in doomed:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for fd in (self._pidfd, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._pidfd = self._wake_r = self._wake_w = -1
+
+    def close(self) -> None:
+        """Stop listening in the box and cut every relayed connection.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            wake = self._wake_w
+        with contextlib.suppress(OSError):
+            os.write(wake, b"x")
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5.0)
+
+
+# -- which process: the test process of a forked box -------------------------------------------
+
+
+def peer_pidfd(conn: socket.socket) -> int:
+    """A pidfd of the process that connected ``conn`` (race-free where the kernel has
+    ``SO_PEERPIDFD``; else from ``SO_PEERCRED``, while that process holds its end)."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD, 4)
+        return int(struct.unpack("i", raw)[0])
+    except OSError:
+        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        return os.pidfd_open(pid)
+
+
+def only_child_pidfd(parent_pidfd: int) -> int:
+    """A pidfd of the one child of the process of ``parent_pidfd``: a forked box's test process,
+    child of the box's pid 1 (``guest/worker.py``'s ``fork``), asked for before the test runs."""
+    ppid = _pidfd_pid(parent_pidfd)
+    if ppid <= 0:
+        raise ReachError("the box's first process has ended")
+    children: list[int] = []
+    for task in os.listdir(f"/proc/{ppid}/task"):
+        with contextlib.suppress(OSError):
+            children += [int(p) for p in Path(f"/proc/{ppid}/task/{task}/children").read_text().split()]
+    if len(children) != 1:
+        raise ReachError(f"the box's first process has {len(children)} children, not its one test process")
+    fd = os.pidfd_open(children[0])
+    try:
+        # The pidfd is taken: check it names the child (a pid reused in between would not be).
+        stat = Path(f"/proc/{children[0]}/stat").read_text()
+        if int(stat.rsplit(")", 1)[1].split()[1]) != ppid or _pidfd_pid(parent_pidfd) != ppid:
+            raise ReachError("the box's test process changed while it was looked up")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# -- per box: the offers of its test process ---------------------------------------------------
+
+_boxes: dict[str, dict[tuple[str, int], Offer]] = {}
+#: A pidfd of each forked box's test process, taken before its first test ran (see :func:`prepare_forked`).
+_pidfds: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def targets_of(descriptions: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """The host addresses in services' descriptions (``{name: {"ports": {box port: [host,
+    port]}}}``); descriptions of the host's own making, checked all the same."""
+    out: list[tuple[str, int]] = []
+    for desc in descriptions.values():
+        ports = desc.get("ports") if isinstance(desc, Mapping) else None
+        if not isinstance(ports, Mapping):
+            continue
+        for address in ports.values():
+            with contextlib.suppress(TypeError, ValueError):
+                host, port = address
+                ok = isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
+                if host == _LOOPBACK and ok and (host, port) not in out:
+                    out.append((host, port))
+    return out
+
+
+def prepare(box: str, pidfd: int, targets: Iterable[tuple[str, int]]) -> list[Offer]:
+    """Make each of ``targets`` (services' host addresses on ``127.0.0.1``) reachable at the same
+    address in the network of the process of ``pidfd`` (a boxed test's process in box ``box``).
+    Idempotent per box and address.  Raises :class:`ReachError` saying why one cannot be."""
+    made: list[Offer] = []
+    with _lock:
+        # Boxes whose test process ended took their offers with them: forget them.
+        for name in [n for n, o in _boxes.items() if n != box and all(x.closed for x in o.values())]:
+            del _boxes[name]
+        offers = _boxes.setdefault(box, {})
+        for k in [k for k, o in offers.items() if o.closed]:
+            del offers[k]
+        for host, port in targets:
+            if host != _LOOPBACK:
+                raise ConfigError(f"only services on {_LOOPBACK} can be reached from a box, not {host}:{port}")
+            found = offers.get((host, port))
+            if found is not None:
+                made.append(found)
+                continue
+            if len(offers) >= MAX_OFFERS:
+                raise ReachError(f"box {box} already reaches {MAX_OFFERS} service addresses")
+            offer = Offer(listen_in(pidfd, port), (host, port), pidfd=pidfd, box=box)
+            offers[(host, port)] = offer
+            made.append(offer)
+    return made
+
+
+_NOT_HERE = (
+    "this runtime's boxes are not processes of this host (a VM's, a remote server's): a boxed test "
+    "cannot reach a service's address there yet; run the test on the host (drop --boxlite or the marker)"
+)
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    """Whether ``ancestor`` is ``pid``'s parent, or its parent's, ... (at most 64 steps)."""
+    for _ in range(64):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+def prepare_booted(box: str, agent: int | None, targets: Iterable[tuple[str, int]]) -> list[Offer]:
+    """:func:`prepare` for a boxed test run by the warm interpreter of a booted box, whose first
+    process (its agent) is ``agent`` on this host: the box's network is the agent's."""
+    targets = list(targets)
+    if not targets:
+        return []
+    if agent is None:
+        raise ReachError(_NOT_HERE)
+    pidfd = os.pidfd_open(agent)
+    try:
+        return prepare(box, pidfd, targets)
+    finally:
+        os.close(pidfd)
+
+
+def prepare_forked(
+    box: str, conn: socket.socket, targets: Iterable[tuple[str, int]], *, agent: int | None
+) -> list[Offer]:
+    """:func:`prepare` for a box forked from a warm interpreter (in the box whose agent is
+    ``agent`` on this host), whose pid 1 connected ``conn`` (its stream to the host) and whose test
+    process, that pid 1's one child, waits for its first test: its pidfd is taken on the first
+    call, before the box ran any test code, and kept for the box's later tests (module scope)
+    until :func:`close_box`."""
+    targets = list(targets)
+    if not targets:
+        return []
+    if agent is None:
+        raise ReachError(_NOT_HERE)
+    with _lock:
+        pidfd = _pidfds.get(box)
+    if pidfd is None:
+        init = peer_pidfd(conn)
+        try:
+            pid = _pidfd_pid(init)
+            # The peer is the forked box's pid 1, a descendant of the warm box's agent (not, say,
+            # a relay of the host's): else there is no box process to take the network of.
+            if pid <= 0 or not _descends(pid, agent):
+                raise ReachError(_NOT_HERE)
+            pidfd = only_child_pidfd(init)
+        finally:
+            os.close(init)
+        with _lock:
+            _pidfds[box] = pidfd
+    return prepare(box, pidfd, targets)
+
+
+def close_box(box: str) -> None:
+    """End the offers of ``box`` (a test box that is done)."""
+    with _lock:
+        offers = _boxes.pop(box, {})
+        pidfd = _pidfds.pop(box, None)
+    for offer in offers.values():
+        offer.close()
+    if pidfd is not None:
+        os.close(pidfd)
+
+
+def close_all() -> None:
+    """End every offer (the session's end)."""
+    with _lock:
+        boxes = list(_boxes) + [b for b in _pidfds if b not in _boxes]
+    for box in boxes:
+        close_box(box)
