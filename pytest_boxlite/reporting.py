@@ -27,6 +27,10 @@ def header(session: BoxliteSession, *, controller: bool = False) -> list[str]:
         # Boxes show the host's files unless an image is asked for; then its digest says which.
         root = session.default_spec.root
         image = root.label() if root is not None else "host filesystem"
+        if session.image_error is not None:
+            image = f"{s.image} (cannot be used, no box will start: {session.image_error})"
+    elif s.image.startswith(("oci:", "oci-archive:", "docker-archive:")) and not s.url:
+        image = session.image_root(s.image).label()  # vm: the local image's digest (resolved at start)
     return [
         f"boxlite: runtime={c.kind} ({why})",
         f"boxlite: image={image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={session.home}",

@@ -95,11 +95,6 @@ class BoxliteSession:
         #: Images resolved to their root filesystems (or why they cannot be), per reference.
         self._images: dict[str, ImageRoot | ConfigError] = {}
         self._images_lock = threading.Lock()
-        self.default_spec = self.spec_for()
-        if settings.all and self.default_spec.root is not None:
-            # Every test is boxed in the image: an image that cannot run the interpreter is a
-            # usage error now, before any box boots, not one error per test.
-            self.spec_for(worker=True, mounts=())
         self.report = SessionReport()
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -123,6 +118,24 @@ class BoxliteSession:
         #: What ``unheld_caps`` found per (memory, cpus) request.
         self._caps: dict[tuple[int | None, int | None], str] = {}
         self._caps_lock = threading.Lock()
+        #: Why the session's own image (``--boxlite-image``, ini, environment) cannot be used, or
+        #: ``None``: then every box of the session fails with it (the header says so at once).
+        self.image_error: str | None = None
+        try:
+            self.default_spec = self.spec_for()
+        except ConfigError as exc:
+            if settings.all or not self.image_explicit():
+                raise  # every test is boxed: a usage error now, before anything runs
+            # A run that boxes nothing (settings shown, a plain unit test) is not stopped for it;
+            # every box asked for gets this error, none is ever made on the host's files instead.
+            self.image_error = str(exc)
+            self.default_spec = self.spec_for(resolve=False)
+            self._start_error = exc
+            self._ready.set()
+        if settings.all and self.default_spec.root is not None:
+            # Every test is boxed in the image: an image that cannot run the interpreter is a
+            # usage error now, before any box boots, not one error per test.
+            self.spec_for(worker=True, mounts=())
 
     @property
     def fork_boxes(self) -> bool:
@@ -163,8 +176,12 @@ class BoxliteSession:
         return self.spec_for(worker=True, mounts=self.worker_mounts)
 
     # -- specs --------------------------------------------------------------
-    def spec_for(self, **overrides: Any) -> BoxSpec:
-        """The session's default spec with ``overrides`` (image, cpus, memory, env, network, user) applied."""
+    def spec_for(self, *, resolve: bool = True, **overrides: Any) -> BoxSpec:
+        """The session's default spec with ``overrides`` (image, cpus, memory, env, network, user) applied.
+
+        Where the runtime boxes on the host's files unless an image is named (namespace) and one
+        is (:meth:`image_explicit`), the image is resolved (:meth:`image_root`) unless ``resolve``
+        is false; a :class:`ConfigError` names the image and the cause where it cannot be."""
         s = self.settings
         base: dict[str, Any] = {
             "image": s.image,
@@ -182,7 +199,7 @@ class BoxliteSession:
         base.update({k: v for k, v in overrides.items() if v is not None})
         if not base.get("worker") and "mounts" not in base:
             base["mounts"] = (self.project,)
-        if self.image_explicit(overrides.get("image")):
+        if resolve and self.image_explicit(overrides.get("image")):
             from pytest_boxlite.runtimes import image_problem, images_on_request
 
             if images_on_request(self.choice.kind):
@@ -192,6 +209,10 @@ class BoxliteSession:
                 if problem is not None:
                     raise ConfigError(problem)
                 return spec
+            if base["image"].startswith(("oci:", "oci-archive:", "docker-archive:")) and not self.settings.url:
+                # vm: a local image is checked (and stored) before any box; the runtime lays it out
+                # for the SDK from the same store (a remote server refuses it: it cannot read it).
+                self.image_root(base["image"])
         return BoxSpec(**base)
 
     def image_explicit(self, override: str | None = None) -> bool:

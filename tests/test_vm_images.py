@@ -351,3 +351,40 @@ def test_a_remote_server_refuses_local_images_before_any_request(tmp_path: Path)
             rt.close()
     finally:
         srv.stop()
+
+
+# -- a session on vm: the header's digest, the usage error ----------------------------------------
+SESSION_TEST = """
+def test_in_the_image(boxlite_sandbox):
+    out = boxlite_sandbox.execute_command("cat /etc/os-release; ls /etc/debian_version 2>&1 || true")
+    assert "ID=pbx-test" in out.stdout and "No such file" in out.stdout, out.stdout
+"""
+
+
+@needs_busybox
+def test_a_vm_session_on_a_local_image_shows_its_digest(images: dict[str, Any], tmp_path: Path) -> None:
+    from subruns import QUIET, sub_env
+
+    tests = Path(__file__).resolve().parent
+    env = sub_env(PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]))
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "test_in_image.py").write_text(SESSION_TEST)
+    ref = f"oci-archive:{images['oci_archive']}"
+    argv = [sys.executable, "-m", "pytest", *QUIET, "-p", "sdk_double.activate", "--boxlite-runtime=vm"]
+    argv += [f"--boxlite-home={tmp_path / 'home'}", "-p", "no:randomly"]
+    run = subprocess.run(
+        [*argv, f"--boxlite-image={ref}"], cwd=proj, env=env, capture_output=True, text=True, timeout=200
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"boxlite: image={ref}@{images['single_digest'][:19]} " in run.stdout, run.stdout
+    # The layout the SDK got lies in the session's image store, next to the verified blobs.
+    assert [p.name for p in (tmp_path / "home" / "image-store" / "vm-layouts").iterdir()] == [
+        images["single_digest"][7:]
+    ]
+    # A missing archive: a usage error naming it, and no box was made.
+    bad = f"oci-archive:{tmp_path / 'gone.tar'}"
+    run = subprocess.run(
+        [*argv, f"--boxlite-image={bad}"], cwd=proj, env=env, capture_output=True, text=True, timeout=200
+    )
+    assert run.returncode == 4 and f"image {bad!r} cannot be used" in run.stderr, run.stdout + run.stderr

@@ -15,7 +15,7 @@ against the 0.10.8 wheel on this machine (``box.start()`` fails before any boot,
 6. no registry contact: the blobs are read in place.
 
 Then the double's box is booted on the image's root filesystem (its layers applied in order, OCI
-whiteouts honoured, the tarfile ``data`` filter on every member) instead of the host's system
+whiteouts honoured, the tarfile ``tar`` filter on every member) instead of the host's system
 directories, and commands get the image config's ``Env`` (the real guest merges the exec's env over
 the container's, which starts from the image's).  The double's agent is not part of the image (in
 BoxLite it is the guest agent, outside the container): it runs on the host's loader and libraries,
@@ -128,7 +128,10 @@ def _apply(blob: Path, dest: Path) -> None:
                     target.unlink()
             else:
                 members.append(m)
-        tar.extractall(dest, members=members, filter="data")
+        # The "tar" filter (names kept inside dest, no setuid bits) and not "data":
+        # images link absolutely (bin/sh -> /bin/busybox), meaning their own root, as BoxLite's
+        # extraction does.  Test images only: the plugin's own store is the hostile-input path.
+        tar.extractall(dest, members=members, filter="tar")
 
 
 def mounts(image: LocalImage, disk_layer: Any) -> list[str]:
