@@ -159,12 +159,32 @@ def machine_busy() -> float | None:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-def run_bounded(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str, float, bool]:
+def run_bounded(
+    cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float, cgroup: Path | None = None
+) -> tuple[int, str, float, bool]:
     """Run ``cmd`` in its own process group; returns (rc, output, wall seconds, timed out).
 
-    On timeout the group gets SIGTERM (pytest-boxlite reaps its boxes on it, and
-    pytest prints where it was), then SIGKILL 30 s later.
+    With ``cgroup`` (a cgroup directory), the child joins it before its ``exec``, so everything it
+    starts is counted there.  On timeout the group gets SIGTERM (pytest-boxlite reaps its boxes on
+    it, and pytest prints where it was), then SIGKILL 30 s later.
     """
+    join = None
+    if cgroup is not None:
+        procs = os.open(cgroup / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+
+        def join() -> None:
+            os.write(procs, b"0\n")  # "0": the writing process itself (cgroup v1 and v2)
+
+    try:
+        return _run_bounded(cmd, cwd=cwd, env=env, timeout=timeout, preexec=join)
+    finally:
+        if cgroup is not None:
+            os.close(procs)
+
+
+def _run_bounded(
+    cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float, preexec: Callable[[], None] | None
+) -> tuple[int, str, float, bool]:
     with tempfile.TemporaryFile() as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(
@@ -175,6 +195,7 @@ def run_bounded(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: floa
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=preexec,
         )
         timed_out = False
         try:
@@ -202,6 +223,174 @@ def run_bounded(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: floa
         out.seek(0)
         text = out.read().decode(errors="replace")
     return proc.returncode, text, wall, timed_out
+
+
+# -- the CPU of a run ------------------------------------------------------------------------------
+
+_CGROUP_FS = Path("/sys/fs/cgroup")
+
+
+def _own_cgroup(controller: str) -> str | None:
+    """This process's cgroup path in the hierarchy of ``controller`` (``""``: the v2 one)."""
+    try:
+        text = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        _, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if controller in (controllers.split(",") if controllers else [""]):
+            return path
+    return None
+
+
+class CpuMeter:
+    """Counts the CPU of one run and of everything it starts, boxes included.
+
+    ``cgroup``: each run gets a child cgroup of this process's own, which the run joins before its
+    ``exec``; its usage is read once the cgroup is empty (every box's last process gone).  The
+    cgroup v2 hierarchy where there is one (``cpu.stat`` ``usage_usec``, counted in every cgroup,
+    no controller needed), else v1's ``cpuacct``.  A box's own cgroups are made by pytest-boxlite
+    under the cgroup of the pytest that makes them (``runtimes/_cgroups.py``: its memory, cpu and
+    pids cgroups, v1 here), so in either hierarchy they lie under the run's cgroup, or in another
+    hierarchy that leaves the run's membership alone: both count their CPU in the run's, also after
+    they are removed.  Other work on the machine is not counted: the figure holds on a busy machine
+    (the kernel's own threads' work for a run, e.g. a network namespace's teardown in a kworker, is
+    not counted either).  ``proc-stat``: the machine's busy CPU around the run (a quiet machine's
+    figure).
+    """
+
+    def __init__(self, choice: str = "auto") -> None:
+        self.kind = "proc-stat"
+        self._parent: Path | None = None
+        self._usage = ""
+        self._n = 0
+        self.note = ""
+        if choice == "proc-stat":
+            self.note = "--cpu-meter proc-stat"
+            return
+        found = self._find()
+        if found is None:
+            if choice == "cgroup":
+                raise SystemExit(f"--cpu-meter cgroup: no cgroup to measure in here ({self.note})")
+            return
+        self.kind = "cgroup"
+        self._parent, self._usage = found
+
+    def _find(self) -> tuple[Path, str] | None:
+        candidates: list[tuple[Path, str, str]] = []
+        v2 = _CGROUP_FS if (_CGROUP_FS / "cgroup.controllers").exists() else _CGROUP_FS / "unified"
+        candidates.append((v2, "", "cpu.stat"))
+        for mount in ("cpuacct", "cpu,cpuacct"):
+            candidates.append((_CGROUP_FS / mount, "cpuacct", "cpuacct.usage"))
+        problems = []
+        for root, controller, usage in candidates:
+            own = _own_cgroup(controller)
+            if own is None or not (root / usage).exists():
+                continue
+            parent = root / own.lstrip("/")
+            probe = parent / f"benchmarks-{os.getpid()}-probe"
+            try:
+                probe.mkdir()
+                probe.rmdir()
+            except OSError as exc:
+                problems.append(f"{parent}: {exc.strerror or exc}")
+                continue
+            return parent, usage
+        self.note = "; ".join(problems) or "no cgroup v2 hierarchy or v1 cpuacct controller"
+        return None
+
+    def describe(self) -> str:
+        """What the CPU figures are (one line for the table's header)."""
+        if self.kind == "cgroup":
+            assert self._parent is not None
+            return (
+                f"CPU: cgroup accounting ({self._usage} of a cgroup per run under {self._parent}: the run and "
+                "every process it starts, boxes included; other load on the machine not counted)"
+            )
+        why = f" (no cgroup: {self.note})" if self.note else ""
+        return f"CPU: the machine's busy CPU from /proc/stat around each run (a quiet machine's figure){why}"
+
+    def run(
+        self, cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+    ) -> tuple[int, str, float, bool, float | None]:
+        """``run_bounded`` with the CPU seconds of the run: (rc, output, wall, timed out, CPU)."""
+        if self.kind != "cgroup" or self._parent is None:
+            busy = machine_busy()
+            rc, out, wall, timed_out = run_bounded(cmd, cwd=cwd, env=env, timeout=timeout)
+            after = machine_busy()
+            return rc, out, wall, timed_out, (after - busy if busy is not None and after is not None else None)
+        self._n += 1
+        group = self._parent / f"benchmarks-{os.getpid()}-{self._n}"
+        group.mkdir()
+        try:
+            rc, out, wall, timed_out = run_bounded(cmd, cwd=cwd, env=env, timeout=timeout, cgroup=group)
+            # The boxes' last processes may outlive pytest by a moment (reaped by their own init).
+            _wait_empty(group, 30.0)
+            return rc, out, wall, timed_out, _read_usage(group / self._usage)
+        finally:
+            _remove_cgroup(group)
+
+
+def _wait_empty(group: Path, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if not (group / "cgroup.procs").read_text().split():
+                return True
+        except OSError:
+            return True
+        if time.monotonic() > deadline:
+            log(f"warning: {group} still holds processes after {timeout:.0f} s; its CPU so far is counted")
+            return False
+        time.sleep(0.02)
+
+
+def _read_usage(path: Path) -> float | None:
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    if path.name == "cpuacct.usage":
+        return int(text.strip()) / 1e9
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "usage_usec":
+            return int(value) / 1e6
+    return None
+
+
+def _remove_cgroup(group: Path) -> None:
+    for _ in range(100):
+        try:
+            group.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.05)
+    log(f"warning: could not remove the measuring cgroup {group}")
+
+
+#: The meter every table's runs use (``use_cpu_meter``).
+METER = CpuMeter("proc-stat")
+
+
+def cpu_meter_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cpu-meter",
+        choices=("auto", "cgroup", "proc-stat"),
+        default="auto",
+        help="how a run's CPU is counted: a cgroup per run (every process of the run, boxes included; "
+        "holds on a busy machine), the machine's busy CPU from /proc/stat (a quiet machine's), or auto: "
+        "cgroup where one can be made (default: auto)",
+    )
+
+
+def use_cpu_meter(args: argparse.Namespace) -> CpuMeter:
+    """Set the meter of this invocation's runs from ``--cpu-meter``; returns it."""
+    global METER
+    METER = CpuMeter(getattr(args, "cpu_meter", "auto"))
+    return METER
 
 
 def _wait_exactly(proc: subprocess.Popen[bytes], timeout: float) -> bool:

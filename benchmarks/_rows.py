@@ -2,10 +2,11 @@
 
 Every row of a round runs (a separate pytest process) before the next round starts, so a load
 change hits all rows alike; each row keeps the median of its rounds.  Per run: the wall (woken by
-the process's exit, a pidfd), the machine's busy CPU seconds during it (``/proc/stat``: boxes
-reaped by their own init and the kernel's namespace teardown included, which no rusage of the
-run sees; anything else running on the machine too, so it means something on a quiet machine
-only), and the host-side time of each test (logstart -> logfinish, from the suite's conftest).
+the process's exit, a pidfd), its CPU seconds (``_bench.CpuMeter``: a cgroup per run, which counts
+every process of the run, boxes reaped by their own init included, which no rusage of the run
+sees; or, where no cgroup can be made, the machine's busy CPU from ``/proc/stat``, which counts
+anything else running on the machine too), and the host-side time of each test (logstart ->
+logfinish, from the suite's conftest).
 
 Derived, per row against its base row: wall overhead per test = (wall - base wall) / tests;
 p50 overhead = the row's per-test p50 minus its base's; CPU per test = (CPU - base CPU) / tests;
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import _bench
 from benchmarks._bench import (
     QUIET_ARGS,
     ROOT,
@@ -38,8 +40,6 @@ from benchmarks._bench import (
     fmt_ratio,
     leak_check,
     log,
-    machine_busy,
-    run_bounded,
     table,
 )
 from benchmarks._suites import Suite
@@ -81,9 +81,7 @@ def _timed(
         home = work.home(row.key)
         cmd = [*cmd, "--boxlite-home", str(home)]
     env = clean_env(BENCH_TIMING_FILE=str(timing), **row.env)
-    busy = machine_busy()
-    rc, out, wall, timed_out = run_bounded(cmd, cwd=suite.path, env=env, timeout=timeout)
-    after = machine_busy()
+    rc, out, wall, timed_out, cpu = _bench.METER.run(cmd, cwd=suite.path, env=env, timeout=timeout)
     check_passed(row.label, cmd, rc, out, timed_out, want, timeout)
     # Under xdist the controller logs a test's start and finish together when its worker reports
     # it: those times mean nothing, so such rows are judged by wall and CPU only.
@@ -92,7 +90,6 @@ def _timed(
     if home is not None:
         leak_check(row.label, home)
         shutil.rmtree(home, ignore_errors=True)
-    cpu = after - busy if busy is not None and after is not None else None
     return wall, cpu, times, out
 
 
@@ -224,7 +221,7 @@ def render(
     return [
         *table(header, rows),
         "x base, wall/test, p50/test, CPU/test: against the row's base (an unboxed run in the same "
-        "interpreter), per test; cores: the machine's busy CPU seconds over the wall",
+        "interpreter), per test; cores: the run's CPU seconds over the wall",
     ]
 
 

@@ -11,9 +11,11 @@ pytest-isolate ``--isolate``, each against a plain run of their own pytest 8 env
 subprocess-per-test baseline: the mean of ``--subprocess-tests`` invocations, scaled).
 
 ``per-test`` compares each row's wall overhead per test with pytest-forked's; ``cpu`` compares the
-CPU per test (the machine's busy CPU from ``/proc/stat``: every process of the run, host and boxes)
-and then runs the ``real-suites`` table (not under ``--quick``), so one command prints the CPU per
-test of the trivial suite and of real projects' suites side by side.
+CPU per test (``--cpu-meter``: by default a cgroup per run, which counts every process of the run,
+host and boxes, and nothing else, so it holds on a busy machine; where no cgroup can be made, or
+with ``--cpu-meter proc-stat``, the machine's busy CPU from ``/proc/stat``, a quiet machine's
+figure; the table says which) and then runs the ``real-suites`` table (not under ``--quick``), so
+one command prints the CPU per test of the trivial suite and of real projects' suites side by side.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from benchmarks._bench import (
     RunFailed,
     Table,
     Workdir,
+    cpu_meter_option,
     div,
     fmt_delta,
     fmt_ratio,
@@ -34,6 +37,7 @@ from benchmarks._bench import (
     option,
     positive,
     seconds,
+    use_cpu_meter,
 )
 from benchmarks._peers import ISOLATE_ARGS, peers
 from benchmarks._rows import Row
@@ -54,6 +58,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     option(p, "--timeout", 600.0, 300.0, type=seconds, help="bound on each pytest run, seconds")
     p.add_argument("--no-peers", action="store_true", help="skip the pytest-forked and pytest-isolate rows")
     p.add_argument("--retry-isolate", action="store_true", help="try pip install pytest-isolate again")
+    cpu_meter_option(p)
 
 
 def add_per_test(p: argparse.ArgumentParser) -> None:
@@ -196,6 +201,7 @@ def targets_cpu(res: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def run_per_test(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    meter = use_cpu_meter(args)
     with Workdir("per-test") as work:
         try:
             res, notes = measure(args, work)
@@ -204,6 +210,7 @@ def run_per_test(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     out = [
         *machine_header(),
         f"per-test cost of a trivial test: {args.tests} tests, median of {args.rounds} interleaved round(s)",
+        meter.describe(),
         *notes,
         "",
         *_rows.render(res, peer="forked" if "forked" in res else None, by="overhead"),
@@ -217,6 +224,7 @@ def run_per_test(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
 
 
 def run_cpu(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    meter = use_cpu_meter(args)
     with Workdir("cpu") as work:
         try:
             res, notes = measure(args, work)
@@ -224,8 +232,8 @@ def run_cpu(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
             return _rows.failed(exc), {}
     out = [
         *machine_header(),
-        f"CPU per test (the machine's busy CPU, /proc/stat): {args.tests} trivial tests, median of "
-        f"{args.rounds} interleaved round(s); a quiet machine's figure",
+        f"CPU per test: {args.tests} trivial tests, median of {args.rounds} interleaved round(s)",
+        meter.describe(),
         *notes,
         "",
         *_rows.render(res, peer="forked" if "forked" in res else None, by="overhead_cpu"),

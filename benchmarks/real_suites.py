@@ -6,8 +6,9 @@ with its test dependencies and this checkout of pytest-boxlite (editable), and o
 and pytest-forked (which fails every test under pytest 9); both are cached (``--cache-dir``) and
 no test of theirs is changed.  Rows per suite, interleaved ``--suite-rounds`` times: unboxed;
 ``--boxlite``; ``--boxlite --boxlite-scope=module``; unboxed and ``--forked`` in the pytest 8
-environment.  Each row: its wall, its tests' outcomes (pytest's summary), the machine's busy CPU
-per test over its unboxed base (``/proc/stat``), and the ratio of its wall to the unboxed one.
+environment.  Each row: its wall, its tests' outcomes (pytest's summary), its CPU per test over
+its unboxed base (``--cpu-meter``: a cgroup per run, every process of it and its boxes; or the
+machine's busy CPU from ``/proc/stat``), and the ratio of its wall to the unboxed one.
 A row whose outcomes differ from its base's shows both; one that timed out (``--suite-timeout``) or
 broke most of its tests (pytest-forked errors on most of click's) gets no ratio.  Takes minutes;
 not part of ``--quick``.
@@ -22,7 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _sdists
+from benchmarks import _bench, _sdists
 from benchmarks._bench import (
     RunFailed,
     Skipped,
@@ -34,11 +35,9 @@ from benchmarks._bench import (
     fmt_ratio,
     leak_check,
     log,
-    machine_busy,
     machine_header,
     positive,
     pytest_summary,
-    run_bounded,
     seconds,
     summary_counts,
     table,
@@ -76,15 +75,18 @@ def add_suite_options(p: argparse.ArgumentParser) -> None:
                    help="sdists and environments (default: %(default)s)")  # fmt: skip
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_suite_options(p)
+    _bench.cpu_meter_option(p)
+
+
 def _one(project: Project, src: Path, py: Path, key: str, label: str, extra: tuple[str, ...],
          work: Workdir, timeout: float) -> dict[str, Any]:  # fmt: skip
     cmd = [str(py), "-m", "pytest", *ARGS, *project.args, *extra]
     home = work.home(f"{project.name}-{key}") if extra and extra[0].startswith("--boxlite") else None
     if home is not None:
         cmd += ["--boxlite-home", str(home)]
-    busy = machine_busy()
-    rc, out, wall, timed_out = run_bounded(cmd, cwd=src, env=clean_env(), timeout=timeout)
-    after = machine_busy()
+    rc, out, wall, timed_out, cpu = _bench.METER.run(cmd, cwd=src, env=clean_env(), timeout=timeout)
     if home is not None:
         leak_check(f"{project.name} {label}", home, str(py))
         shutil.rmtree(home, ignore_errors=True)
@@ -100,7 +102,7 @@ def _one(project: Project, src: Path, py: Path, key: str, label: str, extra: tup
         "rc": rc,
         "timed_out": timed_out,
         "wall": wall,
-        "cpu": after - busy if busy is not None and after is not None else None,
+        "cpu": cpu,
         "summary": summary,
         "counts": summary_counts(summary),
         "command": shlex.join(cmd).replace(str(home), "HOME") if home else shlex.join(cmd),
@@ -208,7 +210,8 @@ def render(res: dict[str, Any], trivial: dict[str, dict[str, Any]] | None) -> li
             r, t = p["rows"]["boxed"], trivial.get("boxed", {})
             ratio = div(r.get("overhead_cpu"), t.get("overhead_cpu"))
             out.append(f"  {name}: --boxlite CPU per test {fmt_ratio(ratio)} the trivial suite's")
-    out.append("wall/test and CPU/test: over the row's unboxed base, per test of the base; cores: busy CPU / wall")
+    out.append(f"wall/test and CPU/test: over the row's unboxed base, per test of the base; cores: CPU / wall; "
+               f"{_bench.METER.describe()}")  # fmt: skip
     out.append("commands (cwd: the unpacked sdist, under the cache; HOME: a private --boxlite-home):")
     for name, p in res.items():
         for r in p.get("rows", {}).values():
@@ -248,7 +251,8 @@ def run_suites(
 
 
 def run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    print("\n".join(machine_header()), flush=True)
+    meter = _bench.use_cpu_meter(args)
+    print("\n".join([*machine_header(), meter.describe()]), flush=True)
     return run_suites(args)
 
 
@@ -256,7 +260,7 @@ REAL_SUITES = Table(
     "real-suites",
     "click's and python-dateutil's own suites unboxed, --boxlite, module scope, pytest-forked",
     __doc__ or "",
-    add_suite_options,
+    add_arguments,
     run,
     in_quick=False,
 )
