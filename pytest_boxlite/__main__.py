@@ -67,12 +67,36 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except BoxliteError as exc:
         print(f"runtime:    ERROR: {exc}")
     print(f"home:       {home} ({_home_state(home)})")
+    print(f"images:     {_image_store_line(home)}")
     if getattr(args, "selftest", False):
         # Boots one micro-VM and runs the contract's essentials in it (a KVM host only).
         from pytest_boxlite.selftest import run_selftest
 
         print("selftest:   booting one micro-VM ...")
         return run_selftest()
+    return 0
+
+
+def _image_store_line(home: Path) -> str:
+    """Where the image store is and what it holds (``doctor``)."""
+    from pytest_boxlite.images import store_dir, store_usage
+
+    store = store_dir(home)
+    if not store.is_dir():
+        return f"{store} (empty: images are unpacked there on first use)"
+    count, size = store_usage(store)
+    return f"{store} ({count} image(s), {size / (1 << 20):.1f} MiB; clean --images empties it)"
+
+
+def _list_images(home: Path) -> int:
+    from pytest_boxlite.images import list_images, store_dir
+
+    store = store_dir(home)
+    images = list_images(store)
+    print(f"image store {store}: {len(images)} image(s)")
+    for im in images:
+        refs = ", ".join(im.references) or "(no reference)"
+        print(f"{im.digest[:19]}  {im.size / (1 << 20):8.1f} MiB  {refs}")
     return 0
 
 
@@ -100,6 +124,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from pytest_boxlite.templates import list_templates
 
     home = _home(args)
+    if getattr(args, "images", False):
+        return _list_images(home)
     rows = ledger.scan(home)
     if not rows:
         print("no boxes")
@@ -132,6 +158,14 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
         dropped = drop_templates(home)
         print(f"dropped {len(dropped)} template(s)" + (": " + ", ".join(dropped) if dropped else ""))
+    if getattr(args, "images", False):
+        from pytest_boxlite.images import drop_images, store_dir
+
+        gone = drop_images(store_dir(home))
+        print(
+            f"dropped {len(gone)} image(s) from {store_dir(home)}"
+            + (": " + ", ".join(d[:19] for d in gone) if gone else "")
+        )
     if args.names:
         for name in args.names:
             owner = ledger.owner_of(name)
@@ -186,11 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         "--selftest", action="store_true", help="also boot one micro-VM and check the vm runtime end to end"
     )
     doctor.set_defaults(fn=cmd_doctor)
-    sub.add_parser("ls", help=cmd_ls.__doc__, parents=[where]).set_defaults(fn=cmd_ls)
+    ls = sub.add_parser("ls", help=cmd_ls.__doc__, parents=[where])
+    ls.add_argument("--images", action="store_true", help="list the image store's images instead of boxes")
+    ls.set_defaults(fn=cmd_ls)
     clean = sub.add_parser("clean", help=cmd_clean.__doc__, parents=[where])
     clean.add_argument("names", nargs="*", help="box names to remove (default: every leftover of a dead session)")
     clean.add_argument("--kept", action="store_true", help="also remove boxes kept for debugging")
     clean.add_argument("--templates", action="store_true", help="also drop provisioned templates (--boxlite-setup)")
+    clean.add_argument("--images", action="store_true", help="also empty the image store (images are unpacked again)")
     clean.set_defaults(fn=cmd_clean)
     shell = sub.add_parser("shell", help=cmd_shell.__doc__, parents=[where])
     shell.add_argument("name")

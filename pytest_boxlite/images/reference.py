@@ -129,6 +129,8 @@ def _parse_registry(ref: str, body: str) -> Reference:
     host, path = m.group(1), m.group(2)
     # A first component is a registry host only if it looks like one (docker's rule).
     if host is not None and not ("." in host or ":" in host or host == "localhost"):
+        if not re.fullmatch(_COMPONENT, host):
+            raise ImageError(f"image reference {ref!r}: repository names are lower-case ({host!r} is not)")
         path, host = f"{host}/{path}", None
     if host is None:
         host = "docker.io"

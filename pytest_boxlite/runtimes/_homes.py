@@ -32,10 +32,11 @@ __all__ = ["REGISTRY", "STATE_ENTRIES", "boxlite_homes", "register_home", "regis
 #: The registry directory's name (inside a user's default home, or their directory on /tmp).
 REGISTRY = "homes.d"
 #: What the runtimes keep directly in a home (``namespace``: boxes; ``vm``, ``vm-templates``,
-#: ``images``: micro-VM homes, templates and the image cache; ``rest``: remote leases;
-#: ``sessions``: owner locks) and the registry: hidden one by one where the whole home cannot
-#: be (it lies above a directory a box must see).
-STATE_ENTRIES = ("namespace", "vm", "vm-templates", "images", "rest", "sessions", REGISTRY)
+#: ``images``: micro-VM homes, templates and BoxLite's image cache; ``image-store``: the unpacked
+#: OCI images of pytest_boxlite.images; ``rest``: remote leases; ``sessions``: owner locks) and the
+#: registry: hidden one by one where the whole home cannot be (it lies above a directory a box
+#: must see).
+STATE_ENTRIES = ("namespace", "vm", "vm-templates", "images", "image-store", "rest", "sessions", REGISTRY)
 _DEFAULT = (".cache", "pytest-boxlite")
 #: Bounds on what one registry may cost a reader (another user writes it).
 _MAX_ENTRIES = 256

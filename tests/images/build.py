@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUSYBOX", "OS_RELEASE", "ImagesUnavailable", "layer_tar", "oci_layout", "test_images"]
+__all__ = ["BUSYBOX", "OS_RELEASE", "ImagesUnavailable", "layer_tar", "oci_layout", "shared_cache", "test_images"]
 
 BUSYBOX = Path("/bin/busybox")
 MTIME = 1_700_000_000
@@ -405,6 +405,12 @@ def test_images(cache_dir: Path) -> dict[str, str]:
                     raise
     refs: dict[str, str] = json.loads(done.read_text())
     return {k: v.replace("{OUT}", str(final)) for k, v in refs.items()}
+
+
+def shared_cache(tmp_path_factory: Any) -> Path:
+    """The test images' cache for a pytest session: shared by its xdist workers (their base
+    temporary directories' parent) and, outside xdist, kept across sessions (keyed by inputs)."""
+    return Path(tmp_path_factory.getbasetemp()).parent / "boxlite-test-images"
 
 
 test_images.__test__ = False  # type: ignore[attr-defined]  # not a test, though its name says so

@@ -1,0 +1,377 @@
+"""The image store and the local transports (issue 25, items 2 and 5, "Bad input", the store's performance).
+
+Real images built by tests/images/build.py (busybox-static from Debian, the host's glibc), read
+through every transport, unpacked into real stores; concurrent callers are real processes; the
+CLI is run as ``python -m pytest_boxlite``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pytest
+from images.build import OS_RELEASE, ImagesUnavailable, layer_tar, oci_layout, shared_cache, test_images
+
+import pytest_boxlite.images.layout as layout_mod
+import pytest_boxlite.images.store as store_mod
+from pytest_boxlite.errors import ConfigError
+from pytest_boxlite.images import (
+    ImageConfig,
+    ImageError,
+    drop_images,
+    ensure_image,
+    is_image_reference_local,
+    list_images,
+    parse_config,
+    parse_reference,
+    store_dir,
+)
+from pytest_boxlite.images.unpack import tree_size
+
+pytestmark = [pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    try:
+        return test_images(shared_cache(tmp_path_factory))
+    except ImagesUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return store_dir(tmp_path / "home")
+
+
+def tree_of(root: Path) -> list[tuple[str, str, str, int]]:
+    """(path, kind, content digest or link target, permission bits) of every entry under ``root``."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in sorted(dirnames + filenames):
+            p = Path(dirpath) / n
+            st = p.lstat()
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out.append((rel, "link", os.readlink(p), 0))
+            elif p.is_dir():
+                out.append((rel, "dir", "", st.st_mode & 0o7777))
+            else:
+                out.append((rel, "file", hashlib.sha256(p.read_bytes()).hexdigest(), st.st_mode & 0o7777))
+    return sorted(out)
+
+
+def test_references_parse_as_the_containers_tools_write_them() -> None:
+    assert parse_reference("oci:/srv/layout:v1").path == "/srv/layout"
+    assert parse_reference("oci:/srv/layout:v1").tag == "v1"
+    assert parse_reference("oci:/srv/layout").tag is None
+    assert parse_reference("oci-archive:/a/b.tar").path == "/a/b.tar"
+    da = parse_reference("docker-archive:/a/b.tar:boxlite-test/busybox:latest")
+    assert (da.path, da.tag) == ("/a/b.tar", "boxlite-test/busybox:latest")
+    alpine = parse_reference("alpine:3.19")
+    assert (alpine.transport, alpine.name, alpine.tag) == ("docker", "docker.io/library/alpine", "3.19")
+    assert parse_reference("docker://ghcr.io/org/img:1").name == "ghcr.io/org/img"
+    assert parse_reference("localhost:5000/x").name == "localhost:5000/x"
+    assert is_image_reference_local("oci-archive:/x.tar") and not is_image_reference_local("alpine:3.19")
+    for bad in ("", "UPPER/case", "foo:/bar", "oci:", "a b", "alpine:bad tag", "x@sha256:12"):
+        with pytest.raises(ImageError) as info:
+            parse_reference(bad)
+        assert repr(bad)[:20].strip("'") in str(info.value) or bad == ""
+    assert issubclass(ImageError, ConfigError)
+
+
+def test_config_is_parsed_with_env_split_at_the_first_equals() -> None:
+    doc = {"config": {"Env": ["A=1", "B=x=y", "junk"], "WorkingDir": "/w", "User": "1000:1000", "Cmd": ["sh"]}}
+    assert parse_config(json.dumps(doc).encode(), "image 'x'") == ImageConfig(
+        env=(("A", "1"), ("B", "x=y")), workdir="/w", user="1000:1000", cmd=("sh",)
+    )
+    with pytest.raises(ImageError, match=r"image 'x'.*Cmd is not a list of strings"):
+        parse_config(json.dumps({"config": {"Cmd": "sh"}}).encode(), "image 'x'")
+
+
+def test_every_transport_gives_the_same_tree(images: dict[str, str], store: Path) -> None:
+    archive = ensure_image(images["busybox"], store=store)
+    layout = ensure_image(images["busybox-oci"], store=store)
+    docker = ensure_image(images["busybox-docker"], store=store)
+    tagged = ensure_image(images["busybox-docker"] + ":boxlite-test/busybox:latest", store=store)
+    assert archive.digest == layout.digest and archive.rootfs == layout.rootfs
+    assert docker.digest == tagged.digest
+    assert tree_of(archive.rootfs) == tree_of(docker.rootfs)
+    root = archive.rootfs
+    assert (root / "etc/os-release").read_text() == OS_RELEASE
+    assert os.readlink(root / "bin/sh") == "../bin/busybox"  # an absolute link, kept inside
+    # Layer 2's whiteout and opaque directory.
+    assert not (root / "etc/removed-by-layer2").exists() and (root / "etc/layer2").exists()
+    assert sorted(os.listdir(root / "opaque")) == ["upper"]
+    assert archive.config == ImageConfig(
+        env=(("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), ("BOXLITE_TEST_IMAGE", "busybox"), ("WITH_EQUALS", "a=b")),
+        workdir="/srv/work",
+        user="root",
+        entrypoint=("/bin/sh", "-c"),
+        cmd=("cat /etc/os-release",),
+    )
+    assert archive.size == tree_size(root) > 1_000_000
+    assert archive.reference == images["busybox"] and layout.reference == images["busybox-oci"]
+    listed = {i.digest: i for i in list_images(store)}
+    assert set(listed) == {archive.digest, docker.digest}
+    assert set(listed[archive.digest].references) == {images["busybox"], images["busybox-oci"]}
+
+
+def test_the_busybox_image_runs_its_own_userland(images: dict[str, str], store: Path) -> None:
+    image = ensure_image(images["busybox"], store=store)
+    out = subprocess.run(
+        [str(image.rootfs / "bin/busybox"), "cat", str(image.rootfs / "etc/os-release")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert "ID=boxlite-test" in out.stdout
+
+
+def test_a_second_ensure_does_no_work(images: dict[str, str], store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = ensure_image(images["busybox"], store=store)
+
+    def no_unpack(*_a: object, **_k: object) -> None:
+        raise AssertionError("unpacked again")
+
+    monkeypatch.setattr(store_mod, "apply_layer", no_unpack)
+    # Another reference to the same manifest: read, recognised, not unpacked.
+    other = ensure_image(images["busybox-oci"], store=store)
+    assert other.rootfs == first.rootfs
+
+    def no_read(*_a: object, **_k: object) -> None:
+        raise AssertionError("read the source again")
+
+    monkeypatch.setattr(layout_mod, "open_source", no_read)
+    for ref in (images["busybox"], images["busybox-oci"]):
+        again = ensure_image(ref, store=store)
+        assert (again.digest, again.rootfs, again.config) == (first.digest, first.rootfs, first.config)
+
+
+def test_a_changed_archive_is_read_again(images: dict[str, str], store: Path, tmp_path: Path) -> None:
+    path = tmp_path / "img.tar"
+    shutil.copy(images["busybox"].split(":", 1)[1], path)
+    first = ensure_image(f"oci-archive:{path}", store=store)
+    shutil.copy(images["no-shell"].split(":", 1)[1], path)
+    second = ensure_image(f"oci-archive:{path}", store=store)
+    assert second.digest != first.digest
+    assert not (second.rootfs / "bin").exists()
+
+
+def test_the_store_never_holds_a_blob_twice(images: dict[str, str], store: Path) -> None:
+    for name in ("busybox", "busybox-oci", "glibc", "busybox-docker"):
+        ensure_image(images[name], store=store)
+    blobs = sorted(os.listdir(store / "blobs/sha256"))
+    assert all(hashlib.sha256((store / "blobs/sha256" / b).read_bytes()).hexdigest() == b for b in blobs)
+    # busybox and glibc share their (gzip) base layer: one file; docker-archive's are plain tars.
+    manifests = [json.loads((store / "blobs/sha256" / i.digest[7:]).read_bytes()) for i in list_images(store)]
+    referenced = {d["digest"][7:] for m in manifests for d in [m["config"], *m["layers"]]}
+    assert set(blobs) == referenced | {i.digest[7:] for i in list_images(store)}
+    assert len(os.listdir(store / "rootfs")) == 3
+    assert os.listdir(store / "tmp") == []
+
+
+def test_concurrent_callers_unpack_once(images: dict[str, str], store: Path, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from pathlib import Path
+        from pytest_boxlite.images import ensure_image
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.005)
+        im = ensure_image({images["glibc"]!r}, store=Path({str(store)!r}))
+        print(im.digest, im.rootfs)
+        """
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    go.touch()
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert len({o[0] for o in outs}) == 1
+    assert len(os.listdir(store / "rootfs")) == 1
+    assert os.listdir(store / "tmp") == []
+
+
+def test_a_failed_unpack_leaves_nothing_behind(images: dict[str, str], store: Path) -> None:
+    with pytest.raises(ImageError, match=r"image 'oci:.*corrupt-oci': layer 2: .*does not match.*the image is corrupt"):
+        ensure_image(images["corrupt"], store=store)
+    assert os.listdir(store / "rootfs") == [] and os.listdir(store / "meta") == []
+    assert os.listdir(store / "tmp") == [] and os.listdir(store / "refs") == []
+    # A writer that died mid-unpack left its work: the next writer removes it, and nothing of it is used.
+    stale = store / "tmp" / "work-dead" / "rootfs"
+    stale.mkdir(parents=True)
+    (stale / "half").write_text("x")
+    image = ensure_image(images["busybox"], store=store)
+    assert os.listdir(store / "tmp") == []
+    assert list(os.listdir(store / "rootfs")) == [image.digest[7:]]
+
+
+def test_a_locked_store_times_out_clearly(images: dict[str, str], store: Path) -> None:
+    store.mkdir(parents=True)
+    fd = os.open(store / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(ImageError, match=r"image 'oci-archive:.*busybox.tar'.*stayed locked for 0 s"):
+            ensure_image(images["busybox"], store=store, timeout=0.3)
+    finally:
+        os.close(fd)
+
+
+def _bad(images: dict[str, str], tmp_path: Path, case: str) -> str:
+    if case == "missing-archive":
+        return f"oci-archive:{tmp_path}/nope.tar"
+    if case == "missing-dir":
+        return f"oci:{tmp_path}/nope"
+    if case == "not-a-tar":
+        (tmp_path / "junk.tar").write_bytes(os.urandom(3000))
+        return f"oci-archive:{tmp_path}/junk.tar"
+    if case == "oci-as-docker":
+        return images["busybox"].replace("oci-archive:", "docker-archive:")
+    if case == "docker-as-oci":
+        return images["busybox-docker"].replace("docker-archive:", "oci-archive:")
+    if case == "unknown-tag":
+        return images["busybox-oci"].replace(":latest", ":nope")
+    if case == "blob-is-a-link":
+        layout = tmp_path / "linked"
+        shutil.copytree(images["busybox-oci"].split(":")[1], layout)
+        blob = max((layout / "blobs/sha256").iterdir(), key=lambda p: p.stat().st_size)
+        blob.unlink()
+        blob.symlink_to("/etc/passwd")
+        return f"oci:{layout}"
+    if case == "huge-index":
+        layout = tmp_path / "huge"
+        layout.mkdir()
+        (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+        (layout / "index.json").write_text(" " * (5 << 20) + "{}")
+        return f"oci:{layout}"
+    if case == "wrong-size":
+        layout = oci_layout(tmp_path / "wrong", [layer_tar([("f", "file", "x", 0o644)])])
+        index = json.loads((layout / "index.json").read_text())
+        index["manifests"][0]["size"] += 1
+        (layout / "index.json").write_text(json.dumps(index))
+        return f"oci:{layout}"
+    return images[case]
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing-archive", r"archive .*nope.tar does not exist"),
+        ("missing-dir", r"directory .*nope does not exist"),
+        ("not-a-tar", r"is not a readable tar archive .*truncated or corrupt"),
+        ("truncated", r"truncated.tar is not a readable tar archive .*truncated or corrupt"),
+        ("corrupt", r"layer 2: blob sha256:\w+ does not match its content.*corrupt"),
+        ("other-arch", r"the image is for linux/\w+, this machine is linux/\w+: use an image built for"),
+        ("oci-as-docker", r"this is an OCI archive, not a docker save one: write oci-archive:"),
+        ("docker-as-oci", r"this is a docker save archive, not an OCI one: write docker-archive:"),
+        ("unknown-tag", r"no image is tagged 'nope' \(tags in it: latest\)"),
+        ("blob-is-a-link", r"cannot open blobs/sha256/\w+: .*link"),
+        ("huge-index", r"index.json has \d+ bytes, more than the \d+ allowed"),
+        ("wrong-size", r"blob sha256:\w+ has \d+ bytes, its descriptor says \d+"),
+    ],
+)
+def test_bad_images_are_refused_naming_the_image_and_the_cause(
+    images: dict[str, str], store: Path, tmp_path: Path, case: str, message: str
+) -> None:
+    ref = _bad(images, tmp_path, case)
+    with pytest.raises(ImageError, match=message) as info:
+        ensure_image(ref, store=store)
+    assert f"image {ref!r}" in str(info.value)
+    if store.is_dir():
+        assert os.listdir(store / "rootfs") == [] and os.listdir(store / "tmp") == []
+
+
+@pytest.mark.skipif(
+    shutil.which("skopeo") is not None, reason="skopeo is installed: the no-client error cannot be shown"
+)
+def test_registry_references_without_a_client_say_how_to_bring_the_image_in(store: Path) -> None:
+    for ref in ("alpine:3.19", "no-such-registry.invalid/nope:404"):
+        with pytest.raises(ImageError) as info:
+            ensure_image(ref, store=store)
+        text = str(info.value)
+        assert f"image {ref!r}" in text and "no registry client" in text
+        assert "skopeo copy docker://" in text and "oci-archive:" in text
+
+
+@pytest.mark.skipif(shutil.which("skopeo") is None, reason="skopeo is not installed")
+def test_unreachable_registries_fail_clearly_through_skopeo(store: Path) -> None:
+    with pytest.raises(
+        ImageError, match=r"image 'no-such-registry.invalid/nope:404': the registry could not be reached"
+    ):
+        ensure_image("no-such-registry.invalid/nope:404", store=store, timeout=60)
+
+
+def test_a_real_registry_pull(store: Path) -> None:
+    ref = os.environ.get("BOXLITE_TEST_REGISTRY_IMAGE")
+    if not ref or shutil.which("skopeo") is None:
+        pytest.skip(
+            "a real pull needs skopeo and a reachable registry: set BOXLITE_TEST_REGISTRY_IMAGE=alpine:3.19 "
+            "(CI has no registry)"
+        )
+    image = ensure_image(ref, store=store)
+    assert (image.rootfs / "etc/os-release").exists()
+    assert ensure_image(ref, store=store).rootfs == image.rootfs
+
+
+def test_drop_images_empties_the_store(images: dict[str, str], store: Path) -> None:
+    a = ensure_image(images["busybox"], store=store)
+    b = ensure_image(images["no-shell"], store=store)
+    assert sorted(drop_images(store)) == sorted([a.digest, b.digest])
+    assert list_images(store) == [] and not a.rootfs.exists()
+    assert ensure_image(images["busybox"], store=store).rootfs == a.rootfs  # unpacked again
+
+
+def _cli(home: Path, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest_boxlite", *args, "--home", str(home)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_cli_lists_and_cleans_the_image_store(images: dict[str, str], tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    assert "(empty: images are unpacked there on first use)" in _cli(home, "doctor")
+    image = ensure_image(images["busybox"], store=store_dir(home))
+    listed = _cli(home, "ls", "--images")
+    assert f"image store {store_dir(home)}: 1 image(s)" in listed
+    assert image.digest[:19] in listed and images["busybox"] in listed
+    assert "1 image(s)" in _cli(home, "doctor")
+    cleaned = _cli(home, "clean", "--images")
+    assert f"dropped 1 image(s) from {store_dir(home)}: {image.digest[:19]}" in cleaned
+    assert "0 image(s)" in _cli(home, "ls", "--images")
+    assert not image.rootfs.exists()
+
+
+def test_the_store_is_hidden_from_boxes_like_the_rest_of_a_home() -> None:
+    from pytest_boxlite.runtimes._homes import STATE_ENTRIES
+
+    assert store_dir(Path("/h")).name in STATE_ENTRIES
+    assert store_dir(Path("/h")) != Path("/h/images")  # BoxLite's own blob store
+
+
+def test_archives_written_by_this_suite_are_real_tars(images: dict[str, str]) -> None:
+    with tarfile.open(images["busybox"].split(":", 1)[1]) as tf:
+        names = tf.getnames()
+    assert "oci-layout" in names and "index.json" in names
