@@ -13,11 +13,13 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 from conftest import CREATE_TIMEOUT, new_box_name
 
+from pytest_boxlite import errors
 from pytest_boxlite.runtimes import Runtime, image_problem
 from pytest_boxlite.sandbox import Sandbox
 from pytest_boxlite.spec import BoxSpec, ImageRoot
@@ -149,3 +151,32 @@ def test_an_image_without_the_loader_cannot_box_tests(busybox: ImageRoot) -> Non
     # A sandbox of the same image is fine: its agent runs on the host's loader.
     assert image_problem("namespace", BoxSpec(image=busybox.reference, root=busybox)) is None
     assert image_problem("vm", spec) is None
+
+
+@needs_busybox
+@pytest.mark.escapes
+def test_links_of_a_hostile_image_are_never_followed_by_the_runtime(namespace_runtime: Runtime, tmp_path: Path) -> None:
+    """An image's links where the runtime makes directories or mount points (/workspace, the
+    WorkingDir, a host directory's path) would be followed by bubblewrap while it sets the box
+    up, where ``/oldroot`` is the host: none is taken, and a mount below one is refused."""
+    tree = busybox_tree(tmp_path / "hostile")
+    tag = uuid.uuid4().hex[:10]
+    escapes = [Path(f"/tmp/pbx-escape-{tag}-{n}") for n in range(3)]
+    (tree / "workspace").symlink_to(f"/oldroot{escapes[0]}")
+    (tree / "srv").symlink_to(f"/oldroot{escapes[1]}")
+    shutil.rmtree(tree / "var")
+    (tree / "var").symlink_to(f"/oldroot{escapes[2]}")
+    root = image_root(tree, "oci:/images/hostile:test", workdir="/srv/app")
+    sb = boot(namespace_runtime, BoxSpec(image=root.reference, root=root))
+    try:
+        assert sb.execute_command("pwd; echo x > f").stdout == "/workspace\n"
+    finally:
+        sb.handle.destroy()
+    shown = Path("/var/tmp") / f"pbx-host-{tag}"
+    shown.mkdir()
+    try:
+        with pytest.raises(errors.BoxStartError, match="/var is a link in the image"):
+            boot(namespace_runtime, BoxSpec(image=root.reference, root=root, mounts=(str(shown),)))
+    finally:
+        shown.rmdir()
+    assert [e for e in escapes if os.path.lexists(e)] == []

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxStartError
+from pytest_boxlite.runtimes.namespace.layout import WORKDIR
 from pytest_boxlite.spec import ImageRoot
 
 #: Where the agent's interpreter, loader and libraries are bound in a box of an image.
@@ -194,6 +195,8 @@ def image_args(root: ImageRoot, template: str | None = None, persist: Path | Non
     for entry in _entries(root.rootfs):
         if entry.name in _RUNTIME_TOPS or entry.name == HOST_KIT.lstrip("/"):
             continue
+        if entry.name == WORKDIR.lstrip("/") and not entry.is_dir(follow_symlinks=False):
+            continue  # the runtime makes /workspace: never through a link of the image's
         target = "/" + entry.name
         if entry.is_symlink():
             args += ["--symlink", os.readlink(entry.path), target]
@@ -235,14 +238,17 @@ def host_mount_args(
     args: list[str] = []
     overlays: list[str] = []
     made: list[str] = []
+    for m in [*mounts, *files]:
+        link = None if m.split("/")[1] in ("tmp", "run") else linked_part(root.rootfs, m)
+        if link is not None:
+            # bubblewrap would follow the image's link while it mounts (hostile images): refused.
+            raise BoxStartError(
+                f"image {root.reference}: {link} is a link in the image; host path {m} cannot be shown there"
+            )
     for m in mounts:
         top = m.split("/")[1]
         private = top in ("tmp", "run")
         entry = tops.get(top)
-        if entry is not None and not private and entry.is_symlink():
-            raise BoxStartError(
-                f"image {root.reference}: /{top} is a link in the image; host directory {m} cannot be shown there"
-            )
         if private or entry is None:
             if not private and "/" + top != m and "/" + top not in made:
                 args += ["--tmpfs", "/" + top]
@@ -256,6 +262,41 @@ def host_mount_args(
     for top in made:
         args += ["--remount-ro", top]
     return args, overlays
+
+
+def linked_part(rootfs: str, path: str) -> str | None:
+    """The first part of absolute ``path`` that is a link in the image's tree (or ``path`` itself
+    if it has ``..`` parts), else ``None``: bubblewrap follows links while it makes a mount point
+    or a directory, and an image's link may lead anywhere."""
+    parts = [p for p in path.split("/") if p and p != "."]
+    if ".." in parts:
+        return path
+    cur = rootfs
+    for i, part in enumerate(parts):
+        cur = os.path.join(cur, part)
+        try:
+            st = os.lstat(cur)
+        except OSError:
+            return None  # made anew below here: no link of the image's on the way
+        import stat as _stat
+
+        if _stat.S_ISLNK(st.st_mode):
+            return "/" + "/".join(parts[: i + 1])
+        if not _stat.S_ISDIR(st.st_mode):
+            return None
+    return None
+
+
+def image_workdir(root: ImageRoot) -> str | None:
+    """The image config's ``WorkingDir`` where the box can make and enter it (absolute, reached
+    through no link of the image's), else ``None`` (then ``/workspace``)."""
+    wd = root.workdir
+    if not wd or not wd.startswith("/") or len(wd) > 4096 or linked_part(root.rootfs, wd) is not None:
+        return None
+    top = wd.split("/")[1]
+    if top in _RUNTIME_TOPS or top == HOST_KIT.lstrip("/"):
+        return None
+    return os.path.normpath(wd)
 
 
 def interpreter_mounts() -> tuple[list[str], list[str]]:

@@ -123,7 +123,7 @@ class NamespaceRuntime(RuntimeDefaults):
             dirs, files = _image_mounts(spec)
             shown, _ = _image.host_mount_args(spec.root, dirs, files, masks, spec.template, persist)
             layers = _image.image_args(spec.root, spec.template, persist)
-            workdir = spec.root.workdir if spec.root.workdir and spec.root.workdir.startswith("/") else WORKDIR
+            workdir = _image.image_workdir(spec.root) or WORKDIR
             below = [*shown, *_image.kit_args()]
         else:
             mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
@@ -274,8 +274,9 @@ class NamespaceRuntime(RuntimeDefaults):
             cg.remove()
             remove_box_dirs(box_dir)
             raise
-        if spec.root is not None and spec.root.workdir and spec.root.workdir.startswith("/"):
-            box.workdir = spec.root.workdir  # the image config's WorkingDir: commands' default cwd
+        workdir = _image.image_workdir(spec.root) if spec.root is not None else None
+        if workdir is not None:
+            box.workdir = workdir  # the image config's WorkingDir: commands' default cwd
         # Each box forked per test from this one's warm interpreter gets these caps in cgroups of
         # its own (see NamespaceBox.fork_cell), not a share of this box's.
         box.cell_limits = (spec.memory_mib or DEFAULT_MEMORY_MIB, spec.cpus, spec.pids_limit)
