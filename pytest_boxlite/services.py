@@ -504,9 +504,12 @@ class Service:
         process: BoxProcess | None = None,
         scope: str = "session",
         key: str = "",
+        box: str | None = None,
     ) -> None:
         self.name = name
         self._addresses = dict(addresses)
+        #: The name of the service's box (``python -m pytest_boxlite ls`` and ``shell`` know it).
+        self.box = box if box is not None else (sandbox.name if sandbox is not None else None)
         #: The service's box (``None`` in a boxed test).
         self.sandbox = sandbox
         #: The service's process in its box (``None`` in a boxed test).
@@ -565,7 +568,7 @@ class Service:
             "name": self.name,
             "scope": self.scope,
             "key": self.key,
-            "box": self.sandbox.name if self.sandbox is not None else None,
+            "box": self.box,
             "ports": {str(p): [h, hp] for p, (h, hp) in self._addresses.items()},
         }
 
@@ -609,6 +612,8 @@ class ServiceManager:
         self._failed: dict[tuple[str, str], ServiceStartError] = {}
         self._item: pytest.Item | None = None
         self._pruned = False
+        #: The session's items that use services, by node id (see :func:`activate`).
+        self.items: dict[str, pytest.Item] = {}
 
     def _session(self) -> BoxliteSession:
         from pytest_boxlite.fixtures import get_session
@@ -758,12 +763,15 @@ class ServiceManager:
                     out.append((name, inst))
         return out
 
-    def descriptions_for(self, item: pytest.Item) -> dict[str, dict[str, Any]]:
+    def descriptions_for(self, item: pytest.Item, *, wide_only: bool = False) -> dict[str, dict[str, Any]]:
         """Start (or reuse) on the host every service ``item`` uses, for its scopes, and describe
         each (fixture name -> :meth:`Service.describe`).  A start that fails is described as
-        ``{"name", "error": message}``: the box's fixture raises it for the test."""
+        ``{"name", "error": message}``: the box's fixture raises it for the test.  ``wide_only``:
+        only the services wider than a function (what a warm interpreter sets up ahead)."""
         out: dict[str, dict[str, Any]] = {}
         for name, spec in services_of(item):
+            if wide_only and spec.scope == "function":
+                continue
             try:
                 out[name] = self.instance(spec, scope_node(item, spec)).describe()
             except ServiceStartError as exc:
@@ -823,13 +831,14 @@ def manager(config: pytest.Config) -> ServiceManager:
     return found
 
 
-def activate(config: pytest.Config) -> None:
+def activate(config: pytest.Config, items: Sequence[pytest.Item] = ()) -> None:
     """Register the manager before the first test runs, where services are declared (the plugin
     calls it after collection, only once this module was imported by a conftest)."""
     from pytest_boxlite.fixtures import SESSION_KEY
 
     if _DECLARED and SESSION_KEY in config.stash:
-        manager(config)
+        # The items that use services, by node id: a box made ahead is asked for by node id.
+        manager(config).items = {it.nodeid: it for it in items if services_of(it)}
 
 
 def descriptions_for(config: pytest.Config, item: pytest.Item) -> dict[str, dict[str, Any]]:
@@ -839,15 +848,36 @@ def descriptions_for(config: pytest.Config, item: pytest.Item) -> dict[str, dict
     return manager(config).descriptions_for(item)
 
 
+def box_fields(
+    config: pytest.Config, *, item: pytest.Item | None = None, nodeid: str | None = None, wide_only: bool = False
+) -> dict[str, Any]:
+    """The fields that a ``RUN`` (``item``) or ``FORK`` (``nodeid``, ``wide_only``: the warm
+    interpreter sets up only the wider fixtures) message carries for the box's service
+    fixtures: ``{"services": descriptions}``, or nothing when the item uses none.  The box hands
+    them to :func:`receive`."""
+    if not _DECLARED:
+        return {}
+    found = config.stash.get(_MANAGER_KEY, None)
+    if item is None and nodeid is not None and found is not None:
+        item = found.items.get(nodeid)
+    if item is None or not services_of(item):
+        return {}
+    descriptions = manager(config).descriptions_for(item, wide_only=wide_only)
+    return {"services": descriptions} if descriptions else {}
+
+
 # -- in a box -------------------------------------------------------------------------------------
 #: Descriptions the transport handed to this box's pytest (see :func:`receive`), by fixture name.
 _RECEIVED: dict[str, dict[str, Any]] = {}
 
 
 def receive(descriptions: Mapping[str, Any]) -> None:
-    """Box side of the contract: the descriptions of the services of the item about to run, their
-    ``ports`` already the addresses this box reaches them at.  Bytes from the host, but checked
-    all the same (they are parsed, never followed)."""
+    """Box side of the contract: the descriptions of the services of the item about to be set up,
+    their ``ports`` already the addresses this box reaches them at.  They replace the last item's:
+    a fixture of a service that the host did not start for this item (one asked for with
+    ``getfixturevalue``) fails, instead of finding an instance of another scope that may be gone.
+    Parsed defensively all the same (never followed)."""
+    _RECEIVED.clear()
     for name, desc in dict(descriptions).items():
         if isinstance(name, str) and isinstance(desc, dict):
             _RECEIVED[name] = desc
@@ -858,9 +888,11 @@ def _guest_service(spec: ServiceSpec, request: pytest.FixtureRequest) -> Service
     if desc is None:
         raise ServiceStartError(
             spec.name,
-            f"{spec.label()}: this test runs in a box, and the host handed it no address of the service "
-            "(services are started on the host; this transport does not pass them to boxed tests yet). "
-            f"Run the test on the host: pytest -p no:boxlite, or without --boxlite for {request.node.nodeid}",
+            f"{spec.label()}: this test runs in a box, and the host handed it no address of the service. "
+            "The host starts the services that a boxed test names as arguments (directly or through its "
+            f"fixtures, or with usefixtures); request.getfixturevalue({spec.name!r}) in a box asks too late: "
+            f"name {spec.name!r} as an argument of the test. (Under --boxlite-scope=worker the whole "
+            "session is in a box: no service can be started for it.)",
         )
     error = desc.get("error")
     if isinstance(error, str):
@@ -872,4 +904,11 @@ def _guest_service(spec: ServiceSpec, request: pytest.FixtureRequest) -> Service
             with contextlib.suppress(TypeError, ValueError):
                 host, hport = address
                 addresses[int(port)] = (str(host), int(hport))
-    return Service(spec.name, addresses, scope=spec.scope, key=str(desc.get("key", "")))
+    box = desc.get("box")
+    return Service(
+        spec.name,
+        addresses,
+        scope=spec.scope,
+        key=str(desc.get("key", ""))[:1000],
+        box=box[:200] if isinstance(box, str) else None,
+    )

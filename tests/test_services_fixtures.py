@@ -381,10 +381,10 @@ def test_a_run_without_services_does_not_import_them(tmp_path: Path, home: Path)
         (lambda: service("s", ["x"], ports=[80, 80]), "listed twice"),
         (lambda: service("s", ["x"], scope="worker"), "scope must be one of"),
         (lambda: service("s", ["x"], timeout=0), "timeout must be a positive"),
-        (lambda: service("s", ["x"], env={"A": 1}), "env must be a dict of str to str"),
-        (lambda: service("s", ["x"], ready="port"), "ready must be a readiness check"),
+        (lambda: service("s", ["x"], env={"A": 1}), "env must be a dict of str to str"),  # type: ignore[dict-item]
+        (lambda: service("s", ["x"], ready="port"), "ready must be a readiness check"),  # type: ignore[arg-type]
         (lambda: service("s", ["x"], ports=[80], ready=HttpReady(81)), "port 81 is not one of"),
-        (lambda: service("s", ["x"], setup=[1]), "setup must be a shell command"),
+        (lambda: service("s", ["x"], setup=[1]), "setup must be a shell command"),  # type: ignore[list-item]
         (lambda: PortReady(0), "1 to 65535"),
         (lambda: OutputReady("(", stream="stdout"), "bad pattern"),
         (lambda: OutputReady("x", stream="both"), "stream must be"),
@@ -397,3 +397,139 @@ def test_a_run_without_services_does_not_import_them(tmp_path: Path, home: Path)
 def test_bad_declarations_say_what_is_wrong(call: object, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         call()  # type: ignore[operator]
+
+
+# -- boxed tests: the service runs on the host, the box gets its description -----------------------
+
+#: The same tests, boxed: they cannot write host files, so each prints what it got (-rP shows it).
+BOXED_TEST = """
+import os, urllib.request
+
+SERVICES = ["web_session", "web_package", "web_module", "web_class", "web_function"]
+
+
+def use(request):
+    assert os.environ.get("PYTEST_BOXLITE_GUEST") == "1", "this test was to run in a box"
+    for name in SERVICES:
+        svc = request.getfixturevalue(name)  # named as arguments too: the host must know
+        assert svc.sandbox is None and svc.process is None  # on the host, not here
+        with urllib.request.urlopen(svc.url("http", svc.ports[0], "/"), timeout=30) as resp:
+            assert resp.status == 200
+        print(f"SEEN {name} {svc.box} {svc.port} {request.node.nodeid}")
+
+
+def test_one(request, web_session, web_package, web_module, web_class, web_function):
+    use(request)
+
+
+def test_two(request, web_session, web_package, web_module, web_class, web_function):
+    use(request)
+
+
+class TestA:
+    def test_a1(self, request, web_session, web_package, web_module, web_class, web_function):
+        use(request)
+
+    def test_a2(self, request, web_session, web_package, web_module, web_class, web_function):
+        use(request)
+
+
+def test_asked_too_late(request):
+    request.getfixturevalue("web_function")
+"""
+
+
+def seen_in_output(out: str) -> dict[str, Counter[str]]:
+    seen: dict[str, Counter[str]] = {}
+    for m in re.finditer(r"^SEEN (\S+) (\S+) (\d+) (\S+)$", out, re.MULTILINE):
+        seen.setdefault(m.group(1), Counter())[m.group(2)] += 1
+    return seen
+
+
+@pytest.mark.parametrize("scope", ["test", "module"])
+def test_boxed_tests_get_the_hosts_instances_in_every_scope(tmp_path: Path, home: Path, scope: str) -> None:
+    """Under --boxlite (a box per test forked from a warm interpreter, or one per module), every
+    service is started on the host once per scope, and each boxed test reaches it over HTTP at
+    the address its fixture gives."""
+    tag = uuid.uuid4().hex
+    project(
+        tmp_path,
+        SCOPES_CONFTEST,
+        {
+            "pkg_a/__init__.py": "",
+            "pkg_a/test_m1.py": BOXED_TEST,
+            "pkg_a/test_m2.py": BOXED_TEST,
+            "pkg_b/__init__.py": "",
+            "pkg_b/test_m3.py": BOXED_TEST,
+        },
+    )
+    res = run(tmp_path, home, tag, "-rP", "--boxlite", f"--boxlite-scope={scope}", "--boxlite-replicas=8")
+    assert res.returncode == 1, res.stdout + res.stderr
+    # A service asked for with getfixturevalue in a box (the host cannot know of it): a clear error.
+    assert re.search(r"^3 failed, 12 passed", res.stdout.splitlines()[-1].strip("= ")), res.stdout
+    assert res.stdout.count("request.getfixturevalue('web_function') in a box asks too late") == 3, res.stdout
+    seen = seen_in_output(res.stdout)
+    assert {name: sum(c.values()) for name, c in seen.items()} == {
+        f"web_{s}": 12 for s in ("session", "package", "module", "class", "function")
+    }, res.stdout
+    counts = {name: len(c) for name, c in seen.items()}
+    assert counts == {"web_session": 1, "web_package": 1, "web_module": 3, "web_class": 9, "web_function": 12}
+    no_leftovers(home, tag)
+
+
+def test_boxed_and_unboxed_tests_share_an_instance_and_a_boxed_failure_shows_its_logs(
+    tmp_path: Path, home: Path
+) -> None:
+    tag = uuid.uuid4().hex
+    conftest = HEAD + '\nweb = service("web", server(), ports=[8000], ready=HttpReady(8000))\n'
+    tests = """
+import os, urllib.request
+import pytest
+
+def test_on_host(web, boxlite_pool):  # a pool fixture keeps it on the host under --boxlite
+    assert os.environ.get("PYTEST_BOXLITE_GUEST") != "1"
+    print(f"SEEN web {web.box} {web.port} host")
+
+@pytest.mark.boxlite
+def test_in_box(web):
+    assert os.environ.get("PYTEST_BOXLITE_GUEST") == "1"
+    print(f"SEEN web {web.box} {web.port} box")
+    urllib.request.urlopen(web.url(path="/from-the-box"), timeout=30).close()
+"""
+    project(tmp_path, conftest, {"test_mixed.py": tests})
+    res = run(tmp_path, home, tag, "-rA", "--boxlite-replicas=4")
+    out = res.stdout
+    assert res.returncode == 1, out + res.stderr
+    seen = seen_in_output(out)
+    assert len(seen["web"]) == 1 and sum(seen["web"].values()) == 2, out  # one instance, both tests
+    failure = out.split("_ test_in_box _", 1)[1].split("short test summary", 1)[0]
+    assert "HTTPError" in failure and "boxlite service web" in failure, failure
+    assert '"GET /from-the-box HTTP/1.1" 404' in failure, failure
+    no_leftovers(home, tag)
+
+
+def test_two_xdist_workers_with_boxed_tests(tmp_path: Path, home: Path) -> None:
+    pytest.importorskip("xdist")
+    tag = uuid.uuid4().hex
+    conftest = HEAD + '\nweb = service("web", server(), ports=[8000], ready=HttpReady(8000))\n'
+    tests = """
+import os, urllib.request
+import pytest
+
+@pytest.mark.parametrize("i", range(6))
+def test_get(i, web, worker_id):
+    assert os.environ.get("PYTEST_BOXLITE_GUEST") == "1"
+    with urllib.request.urlopen(web.url(), timeout=30) as resp:
+        assert resp.status == 200
+    print(f"SEEN {worker_id} {web.box} {web.port} t{i}")
+"""
+    project(tmp_path, conftest, {"test_x.py": tests})
+    res = run(tmp_path, home, tag, "-rP", "-n", "2", "--boxlite")
+    assert res.returncode == 0, res.stdout + res.stderr
+    seen = seen_in_output(res.stdout)
+    assert sum(sum(c.values()) for c in seen.values()) == 6, res.stdout
+    # One instance per worker, none shared.
+    assert all(len(c) == 1 for c in seen.values()), seen
+    boxes = [box for c in seen.values() for box in c]
+    assert len(set(boxes)) == len(boxes)
+    no_leftovers(home, tag)

@@ -320,6 +320,15 @@ def _new_files(since):
     return out
 
 
+def _take_services(descriptions):
+    """The host's descriptions of the services (``pytest_boxlite.service`` fixtures) of the item
+    about to be set up: where the box's service fixtures find their addresses.  Where no conftest
+    imported that module, no fixture here is a service."""
+    services = sys.modules.get("pytest_boxlite.services")
+    if services is not None:
+        services.receive(descriptions or {})
+
+
 def serve(channel):
     cfg = channel.receive()
     os.chdir(cfg["cwd"])
@@ -436,6 +445,7 @@ def serve(channel):
                 name, fields = msg
                 if name == RUN:  # noqa: F821
                     self.seq = fields.get("seq")
+                    _take_services(fields.get("services"))
                     self.run(fields["nodeid"], fields.get("next"))
                     self.send(DONE)  # noqa: F821
                 elif name == FORK:  # noqa: F821
@@ -686,14 +696,16 @@ def serve(channel):
                     live.close()
             self._send_side_data(since)
 
-        def fork(self, nodeid, token, sock, hostname, network, renew_all=False, shared=False, cell=None):
+        def fork(self, nodeid, token, sock, hostname, network, renew_all=False, shared=False, cell=None, services=None):
             """Fork a fresh box for ``nodeid`` (collected here first, so the box inherits it) that
             runs each ``RUN`` the host sends on its stream (one, or a module's), until the stream ends.
 
             ``renew_all``: the box is a VM, whose writable directories are no overlays (see
             ``_fresh_box``).  ``shared``: the fixtures wider than a function's are set up here
             first (see ``_prepare``), so the box inherits them.  ``cell``: where the host hands the
-            box its own cgroups and stderr (``take_cell``)."""
+            box its own cgroups and stderr (``take_cell``).  ``services``: the services the item
+            uses, for its wider fixtures set up here (``_take_services``)."""
+            _take_services(services)
             # Reap boxes that have ended, and tell the host which (in FORKED): it then needs no
             # round trip per box to learn that a box it is done with has gone.
             ended = []
@@ -771,6 +783,7 @@ def serve(channel):
                     if name != RUN:  # noqa: F821
                         break
                     self.seq = fields.get("seq")
+                    _take_services(fields.get("services"))
                     self.run(fields["nodeid"], fields.get("next"))
                     send(DONE)  # noqa: F821
                 out.close()

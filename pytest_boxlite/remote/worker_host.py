@@ -210,6 +210,13 @@ def xdist_identity(config: pytest.Config) -> dict[str, str] | None:
     return {"workerid": str(workerinput.get("workerid", "")), "testrunuid": str(workerinput.get("testrunuid", ""))}
 
 
+def _service_fields(config: pytest.Config, **which: Any) -> dict[str, Any]:
+    """The services (``pytest_boxlite.service`` fixtures) an item uses, described for its box's
+    message; nothing where no conftest imported that module."""
+    services = sys.modules.get("pytest_boxlite.services")
+    return services.box_fields(config, **which) if services is not None else {}
+
+
 def startup_env(env: dict[str, str]) -> list[str]:
     """``NAME=value`` for the variables Python reads at start-up: they must be set before it starts."""
     return [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("PYTHON")]
@@ -388,7 +395,8 @@ class RemoteRunner:
         self._seq += 1
         seq = self._seq
         try:
-            worker.channel.send((msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq}))
+            fields = {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq, **_service_fields(self.config, item=item)}
+            worker.channel.send((msg.RUN, fields))
         except (EOFError, OSError, execnet.RemoteError) as exc:
             return self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), None
         self._log_since[handle.name] = handle.log_size()  # the report quotes what this run logged
@@ -490,7 +498,8 @@ class RemoteRunner:
             return self._failed(item, why, box.handle, 0.0, cell=box.cell), None
         self._seq += 1
         seq = self._seq
-        line = json.dumps([msg.RUN, {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq}]) + "\n"
+        fields = {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq, **_service_fields(self.config, item=item)}
+        line = json.dumps([msg.RUN, fields]) + "\n"
         try:
             box.stream.conn.sendall(line.encode())
         except OSError as exc:
@@ -537,6 +546,7 @@ class RemoteRunner:
             request["renew_all"] = True  # absent otherwise: namespace boxes are forked as they always were
         if self.share_fixtures:
             request["shared"] = True  # wider fixtures are set up in the warm interpreter (BoxedExecutor)
+            request.update(_service_fields(self.config, nodeid=nodeid, wide_only=True))
         try:
             # Cgroups and a stderr of the box's own (namespace runtime): a test that leaves
             # processes, memory or output behind leaves them in its own box, not the next one's.
