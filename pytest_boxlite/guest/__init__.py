@@ -12,6 +12,7 @@ reaches these files only through :func:`path` and :func:`source`.
 - ``agent``: the in-box agent of a namespace box (pid 2 under bwrap).
 - ``attach``: the host-side stdio bridge into a box (namespace agent or VM bridge).
 - ``relay``: the guest end of a VM's fork relay (forked boxes' connections over one command's stdio).
+- ``lastwords``: a boxed test's captured output, sent to the host when its timeout passes.
 - ``terminal``: a command on a pty of the box's own (``shell`` from a terminal: job control, Ctrl-C).
 """
 
@@ -21,7 +22,7 @@ import functools
 from pathlib import Path
 
 _HERE = Path(__file__).parent
-NAMES = ("messages", "worker", "caps", "fresh", "files", "agent", "attach", "relay", "terminal")
+NAMES = ("messages", "worker", "caps", "fresh", "files", "agent", "attach", "relay", "terminal", "lastwords")
 
 
 def path(name: str) -> Path:

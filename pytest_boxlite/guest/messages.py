@@ -9,8 +9,9 @@ travels as one JSON line ``[name, fields]`` on a Unix socket (tuples tagged, see
 host -> guest (execnet channel)
     first message: a dict ``{"args", "cwd", "sys_path", "env", "resolved", "prefix", "xdist"}``
                                       (see ``RemoteRunner.start_worker`` in pytest_boxlite.remote)
-    ``RUN {nodeid, next}``            run one collected item; ``next`` is the item that follows in
-                                      the same box (module fixtures stay up) or ``None``
+    ``RUN {nodeid, next, timeout}``   run one collected item; ``next`` is the item that follows in
+                                      the same box (module fixtures stay up) or ``None``; ``timeout``:
+                                      the seconds left of its bound (``LASTWORDS`` when they pass)
     ``FORK {nodeid, token, sock, hostname, network}``
                                       fork a fresh box for ``nodeid`` that connects to ``sock``
                                       and runs each ``RUN`` sent on that stream (the first included)
@@ -34,6 +35,9 @@ guest -> host
     ``FILES {files}``                 files the test wrote under :data:`WRITE_BACK` (relative path ->
                                       base64), e.g. the hypothesis example database
     ``ERROR {text}``                  the item could not run in the box (not collected there, ...)
+    ``LASTWORDS {when, out, err, log}``
+                                      the test's timeout passed: what pytest captured so far of the
+                                      running phase (the host kills the box as before)
     ``DONE {}``                       end of one ``RUN`` (or of a forked box's stream)
     ``FORKED {pid, ended}`` / ``STATUS {code}``
                                       ``ended``: forked boxes reaped since the last FORK (pids)
@@ -65,9 +69,10 @@ STATUS = "status"
 TOKEN = "token"
 SHARED = "shared"
 TORNDOWN = "torndown"
+LASTWORDS = "lastwords"
 
 #: Messages a test may send while it runs (everything else ends or is foreign to a run).
-RUN_MESSAGES = (REPORT, WARNING, EXIT, OUTPUT, CACHE, COVERAGE, FILES, ERROR, DONE)
+RUN_MESSAGES = (REPORT, WARNING, EXIT, OUTPUT, CACHE, COVERAGE, FILES, ERROR, DONE, LASTWORDS)
 
 #: Longest text the guest puts in one report field (a section, the failure's text).
 FIELD_CAP = 1 << 20

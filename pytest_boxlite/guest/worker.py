@@ -446,7 +446,7 @@ def serve(channel):
                 if name == RUN:  # noqa: F821
                     self.seq = fields.get("seq")
                     _take_services(fields.get("services"))
-                    self.run(fields["nodeid"], fields.get("next"))
+                    self.run(fields["nodeid"], fields.get("next"), fields.get("timeout"))
                     self.send(DONE)  # noqa: F821
                 elif name == FORK:  # noqa: F821
                     self.fork(**fields)
@@ -670,7 +670,7 @@ def serve(channel):
                 return None, "the box did not collect %s" % nodeid
             return item, None
 
-        def run(self, nodeid, next_nodeid):
+        def run(self, nodeid, next_nodeid, timeout=None):
             item, error = self._item(nodeid)
             if item is None:
                 self.send(ERROR, text=error)  # noqa: F821
@@ -687,11 +687,13 @@ def serve(channel):
 
             since = time.time() - 1.0  # file systems keep mtimes coarser than the clock
             live = _LiveOutput(self.send) if item.config.option.capture in ("no", "tee-sys") else None
+            last = LastWords(item, self.send, timeout)  # noqa: F821 - guest/lastwords.py
             try:
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
             except pytest.exit.Exception as exc:
                 self.send(EXIT, reason=str(exc.msg), returncode=exc.returncode)  # noqa: F821
             finally:
+                last.stop()
                 if live is not None:
                     live.close()
             self._send_side_data(since)
@@ -784,7 +786,7 @@ def serve(channel):
                         break
                     self.seq = fields.get("seq")
                     _take_services(fields.get("services"))
-                    self.run(fields["nodeid"], fields.get("next"))
+                    self.run(fields["nodeid"], fields.get("next"), fields.get("timeout"))
                     send(DONE)  # noqa: F821
                 out.close()
                 conn.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,17 @@ def how_it_died(status_file: Path, wait: float = 2.0) -> str:
 
 
 def make_report(
-    item: pytest.Item, when: str, outcome: str, why: str | None, log: tuple[str, str] | None, duration: float
+    item: pytest.Item,
+    when: str,
+    outcome: str,
+    why: str | None,
+    log: tuple[str, str] | None,
+    duration: float,
+    captured: Sequence[tuple[str, str]] = (),
 ) -> pytest.TestReport:
-    """A report for a phase the box did not report itself (``why`` says what happened)."""
-    sections = [log] if why is not None and log is not None else []
+    """A report for a phase the box did not report itself (``why`` says what happened; ``captured``:
+    what the test printed and logged in it, as the box sent it at a timeout)."""
+    sections = [*captured, log] if why is not None and log is not None else list(captured)
     return pytest.TestReport(
         nodeid=item.nodeid,
         location=item.location,
@@ -61,10 +69,15 @@ def make_report(
 
 
 def failed_phase(
-    item: pytest.Item, when: str, why: str, log: tuple[str, str] | None, duration: float
+    item: pytest.Item,
+    when: str,
+    why: str,
+    log: tuple[str, str] | None,
+    duration: float,
+    captured: Sequence[tuple[str, str]] = (),
 ) -> list[pytest.TestReport]:
     """``when`` failed with ``why``; a passed teardown follows so the item is complete."""
-    reports = [make_report(item, when, "failed", why, log, duration)]
+    reports = [make_report(item, when, "failed", why, log, duration, captured)]
     if when != "teardown":
         reports.append(make_report(item, "teardown", "passed", None, None, 0.0))
     return reports
@@ -78,20 +91,24 @@ def complete(
     duration: float,
     *,
     must_fail: bool = False,
+    captured: Sequence[tuple[str, str]] = (),
 ) -> list[pytest.TestReport]:
     """Add failed reports for the phases the box did not finish.
 
     ``must_fail``: the test fails even where every phase it reported passed (the box sent something
     the host refused after them: a warning or cache values over a budget); it fails at teardown.
+    ``captured``: the sections of what the test printed and logged in the phase it did not finish
+    (its timeout's last words), in the failed report.
     """
     done = {r.when for r in reports}
     if "setup" not in done:
-        return reports + failed_phase(item, "setup", why, log, duration)
+        return reports + failed_phase(item, "setup", why, log, duration, captured)
     out = list(reports)
     if "call" not in done and all(r.passed for r in reports):
-        out.append(make_report(item, "call", "failed", why, log, duration))
+        out.append(make_report(item, "call", "failed", why, log, duration, captured))
     if must_fail and not any(r.failed for r in out):
-        return [r for r in out if r.when != "teardown"] + [make_report(item, "teardown", "failed", why, log, duration)]
+        last = make_report(item, "teardown", "failed", why, log, duration, captured)
+        return [r for r in out if r.when != "teardown"] + [last]
     if "teardown" not in done:
         out.append(make_report(item, "teardown", "passed", None, None, 0.0))
     return out

@@ -122,6 +122,9 @@ class Outcome:
     warning_bytes: int = 0
     side_messages: int = 0
     report_bytes: int = 0
+    #: At a timeout: what the test had printed and logged in its running phase (``LASTWORDS``),
+    #: as report sections.
+    last_words: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
 #: Reports of one boxed test (subtests and reruns make many) and their total text the host keeps.
@@ -202,6 +205,8 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
         out.spoke = str(exc)
     except TimeoutError:
         out.timed_out = True
+        if not out.last_words:
+            _await_last_words(stream, item, out, seq)
     except (EOFError, OSError, execnet.RemoteError, execnet.HostNotFound) as exc:
         out.hung_up = exc
     dropped = out.warnings - WARNINGS_CAP
@@ -222,6 +227,46 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
             out.done = False
             out.spoke = f"DONE without a {' or '.join(missing)} report"
     return out
+
+
+#: After a test's timeout, how long the host waits for the box's ``LASTWORDS`` before it kills the
+#: box: the box sends them when the same bound passes by its own clock (a few ms later).
+LAST_WORDS_GRACE = 2.0
+#: Messages read (and dropped) while waiting for them: what a box could send in that time is bounded.
+_LAST_WORDS_READS = 1000
+
+
+def _await_last_words(stream: Stream, item: pytest.Item, out: Outcome, seq: int) -> None:
+    """Read on for :data:`LAST_WORDS_GRACE` seconds, for this run's ``LASTWORDS`` only: the test
+    has timed out already, so nothing else it sends now counts; never raises."""
+    try:
+        for n, (name, fields) in enumerate(stream.messages(time.monotonic() + LAST_WORDS_GRACE)):
+            if n >= _LAST_WORDS_READS:
+                return
+            if name == msg.LASTWORDS and fields.get("seq") == seq:
+                out.last_words = _last_words(item.config, fields)
+                return
+    except (BoxSpoke, TimeoutError, EOFError, OSError, execnet.RemoteError, execnet.HostNotFound):
+        return
+
+
+def _last_words(config: pytest.Config, fields: dict[str, Any]) -> list[tuple[str, str]]:
+    """A ``LASTWORDS`` message as the sections pytest gives a phase (``Captured stdout call``, ...):
+    text only, each capped, within the session's report budget (else none)."""
+    when = fields.get("when")
+    when = when if when in PHASES else "call"
+    sections: list[tuple[str, str]] = []
+    for key, title in (("out", "stdout"), ("err", "stderr"), ("log", "log")):
+        text = fields.get(key)
+        if isinstance(text, str) and text:
+            sections.append((f"Captured {title} {when}", msg.cap(_text(text))))
+    size = sum(len(c) for _, c in sections)
+    budget = session_budget(config)
+    if budget.report_bytes + size > SESSION_REPORT_BYTES:
+        refused = over_budget("the timed-out test's output", budget.report_bytes, size, SESSION_REPORT_BYTES)
+        return [("boxlite", str(refused))]
+    budget.report_bytes += size
+    return sections
 
 
 def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], box: str) -> bool:
@@ -253,6 +298,11 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
             _relay_warning(item, fields)
     elif name == msg.OUTPUT:
         _relay_output(config, fields)
+    elif name == msg.LASTWORDS:
+        # Sent as the bound passes by the box's clock, which may be before the host's: kept for the
+        # timeout's report (the first only); a test that finishes in time reports its own output.
+        if not out.last_words:
+            out.last_words = _last_words(config, fields)
     elif name in (msg.CACHE, msg.COVERAGE, msg.FILES):
         # The guest sends each at most once per test: more is a flood (of the host's disk).
         out.side_messages += 1

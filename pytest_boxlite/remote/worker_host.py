@@ -145,6 +145,11 @@ class _Worker:
 _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 
 
+def _left(start: float, timeout: float) -> float:
+    """The seconds left of a test's bound, for the box to send its last words when they pass."""
+    return max(0.0, start + timeout - time.monotonic())
+
+
 def escape_controls(text: str) -> str:
     """``text`` with every control character but newline and tab written as ``\\xNN`` (``\\uNNNN``)."""
     return _CONTROLS.sub(lambda m: ascii(m.group())[1:-1], text)
@@ -236,7 +241,7 @@ class RemoteRunner:
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
         # The message vocabulary and the per-test fork's set-up travel with the worker: one remote_exec.
-        self._source = "\n".join(guest.source(n) for n in ("messages", "caps", "fresh", "worker"))
+        self._source = "\n".join(guest.source(n) for n in ("messages", "caps", "fresh", "lastwords", "worker"))
         self._args = guest_args(config)
         #: Per fork parent: the socket its forks connect to, and that socket's path in the box.
         self._listeners: dict[str, tuple[socket.socket, str]] = {}
@@ -396,6 +401,7 @@ class RemoteRunner:
         seq = self._seq
         try:
             fields = {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq, **_service_fields(self.config, item=item)}
+            fields["timeout"] = _left(start, timeout)  # the box sends its last words when it passes
             worker.channel.send((msg.RUN, fields))
         except (EOFError, OSError, execnet.RemoteError) as exc:
             return self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), None
@@ -499,6 +505,7 @@ class RemoteRunner:
         self._seq += 1
         seq = self._seq
         fields = {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq, **_service_fields(self.config, item=item)}
+        fields["timeout"] = _left(start, timeout)  # the box sends its last words when it passes
         line = json.dumps([msg.RUN, fields]) + "\n"
         try:
             box.stream.conn.sendall(line.encode())
@@ -733,7 +740,8 @@ class RemoteRunner:
             why = f"the test process in the box {reports.describe_status(forked_code, forked=True)}"
         # What the host refused (or a timeout) fails the test even after phases that passed.
         refused = out.timed_out or out.spoke is not None
-        return reports.complete(item, out.reports, why, self._log(handle, cell), duration, must_fail=refused)
+        log = self._log(handle, cell)
+        return reports.complete(item, out.reports, why, log, duration, must_fail=refused, captured=out.last_words)
 
     def _accept_fork(
         self, worker: _Worker, listener: socket.socket, token: str, child: int, deadline: float, parent: str
