@@ -93,18 +93,27 @@ def pytest_configure(config: pytest.Config) -> None:
     }
 
 
+def _boxes_its_work(item: pytest.Item) -> bool:
+    """Whether ``item`` runs on the host by design, its work done in boxes: a test of the sandbox
+    fixtures, or of a service fixture (``pytest_boxlite.service``: the server runs in a box)."""
+    if _SANDBOX_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    services = sys.modules.get("pytest_boxlite.services")  # loaded where a test module declares one
+    return services is not None and bool(services.services_of(item))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test here must be boxed: an unmarked one would run its body on the host.
 
-    Except a test of the sandbox fixtures (which cannot be marked: boxes do not nest): it runs on
-    the host by design and does its work through its sandbox, in a box."""
+    Except a test of the sandbox or service fixtures (a sandbox-fixture test cannot be marked:
+    boxes do not nest): it runs on the host by design and does its work in boxes."""
     here = Path(__file__).resolve().parent
     unmarked = [
         item.nodeid
         for item in items
         if item.path.resolve().is_relative_to(here)
         and item.get_closest_marker("boxlite") is None
-        and not _SANDBOX_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        and not _boxes_its_work(item)
     ]
     if unmarked:
         raise pytest.UsageError(
