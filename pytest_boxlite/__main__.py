@@ -82,9 +82,12 @@ def _image_store_line(home: Path) -> str:
     from pytest_boxlite.images import store_dir, store_usage
 
     store = store_dir(home)
-    if not store.is_dir():
-        return f"{store} (empty: images are unpacked there on first use)"
-    count, size = store_usage(store)
+    try:
+        if not store.is_dir():
+            return f"{store} (empty: images are unpacked there on first use)"
+        count, size = store_usage(store)
+    except OSError as exc:
+        return f"{store} (NOT readable by uid {os.getuid()}: {_os_problem(exc)})"
     return f"{store} ({count} image(s), {size / (1 << 20):.1f} MiB; clean --images empties it)"
 
 
