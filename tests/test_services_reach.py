@@ -327,3 +327,72 @@ def test_boxed_tests_reach_the_service_at_its_host_address(tmp_path: Path, home:
     assert time.monotonic() - started < 300
     # Nothing of the relays is left: no helper process of this sub-run's tree, no box.
     assert not list(home.glob("**/reach*")), list(home.glob("**/reach*"))
+
+
+# -- with the real service fixture -------------------------------------------------------------
+
+REAL_CONFTEST = r"""
+import socket, sys
+
+import pytest
+
+from pytest_boxlite import PortReady, service
+
+ECHO = '''
+import socket, threading
+srv = socket.create_server(("127.0.0.1", 7000))
+def serve(c):
+    with c:
+        while d := c.recv(65536):
+            c.sendall(d)
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+'''
+
+echo = service("echo", [sys.executable, "-c", ECHO], ports=[7000], ready=PortReady(7000), scope="session")
+
+
+@pytest.fixture(scope="session")
+def early(echo):
+    # Connected once, where the session's fixtures are set up: a boxed test's warm interpreter.
+    s = socket.create_connection(echo.address(7000), timeout=20)
+    s.sendall(b"early")
+    assert s.recv(100) == b"early"
+    return s
+"""
+
+REAL_TESTS = r"""
+import socket
+
+import pytest
+
+pytestmark = pytest.mark.boxlite
+
+
+def test_through_a_session_fixture(early):
+    early.sendall(b"later")
+    assert early.recv(100) == b"later"
+
+
+@pytest.mark.parametrize("i", range(2))
+def test_direct(echo, i):
+    s = socket.create_connection(echo.address(7000), timeout=20)
+    s.sendall(b"direct %d" % i)
+    assert s.recv(100) == b"direct %d" % i
+"""
+
+
+@pytest.mark.parametrize("args", [(), ("--boxlite-scope=module",)], ids=["test-scope", "module-scope"])
+def test_a_session_fixture_of_a_boxed_test_connects_where_it_is_set_up(
+    tmp_path: Path, home: Path, args: tuple[str, ...]
+) -> None:
+    (tmp_path / "conftest.py").write_text(REAL_CONFTEST)
+    (tmp_path / "test_real.py").write_text(REAL_TESTS)
+    cmd = [sys.executable, "-m", "pytest", *QUIET, "-p", "no:randomly", f"--boxlite-home={home}", "-q", *args]
+    res = subprocess.run(
+        cmd, cwd=tmp_path, env=sub_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "3 passed" in out, out

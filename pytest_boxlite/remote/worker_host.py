@@ -554,6 +554,13 @@ class RemoteRunner:
         if self.share_fixtures:
             request["shared"] = True  # wider fixtures are set up in the warm interpreter (BoxedExecutor)
             request.update(_service_fields(self.config, nodeid=nodeid, wide_only=True))
+            # The warm interpreter sets those fixtures up in its own box: they reach the services there.
+            described = request.get("services")
+            targets = reach.targets_of(described) if isinstance(described, dict) else []
+            try:
+                reach.prepare_booted(handle.name, getattr(handle, "agent_pid", None), targets)
+            except (BoxliteError, OSError) as exc:
+                return f"could not make the test's services reachable in its warm box: {exc}"
         try:
             # Cgroups and a stderr of the box's own (namespace runtime): a test that leaves
             # processes, memory or output behind leaves them in its own box, not the next one's.
