@@ -14,7 +14,9 @@ registers its ``DSession`` only where it distributes:
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import traceback
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -156,21 +158,51 @@ def _register_role(config: pytest.Config) -> _SessionRole:
 #: The fixtures whose sandboxes are boxes of the host's pool (``roles._BOX_FIXTURES``, the same set).
 BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
 #: What a home holds while any session, live or dead, has boxes or an owner lock in it: one
-#: directory per runtime kind (``runtimes.kinds()``) and the owners' locks.  A clean session
-#: leaves them empty.
+#: directory per runtime kind (``runtimes.LOCAL_KINDS``; namespace boxes by box name, vm homes by
+#: owner) and the owners' locks.  A clean session leaves them empty.
 HOME_STATE_DIRS = ("namespace", "vm", "sessions")
+#: A box's name and its owner (``ledger._NAME``, the same pattern).
+BOX_NAME = re.compile(r"^pbx-(?P<owner>[a-z0-9]+(?:-[A-Za-z0-9_]+)?)-(?P<seq>\d+)$")
+
+
+def _owner_alive(home: Path, owner: str) -> bool:
+    """Whether ``owner``'s process holds its lock (``ledger.owner_alive``, without its imports)."""
+    try:
+        fd = os.open(home / "sessions" / f"{owner}.lock", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def _has_state(home: Path) -> bool:
-    """Whether ``home`` may hold leftovers to reconcile: one ``scandir`` per state directory (a
-    missing or unreadable one holds nothing this process could reconcile either)."""
-    for name in HOME_STATE_DIRS:
+    """Whether ``home`` may hold leftovers of a dead session to reconcile: its state directories
+    hold anything but a live owner's lock, boxes and vm home (a concurrent run, or the xdist
+    controller of this one, is no reason to reconcile).  A missing or unreadable directory holds
+    nothing this process could reconcile either."""
+    for kind in HOME_STATE_DIRS:
         try:
-            with os.scandir(home / name) as entries:
-                if next(entries, None) is not None:
-                    return True
+            with os.scandir(home / kind) as entries:
+                names = [e.name for e in entries]
         except OSError:
             continue
+        for name in names:
+            if kind == "sessions":
+                owner = name.removesuffix(".lock") if name.endswith(".lock") else None
+            elif kind == "namespace":
+                m = BOX_NAME.match(name)
+                owner = m.group("owner") if m else None
+            else:
+                owner = name
+            if owner is None or not _owner_alive(home, owner):
+                return True
     return False
 
 
@@ -268,7 +300,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config) -> None:
     """Service fixtures (``pytest_boxlite.service``): their manager joins before the first test, only
     where a conftest imported that module (a run without services imports nothing for them)."""
     import sys
@@ -278,7 +310,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         promote = config.stash.get(PROMOTE_KEY, None)
         if promote is not None and getattr(services, "_DECLARED", None):
             promote()  # service fixtures run sandboxes: the host role is needed
-        services.activate(config, items)
+        services.activate(config)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

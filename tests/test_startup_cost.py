@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from subruns import QUIET
 
-from pytest_boxlite import ledger
+from pytest_boxlite import ledger, plugin
 from pytest_boxlite.plugin import BOX_FIXTURES, HOME_STATE_DIRS
 
 #: Modules a run that boxes nothing must not import (each one is imported by a run that boxes).
@@ -127,10 +127,35 @@ def test_a_dead_session_s_state_is_still_reconciled(pytester: pytest.Pytester, c
     assert not stale.exists(), "the dead session's lock was not reconciled"
 
 
+def test_a_live_session_s_state_is_no_reason_to_make_the_role(pytester: pytest.Pytester, cache: Path) -> None:
+    """A concurrent run in the same home (or this run's own xdist controller) holds its lock and
+    has its boxes there: nothing of it is reconciled, so it makes no role either; the same home
+    with that owner dead does."""
+    owner = "cafe0001"
+    lock = ledger.OwnerLock(cache, owner)
+    lock.acquire()
+    box = cache / "namespace" / f"pbx-{owner}-1"
+    box.mkdir(parents=True)
+    pytester.makeconftest(PROBE)
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    try:
+        result = pytester.runpytest_subprocess("-s", *QUIET)
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines(["HOST False", "HEAVY []"])
+    finally:
+        # The owner dies as a killed session does: its lock file stays behind, held by nobody.
+        fd, lock._fd = lock._fd, None
+        assert fd is not None
+        os.close(fd)
+    assert not plugin._owner_alive(cache, owner)
+    assert plugin._has_state(cache)
+
+
 def test_the_lazy_host_knows_every_box_fixture_and_state_directory() -> None:
-    """Its copies of what the roles and the runtimes define (it imports neither)."""
+    """Its copies of what the roles, the ledger and the runtimes define (it imports none of them)."""
     from pytest_boxlite import roles
     from pytest_boxlite.runtimes import LOCAL_KINDS
 
     assert BOX_FIXTURES == roles._BOX_FIXTURES
     assert {*LOCAL_KINDS, "sessions"} == set(HOME_STATE_DIRS)
+    assert plugin.BOX_NAME.pattern == ledger._NAME.pattern
