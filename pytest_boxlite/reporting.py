@@ -30,7 +30,12 @@ def header(session: BoxliteSession, *, controller: bool = False) -> list[str]:
         if session.image_error is not None:
             image = f"{s.image} (cannot be used, no box will start: {session.image_error})"
     elif s.image.startswith(("oci:", "oci-archive:", "docker-archive:")) and not s.url:
-        image = session.image_root(s.image).label()  # vm: the local image's digest (resolved at start)
+        # vm: the local image's digest (resolved at start), or why it cannot be used
+        image = (
+            session.image_root(s.image).label()
+            if session.image_error is None
+            else f"{s.image} (cannot be used, no box will start: {session.image_error})"
+        )
     return [
         f"boxlite: runtime={c.kind} ({why})",
         f"boxlite: image={image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={session.home}",

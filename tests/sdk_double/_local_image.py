@@ -126,12 +126,15 @@ def _apply(blob: Path, dest: Path) -> None:
                     shutil.rmtree(target)
                 elif target.exists() or target.is_symlink():
                     target.unlink()
-            else:
+            elif name != ".." and not name.startswith("../"):
+                # What tarfile's "tar" filter does (names kept inside dest, no setuid bits), by hand
+                # where the interpreter predates extraction filters (Debian 12's 3.11.2); not
+                # "data": images link absolutely (bin/sh -> /bin/busybox), meaning their own root,
+                # as BoxLite's extraction does.  Test images only: the plugin's store is the
+                # hostile-input path.
+                m.name, m.mode = name, m.mode & ~0o6000
                 members.append(m)
-        # The "tar" filter (names kept inside dest, no setuid bits) and not "data":
-        # images link absolutely (bin/sh -> /bin/busybox), meaning their own root, as BoxLite's
-        # extraction does.  Test images only: the plugin's own store is the hostile-input path.
-        tar.extractall(dest, members=members, filter="tar")
+        tar.extractall(dest, members=members, **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))
 
 
 def mounts(image: LocalImage, disk_layer: Any) -> list[str]:
