@@ -2,29 +2,24 @@
 ``boxlite_pool.sandbox(image=...)`` and ``@pytest.mark.boxlite(image=...)``, in real pytest
 sub-runs with real boxes.
 
-The images are OCI layouts made here from Debian's ``busybox-static`` (no C library at all) and,
-for boxed tests, from busybox plus the host interpreter's own loader and libraries (a "glibc
-image"): the image store of each sub-run's home unpacks them.
+The images are the test images of ``tests/images/build.py``, made from Debian's ``busybox-static``
+(no C library at all) and, for boxed tests, busybox plus the host interpreter's own loader and
+libraries (``glibc``), and the broken ones; the image store of each sub-run's home unpacks them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 import tarfile
 import textwrap
-from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from images.build import OS_RELEASE, ImagesUnavailable, shared_cache, test_images
 from subruns import SubRun
-from test_images_namespace import OS_RELEASE, busybox_tree, needs_busybox
+from test_images_namespace import needs_busybox
 
 from pytest_boxlite import ledger
 
@@ -37,7 +32,7 @@ pytestmark = [
     ),
 ]
 
-GLIBC_RELEASE = 'NAME="Boxlite Test Glibc"\nID=boxlite-glibc\n'
+GLIBC_RELEASE = OS_RELEASE  # the glibc image is busybox's base layer plus the libraries
 
 
 class Run(SubRun):
@@ -45,103 +40,15 @@ class Run(SubRun):
     wait_timeout = 150.0
 
 
-CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
-LAYER_TYPE = "application/vnd.oci.image.layer.v1.tar"
-
-
-def oci_layout(tree: Path, dest: Path, tag: str = "test", config: Mapping[str, object] | None = None) -> Path:
-    """Pack directory ``tree`` as a one-layer OCI image layout at ``dest`` (tag ``tag``)."""
-    blobs = dest / "blobs" / "sha256"
-    blobs.mkdir(parents=True, exist_ok=True)
-
-    def put(data: bytes) -> str:
-        digest = hashlib.sha256(data).hexdigest()
-        (blobs / digest).write_bytes(data)
-        return digest
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for path in sorted(tree.rglob("*")):
-            tar.add(path, arcname=str(path.relative_to(tree)), recursive=False)
-    layer = buf.getvalue()
-    layer_digest = put(layer)
-    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
-    cfg = json.dumps(
-        {
-            "architecture": arch,
-            "os": "linux",
-            "config": config or {},
-            "rootfs": {"type": "layers", "diff_ids": ["sha256:" + layer_digest]},
-        }
-    ).encode()
-    manifest = json.dumps(
-        {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {
-                "mediaType": "application/vnd.oci.image.config.v1+json",
-                "digest": "sha256:" + put(cfg),
-                "size": len(cfg),
-            },
-            "layers": [
-                {
-                    "mediaType": "application/vnd.oci.image.layer.v1.tar",
-                    "digest": "sha256:" + layer_digest,
-                    "size": len(layer),
-                }
-            ],
-        }
-    ).encode()
-    index = {
-        "schemaVersion": 2,
-        "manifests": [
-            {
-                "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "digest": "sha256:" + put(manifest),
-                "size": len(manifest),
-                "annotations": {"org.opencontainers.image.ref.name": tag},
-            }
-        ],
-    }
-    (dest / "index.json").write_text(json.dumps(index))
-    (dest / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
-    return dest
-
-
-def _closure() -> list[str]:
-    """The host interpreter's loader and every library it and its extension modules link."""
-    import sysconfig
-
-    dynload = os.path.join(sysconfig.get_paths()["platstdlib"], "lib-dynload")
-    elves = [os.path.realpath(sys.executable), *(str(p) for p in Path(dynload).glob("*.so"))]
-    out = subprocess.run(["ldd", *elves], capture_output=True, text=True, timeout=60).stdout
-    paths = set()
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[1] == "=>" and parts[2].startswith("/"):
-            paths.add(parts[2])
-        elif parts and parts[0].startswith("/") and "(0x" in line:
-            paths.add(parts[0])
-    return sorted(paths)
-
-
 @pytest.fixture(scope="module")
 def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """References of the test images: ``busybox`` (no libc) and ``glibc`` (the host's libc)."""
-    base = tmp_path_factory.mktemp("images")
-    bb = busybox_tree(base / "busybox-tree")
-    glibc = busybox_tree(base / "glibc-tree", GLIBC_RELEASE)
-    for lib in _closure():
-        if lib.startswith(sys.base_prefix.rstrip("/") + "/") and sys.base_prefix not in ("/usr", "/"):
-            continue  # a pyenv build's libpython: the box shows the prefix at its path anyway
-        target = glibc / lib.lstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(os.path.realpath(lib), target)
-    cfg = {"Env": ["IMAGE_VAR=from-image"], "WorkingDir": "/root"}
-    return {
-        "busybox": f"oci:{oci_layout(bb, base / 'busybox-oci', config=cfg)}:test",
-        "glibc": f"oci:{oci_layout(glibc, base / 'glibc-oci', config=cfg)}:test",
-    }
+    """References of the test images (tests/images/build.py): ``busybox`` (no C library, Env,
+    WorkingDir), ``glibc`` (busybox plus the host interpreter's loader and libraries) and the
+    broken ones."""
+    try:
+        return test_images(shared_cache(tmp_path_factory))
+    except ImagesUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def write(directory: Path, name: str, source: str) -> None:
@@ -162,8 +69,8 @@ SANDBOX_TESTS = """
 import os
 
 def test_default_sandbox(boxlite_sandbox):
-    r = boxlite_sandbox.execute_command("cat /etc/os-release; echo $IMAGE_VAR; pwd")
-    assert r.stdout == {release!r} + "from-image\\n/root\\n", r
+    r = boxlite_sandbox.execute_command("cat /etc/os-release; echo $BOXLITE_TEST_IMAGE; pwd")
+    assert r.stdout == {release!r} + "busybox\\n/srv/work\\n", r
     assert boxlite_sandbox.execute_command("busybox true").exit_code == 0
     assert boxlite_sandbox.execute_command("test -e /etc/debian_version").exit_code == 1
     boxlite_sandbox.execute_command("echo dirty > /etc/os-release")
@@ -300,8 +207,11 @@ def test_bad_references_fail_clearly_and_leak_nothing(tmp_path: Path, home: Path
     corrupt.write_bytes(b"this is no tar archive" * 50)
     for tag, image in (
         ("missing", f"oci:{missing}:test"),
-        ("corrupt", f"oci-archive:{corrupt}"),
-        ("tag", images["busybox"].rsplit(":", 1)[0] + ":no-such-tag"),
+        ("not-a-tar", f"oci-archive:{corrupt}"),
+        ("tag", images["busybox-oci"].rsplit(":", 1)[0] + ":no-such-tag"),
+        ("truncated", images["truncated"]),
+        ("corrupt", images["corrupt"]),
+        ("other-arch", images["other-arch"]),
     ):
         # --boxlite-image: the header says so; each test that needs a box fails naming the image
         # (a test needing none still runs); with --boxlite, a usage error at session start.
