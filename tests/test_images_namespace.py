@@ -180,3 +180,19 @@ def test_links_of_a_hostile_image_are_never_followed_by_the_runtime(namespace_ru
     finally:
         shown.rmdir()
     assert [e for e in escapes if os.path.lexists(e)] == []
+
+
+@needs_busybox
+def test_the_image_config_user_where_the_box_maps_every_id(namespace_runtime: Runtime, tmp_path: Path) -> None:
+    """``User`` from the image's own /etc/passwd on a root host (every id mapped); elsewhere only
+    the host user is mapped, and commands run as root in the box as without an image."""
+    tree = busybox_tree(tmp_path / "user")
+    root = image_root(tree, "oci:/images/user:test", user="nobody")
+    sb = boot(namespace_runtime, BoxSpec(image=root.reference, root=root))
+    try:
+        expected = "65534:65534" if os.geteuid() == 0 else "0:0"
+        assert sb.execute_command("echo $(id -u):$(id -g)", timeout=20).stdout.strip() == expected
+        # An explicit user of the call still wins.
+        assert sb.execute_command("id -u", user="root", timeout=20).stdout.strip() == "0"
+    finally:
+        sb.handle.destroy()

@@ -1,7 +1,8 @@
 """The ``namespace`` runtime: throw-away machines made of Linux namespaces.
 
 A box is one long-lived bubblewrap sandbox whose first process is a small
-agent (:mod:`pytest_boxlite.guest.agent`).  The host filesystem is
+agent (:mod:`pytest_boxlite.guest.agent`).  Unless an image is asked for (then its root
+filesystem takes the host's place: :mod:`.image`), the host filesystem is
 visible copy-on-write (one overlay per top-level directory, upper layer in
 memory), /tmp, /run and /workspace are private, and the box has its own
 user, pid, ipc, uts, cgroup and (unless asked) network namespaces.  Commands
@@ -29,6 +30,8 @@ The package, by concern:
 
 - :mod:`.bwrap`: finding a bubblewrap new enough for overlays;
 - :mod:`.mounts`: the mount plan (host directories copy-on-write) and the credential masks;
+- :mod:`.image`: boxes on an image's root filesystem (``BoxSpec.root``), the agent on the host's
+  loader there, and whether an image can run boxed tests' interpreter;
 - :mod:`.privileges`: user namespaces, identity, resource limits, the seccomp filter;
 - :mod:`.layout`: a box's directories on the host and bounded reads of its private files;
 - :mod:`.leftovers`: a box's liveness and cleanup from the host's own record;
