@@ -40,6 +40,7 @@ from typing import Any
 from pytest_boxlite.errors import BoxDeadError, BoxStartError, BoxTimeoutError
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes.namespace.box import NamespaceBox, _connect, _Lines
+from pytest_boxlite.runtimes.namespace.clone_log import CappedBoxLog
 from pytest_boxlite.runtimes.namespace.layout import _bind, _write_private, ctl_dir
 from pytest_boxlite.runtimes.namespace.leftovers import _proc_start_time
 from pytest_boxlite.runtimes.namespace.privileges import Limits
@@ -254,10 +255,10 @@ def fork_from(
     ctl = ctl_dir(box_dir)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     watch_r, watch_w = os.pipe()
-    log = -1
+    log: CappedBoxLog | None = None
     conn: socket.socket | None = None
     try:
-        log = os.open(ctl / "box.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        log = CappedBoxLog(ctl / "box.log")  # a pipe, drained capped: no host file's descriptor in the box
         _bind(listener, ctl / "agent.sock")
         listener.listen(64)
         try:
@@ -277,7 +278,7 @@ def fork_from(
         }
         joins = _join_fds(cg)
         try:
-            fds = [listener.fileno(), watch_r, log, *joins]
+            fds = [listener.fileno(), watch_r, log.write_end, *joins]
             socket.send_fds(conn, [(json.dumps(req) + "\n").encode()], fds)
         finally:
             for fd in joins:
@@ -290,8 +291,8 @@ def fork_from(
     finally:
         listener.close()
         os.close(watch_r)
-        if log >= 0:
-            os.close(log)
+        if log is not None:
+            log.handed_over()
     proc: ForkedProcess | None = None
     try:
         with conn:
