@@ -18,17 +18,21 @@ fixture's value works boxed and unboxed, with no code in the box:
   **exactly one address, fixed when the offer was made**: the service's published ``(host,
   port)``, in the host's network.  The box's bytes are copied, never parsed: nothing the box
   sends can choose or change where the host connects.  At most :data:`MAX_CONNECTIONS`
-  connections at once per offer (more are accepted and closed at once), one buffer of
-  :data:`publish._BUFFER <pytest_boxlite.publish>` bytes per direction of each.
+  connections at once per offer (more are accepted and closed at once), one buffer per
+  direction of each (the published ports' copy loop and buffer, ``publish._copy``).
 * The offer ends with the test process (its pidfd turns readable when it exits: the accept loop
-  waits on both), or with :func:`close_all` at the session's end; each relayed connection ends
-  with either of its peers, and all of them with the offer.
+  waits on both), or when the host retires the test's box (:func:`close_box`); each relayed
+  connection ends with either of its peers, and all of them with the offer.
 
-Seam with :mod:`pytest_boxlite.services` (helper H4's): the host side of a boxed test calls
-:func:`prepare` with the test's services' descriptions (``services.descriptions_for``: fixture
-name -> ``{"ports": {"6379": ["127.0.0.1", 40123]}, ...}``) and the box's test process; the box
-side needs nothing from this module: the description's addresses work there as they are (the
-``ports`` rewrite of ``services.receive`` is the identity).
+Seam with :mod:`pytest_boxlite.services` (its docstring has the other half): the
+host's ``RemoteRunner`` (``remote/worker_host.py``) asks ``services.descriptions_for`` which
+services an item uses before each RUN, and the FORK's ``services`` field for the fixtures a warm
+interpreter sets up ahead, and calls :func:`prepare_forked` (the forked box's test process) or
+:func:`prepare_booted` (a booted box's, and a warm box's own) with their addresses
+(:func:`targets_of`).  The box needs nothing of this module: the description's addresses work
+there as they are.  Not covered: ``--boxlite-scope=worker`` (the whole session is in a box; the
+service fixtures refuse it) and boxes that are no processes of this host (vm, remote servers:
+:class:`ReachError` says so).
 """
 
 from __future__ import annotations
@@ -52,7 +56,6 @@ __all__ = [
     "MAX_CONNECTIONS",
     "Offer",
     "ReachError",
-    "close_all",
     "close_box",
     "listen_in",
     "prepare",
@@ -76,7 +79,7 @@ _LOOPBACK = "127.0.0.1"
 #: back, exit.  Run with -I -S: it imports nothing from the project or the user's site.
 _HELPER = r"""
 import ctypes, os, socket, sys
-pidfd, out, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+pidfd, out, ports = int(sys.argv[1]), int(sys.argv[2]), [int(p) for p in sys.argv[3:]]
 libc = ctypes.CDLL(None, use_errno=True)
 back = socket.socket(fileno=out)
 def fail(what):
@@ -86,13 +89,16 @@ if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: nothing in the box may 
 # The user namespace too (an ordinary user holds no capability over the box's network without it).
 if libc.setns(pidfd, 0x10000000 | 0x40000000) != 0 and libc.setns(pidfd, 0x40000000) != 0:
     fail("setns")
-s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-try:
-    s.bind(("127.0.0.1", port))
-    s.listen(64)
-except OSError as exc:
-    back.sendall(("E%d bind 127.0.0.1:%d: %s" % (exc.errno or 0, port, exc.strerror)).encode()); os._exit(1)
-socket.send_fds(back, [b"OK"], [s.fileno()])
+made = []
+for port in ports:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", port))
+        s.listen(64)
+    except OSError as exc:
+        back.sendall(("E%d bind 127.0.0.1:%d: %s" % (exc.errno or 0, port, exc.strerror)).encode()); os._exit(1)
+    made.append(s.fileno())
+socket.send_fds(back, [b"OK"], made)
 os._exit(0)
 """
 
@@ -109,14 +115,14 @@ def _pidfd_pid(pidfd: int) -> int:
     raise ReachError("this kernel's pidfds do not say their pid")
 
 
-def listen_in(pidfd: int, port: int) -> socket.socket:
-    """A TCP socket listening on ``127.0.0.1:port`` in the network namespace of the process of
-    ``pidfd`` (made by a short-lived helper; see the module docstring)."""
+def listen_in(pidfd: int, ports: list[int]) -> list[socket.socket]:
+    """TCP sockets listening on ``127.0.0.1:port`` for each of ``ports`` in the network namespace
+    of the process of ``pidfd`` (made by one short-lived helper; see the module docstring)."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with mine:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _HELPER, str(pidfd), str(theirs.fileno()), str(port)],
+                [sys.executable, "-I", "-S", "-c", _HELPER, str(pidfd), str(theirs.fileno()), *map(str, ports)],
                 pass_fds=(pidfd, theirs.fileno()),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -129,7 +135,7 @@ def listen_in(pidfd: int, port: int) -> socket.socket:
         try:
             mine.settimeout(HELPER_TIMEOUT)
             try:
-                data, fds, _flags, _addr = socket.recv_fds(mine, 512, 1)
+                data, fds, _flags, _addr = socket.recv_fds(mine, 512, len(ports))
             except TimeoutError:
                 raise ReachError(f"the helper that listens in the box did not answer in {HELPER_TIMEOUT:g} s") from None
         finally:
@@ -138,15 +144,18 @@ def listen_in(pidfd: int, port: int) -> socket.socket:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    if data != b"OK" or len(fds) != 1:
-        for fd in fds:
-            os.close(fd)
-        raise ReachError(f"could not listen on 127.0.0.1:{port} in the box: {data[:300].decode('utf-8', 'replace')}")
-    sock = socket.socket(fileno=fds[0])
-    if sock.family != socket.AF_INET or sock.type != socket.SOCK_STREAM or sock.getsockname() != (_LOOPBACK, port):
+    socks = [socket.socket(fileno=fd) for fd in fds]
+    why = data[:300].decode("utf-8", "replace")
+    if data == b"OK" and len(socks) == len(ports):
+        if all(
+            s.family == socket.AF_INET and s.type == socket.SOCK_STREAM and s.getsockname() == (_LOOPBACK, p)
+            for s, p in zip(socks, ports, strict=True)
+        ):
+            return socks
+        why = "the helper handed back something other than the listening sockets asked for"
+    for sock in socks:
         sock.close()
-        raise ReachError("the helper handed back something other than the listening socket asked for")
-    return sock
+    raise ReachError(f"could not listen on 127.0.0.1:{', '.join(map(str, ports))} in the box: {why}")
 
 
 class Offer:
@@ -332,7 +341,7 @@ def prepare(box: str, pidfd: int, targets: Iterable[tuple[str, int]]) -> list[Of
     """Make each of ``targets`` (services' host addresses on ``127.0.0.1``) reachable at the same
     address in the network of the process of ``pidfd`` (a boxed test's process in box ``box``).
     Idempotent per box and address.  Raises :class:`ReachError` saying why one cannot be."""
-    made: list[Offer] = []
+    targets = list(targets)
     with _lock:
         # Boxes whose test process ended took their offers with them: forget them.
         for name in [n for n, o in _boxes.items() if n != box and all(x.closed for x in o.values())]:
@@ -340,18 +349,19 @@ def prepare(box: str, pidfd: int, targets: Iterable[tuple[str, int]]) -> list[Of
         offers = _boxes.setdefault(box, {})
         for k in [k for k, o in offers.items() if o.closed]:
             del offers[k]
+        new: list[tuple[str, int]] = []
         for host, port in targets:
             if host != _LOOPBACK:
                 raise ConfigError(f"only services on {_LOOPBACK} can be reached from a box, not {host}:{port}")
-            found = offers.get((host, port))
-            if found is not None:
-                made.append(found)
-                continue
-            if len(offers) >= MAX_OFFERS:
-                raise ReachError(f"box {box} already reaches {MAX_OFFERS} service addresses")
-            offer = Offer(listen_in(pidfd, port), (host, port), pidfd=pidfd, box=box)
-            offers[(host, port)] = offer
-            made.append(offer)
+            if (host, port) not in offers and (host, port) not in new:
+                new.append((host, port))
+        if len(offers) + len(new) > MAX_OFFERS:
+            raise ReachError(f"box {box} would reach more than {MAX_OFFERS} service addresses")
+        if new:
+            # One helper for all of them: its start is most of an offer's cost.
+            for target, listener in zip(new, listen_in(pidfd, [p for _, p in new]), strict=True):
+                offers[target] = Offer(listener, target, pidfd=pidfd, box=box)
+        made = [offers[(str(h), int(p))] for h, p in targets]
     return made
 
 
@@ -431,11 +441,3 @@ def close_box(box: str) -> None:
         offer.close()
     if pidfd is not None:
         os.close(pidfd)
-
-
-def close_all() -> None:
-    """End every offer (the session's end)."""
-    with _lock:
-        boxes = list(_boxes) + [b for b in _pidfds if b not in _boxes]
-    for box in boxes:
-        close_box(box)

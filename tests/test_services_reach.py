@@ -4,7 +4,7 @@ A service's host address (``127.0.0.1:<port>``) is made reachable at the same ad
 boxed test's box, whose network is off (:mod:`pytest_boxlite.reach`).  Everything here is real:
 real boxes (booted, forked per test, per module, ``-n 2``), real pytest sub-runs, the real helper
 that listens in a box's network and the real relay.  The one stand-in: the sub-runs' conftest
-replaces ``services.descriptions_for`` (the service fixtures' host side, helper H4's) with a
+replaces ``services.descriptions_for`` (the service fixtures' host side) with a
 description of a host echo server the conftest started, so these tests do not depend on how the
 fixtures start their servers; the examples (``examples/test_services.py``) use the real fixture.
 """
@@ -325,8 +325,6 @@ def test_boxed_tests_reach_the_service_at_its_host_address(tmp_path: Path, home:
     assert res.returncode == 0, out
     assert ("4 passed" if "not does_not_reach" in args else "5 passed") in out, out
     assert time.monotonic() - started < 300
-    # Nothing of the relays is left: no helper process of this sub-run's tree, no box.
-    assert not list(home.glob("**/reach*")), list(home.glob("**/reach*"))
 
 
 # -- with the real service fixture -------------------------------------------------------------
