@@ -15,11 +15,14 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from images.build import OS_RELEASE, ImagesUnavailable, layer_tar, oci_layout, shared_cache, test_images
+from images.registry import serve
 
 import pytest_boxlite.images.layout as layout_mod
 import pytest_boxlite.images.store as store_mod
@@ -35,6 +38,8 @@ from pytest_boxlite.images import (
     parse_reference,
     store_dir,
 )
+from pytest_boxlite.images import pull as pull_mod
+from pytest_boxlite.images.pull import INSECURE_ENV
 from pytest_boxlite.images.unpack import tree_size
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -297,36 +302,92 @@ def test_bad_images_are_refused_naming_the_image_and_the_cause(
         assert os.listdir(store / "rootfs") == [] and os.listdir(store / "tmp") == []
 
 
-@pytest.mark.skipif(
-    shutil.which("skopeo") is not None, reason="skopeo is installed: the no-client error cannot be shown"
-)
-def test_registry_references_without_a_client_say_how_to_bring_the_image_in(store: Path) -> None:
+def test_registry_references_without_a_client_say_how_to_bring_the_image_in(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Fault injection: neither the SDK (import fails) nor skopeo (not on PATH) is there.
+    monkeypatch.setitem(sys.modules, "boxlite", None)
+    monkeypatch.setenv("PATH", str(tmp_path))
     for ref in ("alpine:3.19", "no-such-registry.invalid/nope:404"):
         with pytest.raises(ImageError) as info:
             ensure_image(ref, store=store)
         text = str(info.value)
-        assert f"image {ref!r}" in text and "no registry client" in text
+        assert f"image {ref!r}" in text and "no registry client is available" in text
         assert "skopeo copy docker://" in text and "oci-archive:" in text
 
 
-@pytest.mark.skipif(shutil.which("skopeo") is None, reason="skopeo is not installed")
-def test_unreachable_registries_fail_clearly_through_skopeo(store: Path) -> None:
-    with pytest.raises(
-        ImageError, match=r"image 'no-such-registry.invalid/nope:404': the registry could not be reached"
-    ):
-        ensure_image("no-such-registry.invalid/nope:404", store=store, timeout=60)
+@pytest.mark.reliability
+def test_unreachable_registries_fail_clearly(store: Path) -> None:
+    ref = "no-such-registry.invalid/nope:404"
+    with pytest.raises(ImageError) as info:
+        ensure_image(ref, store=store, timeout=60)
+    text = str(info.value)
+    reason = _sdk_refusal()
+    if reason is None:
+        assert text.startswith(f"image {ref!r}: the boxlite SDK could not pull it (is the registry reachable")
+        assert "no-such-registry.invalid" in text
+    elif shutil.which("skopeo") is None:  # an ordinary user without KVM access: the SDK opens no runtime
+        assert text.startswith(f"image {ref!r}: no registry client is available to pull it (the boxlite SDK cannot")
+    assert "oci-archive:" in text
+    assert os.listdir(store / "rootfs") == [] and os.listdir(store / "tmp") == []
 
 
-def test_a_real_registry_pull(store: Path) -> None:
-    ref = os.environ.get("BOXLITE_TEST_REGISTRY_IMAGE")
-    if not ref or shutil.which("skopeo") is None:
-        pytest.skip(
-            "a real pull needs skopeo and a reachable registry: set BOXLITE_TEST_REGISTRY_IMAGE=alpine:3.19 "
-            "(CI has no registry)"
-        )
-    image = ensure_image(ref, store=store)
-    assert (image.rootfs / "etc/os-release").exists()
-    assert ensure_image(ref, store=store).rootfs == image.rootfs
+@pytest.fixture
+def registry(images: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """``127.0.0.1:PORT``: a registry serving the busybox image as ``test/busybox:latest``."""
+    server = serve(Path(images["busybox-oci"].split(":")[1]))
+    host = f"127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv(INSECURE_ENV, host)
+    yield host
+    server.shutdown()
+    server.server_close()
+
+
+def _sdk_refusal() -> str | None:
+    """Why the boxlite SDK opens no runtime here (it refuses users without KVM access), or None."""
+    import boxlite
+
+    async def probe() -> None:
+        with tempfile.TemporaryDirectory() as home:
+            rt = boxlite.Boxlite(boxlite.Options(home_dir=home))
+            await rt.shutdown()
+
+    try:
+        pull_mod._run_bounded(probe, 30)
+    except Exception as exc:  # noqa: BLE001 - any refusal is the reason
+        return " ".join(str(exc).split())
+    return None
+
+
+def test_registry_references_are_pulled_by_the_sdk(images: dict[str, str], store: Path, registry: str) -> None:
+    reason = _sdk_refusal()
+    if reason is not None:
+        pytest.skip(f"the boxlite SDK opens no runtime for this user, so it cannot pull: {reason}")
+    ref = f"{registry}/test/busybox:latest"
+    pulled = ensure_image(ref, store=store)
+    local = ensure_image(images["busybox-oci"], store=store)
+    assert pulled.digest == local.digest and pulled.rootfs == local.rootfs  # one image, stored once
+    assert (pulled.rootfs / "etc/os-release").read_text() == OS_RELEASE
+    assert pulled.config.workdir == "/srv/work"
+    # Layers, config and manifest once each; the SDK's own copies went with the work directory.
+    assert len(os.listdir(store / "blobs/sha256")) == 4 and os.listdir(store / "tmp") == []
+    # Kept like a container engine's local image: the second ensure asks no registry.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pull_mod, "pull", lambda *a, **k: pytest.fail("pulled again"))
+        assert ensure_image(ref, store=store).rootfs == pulled.rootfs
+    with pytest.raises(ImageError, match=r"the boxlite SDK could not pull it .*NOT_FOUND"):
+        ensure_image(f"{registry}/test/busybox:nope", store=store)
+
+
+@pytest.mark.skipif(
+    shutil.which("skopeo") is None, reason="skopeo is not installed (the SDK pulls; skopeo is its fallback)"
+)
+def test_skopeo_pulls_where_the_sdk_cannot_be_imported(
+    images: dict[str, str], store: Path, registry: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "boxlite", None)
+    pulled = ensure_image(f"{registry}/test/busybox:latest", store=store)
+    assert pulled.digest == ensure_image(images["busybox-oci"], store=store).digest
 
 
 def test_drop_images_empties_the_store(images: dict[str, str], store: Path) -> None:

@@ -268,13 +268,18 @@ def _ensure_locked(ref: Reference, store: Path, work: Path, deadline: float, max
     blobdir = store / "blobs" / "sha256"
     if ref.transport == "docker":
         pulled = pull.pull(ref, work, timeout=max(1.0, deadline - time.monotonic()))
-        local = Reference(f"oci:{pulled}:{pull.PULL_TAG}", "oci", path=str(pulled), tag=pull.PULL_TAG)
-        src = layout.open_source(local)
-        try:
-            resolved = layout.resolve_oci(src, local)
-            _import_blobs(src, resolved, blobdir, work, what)
-        finally:
-            src.close()
+        if pulled.layout_dir is not None:
+            where = str(pulled.layout_dir)
+            local = Reference(f"oci:{where}:{pull.PULL_TAG}", "oci", path=where, tag=pull.PULL_TAG)
+            src = layout.open_source(local)
+            try:
+                resolved = layout.resolve_oci(src, local)
+                _import_blobs(src, resolved, blobdir, work, what)
+            finally:
+                src.close()
+        else:
+            resolved = pulled.resolved
+            _import_blobs(pulled.source, resolved, blobdir, work, what)
     else:
         src = layout.open_source(ref)
         try:
