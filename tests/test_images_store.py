@@ -393,8 +393,12 @@ def test_skopeo_pulls_where_the_sdk_cannot_be_imported(
 def test_drop_images_empties_the_store(images: dict[str, str], store: Path) -> None:
     a = ensure_image(images["busybox"], store=store)
     b = ensure_image(images["no-shell"], store=store)
+    derived = store / "vm-layouts" / a.digest[7:]  # what the vm runtime makes of the blobs
+    derived.mkdir(parents=True)
+    (derived / "blobs").symlink_to("../../blobs")
     assert sorted(drop_images(store)) == sorted([a.digest, b.digest])
     assert list_images(store) == [] and not a.rootfs.exists()
+    assert os.listdir(store) == ["lock"]
     assert ensure_image(images["busybox"], store=store).rootfs == a.rootfs  # unpacked again
 
 

@@ -404,8 +404,11 @@ def drop_images(store: Path, *, timeout: float = 60.0) -> list[str]:
         return []
     dropped = [s.digest for s in list_images(store)]
     with _locked(store, timeout, f"image store {store}"):
-        for sub in ("rootfs", "meta", "refs", "blobs", "tmp"):
-            _rmtree(store / sub)
+        # Everything but the lock: also what runtimes derive from the blobs (the vm runtime's
+        # vm-layouts link to them), which must not outlive them.
+        for entry in sorted(os.listdir(store)):
+            if entry != "lock":
+                _rmtree(store / entry)
     return dropped
 
 
