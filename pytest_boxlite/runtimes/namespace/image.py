@@ -258,7 +258,7 @@ def host_mount_args(
         else:
             args += ["--ro-bind", m, m]
     for f in files:
-        args += ["--ro-bind", f, f]
+        args += ["--ro-bind", os.path.realpath(f), f]  # a link of the host's: its file there
     for top in made:
         args += ["--remount-ro", top]
     return args, overlays
@@ -302,7 +302,7 @@ def image_workdir(root: ImageRoot) -> str | None:
 def interpreter_mounts() -> tuple[list[str], list[str]]:
     """What boxed tests' interpreter needs at its own paths beyond ``sys.path``: ``(directories,
     files)``: its prefixes (a virtual environment's ``pyvenv.cfg``), or, where one is a system
-    directory the image has its own of, the executable alone."""
+    directory the image has its own of, the executable alone (at each path its links pass)."""
     exe = os.path.realpath(sys.executable)
     dirs: list[str] = []
     files: list[str] = []
@@ -311,7 +311,16 @@ def interpreter_mounts() -> tuple[list[str], list[str]]:
         if real in _SYSTEM_DIRS or real.count("/") == 1:
             continue
         dirs.append(real)
-    if not any(exe.startswith(d + "/") for d in dirs):
+    # Every hop of the executable's links that lies outside those directories (a venv's
+    # bin/python3 -> /usr/bin/python3 -> python3.11): the image has its own of none of them.
+    hop = os.path.abspath(sys.executable)
+    for _ in range(40):
+        if not any(hop.startswith(d + "/") for d in dirs) and hop not in files:
+            files.append(hop)
+        if not os.path.islink(hop):
+            break
+        hop = os.path.normpath(os.path.join(os.path.dirname(hop), os.readlink(hop)))
+    if exe not in files and not any(exe.startswith(d + "/") for d in dirs):
         files.append(exe)
     return dirs, files
 
