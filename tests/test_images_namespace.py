@@ -196,3 +196,27 @@ def test_the_image_config_user_where_the_box_maps_every_id(namespace_runtime: Ru
         assert sb.execute_command("id -u", user="root", timeout=20).stdout.strip() == "0"
     finally:
         sb.handle.destroy()
+
+
+def test_boxed_tests_interpreter_is_shown_at_every_hop_of_its_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A venv's python -> python3 -> /usr/bin/python3 -> python3.11 (Debian's venvs): each link
+    outside the venv (which the box shows whole) is bound, not only the file it ends at.
+    A unit layer: the interpreter's paths are faked, nothing is run."""
+    from pytest_boxlite.runtimes.namespace.image import interpreter_mounts
+
+    venv, system = tmp_path / "venv", tmp_path / "sys" / "bin"
+    (venv / "bin").mkdir(parents=True)
+    system.mkdir(parents=True)
+    (system / "python3.11").write_text("")
+    (system / "python3").symlink_to("python3.11")
+    (venv / "bin" / "python3").symlink_to(system / "python3")
+    (venv / "bin" / "python").symlink_to("python3")
+    monkeypatch.setattr(sys, "executable", str(venv / "bin" / "python"))
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    monkeypatch.setattr(sys, "exec_prefix", str(venv))
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    dirs, files = interpreter_mounts()
+    assert dirs == [str(venv), str(venv)]
+    assert files == [str(system / "python3"), str(system / "python3.11")]
