@@ -9,7 +9,9 @@ them), one box per mode, nothing else running:
 * throughput: ``--mib`` MiB sent by a host client to a sink server (the same script) through a
   published port, against the same sink run on the host over direct loopback; best of
   ``--rounds``, side by side;
-* round trip: one byte to an echo server and back, p50 of ``--pings``, published against direct.
+* round trip: one byte to an echo server and back, p50 of ``--pings``, published against direct;
+* the reverse way, a boxed test's: a client in the box streams to and pings the host's servers at
+  their host addresses, made reachable in the box by :mod:`pytest_boxlite.reach`.
 
 Goals (issue 24): start to ready p50 <= 150 ms; throughput >= 0.5x direct; round trip p50 <= 3x
 direct; spawn + exit of ``true`` <= 1.5x ``run``.
@@ -116,6 +118,46 @@ def _host_server(mode: str) -> tuple[subprocess.Popen[bytes], tuple[str, int]]:
     return proc, ("127.0.0.1", port)
 
 
+#: In a box: the same stream and round trips as the host's, to host servers at their host
+#: addresses, reached through :mod:`pytest_boxlite.reach` (a boxed test's way to a service).
+BOX_CLIENT = r"""
+import json, socket, sys, time
+sink, echo, mib, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+with socket.create_connection(("127.0.0.1", sink), timeout=60) as conn:
+    block = b"\0" * (1 << 20)
+    t0 = time.perf_counter()
+    for _ in range(mib):
+        conn.sendall(block)
+    conn.shutdown(socket.SHUT_WR)
+    conn.recv(64)
+    elapsed = time.perf_counter() - t0
+out = []
+with socket.create_connection(("127.0.0.1", echo), timeout=60) as conn:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for _ in range(n + 20):
+        t0 = time.perf_counter()
+        conn.sendall(b"x")
+        conn.recv(1)
+        out.append(time.perf_counter() - t0)
+print(json.dumps({"stream": elapsed, "rtt": out[20:]}))
+"""
+
+
+def _reached(sb: Any, sink_at: tuple[str, int], echo_at: tuple[str, int], args: argparse.Namespace) -> dict[str, Any]:
+    """The box's side: its client to the host's servers at their addresses (reach)."""
+    import json
+
+    from pytest_boxlite import reach
+
+    t0 = time.perf_counter()
+    reach.prepare_booted(sb.name, getattr(sb.handle, "agent_pid", None), [sink_at, echo_at])
+    offered = time.perf_counter() - t0
+    argv = [sys.executable, "-I", "-S", "-c", BOX_CLIENT, str(sink_at[1]), str(echo_at[1]), str(args.mib)]
+    r = sb.run([*argv, str(args.pings)], timeout=600, check=True)
+    got = json.loads(r.stdout)
+    return {"reach_offer": offered, "stream_reached": [got["stream"]], "rtt_reached": got["rtt"]}
+
+
 def measure_mode(sb: Any, args: argparse.Namespace) -> dict[str, Any]:
     py = sys.executable
     res: dict[str, Any] = {}
@@ -153,6 +195,7 @@ def measure_mode(sb: Any, args: argparse.Namespace) -> dict[str, Any]:
         res["stream_direct"], res["stream_published"] = direct, published
         res["rtt_direct"] = _pings(hecho_at, args.pings)
         res["rtt_published"] = _pings(echo_at, args.pings)
+        res.update(_reached(sb, hsink_at, hecho_at, args))
     finally:
         for p in (hsink, hecho):
             p.kill()
@@ -179,6 +222,13 @@ def render(args: argparse.Namespace, res: dict[str, Any]) -> list[str]:
             f"  1-byte round trip: direct p50 {d_p50 * 1e6:.0f} us, published p50 {p_p50 * 1e6:.0f} us; "
             f"ratio {p_p50 / d_p50:.2f}x   (goal <= 3x)",
         ]
+        if "rtt_reached" in r:
+            r_p50, best_r = statistics.median(r["rtt_reached"]), min(r["stream_reached"])
+            lines.append(
+                f"  a box's client to a host service at its address (reach; offered in "
+                f"{r['reach_offer'] * 1e3:.0f} ms): {mib / best_r:.0f} MiB/s, round trip p50 "
+                f"{r_p50 * 1e6:.0f} us ({r_p50 / d_p50:.2f}x direct)"
+            )
     return lines
 
 

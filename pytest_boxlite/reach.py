@@ -97,8 +97,8 @@ for port in ports:
         s.listen(64)
     except OSError as exc:
         back.sendall(("E%d bind 127.0.0.1:%d: %s" % (exc.errno or 0, port, exc.strerror)).encode()); os._exit(1)
-    made.append(s.fileno())
-socket.send_fds(back, [b"OK"], made)
+    made.append(s)  # held: a socket dropped here would be closed before it is sent
+socket.send_fds(back, [b"OK"], [m.fileno() for m in made])
 os._exit(0)
 """
 

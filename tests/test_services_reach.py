@@ -117,6 +117,22 @@ def test_a_box_reaches_a_host_service_at_the_same_address(boxlite_sandbox: Sandb
         assert out.strip() == "ConnectionRefusedError"
 
 
+def test_several_addresses_are_offered_at_once(boxlite_sandbox: Sandbox) -> None:
+    servers = [Echo() for _ in range(3)]
+    try:
+        agent = getattr(boxlite_sandbox.handle, "agent_pid", None)
+        if agent is None:
+            pytest.skip("the box's processes are not this host's (not a namespace box)")
+        offers = reach.prepare_booted(boxlite_sandbox.name, agent, [("127.0.0.1", e.port) for e in servers])
+        assert [o.target[1] for o in offers] == [e.port for e in servers]
+        for e in servers:
+            assert _box_python(boxlite_sandbox, ROUND_TRIP, str(e.port)).strip() == "ping from the box"
+            assert e.connections == 1
+    finally:
+        for e in servers:
+            e.close()
+
+
 ESCAPE = r"""
 import os, socket, sys
 port, canary = int(sys.argv[1]), int(sys.argv[2])
