@@ -226,6 +226,36 @@ def test_a_failed_unpack_leaves_nothing_behind(images: dict[str, str], store: Pa
     assert list(os.listdir(store / "rootfs")) == [image.digest[7:]]
 
 
+def test_a_writer_killed_mid_unpack_leaves_nothing_that_is_used(images: dict[str, str], store: Path) -> None:
+    # Fault injection: the writer stops after its first layer (a sleep), and is SIGKILLed there.
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        import pytest_boxlite.images.store as s
+        real = s.apply_layer
+        def slow(*a, **k):
+            real(*a, **k)
+            print("one layer", flush=True)
+            time.sleep(120)
+        s.apply_layer = slow
+        s.ensure_image({images["busybox"]!r}, store=Path({str(store)!r}))
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "one layer\n"
+        half = list((store / "tmp").glob("work-*/rootfs"))
+        assert half and (half[0] / "bin/busybox").exists()  # half a tree exists, in tmp only
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert os.listdir(store / "rootfs") == [] and os.listdir(store / "refs") == []
+    image = ensure_image(images["busybox"], store=store)  # the dead writer's lock went with it
+    assert (image.rootfs / "etc/layer2").exists() and not (image.rootfs / "etc/removed-by-layer2").exists()
+    assert os.listdir(store / "tmp") == []
+
+
 def test_a_locked_store_times_out_clearly(images: dict[str, str], store: Path) -> None:
     store.mkdir(parents=True)
     fd = os.open(store / "lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -264,6 +294,12 @@ def _bad(images: dict[str, str], tmp_path: Path, case: str) -> str:
         (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
         (layout / "index.json").write_text(" " * (5 << 20) + "{}")
         return f"oci:{layout}"
+    if case == "docker-paths":
+        # A docker save manifest naming host paths: only the archive's own members are ever read.
+        manifest = [{"Config": "/etc/passwd", "RepoTags": ["x:1"], "Layers": ["../../../etc/shadow"]}]
+        data = layer_tar([("manifest.json", "file", json.dumps(manifest), 0o644)])
+        (tmp_path / "paths.tar").write_bytes(data)
+        return f"docker-archive:{tmp_path}/paths.tar"
     if case == "wrong-size":
         layout = oci_layout(tmp_path / "wrong", [layer_tar([("f", "file", "x", 0o644)])])
         index = json.loads((layout / "index.json").read_text())
@@ -289,6 +325,7 @@ def _bad(images: dict[str, str], tmp_path: Path, case: str) -> str:
         ("blob-is-a-link", r"cannot open blobs/sha256/\w+: .*link"),
         ("huge-index", r"index.json has \d+ bytes, more than the \d+ allowed"),
         ("wrong-size", r"blob sha256:\w+ has \d+ bytes, its descriptor says \d+"),
+        ("docker-paths", r"config /etc/passwd is missing from the archive"),
     ],
 )
 def test_bad_images_are_refused_naming_the_image_and_the_cause(
