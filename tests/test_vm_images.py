@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import sdk_double
 
-from pytest_boxlite.errors import ConfigError
+from pytest_boxlite.errors import BoxStartError, ConfigError
 from pytest_boxlite.runtimes import _vmimage
 from pytest_boxlite.runtimes.vm import VmRuntime
 from pytest_boxlite.spec import BoxSpec
@@ -263,6 +263,9 @@ def test_the_sdk_gets_rootfs_path_and_the_digest_is_known(vm: VmRuntime, images:
     with pytest.raises(ConfigError, match="does not exist"):
         vm.register_box(BoxSpec(image=f"oci-archive:{images['cache']}/none.tar"), "pbx-img-2")
     assert vm.list_boxes() == []
+    # Any other refusal of the options is still a failed create, as before images were resolved here.
+    with pytest.raises(BoxStartError, match="could not create box"):
+        vm.register_box(BoxSpec(image="alpine:3.19", cpus=300), "pbx-img-3")
 
 
 # -- the double's rootfs_path against the real wheel's --------------------------------------------

@@ -34,6 +34,11 @@ kernel (probed), overlayfs with a tmpfs upper layer (``userxattr``) over the gue
 system and virtio-fs volumes, pivot_root in BoxLite's container, and the relay's latency over
 real exec streams.
 
+Local images (``oci:``, ``oci-archive:``, ``docker-archive:``) reach the SDK as
+``BoxOptions.rootfs_path``, a one-image OCI layout made from the machine's image store
+(:mod:`._vmimage`); the SDK's refusals of a bad layout are the real wheel's (checked here without
+KVM), the boot from one is unverified.
+
 Still to confirm on a host that boots VMs (none here can): whether the OCI
 runtime creates a missing working directory (#13: sidestepped, the box gets
 ``mkdir -p /workspace`` from ``/`` once it is up), whether an oversized
@@ -469,8 +474,9 @@ class VmRuntime(RuntimeDefaults):
                 raise
             raise RuntimeUnavailableError(f"boxlite cannot open home {self.home}: {exc}") from None
         self._closed = False
-        #: Local images (``oci:``...) of this runtime, as layouts the SDK's ``rootfs_path`` takes.
+        #: The image store local images (``oci:``...) go through; ``None``: :func:`image_store`.
         self.images = Path(images) if images is not None else None
+        #: Those images as layouts the SDK's ``rootfs_path`` takes, by reference.
         self._layouts: dict[str, _vmimage.LocalLayout] = {}
         self._image_mutex = threading.Lock()
         #: Provisioned templates of this home: key -> the (stopped) SDK box that pool boxes are cloned from.
@@ -529,13 +535,14 @@ class VmRuntime(RuntimeDefaults):
 
     def register_box(self, spec: BoxSpec, name: str) -> Any:
         """Create the box record without booting it (works without KVM)."""
-        # Outside the loop: a local image may be extracted first, and a bad one is a usage error.
-        options = self.box_options(spec)
-
-        async def create() -> Any:
-            return await self._rt.create(options, name=name)
-
         try:
+            # Outside the loop: a local image may be read into the store first (a bad one is a
+            # usage error, raised as it is).
+            options = self.box_options(spec)
+
+            async def create() -> Any:
+                return await self._rt.create(options, name=name)
+
             return self.loop.call(create, BOOKKEEPING_TIMEOUT, f"create {name}")
         except (BoxTimeoutError, ConfigError):  # a bad image is a usage error, not a failed start
             raise

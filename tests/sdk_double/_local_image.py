@@ -134,7 +134,10 @@ def _apply(blob: Path, dest: Path) -> None:
                 # hostile-input path.
                 m.name, m.mode = name, m.mode & ~0o6000
                 members.append(m)
-        tar.extractall(dest, members=members, **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))
+        if hasattr(tarfile, "tar_filter"):
+            tar.extractall(dest, members=members, filter="tar")
+        else:  # pragma: no cover - interpreters before extraction filters (checked by hand above)
+            tar.extractall(dest, members=members)
 
 
 def mounts(image: LocalImage, disk_layer: Any) -> list[str]:
