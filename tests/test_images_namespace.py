@@ -21,6 +21,7 @@ from conftest import CREATE_TIMEOUT, new_box_name
 
 from pytest_boxlite import errors
 from pytest_boxlite.runtimes import Runtime, image_problem
+from pytest_boxlite.runtimes.namespace.image import _exe_libs, _host_interpreter, _interpreter_problem
 from pytest_boxlite.sandbox import Sandbox
 from pytest_boxlite.spec import BoxSpec, ImageRoot
 
@@ -220,3 +221,21 @@ def test_boxed_tests_interpreter_is_shown_at_every_hop_of_its_links(
     dirs, files = interpreter_mounts()
     assert dirs == [str(venv), str(venv)]
     assert files == [str(system / "python3"), str(system / "python3.11")]
+
+
+@needs_busybox
+def test_an_image_without_env_cannot_box_tests(tmp_path: Path) -> None:
+    """The glibc a test's interpreter needs, but no ``env`` to start it through: said before any box."""
+    tree = busybox_tree(tmp_path / "noenv")
+    (tree / "bin" / "env").unlink()
+    _, loader, _, _ = _host_interpreter()
+    for path in [loader, *_exe_libs().values()]:
+        target = tree / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.realpath(path), target)
+    root = image_root(tree, "oci:/images/noenv:test")
+    why = image_problem("namespace", BoxSpec(image=root.reference, root=root, worker=True))
+    assert why is not None and "no env command" in why and root.reference in why, why
+    (tree / "bin" / "env").symlink_to("busybox")
+    _interpreter_problem.cache_clear()
+    assert image_problem("namespace", BoxSpec(image=root.reference, root=root, worker=True)) is None

@@ -62,6 +62,8 @@ _LIB_DIRS = (
     "lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu", "lib/aarch64-linux-gnu", "usr/lib/aarch64-linux-gnu",
 )  # fmt: skip
 _LDD_TIMEOUT = 30.0
+#: Where a box finds ``env`` (its PATH without an image's own).
+_ENV_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
 def _ldd(paths: Sequence[str]) -> tuple[str | None, dict[str, str]]:
@@ -380,6 +382,8 @@ def _interpreter_problem(rootfs: str, mounted: tuple[str, ...]) -> str | None:
             missing.append(soname)
     if missing:
         return f"the image has no {', '.join(missing)} (libraries {exe} links)"
+    if not any(_in_image(rootfs, f"{d}/env") for d in _ENV_DIRS):
+        return "the image has no env command (boxed tests' interpreter starts through it: coreutils or busybox)"
     return None
 
 
