@@ -209,7 +209,9 @@ class BoxliteSession:
                 if problem is not None:
                     raise ConfigError(problem)
                 return spec
-            if base["image"].startswith(("oci:", "oci-archive:", "docker-archive:")) and not self.settings.url:
+            from pytest_boxlite.images.reference import is_image_reference_local
+
+            if is_image_reference_local(base["image"]) and not self.settings.url:
                 # vm: a local image is checked (and stored) before any box; the runtime lays it out
                 # for the SDK from the same store (a remote server refuses it: it cannot read it).
                 self.image_root(base["image"])

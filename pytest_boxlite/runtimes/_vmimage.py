@@ -34,7 +34,6 @@ __all__ = ["LocalLayout", "is_local", "local_layout"]
 OCI_LAYOUT = '{"imageLayoutVersion":"1.0.0"}'
 #: The descriptor type the SDK accepts for an image in ``index.json`` (else "Unsupported media type").
 MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-_LOCAL = ("oci:", "oci-archive:", "docker-archive:")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +55,9 @@ class LocalLayout:
 
 def is_local(ref: str) -> bool:
     """Whether ``ref`` names a local image (``oci:``, ``oci-archive:``, ``docker-archive:``)."""
-    return ref.startswith(_LOCAL)
+    from pytest_boxlite.images.reference import is_image_reference_local
+
+    return is_image_reference_local(ref)
 
 
 def local_layout(ref: str, store: Path, *, timeout: float = 600.0) -> LocalLayout:
