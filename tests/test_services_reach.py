@@ -410,3 +410,25 @@ def test_a_session_fixture_of_a_boxed_test_connects_where_it_is_set_up(
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert "3 passed" in out, out
+
+
+def test_on_vm_a_boxed_test_is_told_why_it_cannot_reach_the_service(tmp_path: Path, home: Path) -> None:
+    """A VM's processes are not this host's: no network namespace to listen in (the SDK double)."""
+    from test_vm_marker import double_env
+
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_reach_boxed.py").write_text(TESTS)
+    cmd = [sys.executable, "-m", "pytest", *QUIET, "-p", "no:randomly", f"--boxlite-home={home}", "-q"]
+    res = subprocess.run(
+        [*cmd, "--boxlite-runtime=vm", "-k", "reaches_again or does_not_reach"],
+        cwd=tmp_path,
+        env=double_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 1 and "1 passed" in out and "1 error" in out, out  # an error at its setup
+    assert "could not make the test's services reachable in its" in out, out
+    assert "are not processes of this host" in out, out
