@@ -25,10 +25,12 @@ Design (how an instance lives)
   lies outside that node), after pytest's own teardown of that test, so fixtures built on the
   service are torn down first.  What is still running at the session's end is stopped then.
 * **Its box** is leased from the session's pool (``boxlite_pool.sandbox``'s path, with the
-  declaration's ``image``), ``setup`` runs in it, then the process is spawned, its ``ports``
-  published on the host's loopback (a relay: the box's network stays off) and the readiness
-  checks run, within ``timeout``.  A check that fails raises :class:`ServiceStartError` naming the
-  service, what was awaited and the process's last output lines; the box is given back at once.
+  declaration's ``image``), on top of ``--boxlite-replicas`` (the cap grows by one while it
+  runs: boxes held for a whole scope must not starve the tests), ``setup`` runs in it, then the
+  process is spawned, its ``ports`` published on the host's loopback (a relay: the box's network
+  stays off) and the readiness checks run, within ``timeout``.  A check that fails raises
+  :class:`ServiceStartError` naming the service, what was awaited and the process's last output
+  lines; the box is given back at once.
 * **Reports.**  A test that fails while it uses a service gets a report section
   ``boxlite service NAME`` holding the service's last output lines (bounded: :data:`LOG_LINES`
   lines of at most 300 characters each).  With ``--boxlite-keep``, the box of a service used by a
@@ -650,18 +652,15 @@ class ServiceManager:
                 service_ledger.prune(session.home)
         fields: dict[str, Any] = {} if spec.image is None else {"image": spec.image}
         deadline = time.monotonic() + spec.timeout
+        # A service's box comes on top of --boxlite-replicas: held for a whole scope, it would
+        # otherwise starve the tests (a boxed test waiting for a box that services hold).
+        pool = session.pool()
+        _grow(pool, 1)
         try:
             lease = BoxlitePool(session)._lease(f"service {spec.name!r}", spec.timeout, False, fields)
         except BoxliteError as exc:
-            with self._lock:
-                running = sorted({inst.spec.name for inst in self._live.values()})
-            held = (
-                f" (each running service holds a box of the pool until its scope ends: {', '.join(running)} "
-                "run now; --boxlite-replicas must leave room for them)"
-                if running
-                else ""
-            )
-            raise ServiceStartError(spec.name, f"{spec.label()}: could not get a box: {exc}{held}") from exc
+            _grow(pool, -1)
+            raise ServiceStartError(spec.name, f"{spec.label()}: could not get a box: {exc}") from exc
         ok = False
         proc: BoxProcess | None = None
         try:
@@ -704,7 +703,10 @@ class ServiceManager:
                 if proc is not None:
                     proc.close()
                 # A service that never got ready: its box (files, setup's work) kept to look into.
-                lease.release(keep=session.settings.keep)
+                try:
+                    lease.release(keep=session.settings.keep)
+                finally:
+                    _grow(pool, -1)
 
     def _not_ready(
         self, spec: ServiceSpec, check: Ready, proc: BoxProcess, sb: Sandbox, overall: bool, exc: OutputWaitError
@@ -743,8 +745,11 @@ class ServiceManager:
             item = self._item
             if item is not None:
                 item.user_properties.append(("boxlite_box", sb.name))
-        with contextlib.suppress(BoxliteError):
-            inst.lease.release(keep=keep)
+        try:
+            with contextlib.suppress(BoxliteError):
+                inst.lease.release(keep=keep)
+        finally:
+            _grow(inst.lease.pool, -1)
 
     def stop_all(self) -> None:
         with self._lock:
@@ -816,6 +821,14 @@ class ServiceManager:
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.stop_all()
+
+
+def _grow(pool: Any, by: int) -> None:
+    """Raise (or lower) the pool's cap of live boxes by ``by``: room for a service's box.  Under the
+    pool's own condition, which waiting leases sleep on (a private of the pool, this package's)."""
+    with pool._cond:
+        pool.replicas = max(1, pool.replicas + by)
+        pool._cond.notify_all()
 
 
 _MANAGER_KEY = pytest.StashKey[ServiceManager]()

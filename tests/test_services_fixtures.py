@@ -150,8 +150,8 @@ def test_each_scope_has_one_instance_per_scope_and_is_reused_within_it(tmp_path:
             "pkg_b/test_m3.py": SCOPES_TEST,
         },
     )
-    # Five services at once (each holds a box for its scope), and room for the next ones' boxes.
-    res = run(tmp_path, home, tag, "-q", "--boxlite-replicas=7")
+    # Five services at once, each holding a box for its scope, beside the default two replicas.
+    res = run(tmp_path, home, tag, "-q")
     assert res.returncode == 0, res.stdout + res.stderr
     seen = instances(tmp_path)
     tests = 12
@@ -463,7 +463,7 @@ def test_boxed_tests_get_the_hosts_instances_in_every_scope(tmp_path: Path, home
             "pkg_b/test_m3.py": BOXED_TEST,
         },
     )
-    res = run(tmp_path, home, tag, "-rP", "--boxlite", f"--boxlite-scope={scope}", "--boxlite-replicas=8")
+    res = run(tmp_path, home, tag, "-rP", "--boxlite", f"--boxlite-scope={scope}")
     assert res.returncode == 1, res.stdout + res.stderr
     # A service asked for with getfixturevalue in a box (the host cannot know of it): a clear error.
     assert re.search(r"^3 failed, 12 passed", res.stdout.splitlines()[-1].strip("= ")), res.stdout
@@ -497,7 +497,7 @@ def test_in_box(web):
     urllib.request.urlopen(web.url(path="/from-the-box"), timeout=30).close()
 """
     project(tmp_path, conftest, {"test_mixed.py": tests})
-    res = run(tmp_path, home, tag, "-rA", "--boxlite-replicas=4")
+    res = run(tmp_path, home, tag, "-rA")
     out = res.stdout
     assert res.returncode == 1, out + res.stderr
     seen = seen_in_output(out)
