@@ -239,3 +239,23 @@ def test_an_image_without_env_cannot_box_tests(tmp_path: Path) -> None:
     (tree / "bin" / "env").symlink_to("busybox")
     _interpreter_problem.cache_clear()
     assert image_problem("namespace", BoxSpec(image=root.reference, root=root, worker=True)) is None
+
+
+@needs_busybox
+@pytest.mark.escapes
+def test_the_agents_kit_is_read_only_and_holds_no_installed_packages(
+    namespace_runtime: Runtime, busybox: ImageRoot
+) -> None:
+    """The host interpreter the agent runs on (under /.boxlite-host): read-only (a box writing
+    there would reach the next box forked from the same warm one), its site-packages empty."""
+    import sysconfig
+
+    sb = boot(namespace_runtime, BoxSpec(image=busybox.reference, root=busybox))
+    try:
+        site = "/.boxlite-host" + os.path.realpath(sysconfig.get_paths()["purelib"])
+        r = sb.execute_command(f"touch /.boxlite-host/x {site}/x; ls {site} 2>/dev/null | wc -l", timeout=20)
+        # Read-only where the stdlib holds site-packages (a pyenv build); absent where it does not (a venv).
+        assert "/.boxlite-host/x: Read-only file system" in r.stderr and r.stdout.strip() == "0", r
+        assert "site-packages/x: Read-only file system" in r.stderr or "No such file" in r.stderr, r
+    finally:
+        sb.handle.destroy()

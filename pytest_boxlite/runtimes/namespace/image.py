@@ -165,6 +165,12 @@ def kit_args() -> list[str]:
     args += ["--ro-bind", exe, HOST_KIT + exe]
     for d in stdlib:
         args += ["--ro-bind", d, HOST_KIT + d]
+    paths = sysconfig.get_paths()
+    for key in ("purelib", "platlib"):
+        site = os.path.realpath(paths.get(key) or "/")
+        if any(site.startswith(d + "/") for d in stdlib) and os.path.isdir(site):
+            # The agent runs with -S: the host's installed packages are none of the box's business.
+            args += ["--tmpfs", HOST_KIT + site, "--remount-ro", HOST_KIT + site]
     gdir = os.path.realpath(os.path.dirname(guest.path("agent")))
     args += ["--ro-bind", gdir, HOST_KIT + gdir, "--remount-ro", HOST_KIT]
     return args
