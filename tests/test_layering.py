@@ -55,6 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime choice", ("runtimes",)),
     ("the runtimes", ("runtimes.namespace", "runtimes.namespace.*", "runtimes.vm", "runtimes.vm.*", "runtimes.rest")),
     ("runtime parts: protocol, host probe, private helpers", ("runtimes.base", "runtimes.probe", "runtimes._*")),
+    ("images: references, the image store and its unpacker", ("images", "images.*")),
     ("shared vocabulary: box specs; guest scripts and their loader", ("spec", "guest", "guest.*")),
     ("errors", ("errors",)),
 ]
