@@ -46,11 +46,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "pytest glue: fixtures, boxed-test execution, xdist, the terminal report",
-        ("fixtures", "remote", "remote.*", "reporting", "xdist_support"),
+        ("fixtures", "services", "remote", "remote.*", "reporting", "xdist_support"),
     ),
     ("test plans: markers to box specs, and the marker's registration", ("markers", "marker_registration")),
     ("the per-process session", ("session",)),
-    ("the warm pool, provisioning and leftover bookkeeping", ("pool", "templates", "ledger")),
+    ("the warm pool, provisioning and leftover bookkeeping", ("pool", "templates", "ledger", "service_ledger")),
     ("the box API and settings", ("sandbox", "settings", "process", "publish", "reach")),
     ("runtime choice", ("runtimes",)),
     ("the runtimes", ("runtimes.namespace", "runtimes.namespace.*", "runtimes.vm", "runtimes.vm.*", "runtimes.rest")),
