@@ -9,11 +9,12 @@ exist.  This module makes **the same address** work there, so a client configure
 fixture's value works boxed and unboxed, with no code in the box:
 
 * Before a boxed test runs, the host makes a listening socket *inside the test process's network
-  namespace* at ``127.0.0.1:<the service's host port>``: a short-lived helper process enters the
-  box's user and network namespaces (``setns`` through a pidfd of the test process), binds and
-  listens there, hands the socket back over ``SCM_RIGHTS`` and exits (:func:`listen_in`).  The
-  helper is made non-dumpable first and lies in the host's pid namespace, which the box cannot
-  see: nothing in the box can reach it.
+  namespace* at ``127.0.0.1:<the service's host port>``: a short-lived child of a helper process
+  (one per host process, single-threaded, so it forks safely) enters the box's user and network
+  namespaces (``setns`` through a pidfd of the test process), binds and listens there, hands the
+  sockets back over ``SCM_RIGHTS`` and exits (:func:`listen_in`).  The child is made
+  non-dumpable first and lies in the host's pid namespace, which the box cannot see: nothing in
+  the box can reach it.
 * A host thread accepts on that socket (:class:`Offer`) and, for each connection, connects to
   **exactly one address, fixed when the offer was made**: the service's published ``(host,
   port)``, in the host's network.  The box's bytes are copied, never parsed: nothing the box
@@ -77,30 +78,109 @@ _LOOPBACK = "127.0.0.1"
 
 #: The helper: enter the namespaces of the process of the pidfd, listen there, hand the socket
 #: back, exit.  Run with -I -S: it imports nothing from the project or the user's site.
+#: The helper: a small single-threaded process of this host's (started once per host process, on
+#: first use) that, per request (a pidfd and ports), forks a child; the child enters the
+#: namespaces of the pidfd's process, listens there, hands the sockets back and exits.  Its
+#: requests come only from this process (a socketpair); it ends when this process closes it.
 _HELPER = r"""
 import ctypes, os, socket, sys
-pidfd, out, ports = int(sys.argv[1]), int(sys.argv[2]), [int(p) for p in sys.argv[3:]]
 libc = ctypes.CDLL(None, use_errno=True)
-back = socket.socket(fileno=out)
-def fail(what):
-    back.sendall(("E%d %s" % (ctypes.get_errno(), what)).encode()); os._exit(1)
-if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: nothing in the box may ptrace this process
-    fail("prctl")
-# The user namespace too (an ordinary user holds no capability over the box's network without it).
-if libc.setns(pidfd, 0x10000000 | 0x40000000) != 0 and libc.setns(pidfd, 0x40000000) != 0:
-    fail("setns")
-made = []
-for port in ports:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("127.0.0.1", port))
-        s.listen(64)
-    except OSError as exc:
-        back.sendall(("E%d bind 127.0.0.1:%d: %s" % (exc.errno or 0, port, exc.strerror)).encode()); os._exit(1)
-    made.append(s)  # held: a socket dropped here would be closed before it is sent
-socket.send_fds(back, [b"OK"], [m.fileno() for m in made])
-os._exit(0)
+libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL: never outlives the host process
+conn = socket.socket(fileno=int(sys.argv[1]))
+def child(pidfd, ports):
+    def fail(what):
+        conn.sendall(("E%d %s" % (ctypes.get_errno(), what)).encode()); os._exit(1)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: nothing in the box may ptrace it
+        fail("prctl")
+    # The user namespace too (an ordinary user holds no capability over the box's network without it).
+    if libc.setns(pidfd, 0x10000000 | 0x40000000) != 0 and libc.setns(pidfd, 0x40000000) != 0:
+        fail("setns")
+    made = []
+    for port in ports:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(64)
+        except OSError as exc:
+            conn.sendall(("E%d bind 127.0.0.1:%d: %s" % (exc.errno or 0, port, exc.strerror)).encode()); os._exit(1)
+        made.append(s)  # held: a socket dropped here would be closed before it is sent
+    socket.send_fds(conn, [b"OK"], [m.fileno() for m in made])
+    os._exit(0)
+while True:
+    data, fds, _flags, _addr = socket.recv_fds(conn, 4096, 1)
+    if not data or len(fds) != 1:
+        os._exit(0)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child(fds[0], [int(p) for p in data.decode().split(",")])
+        except BaseException as exc:
+            conn.sendall(("E0 %r" % (exc,))[:300].encode())
+        finally:
+            os._exit(1)
+    os.close(fds[0])
+    os.waitpid(pid, 0)  # one request at a time: its child answers on the same socket
 """
+
+
+class _Helper:
+    """This process's helper (see :data:`_HELPER`), started on first use, restarted if it died."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conn: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def _start(self) -> socket.socket:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _HELPER, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={"PATH": "/usr/bin:/bin"},
+                cwd="/",
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self._conn = mine
+        return mine
+
+    def ask(self, pidfd: int, ports: list[int]) -> tuple[bytes, list[int]]:
+        with self._lock:
+            for attempt in (0, 1):
+                conn = self._conn if self._conn is not None else self._start()
+                try:
+                    conn.settimeout(HELPER_TIMEOUT)
+                    socket.send_fds(conn, [",".join(map(str, ports)).encode()], [pidfd])
+                    data, fds, _flags, _addr = socket.recv_fds(conn, 512, len(ports))
+                except TimeoutError:
+                    self._stop()
+                    why = f"the helper that listens in boxes did not answer in {HELPER_TIMEOUT:g} s"
+                    raise ReachError(why) from None
+                except OSError:
+                    data, fds = b"", []
+                if data or attempt:
+                    return data, fds
+                self._stop()  # it had died (a broken pipe, no answer): once more with a new one
+            return b"", []
+
+    def _stop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+
+_helper = _Helper()
 
 
 class ReachError(BoxliteError):
@@ -117,33 +197,8 @@ def _pidfd_pid(pidfd: int) -> int:
 
 def listen_in(pidfd: int, ports: list[int]) -> list[socket.socket]:
     """TCP sockets listening on ``127.0.0.1:port`` for each of ``ports`` in the network namespace
-    of the process of ``pidfd`` (made by one short-lived helper; see the module docstring)."""
-    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with mine:
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _HELPER, str(pidfd), str(theirs.fileno()), *map(str, ports)],
-                pass_fds=(pidfd, theirs.fileno()),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env={"PATH": "/usr/bin:/bin"},
-                cwd="/",
-            )
-        finally:
-            theirs.close()
-        try:
-            mine.settimeout(HELPER_TIMEOUT)
-            try:
-                data, fds, _flags, _addr = socket.recv_fds(mine, 512, len(ports))
-            except TimeoutError:
-                raise ReachError(f"the helper that listens in the box did not answer in {HELPER_TIMEOUT:g} s") from None
-        finally:
-            try:
-                proc.wait(HELPER_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    of the process of ``pidfd`` (made by the helper's child; see the module docstring)."""
+    data, fds = _helper.ask(pidfd, ports)
     socks = [socket.socket(fileno=fd) for fd in fds]
     why = data[:300].decode("utf-8", "replace")
     if data == b"OK" and len(socks) == len(ports):

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from subruns import QUIET, sub_env, wait_until
+from subruns import QUIET, process_gone, sub_env, wait_until
 
 from pytest_boxlite import reach
 from pytest_boxlite.errors import ConfigError
@@ -279,6 +279,16 @@ def _described(config, item):
 
 
 services.descriptions_for = _described
+
+
+def pytest_unconfigure(config):
+    # Where the host's helper ran, its pid: the outer test checks it ended with this process.
+    from pytest_boxlite import reach
+
+    proc = reach._helper._proc
+    if proc is not None and not os.environ.get("PYTEST_BOXLITE_GUEST"):
+        with open("helper-pids", "a") as fh:
+            fh.write("%d\n" % proc.pid)
 """
 
 TESTS = r"""
@@ -340,6 +350,10 @@ def test_boxed_tests_reach_the_service_at_its_host_address(tmp_path: Path, home:
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert ("4 passed" if "not does_not_reach" in args else "5 passed") in out, out
+    # The helper that made the listeners ran (in each xdist worker) and ended with its process.
+    pids = [int(p) for p in (tmp_path / "helper-pids").read_text().split()]
+    assert 1 <= len(pids) <= (2 if "-n" in args else 1), pids  # -n 2: a worker may have run no such test
+    assert wait_until(lambda: all(process_gone(p) for p in pids), timeout=10), pids
     assert time.monotonic() - started < 300
 
 
