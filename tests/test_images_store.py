@@ -300,6 +300,12 @@ def _bad(images: dict[str, str], tmp_path: Path, case: str) -> str:
         data = layer_tar([("manifest.json", "file", json.dumps(manifest), 0o644)])
         (tmp_path / "paths.tar").write_bytes(data)
         return f"docker-archive:{tmp_path}/paths.tar"
+    if case == "nested-index":
+        layout = tmp_path / "nested"
+        layout.mkdir()
+        (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+        (layout / "index.json").write_text("[" * 200_000)  # json.loads recurses once per level
+        return f"oci:{layout}"
     if case == "wrong-size":
         layout = oci_layout(tmp_path / "wrong", [layer_tar([("f", "file", "x", 0o644)])])
         index = json.loads((layout / "index.json").read_text())
@@ -326,6 +332,7 @@ def _bad(images: dict[str, str], tmp_path: Path, case: str) -> str:
         ("huge-index", r"index.json has \d+ bytes, more than the \d+ allowed"),
         ("wrong-size", r"blob sha256:\w+ has \d+ bytes, its descriptor says \d+"),
         ("docker-paths", r"config /etc/passwd is missing from the archive"),
+        ("nested-index", r"index.json is not valid JSON .*the image is corrupt"),
     ],
 )
 def test_bad_images_are_refused_naming_the_image_and_the_cause(

@@ -68,7 +68,7 @@ def _digest_hex(digest: Any, what: str) -> str:
 def _json(data: bytes, what: str) -> dict[str, Any]:
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise ImageError(f"{what} is not valid JSON ({exc}); the image is corrupt") from None
     if not isinstance(doc, dict):
         raise ImageError(f"{what} is not a JSON object; the image is corrupt")
@@ -414,7 +414,7 @@ def resolve_docker_archive(src: _TarSource, ref: Reference, tmpdir: Path, blobdi
         raise ImageError(f"{what}: no manifest.json: not a docker save archive")
     try:
         items = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ImageError(f"{what}: manifest.json is not valid JSON ({exc})") from None
     if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
         raise ImageError(f"{what}: manifest.json lists no image")

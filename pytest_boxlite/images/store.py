@@ -89,7 +89,7 @@ def parse_config(data: bytes, what: str) -> ImageConfig:
     """The :class:`ImageConfig` of an OCI/docker image config document."""
     try:
         doc = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ImageError(f"{what}: the config is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise ImageError(f"{what}: the config is not a JSON object")
@@ -144,7 +144,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         data = f.read(_MAX_META + 1)
     try:
         doc = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
 
