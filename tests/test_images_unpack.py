@@ -218,7 +218,9 @@ def test_hard_links_outside_the_tree_are_refused(tmp_path: Path, host: Path, mem
 
 
 def test_hard_links_inside_the_layer_work(tmp_path: Path) -> None:
-    root = unpack(tmp_path, tar_of(("f", "file", b"data\n", None), ("d", "dir", None, None), ("d/hl", "hard", "f", None)))
+    root = unpack(
+        tmp_path, tar_of(("f", "file", b"data\n", None), ("d", "dir", None, None), ("d/hl", "hard", "f", None))
+    )
     assert (root / "f").stat().st_ino == (root / "d/hl").stat().st_ino
 
 
@@ -243,7 +245,9 @@ def test_device_nodes_and_fifos_are_skipped_and_privilege_bits_cleared(tmp_path:
 
 
 def test_unreadable_directories_stay_removable_by_their_owner(tmp_path: Path) -> None:
-    layer = tar_of(("locked", "dir", None, 0o000), ("locked/inner", "dir", None, 0o000), ("locked/inner/f", "file", b"x", 0o000))
+    layer = tar_of(
+        ("locked", "dir", None, 0o000), ("locked/inner", "dir", None, 0o000), ("locked/inner/f", "file", b"x", 0o000)
+    )
     root = unpack(tmp_path, layer)
     assert stat.S_IMODE((root / "locked").stat().st_mode) & 0o700 == 0o700
     assert stat.S_IMODE((root / "locked/inner").stat().st_mode) & 0o700 == 0o700
@@ -259,6 +263,20 @@ def test_sizes_and_member_counts_are_bounded(tmp_path: Path) -> None:
     (tmp_path / "other").mkdir()
     with pytest.raises(ImageError, match="more than 20 members"):
         unpack(tmp_path / "other", many, limits=Limits(max_members=20))
+
+
+def test_huge_extended_headers_are_refused_before_they_are_read(tmp_path: Path) -> None:
+    # A GNU long name of 3 MiB: tarfile reads it whole into memory unless bounded first.
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        ti = tarfile.TarInfo("d/" * (3 << 19) + "f")
+        tf.addfile(ti)
+    root = tmp_path / "root"
+    root.mkdir()
+    blob = tmp_path / "layer"
+    blob.write_bytes(buf.getvalue())
+    with pytest.raises(ImageError, match=r"an extended header of \d+ bytes \(at most 1048576\)"):
+        apply_layer(root, blob, diff_id=None, limits=Limits(), what="test image")
 
 
 def test_a_layer_that_does_not_match_its_diff_id_is_refused(tmp_path: Path) -> None:
@@ -282,7 +300,7 @@ def test_broken_layers_are_refused_clearly(tmp_path: Path, damage: str) -> None:
     root.mkdir()
     blob = tmp_path / "layer"
     blob.write_bytes(raw)
-    with pytest.raises(ImageError, match="test image: .*(truncated or corrupt|not a valid tar)"):
+    with pytest.raises(ImageError, match=r"test image: .*(truncated or corrupt|not a valid tar)"):
         apply_layer(root, blob, diff_id=None, limits=Limits(), what="test image")
 
 
@@ -297,5 +315,5 @@ def test_zstd_layers_need_the_module(tmp_path: Path) -> None:
     root.mkdir()
     blob = tmp_path / "layer"
     blob.write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 32)
-    with pytest.raises(ImageError, match="zstd-compressed.*pip install zstandard"):
+    with pytest.raises(ImageError, match=r"zstd-compressed.*pip install zstandard"):
         apply_layer(root, blob, diff_id=None, limits=Limits(), what="test image")

@@ -95,6 +95,23 @@ class _HashingReader(io.RawIOBase):
             pass
 
 
+#: Extended headers (PAX, GNU long names) are read whole into memory by tarfile: bound them first.
+_MAX_EXT_HEADER = 1 << 20
+_EXT_TYPES = frozenset(
+    {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK}
+)
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A TarInfo whose extended headers may not exceed :data:`_MAX_EXT_HEADER` bytes (a layer
+    could declare gigabytes, which tarfile would read into memory before any check here)."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _EXT_TYPES and self.size > _MAX_EXT_HEADER:
+            raise tarfile.HeaderError(f"an extended header of {self.size} bytes (at most {_MAX_EXT_HEADER})")
+        return super()._proc_member(tarfile_)  # type: ignore[misc, no-any-return]
+
+
 def _compression(head: bytes) -> str:
     if head.startswith(b"\x1f\x8b"):
         return "gzip"
@@ -324,7 +341,7 @@ def apply_layer(root: Path, blob: Path, *, diff_id: str | None, limits: Limits, 
     try:
         with open_layer_stream(blob, limits.max_unpacked + (64 << 20), what) as reader:
             try:
-                with tarfile.open(fileobj=reader, mode="r|") as tf:
+                with tarfile.open(fileobj=reader, mode="r|", tarinfo=_BoundedTarInfo) as tf:
                     for member in tf:
                         _apply_member(tree, tf, member, dest, created, limits, what)
                 reader.drain()
