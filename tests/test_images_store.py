@@ -306,6 +306,10 @@ def _bad(images: dict[str, str], tmp_path: Path, case: str) -> str:
         (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
         (layout / "index.json").write_text("[" * 200_000)  # json.loads recurses once per level
         return f"oci:{layout}"
+    if case == "huge-header":
+        with tarfile.open(tmp_path / "huge.tar", "w", format=tarfile.GNU_FORMAT) as tf:
+            tf.addfile(tarfile.TarInfo("d/" * (3 << 19) + "f"))
+        return f"oci-archive:{tmp_path}/huge.tar"
     if case == "wrong-size":
         layout = oci_layout(tmp_path / "wrong", [layer_tar([("f", "file", "x", 0o644)])])
         index = json.loads((layout / "index.json").read_text())
@@ -333,6 +337,7 @@ def _bad(images: dict[str, str], tmp_path: Path, case: str) -> str:
         ("wrong-size", r"blob sha256:\w+ has \d+ bytes, its descriptor says \d+"),
         ("docker-paths", r"config /etc/passwd is missing from the archive"),
         ("nested-index", r"index.json is not valid JSON .*the image is corrupt"),
+        ("huge-header", r"huge.tar is not a readable tar archive \(an extended header of \d+ bytes"),
     ],
 )
 def test_bad_images_are_refused_naming_the_image_and_the_cause(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pytest_boxlite.images.reference import ImageError, Reference
+from pytest_boxlite.images.unpack import _BoundedTarInfo
 
 __all__ = ["MAX_JSON", "Resolved", "host_platform", "open_source"]
 
@@ -240,7 +241,8 @@ class _TarSource(_Source):
         self.file = os.fdopen(fd, "rb")
         self.members: dict[str, tarfile.TarInfo] = {}
         try:
-            self.tf = tarfile.open(fileobj=self.file, mode="r:")  # noqa: SIM115 - closed by close()
+            # Bounded extended headers, as in layers: tarfile reads them whole into memory.
+            self.tf = tarfile.open(fileobj=self.file, mode="r:", tarinfo=_BoundedTarInfo)  # noqa: SIM115 - closed by close()
             for count, m in enumerate(self.tf, 1):
                 if count > _MAX_ARCHIVE_MEMBERS:
                     raise ImageError(f"{what}: the archive has more than {_MAX_ARCHIVE_MEMBERS} members")
