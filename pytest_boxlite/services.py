@@ -44,21 +44,30 @@ Design (how an instance lives)
 Boxed tests (``--boxlite``, ``@pytest.mark.boxlite``)
 -----------------------------------------------------
 A boxed test's wider fixtures are set up in its box's pytest, and boxes do not nest: a service
-is always realised **on the host**.  The contract between the host and the box:
+is always realised **on the host**, and the box gets a description of it.  The design, worked out
+with the in-box relay (:mod:`pytest_boxlite.reach`):
 
-* Host: :func:`descriptions_for` ``(item)`` starts (or reuses) on the host the instances of every
-  service in ``item``'s fixture closure, for ``item``'s scopes, and returns one JSON-able
-  description per fixture name: ``{"name", "scope", "key", "box", "ports": {"8000": ["127.0.0.1",
-  40123]}}`` (box port -> the host's published address).  The transport that runs the item in its
-  box (and that sets its wider fixtures up ahead, see ``guest/worker.py``'s ``_prepare``) sends
-  those descriptions with the item.
-* Box: before ``item``'s fixtures are set up there, the transport calls :func:`receive`
-  ``(descriptions)`` with each description's ``ports`` rewritten to the address *the box* reaches
-  that port at (the in-box relay to the host's published port).  The service fixture, run in the
-  box, then returns a :class:`Service` built from the description (no sandbox, no process: those
-  are on the host).  Without a description, it fails saying so.
-* The host's manager keeps the instance until the last test of its scope is done, boxed or not,
-  so boxed and unboxed tests of one scope share one instance.
+* Host: :func:`box_fields` (through ``remote.worker_host._service_fields``) starts, or reuses, the
+  instances of the services in the item's fixture closure for the item's scopes, and describes
+  each (:meth:`Service.describe`: ``{"name", "scope", "key", "box", "ports": {"8000":
+  ["127.0.0.1", 40123]}}``, box port -> the host's published address).  The descriptions travel
+  in the ``FORK`` request (only the services wider than a function: what the warm interpreter
+  sets up ahead, ``guest/worker.py``'s ``_prepare``) and in each ``RUN`` (all of them).
+* Box: ``guest/worker.py``'s ``_take_services`` hands them to :func:`receive` before the item's
+  fixtures are set up; they replace the last item's.  The service fixture, run in the box, returns
+  a :class:`Service` built from them (no sandbox, no process: those are on the host).  A service
+  the host did not start for the item (asked for with ``getfixturevalue`` in the box) fails,
+  saying how to name it.
+* Addresses: the relay listens *in the test's box* on the same ``127.0.0.1:<host port>`` and
+  carries each connection to the published port, so a description's addresses work unchanged on
+  both sides (``receive`` keeps them as they are).
+* The host's manager keeps each instance until the last test of its scope is done, boxed or not,
+  so boxed and unboxed tests of one scope share one instance; a boxed test's failure report gets
+  the service's output as an unboxed one's does (the reports pass through this process's
+  ``pytest_runtest_logreport``).
+* Only the services a test names (as an argument, through its fixtures, with ``usefixtures``) can
+  be known to the host before the test runs; under ``--boxlite-scope=worker`` the whole session
+  is in a box and none can be started.
 """
 
 from __future__ import annotations
