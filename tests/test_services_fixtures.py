@@ -533,3 +533,37 @@ def test_get(i, web, worker_id):
     boxes = [box for c in seen.values() for box in c]
     assert len(set(boxes)) == len(boxes)
     no_leftovers(home, tag)
+
+
+def test_a_service_that_fails_on_the_host_fails_its_boxed_tests_with_its_last_lines(tmp_path: Path, home: Path) -> None:
+    tag = uuid.uuid4().hex
+    conftest = (
+        HEAD
+        + """
+broken = service(
+    "broken",
+    [sys.executable, "-X", "pbxtag_" + TAG, "-u", "-c", "print('bad config: no such table'); raise SystemExit(3)"],
+    ports=[5432],
+)
+"""
+    )
+    tests = """
+import pytest
+
+@pytest.mark.boxlite
+def test_one(broken):
+    pass
+
+@pytest.mark.boxlite
+def test_two(broken):
+    pass
+"""
+    project(tmp_path, conftest, {"test_broken.py": tests})
+    res = run(tmp_path, home, tag, "-q")
+    out = res.stdout
+    assert res.returncode == 1 and "2 errors" in out, out + res.stderr
+    # Each boxed test's setup error: what the host saw, with the server's last line.
+    assert out.count("on the host: service 'broken'") == 2, out
+    assert out.count("exited with status 3 before it was ready (PortReady(5432))") == 2, out
+    assert "stdout: bad config: no such table" in out, out
+    no_leftovers(home, tag)
