@@ -567,3 +567,35 @@ def test_two(broken):
     assert out.count("exited with status 3 before it was ready (PortReady(5432))") == 2, out
     assert "stdout: bad config: no such table" in out, out
     no_leftovers(home, tag)
+
+
+def test_a_service_on_the_vm_runtime(tmp_path: Path, home: Path) -> None:
+    """The vm runtime (through the boxlite SDK double): the image's python3 serves, the host reaches
+    it through the published port, and a failing test shows its output."""
+    tests_dir = Path(__file__).resolve().parent
+    path = [str(tests_dir.parent), str(tests_dir), str(tests_dir / "sdk_double" / "site")]
+    conftest = """
+from pytest_boxlite import HttpReady, service
+
+web = service("web", ["python3", "-u", "-m", "http.server", "8000", "--bind", "127.0.0.1"], ports=[8000],
+              ready=HttpReady(8000), scope="module")
+"""
+    tests = """
+import urllib.request
+
+def test_get(web):
+    assert web.sandbox.runtime == "vm"
+    assert urllib.request.urlopen(web.url(path="/"), timeout=30).status == 200
+
+def test_fails(web):
+    urllib.request.urlopen(web.url(path="/missing"), timeout=30)
+"""
+    project(tmp_path, conftest, {"test_vm.py": tests})
+    env = sub_env(PYTHONPATH=os.pathsep.join(path), BOXLITE_SDK_DOUBLE="1")
+    cmd = [sys.executable, "-m", "pytest", *QUIET, "-p", "no:randomly", f"--boxlite-home={home}"]
+    cmd.append("--boxlite-runtime=vm")
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
+    out = res.stdout
+    assert res.returncode == 1 and "1 failed, 1 passed" in out, out + res.stderr
+    assert "boxlite service web" in out and '"GET /missing HTTP/1.1" 404' in out, out
+    assert ledger.scan(home) == []
