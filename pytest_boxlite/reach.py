@@ -55,6 +55,7 @@ from pytest_boxlite.publish import _copy
 
 __all__ = [
     "MAX_CONNECTIONS",
+    "BoxGone",
     "Offer",
     "ReachError",
     "close_box",
@@ -93,8 +94,10 @@ def child(pidfd, ports):
     if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: nothing in the box may ptrace it
         fail("prctl")
     # The user namespace too (an ordinary user holds no capability over the box's network without it).
-    if libc.setns(pidfd, 0x10000000 | 0x40000000) != 0 and libc.setns(pidfd, 0x40000000) != 0:
-        fail("setns")
+    if libc.setns(pidfd, 0x10000000 | 0x40000000) != 0:
+        first = ctypes.get_errno()
+        if libc.setns(pidfd, 0x40000000) != 0:
+            fail("setns (user and network: errno %d; network: errno %d)" % (first, ctypes.get_errno()))
     made = []
     for port in ports:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -187,6 +190,19 @@ class ReachError(BoxliteError):
     """A service's address could not be made reachable in a boxed test's box; the message says why."""
 
 
+class BoxGone(ReachError):
+    """The box's process ended first: nothing to reach into (the box's own end is reported as such)."""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (not ended, not a zombie nobody reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def _pidfd_pid(pidfd: int) -> int:
     """The pid (in this process's pid namespace) of the process a pidfd refers to; -1 once it exited."""
     for line in Path(f"/proc/self/fdinfo/{pidfd}").read_text().splitlines():
@@ -201,6 +217,8 @@ def listen_in(pidfd: int, ports: list[int]) -> list[socket.socket]:
     data, fds = _helper.ask(pidfd, ports)
     socks = [socket.socket(fileno=fd) for fd in fds]
     why = data[:300].decode("utf-8", "replace")
+    if why.startswith("E3 setns"):  # ESRCH: the process of the pidfd has ended
+        raise BoxGone(f"the box's process ended before its services could be offered in it ({why})")
     if data == b"OK" and len(socks) == len(ports):
         if all(
             s.family == socket.AF_INET and s.type == socket.SOCK_STREAM and s.getsockname() == (_LOOPBACK, p)
@@ -449,6 +467,8 @@ def prepare_booted(box: str, agent: int | None, targets: Iterable[tuple[str, int
         return []
     if agent is None:
         raise ReachError(_NOT_HERE)
+    if not _alive(agent):
+        raise BoxGone(f"box {box} has ended")
     pidfd = os.pidfd_open(agent)
     try:
         return prepare(box, pidfd, targets)
@@ -469,6 +489,8 @@ def prepare_forked(
         return []
     if agent is None:
         raise ReachError(_NOT_HERE)
+    if not _alive(agent):
+        raise BoxGone(f"the warm box of box {box} has ended")
     with _lock:
         pidfd = _pidfds.get(box)
     if pidfd is None:

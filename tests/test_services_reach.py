@@ -235,6 +235,13 @@ def test_bad_targets_are_refused(boxlite_sandbox: Sandbox) -> None:
         reach.prepare_booted(boxlite_sandbox.name, os.getpid(), [("10.0.0.1", 80)])
     with pytest.raises(reach.ReachError, match="not processes of this host"):
         reach.prepare_booted("a-vm", None, [("127.0.0.1", 80)])
+    # A box whose first process ended (a zombie, not yet reaped): gone, which the runner leaves to
+    # the box's own end to report.
+    ended = subprocess.Popen(["true"])
+    assert wait_until(lambda: Path(f"/proc/{ended.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z")
+    with pytest.raises(reach.BoxGone):
+        reach.prepare_booted("gone", ended.pid, [("127.0.0.1", 80)])
+    ended.wait()
     assert reach.targets_of({"a": {"ports": {"1": ["10.0.0.1", 5]}}, "b": {"ports": {"2": ["127.0.0.1", True]}}}) == []
     assert reach.targets_of({"a": {"ports": {"6379": ["127.0.0.1", 4242]}}, "b": "junk"}) == [("127.0.0.1", 4242)]
 

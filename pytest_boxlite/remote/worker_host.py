@@ -531,6 +531,8 @@ class RemoteRunner:
                 reach.prepare_forked(box.name, box.stream.conn, targets, agent=getattr(handle, "agent_pid", None))
             else:
                 reach.prepare_booted(handle.name, getattr(handle, "agent_pid", None), targets)
+        except reach.BoxGone:
+            return None  # a box that ended: its RUN finds it and says so, as for any test
         except (BoxliteError, OSError) as exc:
             return f"{why}: {exc}"
         return None
@@ -559,6 +561,8 @@ class RemoteRunner:
             targets = reach.targets_of(described) if isinstance(described, dict) else []
             try:
                 reach.prepare_booted(handle.name, getattr(handle, "agent_pid", None), targets)
+            except reach.BoxGone:
+                pass  # a box that ended: the FORK below finds it and says so, as for any test
             except (BoxliteError, OSError) as exc:
                 return f"could not make the test's services reachable in its warm box: {exc}"
         try:
