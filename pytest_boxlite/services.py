@@ -437,6 +437,7 @@ def service(
     _DECLARED[name] = [*same, spec]
 
     def provide(request: pytest.FixtureRequest) -> Service:
+        __tracebackhide__ = True  # a failing start shows its message, not this plugin's frames
         return _provide(request, spec)
 
     provide.__doc__ = f"The service {name!r}: {' '.join(argv)[:200]} (a pytest_boxlite.Service)."
@@ -446,6 +447,7 @@ def service(
 
 
 def _provide(request: pytest.FixtureRequest, spec: ServiceSpec) -> Service:
+    __tracebackhide__ = True
     from pytest_boxlite.spec import in_guest
 
     if in_guest():
@@ -634,6 +636,7 @@ class ServiceManager:
     # -- instances ------------------------------------------------------------------------------
     def instance(self, spec: ServiceSpec, scope_key: str) -> Service:
         """The running instance of ``spec`` for the scope node ``scope_key``, started if need be."""
+        __tracebackhide__ = True
         key = (spec.key, scope_key)
         with self._lock:
             live = self._live.get(key)
@@ -651,6 +654,7 @@ class ServiceManager:
             return inst.service
 
     def _start(self, spec: ServiceSpec, scope_key: str) -> _Instance:
+        __tracebackhide__ = True
         from pytest_boxlite import service_ledger
         from pytest_boxlite.fixtures import BoxlitePool
 
@@ -727,8 +731,10 @@ class ServiceManager:
         else:
             bound = f"{spec.timeout:g} s" if overall else f"its check's {check.timeout:g} s"
             what = f"was not ready within {bound}: {check.describe()} did not pass"
-        detail = str(exc).split("\n--- last output lines ---", 1)[0]
-        return ServiceStartError(spec.name, f"{spec.label()} in box {sb.name} {what}; {detail}", lines)
+        # The wait's own words say what it saw last (an HTTP status, a command's error); after an
+        # exit they would only say the exit again.
+        detail = "" if code is not None else "; " + str(exc).split("\n--- last output lines ---", 1)[0]
+        return ServiceStartError(spec.name, f"{spec.label()} in box {sb.name} {what}{detail}", lines)
 
     def stop(self, key: tuple[str, str]) -> None:
         from pytest_boxlite import service_ledger
@@ -906,6 +912,7 @@ def receive(descriptions: Mapping[str, Any]) -> None:
 
 
 def _guest_service(spec: ServiceSpec, request: pytest.FixtureRequest) -> Service:
+    __tracebackhide__ = True
     desc = _RECEIVED.get(spec.name)
     if desc is None:
         raise ServiceStartError(
