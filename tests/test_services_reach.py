@@ -276,6 +276,17 @@ def pytest_configure(config):
         return  # in a box (or an xdist worker, which inherits the controller's server)
     config._echo = _echo()
     os.environ["ECHO_PORT"] = str(config._echo.getsockname()[1])
+    # A port of the host's that no test is offered: any connection to it is written down.
+    canary = socket.create_server(("127.0.0.1", 0))
+    def watch():
+        while True:
+            c, _ = canary.accept()
+            with open(os.path.join(str(config.rootpath), "canary-reached"), "a") as fh:
+                fh.write("reached\n")
+            c.close()
+    threading.Thread(target=watch, daemon=True).start()
+    config._canary = canary
+    os.environ["CANARY_PORT"] = str(canary.getsockname()[1])
 
 
 def _described(config, item):
@@ -327,6 +338,28 @@ def test_without_the_service_does_not_reach_it():
 @pytest.mark.echo
 def test_reaches_again_after_one_without():
     _talk("again")
+
+
+@pytest.mark.echo
+def test_cannot_make_the_relay_connect_elsewhere():
+    # In a box of its own (root there if the run is root), asking the relay in every way a proxy
+    # could be asked to reach the host's other port: the bytes only ever reach the service.
+    port, canary = int(os.environ["ECHO_PORT"]), int(os.environ["CANARY_PORT"])
+    asks = [
+        b"CONNECT 127.0.0.1:%d HTTP/1.1\r\n\r\n" % canary,
+        b"\x05\x01\x00\x05\x01\x00\x01\x7f\x00\x00\x01" + canary.to_bytes(2, "big"),
+        b'{"op": "connect", "port": %d}\n' % canary,
+    ]
+    for ask in asks:
+        s = socket.create_connection(("127.0.0.1", port), timeout=20)
+        s.sendall(ask)
+        got = b""
+        while len(got) < len(ask):
+            got += s.recv(65536) or b"!"
+        assert got == ask
+        s.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", canary), timeout=5)
 """
 
 
@@ -339,6 +372,7 @@ def _subrun(tmp_path: Path, home: Path, *args: str) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.escapes
 @pytest.mark.parametrize(
     "args",
     [
@@ -356,7 +390,8 @@ def test_boxed_tests_reach_the_service_at_its_host_address(tmp_path: Path, home:
     res = _subrun(tmp_path, home, *args)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
-    assert ("4 passed" if "not does_not_reach" in args else "5 passed") in out, out
+    assert ("5 passed" if "not does_not_reach" in args else "6 passed") in out, out
+    assert not (tmp_path / "canary-reached").exists(), "the host connected to a port no test was offered"
     # The helper that made the listeners ran (in each xdist worker) and ended with its process.
     pids = [int(p) for p in (tmp_path / "helper-pids").read_text().split()]
     assert 1 <= len(pids) <= (2 if "-n" in args else 1), pids  # -n 2: a worker may have run no such test
@@ -441,7 +476,7 @@ def test_on_vm_a_boxed_test_is_told_why_it_cannot_reach_the_service(tmp_path: Pa
     (tmp_path / "test_reach_boxed.py").write_text(TESTS)
     cmd = [sys.executable, "-m", "pytest", *QUIET, "-p", "no:randomly", f"--boxlite-home={home}", "-q"]
     res = subprocess.run(
-        [*cmd, "--boxlite-runtime=vm", "-k", "reaches_again or does_not_reach"],
+        [*cmd, "--boxlite-runtime=vm", "-k", "reaches_again or does_not_reach"],  # one each way
         cwd=tmp_path,
         env=double_env(),
         stdin=subprocess.DEVNULL,
