@@ -66,6 +66,8 @@ class Row:
     each_test: int = 0
     #: Shown against the peer row (``render``'s last column).
     compare: bool = True
+    #: Runs per round (a cheap row whose figure is a small difference: more samples for its median).
+    repeat: int = 1
 
     def __post_init__(self) -> None:
         if self.boxed is None:
@@ -147,9 +149,10 @@ def measure(
         for row in rows:
             if row.rounds is not None and rnd >= row.rounds:
                 continue
-            res = one_run(row, suites[row.suite], work, timeout)
-            runs[row.key].append(res)
-            log(f"  [{rnd + 1}/{rounds}] {row.label}: {res['wall']:.2f} s")
+            for _ in range(row.repeat):
+                res = one_run(row, suites[row.suite], work, timeout)
+                runs[row.key].append(res)
+                log(f"  [{rnd + 1}/{rounds}] {row.label}: {res['wall']:.2f} s")
     return derive(rows, suites, runs)
 
 

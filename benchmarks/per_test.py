@@ -4,7 +4,7 @@ Suites: ``--tests`` trivial tests (``def test_i(): pass``; in one module unless 
 and as many tests that each take ``boxlite_sandbox`` and run one ``execute_command("true")``.
 
 Rows (interleaved rounds; see ``_rows``): plain pytest; plain with ``-p no:boxlite`` (what having
-the plugin installed costs a run that boxes nothing); ``--boxlite``; ``--boxlite
+the plugin installed costs a run that boxes nothing; these two run five times a round); ``--boxlite``; ``--boxlite
 --boxlite-scope=module``; ``boxlite_sandbox`` + one command; pytest-forked ``--forked`` and
 pytest-isolate ``--isolate``, each against a plain run of their own pytest 8 environment (see
 ``_peers``); and, in ``per-test`` only, ``python -m pytest <nodeid>`` once per test (the
@@ -77,8 +77,9 @@ def add_cpu(p: argparse.ArgumentParser) -> None:
 def rows(args: argparse.Namespace, python8: str | None, isolate_env: dict[str, str] | None) -> list[Row]:
     out = [
         # Its base: what having the plugin installed costs a run that boxes nothing.
-        Row("plain", "plain", "trivial", base="plain-off", compare=False),
-        Row("plain-off", "plain, plugin off (-p no:boxlite)", "trivial", ("-p", "no:boxlite")),
+        # Five runs a round each: the difference is tens of ms of a run's few hundred, on a shared machine.
+        Row("plain", "plain", "trivial", base="plain-off", compare=False, repeat=5),
+        Row("plain-off", "plain, plugin off (-p no:boxlite)", "trivial", ("-p", "no:boxlite"), repeat=5),
         Row("boxed", "--boxlite", "trivial", ("--boxlite",), base="plain"),
         Row(
             "module",

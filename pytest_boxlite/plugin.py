@@ -197,7 +197,8 @@ def _has_state(home: Path) -> bool:
             if kind == "sessions":
                 owner = name.removesuffix(".lock") if name.endswith(".lock") else None
             elif kind == "namespace":
-                m = BOX_NAME.match(name)
+                # A box's directory, or its control directory or keep mark beside it.
+                m = BOX_NAME.match(name.removesuffix(".ctl").removesuffix(".keep"))
                 owner = m.group("owner") if m else None
             else:
                 owner = name

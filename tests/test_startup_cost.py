@@ -136,6 +136,7 @@ def test_a_live_session_s_state_is_no_reason_to_make_the_role(pytester: pytest.P
     lock.acquire()
     box = cache / "namespace" / f"pbx-{owner}-1"
     box.mkdir(parents=True)
+    box.with_name(box.name + ".ctl").mkdir()  # its control directory (the namespace runtime's layout)
     pytester.makeconftest(PROBE)
     pytester.makepyfile("def test_ok():\n    pass\n")
     try:
