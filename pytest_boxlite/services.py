@@ -25,8 +25,8 @@ Design (how an instance lives)
   lies outside that node), after pytest's own teardown of that test, so fixtures built on the
   service are torn down first.  What is still running at the session's end is stopped then.
 * **Its box** is leased from the session's pool (``boxlite_pool.sandbox``'s path, with the
-  declaration's ``image``), on top of ``--boxlite-replicas`` (the cap grows by one while it
-  runs: boxes held for a whole scope must not starve the tests), ``setup`` runs in it, then the
+  declaration's ``image``), on top of ``--boxlite-replicas`` (the cap grows for it: boxes held
+  for a whole scope must not starve the tests; see ``ServiceManager._take_room``), ``setup`` runs in it, then the
   process is spawned, its ``ports`` published on the host's loopback (a relay: the box's network
   stays off) and the readiness checks run, within ``timeout``.  A check that fails raises
   :class:`ServiceStartError` naming the service, what was awaited and the process's last output
@@ -627,6 +627,8 @@ class ServiceManager:
         self._pruned = False
         #: The session's items that use services, by node id (see :func:`activate`).
         self.items: dict[str, pytest.Item] = {}
+        #: Places this manager added to the pool's cap whose service has stopped (see _take_room).
+        self._owed = 0
 
     def _session(self) -> BoxliteSession:
         from pytest_boxlite.fixtures import get_session
@@ -668,11 +670,11 @@ class ServiceManager:
         # A service's box comes on top of --boxlite-replicas: held for a whole scope, it would
         # otherwise starve the tests (a boxed test waiting for a box that services hold).
         pool = session.pool()
-        _grow(pool, 1)
+        self._take_room(pool)
         try:
             lease = BoxlitePool(session)._lease(f"service {spec.name!r}", spec.timeout, False, fields)
         except BoxliteError as exc:
-            _grow(pool, -1)
+            self._owed += 1
             raise ServiceStartError(spec.name, f"{spec.label()}: could not get a box: {exc}") from exc
         ok = False
         proc: BoxProcess | None = None
@@ -719,7 +721,23 @@ class ServiceManager:
                 try:
                     lease.release(keep=session.settings.keep)
                 finally:
-                    _grow(pool, -1)
+                    self._owed += 1
+
+    def _take_room(self, pool: Any) -> None:
+        """Room in the pool for one more service's box, on top of ``--boxlite-replicas``: a place a
+        stopped service left, once its box is gone (the pool has room again), else a new one.
+
+        The cap never shrinks back while the session runs: a stopped service's box is destroyed in
+        the background and counts until then, and a cap lowered before that would leave a lease at
+        the cap, which makes the pool ask the session to give a box up (a boxed test's warm
+        interpreter).  Under the pool's own condition, which waiting leases sleep on (a private of
+        the pool; this package's own)."""
+        with pool._cond:
+            if self._owed > 0 and pool._live < pool.replicas:
+                self._owed -= 1
+            else:
+                pool.replicas += 1
+            pool._cond.notify_all()
 
     def _not_ready(
         self, spec: ServiceSpec, check: Ready, proc: BoxProcess, sb: Sandbox, overall: bool, exc: OutputWaitError
@@ -764,7 +782,7 @@ class ServiceManager:
             with contextlib.suppress(BoxliteError):
                 inst.lease.release(keep=keep)
         finally:
-            _grow(inst.lease.pool, -1)
+            self._owed += 1
 
     def stop_all(self) -> None:
         with self._lock:
@@ -836,14 +854,6 @@ class ServiceManager:
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.stop_all()
-
-
-def _grow(pool: Any, by: int) -> None:
-    """Raise (or lower) the pool's cap of live boxes by ``by``: room for a service's box.  Under the
-    pool's own condition, which waiting leases sleep on (a private of the pool, this package's)."""
-    with pool._cond:
-        pool.replicas = max(1, pool.replicas + by)
-        pool._cond.notify_all()
 
 
 _MANAGER_KEY = pytest.StashKey[ServiceManager]()
