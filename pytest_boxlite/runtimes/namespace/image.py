@@ -125,7 +125,7 @@ def _lib_dir() -> str:
     per library: a box costs what one without an image does).  Made once per set of libraries in
     this user's private /tmp directory (see :func:`~.mounts.private_tmp`), complete before it is
     renamed into place."""
-    from pytest_boxlite.runtimes.namespace.mounts import private_tmp
+    from pytest_boxlite.runtimes.namespace.layout import private_tmp
 
     _, loader, libs, _ = _host_interpreter()
     files = {os.path.basename(loader): os.path.realpath(loader), **libs}

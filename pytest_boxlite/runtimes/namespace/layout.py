@@ -3,11 +3,15 @@ the keep mark, and bounded, link-refusing reads and writes of the private files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import stat as _stat
 from pathlib import Path
 from typing import Any
+
+from pytest_boxlite.errors import BoxStartError
 
 GUEST_CTL = "/run/pytest-boxlite"
 WORKDIR = "/workspace"
@@ -77,3 +81,20 @@ def _bind(sock: socket.socket, path: Path) -> None:
         sock.bind(f"/proc/self/fd/{dirfd}/{path.name}")
     finally:
         os.close(dirfd)
+
+
+def private_tmp() -> Path:
+    """``/tmp/pytest-boxlite-<uid>``: this user's own directory on the host's /tmp (checked, never a link).
+
+    Layers stacked over the host's directories (templates, masks) live here: overlayfs refuses a
+    layer inside another one, and /tmp is the one host directory boxes never overlay.
+    """
+    base = Path("/tmp") / f"pytest-boxlite-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(base, 0o700)
+    st = os.lstat(base)
+    if not _stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise BoxStartError(f"{base} is not a directory owned by uid {os.getuid()}; remove it and retry")
+    if st.st_mode & 0o077:
+        os.chmod(base, 0o700)
+    return base

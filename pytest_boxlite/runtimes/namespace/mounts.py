@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from pytest_boxlite.errors import BoxStartError
 from pytest_boxlite.runtimes._homes import STATE_ENTRIES, boxlite_homes
+from pytest_boxlite.runtimes.namespace.layout import private_tmp
 from pytest_boxlite.runtimes.namespace.regroup import regroup_args
 
 #: Credential directories masked by an empty tmpfs inside every box (in every home it can read).
@@ -284,25 +284,6 @@ def _must_stay_visible(cwd: str, path: tuple[str, ...]) -> tuple[str, ...]:
             if real not in out:
                 out.append(real)
     return tuple(out)
-
-
-def private_tmp() -> Path:
-    """``/tmp/pytest-boxlite-<uid>``: this user's own directory on the host's /tmp (checked, never a link).
-
-    Layers stacked over the host's directories (templates, masks) live here: overlayfs refuses a
-    layer inside another one, and /tmp is the one host directory boxes never overlay.
-    """
-    base = Path("/tmp") / f"pytest-boxlite-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(base, 0o700)
-    st = os.lstat(base)
-    import stat as _stat
-
-    if not _stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise BoxStartError(f"{base} is not a directory owned by uid {os.getuid()}; remove it and retry")
-    if st.st_mode & 0o077:
-        os.chmod(base, 0o700)
-    return base
 
 
 _OPAQUE = "user.overlay.opaque"

@@ -208,7 +208,7 @@ def _warn_once(tree: str, what: str) -> None:
 def _build(top: str, entries: Sequence[Entry]) -> str | None:
     """The layer of ``entries`` of ``top``: made once per distinct set (their looks and inodes
     key it), in a fresh directory renamed into place, so a layer a live box stacks is never changed."""
-    from pytest_boxlite.runtimes.namespace.mounts import private_tmp
+    from pytest_boxlite.runtimes.namespace.layout import private_tmp
 
     # Not the access times: reading a file (a box's lookups, the copy itself) may change them.
     looks = [(e.rel, e.kind, e.mode, e.size, e.mtime_ns, e.ino, e.target) for e in entries]
