@@ -50,9 +50,17 @@ from __future__ import annotations
 
 from pytest_boxlite.runtimes.namespace.box import ATTACH, NamespaceBox, attach
 from pytest_boxlite.runtimes.namespace.bwrap import find_bwrap
-from pytest_boxlite.runtimes.namespace.layout import GUEST_CTL, WORKDIR, _read_info, ctl_dir, keep_marker, read_private
+from pytest_boxlite.runtimes.namespace.layout import (
+    GUEST_CTL,
+    WORKDIR,
+    _read_info,
+    ctl_dir,
+    keep_marker,
+    private_tmp,
+    read_private,
+)
 from pytest_boxlite.runtimes.namespace.leftovers import _alive, kill_box_processes, remove_box_dirs
-from pytest_boxlite.runtimes.namespace.mounts import mount_plan, private_tmp
+from pytest_boxlite.runtimes.namespace.mounts import mount_plan
 from pytest_boxlite.runtimes.namespace.privileges import (
     DEFAULT_MEMORY_MIB,
     DOCKER_CAPS,

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from pytest_boxlite.errors import BoxliteError, BoxStartError
 from pytest_boxlite.runtimes.base import BoxHandle
-from pytest_boxlite.runtimes.namespace.mounts import private_tmp
+from pytest_boxlite.runtimes.namespace.layout import private_tmp
 from pytest_boxlite.spec import BoxSpec
 
 
