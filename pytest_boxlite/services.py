@@ -681,7 +681,11 @@ class ServiceManager:
         try:
             sb = lease.sandbox
             for step in spec.setup:
-                res = sb.execute_command(step, timeout=_left(deadline))
+                try:
+                    res = sb.execute_command(step, timeout=_left(deadline))
+                except BoxliteError as exc:
+                    why = f"{spec.label()}: setup {step!r} in box {sb.name}: {exc}"
+                    raise ServiceStartError(spec.name, why) from exc
                 if not res.ok:
                     out = (res.stdout + res.stderr).strip().splitlines()[-20:]
                     why = "timed out" if res.timed_out else f"exited {res.exit_code}"
@@ -690,7 +694,12 @@ class ServiceManager:
                 proc = sb.spawn(spec.argv, env=dict(spec.env) if spec.env else None, cwd=spec.cwd, user=spec.user)
             except (BoxliteError, OSError) as exc:
                 raise ServiceStartError(spec.name, f"{spec.label()}: could not start in box {sb.name}: {exc}") from exc
-            addresses = {p: sb.publish(p) for p in spec.ports}
+            try:
+                addresses = {p: sb.publish(p) for p in spec.ports}
+            except (BoxliteError, OSError) as exc:
+                raise ServiceStartError(
+                    spec.name, f"{spec.label()}: could not publish its ports in box {sb.name}: {exc}", proc.last_lines()
+                ) from exc
             starting = _Starting(spec, sb, proc, addresses)
             for check in spec.checks:
                 own = deadline if check.timeout is None else min(deadline, time.monotonic() + check.timeout)
@@ -698,6 +707,10 @@ class ServiceManager:
                     check.wait(starting, own)
                 except OutputWaitError as exc:
                     raise self._not_ready(spec, check, proc, sb, own == deadline, exc) from None
+                except (BoxliteError, OSError) as exc:
+                    # The box itself failed (died, stopped answering): not a readiness answer.
+                    why = f"{spec.label()} in box {sb.name}: {check.describe()} failed: {exc}"
+                    raise ServiceStartError(spec.name, why, proc.last_lines()) from exc
             svc = Service(spec.name, addresses, sandbox=sb, process=proc, scope=spec.scope, key=scope_key)
             inst = _Instance(spec, scope_key, lease, svc)
             with contextlib.suppress(OSError):
@@ -772,7 +785,9 @@ class ServiceManager:
             # Its process group too; no "left running" warning: it is ours to stop.  A kept box
             # keeps its files; the process ends here all the same (a box kills a process whose
             # host end went away), to be started again there with ``python -m pytest_boxlite shell``.
-            proc.close()
+            # A dead box cannot be asked: its process went with it (the lease's end reaps the box).
+            with contextlib.suppress(BoxliteError, OSError):
+                proc.close()
         if keep:
             # The summary's "kept box" line names the service (reporting.BOX_PROPERTY).
             item = self._item
@@ -812,7 +827,7 @@ class ServiceManager:
                 continue
             try:
                 out[name] = self.instance(spec, scope_node(item, spec)).describe()
-            except ServiceStartError as exc:
+            except BoxliteError as exc:  # a ServiceStartError, or a session that cannot lease
                 out[name] = {"name": name, "error": str(exc)[:64_000]}
         return out
 
