@@ -301,7 +301,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Service fixtures (``pytest_boxlite.service``): their manager joins before the first test, only
     where a conftest imported that module (a run without services imports nothing for them)."""
     import sys
@@ -311,7 +311,7 @@ def pytest_collection_modifyitems(config: pytest.Config) -> None:
         promote = config.stash.get(PROMOTE_KEY, None)
         if promote is not None and getattr(services, "_DECLARED", None):
             promote()  # service fixtures run sandboxes: the host role is needed
-        services.activate(config)
+        services.activate(config, items)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
