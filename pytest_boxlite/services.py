@@ -354,12 +354,13 @@ class ServiceSpec:
         return path == where
 
     def label(self) -> str:
-        return f"service {self.name!r} ({' '.join(self.argv)[:200]!r})"
+        what = " ".join(self.argv)[:200] if self.argv else f"{self.image}'s Entrypoint/Cmd"
+        return f"service {self.name!r} ({what!r})"
 
 
 def service(
     name: str,
-    argv: Sequence[str],
+    argv: Sequence[str] | None = None,
     *,
     ports: Sequence[int] = (),
     ready: Ready | Sequence[Ready] | None = None,
@@ -374,7 +375,9 @@ def service(
     """Declare a service and return its pytest fixture (bind it to a module global of a conftest).
 
     ``argv`` runs without a shell in a box of its own, leased from the session's pool (``image``:
-    the box's image, as ``boxlite_pool.sandbox(image=...)``); ``setup``: shell commands run in that
+    the box's image, as ``boxlite_pool.sandbox(image=...)``).  Without ``argv``, the image's
+    ``Entrypoint`` followed by its ``Cmd`` runs, as ``docker run IMAGE`` would (an ``argv`` given
+    replaces both, as ``--entrypoint`` does); ``setup``: shell commands run in that
     box first, in order, each of which must succeed (like ``--boxlite-setup``, but per instance).
     ``env``, ``cwd`` and ``user`` are the process's.  ``ports``: the box's TCP ports to publish on
     the host's loopback.  ``ready``: a readiness check, a list of them (all must pass, in order), or
@@ -385,7 +388,14 @@ def service(
     """
     if not isinstance(name, str) or not _NAME.match(name):
         raise ConfigError(f"service name must be a Python identifier (it is the fixture's name), got {name!r}")
-    if isinstance(argv, (str, bytes)) or not argv or not all(isinstance(a, str) for a in argv):
+    if argv is None:
+        if image is None:
+            raise ConfigError(
+                f"service {name!r}: give argv (the command to run), or image= naming an image whose "
+                "Entrypoint/Cmd to run"
+            )
+        argv = ()
+    elif isinstance(argv, (str, bytes)) or not argv or not all(isinstance(a, str) for a in argv):
         raise ConfigError(f"service {name!r}: argv must be a non-empty list of str (no shell), got {argv!r}")
     if any("\0" in a for a in argv):
         raise ConfigError(f"service {name!r}: an argument contains a NUL byte")
@@ -496,6 +506,24 @@ def services_of(item: pytest.Item) -> list[tuple[str, ServiceSpec]]:
             if spec is not None:
                 out.append((name, spec))
     return out
+
+
+def _image_command(spec: ServiceSpec, home: Path, timeout: float) -> tuple[str, ...]:
+    """A service declared without ``argv``: its image's ``Entrypoint`` + ``Cmd``, read from the
+    image store (the image is already there: its box was just made from it)."""
+    from pytest_boxlite.images import ImageError, ensure_image, store_dir
+
+    assert spec.image is not None  # service() refuses a declaration with neither
+    try:
+        config = ensure_image(spec.image, store=store_dir(home), timeout=max(timeout, 1.0)).config
+    except ImageError as exc:
+        raise ServiceStartError(spec.name, f"{spec.label()}: could not read the image's Entrypoint/Cmd: {exc}") from exc
+    argv = (*config.entrypoint, *config.cmd)
+    if not argv:
+        raise ServiceStartError(
+            spec.name, f"{spec.label()}: image {spec.image!r} has neither Entrypoint nor Cmd: give the service an argv"
+        )
+    return argv
 
 
 # -- the fixture's value ------------------------------------------------------------------------------
@@ -690,8 +718,9 @@ class ServiceManager:
                     out = (res.stdout + res.stderr).strip().splitlines()[-20:]
                     why = "timed out" if res.timed_out else f"exited {res.exit_code}"
                     raise ServiceStartError(spec.name, f"{spec.label()}: setup {step!r} {why} in box {sb.name}", out)
+            argv = spec.argv or _image_command(spec, session.home, _left(deadline))
             try:
-                proc = sb.spawn(spec.argv, env=dict(spec.env) if spec.env else None, cwd=spec.cwd, user=spec.user)
+                proc = sb.spawn(argv, env=dict(spec.env) if spec.env else None, cwd=spec.cwd, user=spec.user)
             except (BoxliteError, OSError) as exc:
                 raise ServiceStartError(spec.name, f"{spec.label()}: could not start in box {sb.name}: {exc}") from exc
             try:
