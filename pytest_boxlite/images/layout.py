@@ -95,11 +95,23 @@ class _Source:
 
     what: str
 
-    def small(self, name: str) -> bytes | None:
+    def open_file(self, parts: list[str]) -> tuple[IO[bytes], int] | None:
+        """The regular file at ``parts`` (path components) and its size, or ``None`` if absent."""
         raise NotImplementedError
 
+    def small(self, name: str) -> bytes | None:
+        """A small file's bytes (at most ``MAX_JSON``), or ``None`` if absent."""
+        opened = self.open_file([name])
+        if opened is None:
+            return None
+        f, size = opened
+        with f:
+            if size > MAX_JSON:
+                raise ImageError(f"{self.what}: {name} has {size} bytes, more than the {MAX_JSON} allowed")
+            return f.read(MAX_JSON + 1)
+
     def open_blob(self, hexd: str) -> tuple[IO[bytes], int] | None:
-        raise NotImplementedError
+        return self.open_file(["blobs", "sha256", hexd])
 
     def close(self) -> None:
         pass
@@ -209,18 +221,8 @@ class _DirSource(_Source):
             raise ImageError(f"{self.what}: {'/'.join(parts)} is not a regular file")
         return os.fdopen(ffd, "rb"), st.st_size
 
-    def small(self, name: str) -> bytes | None:
-        opened = self._open([name])
-        if opened is None:
-            return None
-        f, size = opened
-        with f:
-            if size > MAX_JSON:
-                raise ImageError(f"{self.what}: {name} has {size} bytes, more than the {MAX_JSON} allowed")
-            return f.read(MAX_JSON + 1)
-
-    def open_blob(self, hexd: str) -> tuple[IO[bytes], int] | None:
-        return self._open(["blobs", "sha256", hexd])
+    def open_file(self, parts: list[str]) -> tuple[IO[bytes], int] | None:
+        return self._open(parts)
 
 
 class _TarSource(_Source):
@@ -271,18 +273,8 @@ class _TarSource(_Source):
         assert f is not None
         return f, m.size
 
-    def small(self, name: str) -> bytes | None:
-        opened = self.member(name)
-        if opened is None:
-            return None
-        f, size = opened
-        with f:
-            if size > MAX_JSON:
-                raise ImageError(f"{self.what}: {name} has {size} bytes, more than the {MAX_JSON} allowed")
-            return f.read(MAX_JSON + 1)
-
-    def open_blob(self, hexd: str) -> tuple[IO[bytes], int] | None:
-        return self.member(f"blobs/sha256/{hexd}")
+    def open_file(self, parts: list[str]) -> tuple[IO[bytes], int] | None:
+        return self.member("/".join(parts))
 
 
 def open_source(ref: Reference) -> _Source:
