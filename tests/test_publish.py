@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import CREATE_TIMEOUT, _Runtimes, new_box_name
+from rest_double_runtime import rest_runtime
 from subruns import TcpServer
 
 from pytest_boxlite import errors, publish
@@ -48,14 +49,22 @@ while True:
 """
 
 
-#: Namespace boxes booted and forked from a zygote, and the vm runtime's real code on the SDK
-#: double (``tests/sdk_double``) where no VM boots.
-KINDS = {"booted": "namespace", "forked": "namespace-forked", "vm": "vm"}
+#: Namespace boxes booted and forked from a zygote, the vm runtime's real code on the SDK double
+#: (``tests/sdk_double``) where no VM boots, and the vm runtime over REST on the double's server.
+KINDS = {"booted": "namespace", "forked": "namespace-forked", "vm": "vm", "rest": "rest"}
+
+
+@pytest.fixture(scope="module")
+def rest_rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runtime]:
+    """The REST runtime on the SDK double's server, for this module's ``rest`` boxes."""
+    with rest_runtime(tmp_path_factory) as rt:
+        yield rt
 
 
 @pytest.fixture(params=list(KINDS))
 def rt(request: pytest.FixtureRequest, runtimes: _Runtimes) -> Runtime:
-    return runtimes.get(KINDS[request.param])
+    kind = KINDS[request.param]
+    return request.getfixturevalue("rest_rt") if kind == "rest" else runtimes.get(kind)
 
 
 def _box(rt: Runtime) -> Sandbox:

@@ -16,24 +16,36 @@ from pathlib import Path
 
 import pytest
 from conftest import CREATE_TIMEOUT, _Runtimes, new_box_name
+from rest_double_runtime import rest_runtime
 
 from pytest_boxlite import errors
 from pytest_boxlite.process import MAX_LINE, BoxProcessWarning
+from pytest_boxlite.runtimes import Runtime
 from pytest_boxlite.runtimes.base import BoxDefaults
 from pytest_boxlite.sandbox import Sandbox
 from pytest_boxlite.spec import BoxSpec
 
 pytestmark = pytest.mark.timeout(60)
 
-#: The runtimes every contract test runs on: namespace boxes booted and forked from a zygote, and
-#: the vm runtime's real code on the SDK double (``tests/sdk_double``) where no VM boots.
-KINDS = {"booted": "namespace", "forked": "namespace-forked", "vm": "vm"}
+#: The runtimes every contract test runs on: namespace boxes booted and forked from a zygote, the
+#: vm runtime's real code on the SDK double (``tests/sdk_double``) where no VM boots, and the vm
+#: runtime over REST (``--boxlite-url``) on the double's server.
+KINDS = {"booted": "namespace", "forked": "namespace-forked", "vm": "vm", "rest": "rest"}
+
+
+@pytest.fixture(scope="module")
+def rest_rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runtime]:
+    """The REST runtime on the SDK double's server, for this module's ``rest`` boxes."""
+    with rest_runtime(tmp_path_factory) as rt:
+        yield rt
 
 
 @pytest.fixture(params=list(KINDS))
 def sb(request: pytest.FixtureRequest, runtimes: _Runtimes) -> Iterator[Sandbox]:
     """A box of each kind; its spawned processes are ended before it is destroyed."""
-    handle = runtimes.get(KINDS[request.param]).create_box(BoxSpec(), new_box_name(), timeout=CREATE_TIMEOUT)
+    kind = KINDS[request.param]
+    rt: Runtime = request.getfixturevalue("rest_rt") if kind == "rest" else runtimes.get(kind)
+    handle = rt.create_box(BoxSpec(), new_box_name(), timeout=CREATE_TIMEOUT)
     sandbox = Sandbox(handle, max_output=1 << 20)
     try:
         yield sandbox
@@ -392,3 +404,27 @@ def test_a_runtime_without_spawn_says_so() -> None:
     assert isinstance(info.value, NotImplementedError)
     with pytest.raises(errors.UnsupportedError, match="the fake runtime cannot publish"):
         Sandbox(_NoSpawn()).publish(8000)  # type: ignore[arg-type]
+
+
+def test_a_user_is_refused_on_a_remote_server_not_dropped(rest_rt: Runtime) -> None:
+    """The REST API's exec request has no user field (``src/boxlite/src/rest/types.rs``): the SDK
+    would run the command as the box's default user, so the runtime refuses ``user=`` instead."""
+    sandbox = Sandbox(rest_rt.create_box(BoxSpec(), new_box_name(), timeout=CREATE_TIMEOUT))
+    try:
+        refused = r"user='1000' cannot be honoured on a remote BoxLite server: the REST API's exec request has no user"
+        with pytest.raises(errors.UnsupportedError, match=refused):
+            sandbox.spawn(["sh", "-c", "sleep 4321"], user="1000")
+        with pytest.raises(errors.UnsupportedError, match=refused):
+            sandbox.run(["sh", "-c", "sleep 4321"], user="1000", timeout=20)
+        assert not [c for c in box_commands(sandbox) if "sleep 4321" in c]  # nothing ran as anyone
+        # Without user= the same calls run, as the box's default user.
+        assert sandbox.run(["id", "-u"], timeout=20, check=True).stdout == "0\n"
+        proc = sandbox.spawn(["id", "-u"])
+        assert proc.communicate(timeout=20) == (b"0\n", b"")
+    finally:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", BoxProcessWarning)  # a test that failed midway
+                sandbox.end()
+        finally:
+            sandbox.handle.destroy()

@@ -26,6 +26,11 @@ the BoxLite source, ``src/boxlite/src/rest/``):
   and a single attempt that exceeded its timeout), each attempt bounded in time; ``create`` is made
   idempotent by name (a create whose answer was lost is found by ``get``).  Commands are never
   retried: running one twice is not the same as running it once.
+* **Processes and ports.**  The REST execution streams stdin, stdout and stderr over one
+  WebSocket and takes ``signal``/``kill`` (``rest/litebox.rs``, ``rest/exec.rs``), so
+  ``Sandbox.spawn`` and ``Sandbox.publish`` (whose relay is an exec channel, ``connect_port``) are
+  the vm runtime's.  The exec request has no user field (``rest/types.rs`` ``ExecRequest``): the
+  client drops ``user`` silently, so :class:`RemoteVmBox` refuses it (``UnsupportedError``).
 * **Credentials** come from ``BOXLITE_API_KEY`` or the file named by ``--boxlite-credential-file``,
   never from the URL (a URL with user info is refused); they are held in :class:`Secret`, whose
   ``repr`` is ``***``, and handed only to ``ApiKeyCredential`` (whose own ``repr`` is ``***`` too).
@@ -60,9 +65,11 @@ from pytest_boxlite.errors import (
     BoxTimeoutError,
     ConfigError,
     RuntimeUnavailableError,
+    UnsupportedError,
 )
 from pytest_boxlite.runtimes import _vmimage
-from pytest_boxlite.runtimes.base import BoxRecord
+from pytest_boxlite.runtimes._vmspawn import VmProcess
+from pytest_boxlite.runtimes.base import BoxRecord, RawResult
 from pytest_boxlite.runtimes.vm import EventLoopThread, VmBox, VmRuntime, _import_boxlite, resource_options
 from pytest_boxlite.spec import BoxSpec
 
@@ -253,8 +260,36 @@ def _hold_scratch(scratch: Path) -> int:
     return fd
 
 
+def _refuse_user(box: str, user: str | None) -> None:
+    """Refuse a command as another user: a BoxLite server would run it as the default one."""
+    if user is not None:
+        raise UnsupportedError(
+            f"box {box}: user={user!r} cannot be honoured on a remote BoxLite server: the REST API's exec "
+            "request has no user field (boxlite 0.10.8, src/boxlite/src/rest/types.rs ExecRequest: command, "
+            "args, env, timeout_seconds, working_dir, tty), so the command would run as the box's default "
+            "user; run it without user= (or drop privileges in the command itself), or use the local vm "
+            "or namespace runtime"
+        )
+
+
 class RemoteVmBox(VmBox):
-    """A micro-VM on a remote server: a :class:`VmBox` whose logs stay on the server."""
+    """A micro-VM on a remote server: a :class:`VmBox` whose logs stay on the server.
+
+    ``exec`` and ``spawn`` are the vm runtime's (the REST execution streams stdin, stdout and
+    stderr and takes signals, as a local one does), except that a ``user`` is refused: the REST
+    client drops it.  ``connect_port`` (``Sandbox.publish``) is the vm runtime's relay over an
+    exec channel, so it needs nothing of the server's own port forwarding.
+    """
+
+    def exec(self, argv: Sequence[str], *, user: str | None = None, **kwargs: Any) -> RawResult:
+        _refuse_user(self.name, user)
+        return super().exec(argv, **kwargs)
+
+    def spawn(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None, cwd: str | None, user: str | None
+    ) -> VmProcess:
+        _refuse_user(self.name, user)
+        return super().spawn(argv, env=env, cwd=cwd, user=None)
 
     def keep(self) -> None:
         """Nothing to mark on this host: the box lives on the server, which this host's ``clean`` never touches."""

@@ -20,7 +20,16 @@ it reproduces of the real REST runtime (0.10.8 wheel, ``src/boxlite/src/rest/`` 
    ``shutdown`` is a no-op (the client does not own the server);
 5. ``Box.copy_in(host_path, container_dest, copy_options)``: a tar of the host path (or of its
    contents, for ``SRC/.``), symlinks not followed, written into the box by the box's own
-   interpreter.
+   interpreter;
+6. ``Box.exec``'s request carries what the real one does and no more: the real client's
+   ``ExecRequest`` (``src/boxlite/src/rest/types.rs``) has ``command``, ``args``, ``env`` (a
+   map), ``timeout_seconds``, ``working_dir`` and ``tty``, and no user, so the client drops the
+   ``user`` argument without a word (the 0.10.8 wheel's serialised field names agree): a
+   command runs as the box's default user whatever ``user`` says.  The execution then streams
+   stdin, stdout and stderr (one WebSocket, ``/boxes/{id}/executions/{eid}/attach``, stdout and
+   stderr decoded lossily as UTF-8 per frame) and takes ``signal`` and ``kill`` (``POST
+   .../signal``, ``DELETE .../executions/{eid}``; ``rest/litebox.rs``, ``rest/exec.rs``), as a
+   local execution does.
 
 Faults are injected through ``<home>/faults.json``, read on every request (see :func:`set_faults`):
 ``{"drop": N, "every": M, "lose": L, "delay": SECONDS, "ops": [...]}`` drops the next N connections
@@ -28,9 +37,11 @@ of those ops, then every M-th, without an answer (a reset the client reports as 
 carries out the next L but resets the connection instead of answering (the answer is lost), and
 delays every answer.
 
-Data plane: an exec's stdio go straight to the box's agent socket in the server's home (the same
-machine), not through the server; the real SDK tunnels them over HTTP/gRPC.  So exec semantics are
-the local double's, and throughput says nothing about a real network.
+Data plane: an exec's stdio and its signals go straight to the box's agent socket in the server's
+home (the same machine), not through the server; the real SDK carries them over a WebSocket and
+HTTP requests (point 6).  So exec semantics are the local double's (which the real REST client's
+match: streamed stdin, lossily decoded output, signals to the leader), the exec request aside
+(point 6), and throughput says nothing about a real network.
 """
 
 from __future__ import annotations
@@ -265,8 +276,9 @@ class RestBox:
             merged.update(env or [])
             argv = [str(command), *(str(a) for a in (args or []))]
             loop = asyncio.get_running_loop()
+            # user=None: the REST ExecRequest has no user field (point 6 above), whatever was asked.
             sock, fds, rest = await local._in_thread(
-                local.spawn, Path(where["agent"]), self.id, argv, merged, cwd, user
+                local.spawn, Path(where["agent"]), self.id, argv, merged, cwd, None
             )
             return local.Execution(_Remote(where["dir"]), sock, fds, rest, loop, os.urandom(8).hex())  # type: ignore[arg-type]
 
