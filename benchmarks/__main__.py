@@ -21,6 +21,7 @@ from benchmarks import (
     boxes,
     fidelity,
     fork_profile,
+    images,
     leases,
     memory,
     per_test,
@@ -52,6 +53,7 @@ TABLES: tuple[Table, ...] = (
     real_suites.REAL_SUITES,
     fidelity.FIDELITY,
     services.SERVICES,
+    images.IMAGES,
 )
 
 
