@@ -30,7 +30,8 @@ the BoxLite source, ``src/boxlite/src/rest/``):
   WebSocket and takes ``signal``/``kill`` (``rest/litebox.rs``, ``rest/exec.rs``), so
   ``Sandbox.spawn`` and ``Sandbox.publish`` (whose relay is an exec channel, ``connect_port``) are
   the vm runtime's.  The exec request has no user field (``rest/types.rs`` ``ExecRequest``): the
-  client drops ``user`` silently, so :class:`RemoteVmBox` refuses it (``UnsupportedError``).
+  client drops ``user`` silently (``tests/test_rest_exec_wire.py`` records what the wheel sends),
+  so :class:`RemoteVmBox` refuses it (``UnsupportedError``).
 * **Credentials** come from ``BOXLITE_API_KEY`` or the file named by ``--boxlite-credential-file``,
   never from the URL (a URL with user info is refused); they are held in :class:`Secret`, whose
   ``repr`` is ``***``, and handed only to ``ApiKeyCredential`` (whose own ``repr`` is ``***`` too).

@@ -24,7 +24,7 @@ it reproduces of the real REST runtime (0.10.8 wheel, ``src/boxlite/src/rest/`` 
 6. ``Box.exec``'s request carries what the real one does and no more: the real client's
    ``ExecRequest`` (``src/boxlite/src/rest/types.rs``) has ``command``, ``args``, ``env`` (a
    map), ``timeout_seconds``, ``working_dir`` and ``tty``, and no user, so the client drops the
-   ``user`` argument without a word (the 0.10.8 wheel's serialised field names agree): a
+   ``user`` argument without a word (what the 0.10.8 wheel sends: ``tests/test_rest_exec_wire.py``): a
    command runs as the box's default user whatever ``user`` says.  The execution then streams
    stdin, stdout and stderr (one WebSocket, ``/boxes/{id}/executions/{eid}/attach``, stdout and
    stderr decoded lossily as UTF-8 per frame) and takes ``signal`` and ``kill`` (``POST
