@@ -23,14 +23,14 @@ from pytest_boxlite.runtimes.rest import RestRuntime, remote_target
 
 
 @contextmanager
-def rest_runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestRuntime]:
-    """A REST runtime on a fresh double server; on exit, no box of it is left on the server."""
+def rest_runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, RestRuntime]]:
+    """A fresh double server and a REST runtime on it; on exit, no box of it is left on the server."""
     srv = ServerProcess(tmp_path_factory.mktemp("rest-server"), key=KEY)
     try:
         target = remote_target(srv.url, credential_file=None, max_boxes=4, environ={"BOXLITE_API_KEY": KEY})
         rt = RestRuntime(target, Path(tmp_path_factory.mktemp("rest-scratch")), f"test{SESSION_HEX}", sdk=sdk_double)
         try:
-            yield rt
+            yield srv, rt
         finally:
             try:
                 left = [r.name for r in rt.list_boxes()]

@@ -57,7 +57,7 @@ KINDS = {"booted": "namespace", "forked": "namespace-forked", "vm": "vm", "rest"
 @pytest.fixture(scope="module")
 def rest_rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runtime]:
     """The REST runtime on the SDK double's server, for this module's ``rest`` boxes."""
-    with rest_runtime(tmp_path_factory) as rt:
+    with rest_runtime(tmp_path_factory) as (_server, rt):
         yield rt
 
 

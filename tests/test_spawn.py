@@ -7,6 +7,7 @@ process's output are just output, and nothing a test spawned runs on after its s
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import CREATE_TIMEOUT, _Runtimes, new_box_name
 from rest_double_runtime import rest_runtime
+from sdk_double.rest import ServerProcess
 
 from pytest_boxlite import errors
 from pytest_boxlite.process import MAX_LINE, BoxProcessWarning
@@ -34,10 +36,15 @@ KINDS = {"booted": "namespace", "forked": "namespace-forked", "vm": "vm", "rest"
 
 
 @pytest.fixture(scope="module")
-def rest_rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runtime]:
-    """The REST runtime on the SDK double's server, for this module's ``rest`` boxes."""
-    with rest_runtime(tmp_path_factory) as rt:
-        yield rt
+def rest_double(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Runtime]]:
+    """The SDK double's REST server and the REST runtime on it, for this module's ``rest`` boxes."""
+    with rest_runtime(tmp_path_factory) as both:
+        yield both
+
+
+@pytest.fixture(scope="module")
+def rest_rt(rest_double: tuple[ServerProcess, Runtime]) -> Runtime:
+    return rest_double[1]
 
 
 @pytest.fixture(params=list(KINDS))
@@ -421,6 +428,25 @@ def test_a_user_is_refused_on_a_remote_server_not_dropped(rest_rt: Runtime) -> N
         assert sandbox.run(["id", "-u"], timeout=20, check=True).stdout == "0\n"
         proc = sandbox.spawn(["id", "-u"])
         assert proc.communicate(timeout=20) == (b"0\n", b"")
+    finally:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", BoxProcessWarning)  # a test that failed midway
+                sandbox.end()
+        finally:
+            sandbox.handle.destroy()
+
+
+def test_signals_on_a_remote_server_are_requests_to_it(rest_double: tuple[ServerProcess, Runtime]) -> None:
+    """On REST a signal is ``POST .../executions/ID/signal`` (``rest/exec.rs``): the double's server
+    sees it before the process gets it, and the process gets it."""
+    server, rt = rest_double
+    sandbox = Sandbox(rt.create_box(BoxSpec(), new_box_name(), timeout=CREATE_TIMEOUT))
+    try:
+        proc = sandbox.spawn(["sleep", "4322"])
+        proc.terminate()
+        assert proc.wait(timeout=20) == -signal.SIGTERM
+        assert re.search(r"^signal \S+ 15$", server.log(), re.MULTILINE), server.log()[-2000:]
     finally:
         try:
             with warnings.catch_warnings():

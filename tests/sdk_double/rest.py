@@ -27,9 +27,9 @@ it reproduces of the real REST runtime (0.10.8 wheel, ``src/boxlite/src/rest/`` 
    ``user`` argument without a word (what the 0.10.8 wheel sends: ``tests/test_rest_exec_wire.py``): a
    command runs as the box's default user whatever ``user`` says.  The execution then streams
    stdin, stdout and stderr (one WebSocket, ``/boxes/{id}/executions/{eid}/attach``, stdout and
-   stderr decoded lossily as UTF-8 per frame) and takes ``signal`` and ``kill`` (``POST
-   .../signal``, ``DELETE .../executions/{eid}``; ``rest/litebox.rs``, ``rest/exec.rs``), as a
-   local execution does.
+   stderr decoded lossily as UTF-8 per frame) and takes ``signal`` and ``kill`` as requests
+   (``POST .../signal``, ``DELETE .../executions/{eid}``; ``rest/litebox.rs``, ``rest/exec.rs``):
+   :class:`RestExecution` makes them (the server logs ``signal BOX N``), then delivers them.
 
 Faults are injected through ``<home>/faults.json``, read on every request (see :func:`set_faults`):
 ``{"drop": N, "every": M, "lose": L, "delay": SECONDS, "ops": [...]}`` drops the next N connections
@@ -37,11 +37,11 @@ of those ops, then every M-th, without an answer (a reset the client reports as 
 carries out the next L but resets the connection instead of answering (the answer is lost), and
 delays every answer.
 
-Data plane: an exec's stdio and its signals go straight to the box's agent socket in the server's
-home (the same machine), not through the server; the real SDK carries them over a WebSocket and
-HTTP requests (point 6).  So exec semantics are the local double's (which the real REST client's
-match: streamed stdin, lossily decoded output, signals to the leader), the exec request aside
-(point 6), and throughput says nothing about a real network.
+Data plane: an exec's stdio, and its signals once the server answered their request, go straight
+to the box's agent socket in the server's home (the same machine), not through the server; the
+real SDK carries stdio over a WebSocket (point 6).  So exec semantics are the local double's
+(which the real REST client's match: streamed stdin, lossily decoded output, signals to the
+leader), the exec request aside (point 6), and throughput says nothing about a real network.
 """
 
 from __future__ import annotations
@@ -238,6 +238,36 @@ class _Remote:
         self.dir = Path(box_dir)
 
 
+class RestExecution(local.Execution):
+    """``boxlite.Execution`` of a REST box: ``signal`` is ``POST /boxes/{id}/executions/{eid}/signal``
+    and ``kill`` is ``DELETE /boxes/{id}/executions/{eid}`` (``rest/exec.rs``, and what the wheel
+    sends: ``tests/test_rest_exec_wire.py``).  Each is a request to the server (the key, the faults,
+    a use of the box) before the signal goes over the data plane; a failed request delivers nothing.
+    An execution that has ended sends no request (what a real server answers then is unverified)."""
+
+    def __init__(self, client: _Client, box_id: str, *args: Any) -> None:
+        super().__init__(*args)
+        self._client = client
+        self._box_id = box_id
+
+    def _request(self, op: str, path: str, deliver: Any, **args: Any) -> Any:
+        async def send() -> None:
+            if self._done.done():
+                return
+            await _thread(self._client.request, op, path, box=self._box_id, **args)
+            await deliver()
+
+        return local._awaitable(send())
+
+    def signal(self, /, signal):  # type: ignore[no-untyped-def]
+        path = f"/boxes/{self._box_id}/executions/{self.id()}/signal"
+        return self._request("signal", path, lambda: super(RestExecution, self).signal(signal), signal=int(signal))
+
+    def kill(self, /):  # type: ignore[no-untyped-def]
+        path = f"/boxes/{self._box_id}/executions/{self.id()}"
+        return self._request("kill", path, lambda: super(RestExecution, self).kill())
+
+
 class RestBox:
     """``boxlite.Box`` of a REST runtime: a handle by id; every operation is a request."""
 
@@ -270,7 +300,7 @@ class RestBox:
         if env is not None:
             env = local.BoxOptions._env(env)
 
-        async def run() -> local.Execution:
+        async def run() -> RestExecution:
             where = await _thread(self._client.request, "exec", f"/boxes/{self.id}/exec", box=self.id)
             merged = dict(where["env"])
             merged.update(env or [])
@@ -280,7 +310,8 @@ class RestBox:
             sock, fds, rest = await local._in_thread(
                 local.spawn, Path(where["agent"]), self.id, argv, merged, cwd, None
             )
-            return local.Execution(_Remote(where["dir"]), sock, fds, rest, loop, os.urandom(8).hex())  # type: ignore[arg-type]
+            remote = _Remote(where["dir"])
+            return RestExecution(self._client, self.id, remote, sock, fds, rest, loop, os.urandom(8).hex())
 
         return local._awaitable(run())
 
@@ -487,6 +518,9 @@ class Server:
         t = self.timers.get(state.rec["id"], {})
         if op == "get":
             return self._rec(state)
+        if op in ("signal", "kill"):
+            self.log.write(f"{op} {req['box']} {req.get('signal', 9)}\n")
+            return None  # delivered by the client over the data plane once this answer came
         if op == "stop":
             state.stop_blocking()
             t["stopped_at"] = time.monotonic()
