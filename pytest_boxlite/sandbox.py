@@ -308,6 +308,10 @@ class Sandbox:
                 return
             except ConnectionRefusedError:
                 pass
+            except BoxTimeoutError:
+                # One attempt unanswered in its bound (a vm guest's connect command on a loaded host,
+                # a remote server's exec): not yet; the wait's own deadline decides.
+                pass
             if process is not None and process.poll() is not None:
                 raise ProcessExitedError(
                     f"{process._label()} exited with status {process.returncode} before port {port} listened",

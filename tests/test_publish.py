@@ -21,6 +21,7 @@ from subruns import TcpServer
 from pytest_boxlite import errors, publish
 from pytest_boxlite.process import BoxProcess, BoxProcessWarning
 from pytest_boxlite.runtimes import Runtime
+from pytest_boxlite.runtimes.base import BoxDefaults
 from pytest_boxlite.sandbox import Sandbox
 from pytest_boxlite.spec import BoxSpec
 
@@ -259,3 +260,32 @@ def test_the_agent_connects_only_to_a_valid_port_of_the_box(sb: Sandbox) -> None
             sb.handle.connect_port(bad, timeout=5)
     with pytest.raises(ConnectionRefusedError, match="nothing listens on port 8002"):
         sb.handle.connect_port(8002, timeout=5)
+
+
+class _SlowBox(BoxDefaults):
+    """A fake box handle (unit layer): its first ``slow`` connection attempts time out, as a vm
+    box's guest connect command can on a loaded host, or a remote server's exec over a network."""
+
+    runtime_name = "fake"
+    name = "slow-box"
+
+    def __init__(self, slow: int) -> None:
+        self.slow = slow
+        self.calls = 0
+
+    def connect_port(self, port: int, *, timeout: float) -> socket.socket:
+        self.calls += 1
+        if self.calls <= self.slow:
+            raise errors.BoxTimeoutError(f"box slow-box: no connection to port {port} within {timeout:g} s")
+        ours, theirs = socket.socketpair()
+        theirs.close()
+        return ours
+
+
+def test_wait_for_port_retries_an_attempt_that_timed_out() -> None:
+    slow = _SlowBox(slow=2)
+    Sandbox(slow).wait_for_port(8000, timeout=30)  # type: ignore[arg-type]
+    assert slow.calls == 3
+    # A box that never answers is the wait's own timeout, not one attempt's error.
+    with pytest.raises(errors.OutputTimeoutError, match="nothing listened on port 8000 of box slow-box within 1 s"):
+        Sandbox(_SlowBox(slow=10**6)).wait_for_port(8000, timeout=1)  # type: ignore[arg-type]
