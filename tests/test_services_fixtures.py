@@ -564,9 +564,11 @@ def test_two(broken):
     res = run(tmp_path, home, tag, "-q")
     out = res.stdout
     assert res.returncode == 1 and "2 errors" in out, out + res.stderr
-    # Each boxed test's setup error: what the host saw, with the server's last line.
-    assert out.count("on the host: service 'broken'") == 2, out
-    assert out.count("exited with status 3 before it was ready (PortReady(5432))") == 2, out
+    # Each boxed test's setup error (its section; the short summary repeats the message): what the
+    # host saw, with the server's last line.
+    errors = out.split("short test summary info", 1)[0]
+    assert errors.count("on the host: service 'broken'") == 2, out
+    assert errors.count("exited with status 3 before it was ready (PortReady(5432))") == 2, out
     assert "stdout: bad config: no such table" in out, out
     no_leftovers(home, tag)
 
