@@ -15,6 +15,8 @@ import hashlib
 import io
 import os
 import stat
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -275,7 +277,7 @@ def test_huge_extended_headers_are_refused_before_they_are_read(tmp_path: Path) 
     root.mkdir()
     blob = tmp_path / "layer"
     blob.write_bytes(buf.getvalue())
-    with pytest.raises(ImageError, match=r"an extended header of \d+ bytes \(at most 1048576\)"):
+    with pytest.raises(ImageError, match=r"an extended header of \d+ bytes \(at most 65536\)"):
         apply_layer(root, blob, diff_id=None, limits=Limits(), what="test image")
 
 
@@ -316,4 +318,69 @@ def test_zstd_layers_need_the_module(tmp_path: Path) -> None:
     blob = tmp_path / "layer"
     blob.write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 32)
     with pytest.raises(ImageError, match=r"zstd-compressed.*pip install zstandard"):
+        apply_layer(root, blob, diff_id=None, limits=Limits(), what="test image")
+
+
+_PEAK_HEAP = """
+import sys, tracemalloc
+from pathlib import Path
+from pytest_boxlite.images.unpack import Limits, apply_layer
+root = Path(sys.argv[1]); root.mkdir()
+tracemalloc.start()
+apply_layer(root, Path(sys.argv[2]), diff_id=None, limits=Limits(), what="test image")
+print(tracemalloc.get_traced_memory()[1] >> 20)
+"""
+
+
+def test_memory_does_not_grow_with_the_layers_metadata(tmp_path: Path) -> None:
+    # 4000 members of ~60 KiB PAX headers each (240 MB of metadata, a tiny gzip): tarfile keeps
+    # every TarInfo it reads unless the unpacker drops them; the peak must stay far below that.
+    # (The peak of Python's heap, in a fresh process: its RSS high-water mark would start at
+    # this one's, which fork passes on.)
+    blob = tmp_path / "layer"
+    with (
+        gzip.open(blob, "wb", compresslevel=1) as gz,
+        tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tf,
+    ):
+        for i in range(4000):
+            ti = tarfile.TarInfo(f"nodir/.wh.{i}")
+            ti.pax_headers = {"comment": "C" * 60_000}
+            tf.addfile(ti)
+            tf.members.clear()  # type: ignore[attr-defined]  # the writer keeps them too
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_HEAP, str(tmp_path / "root"), str(blob)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    peak_mib = int(out.stdout.split()[-1])
+    assert peak_mib < 64, f"unpacking a layer of 240 MB of headers peaked at {peak_mib} MiB of heap"
+
+
+def _pax_record(key: str, value: str) -> bytes:
+    """One PAX record, ``LEN key=value\\n`` where LEN counts the whole record, itself included."""
+    body = f" {key}={value}\n".encode()
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:
+        n = len(str(n)) + len(body)
+    return str(n).encode() + body
+
+
+def test_global_extended_headers_are_bounded_in_all(tmp_path: Path) -> None:
+    # Global PAX headers are merged into the reader and kept for the whole layer: 40 of 40 KB
+    # each, all under the bound of one header, with distinct keys (nothing overwritten).
+    data = bytearray()
+    for i in range(40):
+        body = _pax_record(f"comment{i}", "G" * 40_000)
+        ti = tarfile.TarInfo(f"g{i}")
+        ti.type = tarfile.XGLTYPE
+        ti.size = len(body)
+        data += ti.tobuf(tarfile.USTAR_FORMAT) + body + b"\0" * (-len(body) % 512)
+    blob = tmp_path / "layer"
+    blob.write_bytes(bytes(data) + b"\0" * 1024)
+    root = tmp_path / "root"
+    root.mkdir()
+    with pytest.raises(ImageError, match=r"global extended headers of more than 1048576 bytes"):
         apply_layer(root, blob, diff_id=None, limits=Limits(), what="test image")

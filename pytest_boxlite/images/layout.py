@@ -30,6 +30,8 @@ _INDEX_TYPES = ("application/vnd.oci.image.index.v1+json", "application/vnd.dock
 _MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json", "application/vnd.docker.distribution.manifest.v2+json")
 _MAX_ARCHIVE_MEMBERS = 200_000
 _CHUNK = 1 << 20
+#: An archive read in place keeps every member's TarInfo: its extended headers all together.
+_MAX_ARCHIVE_EXT = 16 << 20
 _ARCHES = {
     "x86_64": "amd64",
     "amd64": "amd64",
@@ -225,6 +227,12 @@ class _DirSource(_Source):
         return self._open(parts)
 
 
+class _ArchiveTarInfo(_BoundedTarInfo):
+    """Bounded extended headers, all members together too: :class:`_TarSource` keeps them all."""
+
+    max_ext_total = _MAX_ARCHIVE_EXT
+
+
 class _TarSource(_Source):
     """A tar archive read in place: members by name (no extraction), regular files only."""
 
@@ -244,7 +252,7 @@ class _TarSource(_Source):
         self.members: dict[str, tarfile.TarInfo] = {}
         try:
             # Bounded extended headers, as in layers: tarfile reads them whole into memory.
-            self.tf = tarfile.open(fileobj=self.file, mode="r:", tarinfo=_BoundedTarInfo)  # noqa: SIM115 - closed by close()
+            self.tf = tarfile.open(fileobj=self.file, mode="r:", tarinfo=_ArchiveTarInfo)  # noqa: SIM115 - closed by close()
             for count, m in enumerate(self.tf, 1):
                 if count > _MAX_ARCHIVE_MEMBERS:
                     raise ImageError(f"{what}: the archive has more than {_MAX_ARCHIVE_MEMBERS} members")

@@ -96,19 +96,37 @@ class _HashingReader(io.RawIOBase):
 
 
 #: Extended headers (PAX, GNU long names) are read whole into memory by tarfile: bound them first.
-_MAX_EXT_HEADER = 1 << 20
+#: Names are at most ``_MAX_NAME`` (4096) characters; the rest of a PAX record is times, ids and
+#: xattrs (file capabilities, SELinux labels): small.  64 KiB leaves ample room.
+_MAX_EXT_HEADER = 64 << 10
+#: Global PAX headers are merged into the TarFile and kept for its whole life: all of them together.
+_MAX_GLOBAL_EXT = 1 << 20
 _EXT_TYPES = frozenset(
     {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK}
 )
 
 
 class _BoundedTarInfo(tarfile.TarInfo):
-    """A TarInfo whose extended headers may not exceed :data:`_MAX_EXT_HEADER` bytes (a layer
-    could declare gigabytes, which tarfile would read into memory before any check here)."""
+    """A TarInfo whose extended headers may not exceed :data:`_MAX_EXT_HEADER` bytes each (a layer
+    could declare gigabytes, which tarfile would read into memory before any check here), nor
+    ``max_ext_total`` bytes all together where the TarFile keeps its members (``None``: the reader
+    drops each member once handled, as :func:`apply_layer` does), global headers
+    :data:`_MAX_GLOBAL_EXT` bytes together (tarfile keeps them always)."""
+
+    max_ext_total: int | None = None
 
     def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
-        if self.type in _EXT_TYPES and self.size > _MAX_EXT_HEADER:
-            raise tarfile.HeaderError(f"an extended header of {self.size} bytes (at most {_MAX_EXT_HEADER})")
+        if self.type in _EXT_TYPES:
+            if self.size > _MAX_EXT_HEADER:
+                raise tarfile.HeaderError(f"an extended header of {self.size} bytes (at most {_MAX_EXT_HEADER})")
+            counts: dict[str, int] = tarfile_.__dict__.setdefault("_boxlite_ext_bytes", {"all": 0, "global": 0})
+            counts["all"] += self.size
+            if self.type == tarfile.XGLTYPE:
+                counts["global"] += self.size
+                if counts["global"] > _MAX_GLOBAL_EXT:
+                    raise tarfile.HeaderError(f"global extended headers of more than {_MAX_GLOBAL_EXT} bytes")
+            if self.max_ext_total is not None and counts["all"] > self.max_ext_total:
+                raise tarfile.HeaderError(f"extended headers of more than {self.max_ext_total} bytes in all")
         return super()._proc_member(tarfile_)  # type: ignore[misc, no-any-return]
 
 
@@ -342,8 +360,12 @@ def apply_layer(root: Path, blob: Path, *, diff_id: str | None, limits: Limits, 
         with open_layer_stream(blob, limits.max_unpacked + (64 << 20), what) as reader:
             try:
                 with tarfile.open(fileobj=reader, mode="r|", tarinfo=_BoundedTarInfo) as tf:
-                    for member in tf:
+                    # tf.next(), not iteration: tarfile keeps every TarInfo (PAX headers included)
+                    # in tf.members, which a layer of many members with large headers makes
+                    # gigabytes; a stream is read once, so each member is dropped once applied.
+                    while (member := tf.next()) is not None:
                         _apply_member(tree, tf, member, dest, created, limits, what)
+                        tf.members.clear()  # type: ignore[attr-defined]  # (not in typeshed)
                 reader.drain()
             except tarfile.TarError as exc:
                 raise ImageError(
