@@ -166,14 +166,20 @@ def kit_args() -> list[str]:
     for d in stdlib:
         args += ["--ro-bind", d, HOST_KIT + d]
     paths = sysconfig.get_paths()
+    hidden: list[str] = []
     for key in ("purelib", "platlib"):
         site = os.path.realpath(paths.get(key) or "/")
-        if any(site.startswith(d + "/") for d in stdlib) and os.path.isdir(site):
+        if any(site.startswith(d + "/") for d in stdlib) and os.path.isdir(site) and site not in hidden:
             # The agent runs with -S: the host's installed packages are none of the box's business.
-            args += ["--tmpfs", HOST_KIT + site, "--remount-ro", HOST_KIT + site]
+            hidden.append(site)
+            args += ["--tmpfs", HOST_KIT + site]
     gdir = os.path.realpath(os.path.dirname(guest.path("agent")))
-    args += ["--ro-bind", gdir, HOST_KIT + gdir, "--remount-ro", HOST_KIT]
-    return args
+    # The guest code may live in one of those site-packages (an installed wheel): it is bound
+    # before they are made read-only, so its mount point can still be made there.
+    args += ["--ro-bind", gdir, HOST_KIT + gdir]
+    for site in hidden:
+        args += ["--remount-ro", HOST_KIT + site]
+    return [*args, "--remount-ro", HOST_KIT]
 
 
 def kit_argv() -> list[str]:
