@@ -21,7 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from images.build import OS_RELEASE, ImagesUnavailable, layer_tar, oci_layout, shared_cache, test_images
+from images.build import (
+    OS_RELEASE,
+    ImagesUnavailable,
+    docker_archive,
+    layer_tar,
+    oci_layout,
+    shared_cache,
+    test_images,
+)
 from images.registry import serve
 
 import pytest_boxlite.images.layout as layout_mod
@@ -217,6 +225,7 @@ def test_a_failed_unpack_leaves_nothing_behind(images: dict[str, str], store: Pa
         ensure_image(images["corrupt"], store=store)
     assert os.listdir(store / "rootfs") == [] and os.listdir(store / "meta") == []
     assert os.listdir(store / "tmp") == [] and os.listdir(store / "refs") == []
+    assert os.listdir(store / "blobs" / "sha256") == []  # layer 1 was sound: not kept for a refused image
     # A writer that died mid-unpack left its work: the next writer removes it, and nothing of it is used.
     stale = store / "tmp" / "work-dead" / "rootfs"
     stale.mkdir(parents=True)
@@ -489,3 +498,83 @@ def test_archives_written_by_this_suite_are_real_tars(images: dict[str, str]) ->
     with tarfile.open(images["busybox"].split(":", 1)[1]) as tf:
         names = tf.getnames()
     assert "oci-layout" in names and "index.json" in names
+
+
+_BIG = 256 << 20
+
+
+def _sparse_oci(out: Path, size: int) -> str:
+    """An OCI layout whose one layer blob is ``size`` bytes of hole (no disk used), its digest never
+    checked: the size bound must refuse it from its descriptor, before a byte is copied."""
+    blobs = out / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    hexd = hashlib.sha256(b"never hashed").hexdigest()
+    with open(blobs / hexd, "wb") as f:
+        f.truncate(size)
+    cfg = json.dumps({"os": "linux", "config": {}, "rootfs": {"type": "layers", "diff_ids": [f"sha256:{hexd}"]}})
+    chex = hashlib.sha256(cfg.encode()).hexdigest()
+    (blobs / chex).write_text(cfg)
+    man = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"digest": f"sha256:{chex}", "size": len(cfg)},
+            "layers": [{"digest": f"sha256:{hexd}", "size": size}],
+        }
+    )
+    mhex = hashlib.sha256(man.encode()).hexdigest()
+    (blobs / mhex).write_text(man)
+    index = {
+        "schemaVersion": 2,
+        "manifests": [
+            {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": f"sha256:{mhex}", "size": len(man)}
+        ],
+    }
+    (out / "index.json").write_text(json.dumps(index))
+    (out / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    return f"oci:{out}"
+
+
+def _sparse_docker(dest: Path, size: int) -> str:
+    """A docker save archive whose one layer member is ``size`` bytes of hole, written last."""
+    config = json.dumps({"os": "linux", "config": {}, "rootfs": {"type": "layers", "diff_ids": ["sha256:" + "0" * 64]}})
+    manifest = json.dumps([{"Config": "config.json", "RepoTags": ["x:1"], "Layers": ["l/layer.tar"]}])
+    out = bytearray()
+    for name, body in (("config.json", config.encode()), ("manifest.json", manifest.encode()), ("l/layer.tar", b"")):
+        ti = tarfile.TarInfo(name)
+        ti.size = len(body) if body else size
+        out += ti.tobuf(tarfile.USTAR_FORMAT) + body + b"\0" * (-len(body) % 512)
+    with open(dest, "wb") as f:
+        f.write(out)
+        f.truncate(len(out) + size + (-size % 512) + 1024)  # the layer's data and the end blocks: all hole
+    return f"docker-archive:{dest}"
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("transport", ["oci", "docker-archive"])
+def test_layers_over_the_size_bound_are_refused_before_they_are_copied(
+    store: Path, tmp_path: Path, transport: str
+) -> None:
+    # A 256 MiB layer blob (a hole: the attacker's layout costs nothing) for an image bounded to
+    # 16 MiB unpacked: refused from its size alone; nothing copied, nothing kept (a sparse 1 TB
+    # blob would otherwise fill the disk).
+    ref = _sparse_oci(tmp_path / "lay", _BIG) if transport == "oci" else _sparse_docker(tmp_path / "a.tar", _BIG)
+    with pytest.raises(ImageError, match=rf"its layers are {_BIG} bytes, more than an image bounded to 16777216"):
+        ensure_image(ref, store=store, max_unpacked=16 << 20)
+    assert os.listdir(store / "blobs" / "sha256") == [] and os.listdir(store / "tmp") == []
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("transport", ["oci", "docker-archive"])
+def test_a_refused_image_keeps_none_of_its_blobs(store: Path, tmp_path: Path, transport: str) -> None:
+    # Sound layers (their digests right), but the image unpacks to more than its bound: refused,
+    # and its layers (docker-archive ones hashed into the store as they are read) are not kept.
+    layer = layer_tar([("big", "file", os.urandom(200_000), 0o644)])
+    if transport == "oci":
+        ref = f"oci:{oci_layout(tmp_path / 'lay', [layer])}"
+    else:
+        ref = f"docker-archive:{docker_archive(tmp_path / 'a.tar', [layer], cfg={}, repo_tag='x:1')}"
+    with pytest.raises(ImageError, match=r"unpacks to more than 100000 bytes"):
+        ensure_image(ref, store=store, max_unpacked=100_000)
+    assert os.listdir(store / "blobs" / "sha256") == [] and os.listdir(store / "tmp") == []
+    assert os.listdir(store / "rootfs") == [] and os.listdir(store / "meta") == []

@@ -16,6 +16,7 @@ import re
 import stat
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -398,8 +399,16 @@ def _check_arch(config: dict[str, Any], what: str) -> None:
         )
 
 
-def resolve_docker_archive(src: _TarSource, ref: Reference, tmpdir: Path, blobdir: Path) -> Resolved:
-    """Read a ``docker save`` archive; its layers are hashed into the store as they are read.
+def resolve_docker_archive(
+    src: _TarSource,
+    ref: Reference,
+    tmpdir: Path,
+    blobdir: Path,
+    *,
+    check_sizes: Callable[[list[int]], None] | None = None,
+) -> Resolved:
+    """Read a ``docker save`` archive; its layers are hashed into ``blobdir`` as they are read, once
+    ``check_sizes`` (the store's bound: it raises) has passed their sizes, if given.
 
     Its manifest is synthesised (OCI, canonical JSON), so the same archive always has the same digest.
     """
@@ -453,6 +462,14 @@ def resolve_docker_archive(src: _TarSource, ref: Reference, tmpdir: Path, blobdi
     if _HEX.match(named) and named != config_hex:
         raise ImageError(f"{what}: config {config_name} does not match its digest: the archive is corrupt")
     _check_arch(_json(config_data, f"{what}: config"), what)
+    sizes = []
+    for name in layer_names:
+        m = src.members.get("/".join(p for p in name.split("/") if p not in ("", ".")))
+        if m is None:
+            raise ImageError(f"{what}: layer {name} is missing from the archive; it is incomplete")
+        sizes.append(m.size)
+    if check_sizes is not None:
+        check_sizes(sizes)  # before any layer is copied
     layers: list[tuple[str, int]] = []
     for name in layer_names:
         opened = src.member(name)

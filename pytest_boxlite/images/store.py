@@ -6,7 +6,7 @@ Layout (content-addressed; every entry appears whole, by rename, or not at all):
     rootfs/<hex>/          the unpacked tree of manifest <hex> (complete: renamed in when done)
     meta/<hex>.json        its config, size and the references that named it
     refs/<key>.json        a reference (and, for local files, the file's identity) -> manifest digest
-    tmp/                   work in progress; removed by the next writer
+    tmp/                   work in progress (an image's new blobs too, until it is unpacked); removed by the next writer
     lock                   flock(2): one writer at a time; readers of complete entries take none
 
 A second :func:`ensure_image` of a reference already seen reads two small files and stats the
@@ -266,6 +266,10 @@ def ensure_image(ref: str, *, store: Path, timeout: float = 600.0, max_unpacked:
 def _ensure_locked(ref: Reference, store: Path, work: Path, deadline: float, max_unpacked: int) -> Image:
     what = f"image {ref.original!r}"
     blobdir = store / "blobs" / "sha256"
+    # Blobs of this image are copied here first, and join blobs/ only once the image is unpacked:
+    # an image refused (too big, corrupt, hostile) leaves nothing in the store.
+    staged = work / "blobs"
+    staged.mkdir()
     if ref.transport == "docker":
         pulled = pull.pull(ref, work, timeout=max(1.0, deadline - time.monotonic()))
         if pulled.layout_dir is not None:
@@ -274,37 +278,41 @@ def _ensure_locked(ref: Reference, store: Path, work: Path, deadline: float, max
             src = layout.open_source(local)
             try:
                 resolved = layout.resolve_oci(src, local)
-                _import_blobs(src, resolved, blobdir, work, what)
+                _import_blobs(src, resolved, blobdir, staged, work, max_unpacked, what)
             finally:
                 src.close()
         else:
             resolved = pulled.resolved
-            _import_blobs(pulled.source, resolved, blobdir, work, what)
+            _import_blobs(pulled.source, resolved, blobdir, staged, work, max_unpacked, what)
     else:
         src = layout.open_source(ref)
         try:
             if ref.transport == "docker-archive":
                 assert isinstance(src, layout._TarSource)
-                resolved = layout.resolve_docker_archive(src, ref, work, blobdir)
+                resolved = layout.resolve_docker_archive(
+                    src, ref, work, staged, check_sizes=lambda sizes: _check_layers(sizes, max_unpacked, what)
+                )
             else:
                 resolved = layout.resolve_oci(src, ref)
                 hexd = resolved.digest[7:]
                 if not _image_from_meta(store, ref.original, hexd):
-                    _import_blobs(src, resolved, blobdir, work, what)
+                    _import_blobs(src, resolved, blobdir, staged, work, max_unpacked, what)
         finally:
             src.close()
     hexd = resolved.digest.removeprefix("sha256:")
     for name, data in ((hexd, resolved.manifest), (resolved.config_digest[7:], resolved.config)):
         if not (blobdir / name).exists():
-            _write_blob(blobdir / name, data, work)
+            _write_blob(staged / name, data, work)
     existing = _image_from_meta(store, ref.original, hexd)
     if existing is not None:
+        _promote(staged, blobdir)
         _add_reference(store, hexd, ref.original)
         return existing
     config = parse_config(resolved.config, what)
     rootfs = store / "rootfs" / hexd
     if not rootfs.is_dir():
-        _unpack(resolved, blobdir, work, rootfs, deadline, max_unpacked, what)
+        _unpack(resolved, (staged, blobdir), work, rootfs, deadline, max_unpacked, what)
+    _promote(staged, blobdir)
     size = tree_size(rootfs)
     meta = {
         "config": _config_dict(config),
@@ -317,6 +325,32 @@ def _ensure_locked(ref: Reference, store: Path, work: Path, deadline: float, max
     return Image(ref.original, resolved.digest, rootfs, config, size)
 
 
+#: What a layer blob may hold beyond the file data it unpacks to (tar headers and padding,
+#: compression's own overhead): the same slack the unpacker allows a layer's tar stream.
+_LAYER_SLACK = 64 << 20
+#: More layers than any builder writes (overlayfs stacks at most ~128; docker refuses more than 125).
+MAX_LAYERS = 1000
+
+
+def layers_bound(max_unpacked: int, layers: int) -> int:
+    """The most bytes of layer blobs an image of ``layers`` layers may have, when it may unpack to
+    ``max_unpacked`` bytes: compressed, a layer is no larger than its tar, whose file data counts
+    against ``max_unpacked``, plus :data:`_LAYER_SLACK` for headers and compression overhead."""
+    return max_unpacked + layers * _LAYER_SLACK
+
+
+def _check_layers(sizes: list[int], max_unpacked: int, what: str) -> None:
+    """Refuse an image whose layer blobs could not unpack within the bound, before copying any."""
+    if len(sizes) > MAX_LAYERS:
+        raise ImageError(f"{what}: the image has {len(sizes)} layers, more than the {MAX_LAYERS} allowed")
+    bound = layers_bound(max_unpacked, len(sizes))
+    if sum(sizes) > bound:
+        raise ImageError(
+            f"{what}: its layers are {sum(sizes)} bytes, more than an image bounded to {max_unpacked} bytes "
+            f"unpacked can need ({bound}): the image is too big or its descriptors lie"
+        )
+
+
 def _write_blob(path: Path, data: bytes, work: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix="blob-", dir=work)
     with os.fdopen(fd, "wb") as f:
@@ -325,16 +359,32 @@ def _write_blob(path: Path, data: bytes, work: Path) -> None:
     os.replace(tmp, path)
 
 
-def _import_blobs(src: Any, resolved: layout.Resolved, blobdir: Path, work: Path, what: str) -> None:
+def _import_blobs(
+    src: Any, resolved: layout.Resolved, blobdir: Path, staged: Path, work: Path, max_unpacked: int, what: str
+) -> None:
+    """Copy the layers the store lacks into ``staged`` (verified), once their sizes pass the bound."""
+    _check_layers([size for _, size in resolved.layers], max_unpacked, what)
     for n, (hexd, size) in enumerate(resolved.layers, 1):
-        dest = blobdir / hexd
-        if dest.exists():
+        if (blobdir / hexd).exists() or (staged / hexd).exists():
             continue  # stored once: verified when it was written
-        src.copy_blob(hexd, size, dest, work, f"{what}: layer {n}")
+        src.copy_blob(hexd, size, staged / hexd, work, f"{what}: layer {n}")
+
+
+def _promote(staged: Path, blobdir: Path) -> None:
+    """Move the verified blobs of an image now unpacked into the store (each appears whole, by rename)."""
+    for entry in os.listdir(staged):
+        if not (blobdir / entry).exists():
+            os.replace(staged / entry, blobdir / entry)
 
 
 def _unpack(
-    resolved: layout.Resolved, blobdir: Path, work: Path, rootfs: Path, deadline: float, max_unpacked: int, what: str
+    resolved: layout.Resolved,
+    blobdirs: tuple[Path, ...],
+    work: Path,
+    rootfs: Path,
+    deadline: float,
+    max_unpacked: int,
+    what: str,
 ) -> None:
     config = json.loads(resolved.config)
     diff_ids = (config.get("rootfs") or {}).get("diff_ids") if isinstance(config, dict) else None
@@ -354,9 +404,8 @@ def _unpack(
         diff_id = diff_ids[n]
         if not isinstance(diff_id, str):
             raise ImageError(f"{what}: diff_id {n} is not a string")
-        apply_layer(
-            tree, blobdir / hexd, diff_id=diff_id, limits=limits, what=f"{what}: layer {n + 1} (sha256:{hexd[:12]})"
-        )
+        blob = next((d / hexd for d in blobdirs if (d / hexd).exists()), blobdirs[-1] / hexd)
+        apply_layer(tree, blob, diff_id=diff_id, limits=limits, what=f"{what}: layer {n + 1} (sha256:{hexd[:12]})")
     os.chmod(tree, 0o755)
     os.rename(tree, rootfs)
 
