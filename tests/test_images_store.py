@@ -578,3 +578,38 @@ def test_a_refused_image_keeps_none_of_its_blobs(store: Path, tmp_path: Path, tr
         ensure_image(ref, store=store, max_unpacked=100_000)
     assert os.listdir(store / "blobs" / "sha256") == [] and os.listdir(store / "tmp") == []
     assert os.listdir(store / "rootfs") == [] and os.listdir(store / "meta") == []
+
+
+def _deep(top: Path, levels: int) -> None:
+    """A directory ``levels`` deep under ``top`` (made through fds: its path is too long to name)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir("a", dir_fd=fd)
+            nfd = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.reliability
+def test_a_deep_image_is_refused_and_a_deep_leftover_does_not_jam_the_store(store: Path, tmp_path: Path) -> None:
+    # One file 2000 directories deep (4000 characters, under the name bound): refused whole, the
+    # store left clean, and the next image unpacks.
+    deep = "/".join(["a"] * 2000)
+    bad = oci_layout(tmp_path / "deep", [layer_tar([(deep + "/f", "file", "x", 0o644)])])
+    with pytest.raises(ImageError, match=r"is deeper than an image may go"):
+        ensure_image(f"oci:{bad}", store=store)
+    assert os.listdir(store / "tmp") == [] and os.listdir(store / "rootfs") == []
+    # A deep work tree left in tmp/ (by a writer killed there, or a version without the bound) and
+    # a deep rootfs: the next writer clears tmp/, clean --images the rest (Python's recursive
+    # rmtree raised RecursionError on them, for every later image).
+    _deep(store / "tmp", 2000)
+    good = oci_layout(tmp_path / "good", [layer_tar([("etc/os-release", "file", "ID=ok\n", 0o644)])])
+    image = ensure_image(f"oci:{good}", store=store)
+    assert os.listdir(store / "tmp") == []
+    _deep(image.rootfs, 2000)
+    assert drop_images(store) == [image.digest]
+    assert sorted(os.listdir(store)) == ["lock"]

@@ -24,7 +24,7 @@ import pytest
 
 from pytest_boxlite.images import ImageError
 from pytest_boxlite.images.store import _rmtree
-from pytest_boxlite.images.unpack import Limits, apply_layer
+from pytest_boxlite.images.unpack import Limits, apply_layer, tree_size
 
 pytestmark = [pytest.mark.escapes, pytest.mark.reliability]
 
@@ -324,7 +324,7 @@ def test_zstd_layers_need_the_module(tmp_path: Path) -> None:
 _PEAK_HEAP = """
 import sys, tracemalloc
 from pathlib import Path
-from pytest_boxlite.images.unpack import Limits, apply_layer
+from pytest_boxlite.images.unpack import Limits, apply_layer, tree_size
 root = Path(sys.argv[1]); root.mkdir()
 tracemalloc.start()
 apply_layer(root, Path(sys.argv[2]), diff_id=None, limits=Limits(), what="test image")
@@ -384,3 +384,47 @@ def test_global_extended_headers_are_bounded_in_all(tmp_path: Path) -> None:
     root.mkdir()
     with pytest.raises(ImageError, match=r"global extended headers of more than 1048576 bytes"):
         apply_layer(root, blob, diff_id=None, limits=Limits(), what="test image")
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        [("/".join(["a"] * 300) + "/f", "file", b"x", None)],  # 600 bytes, 300 levels
+        [("/".join(["d" * 200] * 18) + "/f", "file", b"x", None)],  # 18 levels, 3618 bytes
+        # 200 levels, then 200 more through a link to them: each name is short, the real path not.
+        [
+            ("/".join(["a"] * 200) + "/f", "file", b"x", None),
+            ("l", "sym", "/".join(["a"] * 200), None),
+            ("l/" + "/".join(["b"] * 200) + "/g", "file", b"y", None),
+        ],
+    ],
+    ids=["levels", "bytes", "through-a-link"],
+)
+def test_trees_deeper_than_the_bound_are_refused(tmp_path: Path, members: list[Member]) -> None:
+    # Python's os.walk and shutil.rmtree recurse once per level (RecursionError at ~1000), and a
+    # path over PATH_MAX cannot be named: a tree too deep would jam every tool that walks it.
+    with pytest.raises(ImageError, match=r"is deeper than an image may go \(256 levels, 3500 bytes\)"):
+        unpack(tmp_path, tar_of(*members))
+    _rmtree(tmp_path / "root")
+    assert not (tmp_path / "root").exists()
+
+
+def test_removal_and_sizes_need_no_recursion(tmp_path: Path) -> None:
+    # A tree 3000 levels deep (as an unpacker without the depth bound left them, 6000 bytes of
+    # path): measured (what a path can name of it) and removed whole, without recursion.
+    top = tmp_path / "deep"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(3000):
+            os.mkdir("a", dir_fd=fd)
+            nfd = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+        os.symlink("/etc", "l", dir_fd=fd)
+    finally:
+        os.close(fd)
+    assert tree_size(top) >= 3000 * 512
+    _rmtree(top)
+    assert not top.exists()

@@ -22,7 +22,7 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -31,7 +31,7 @@ from typing import Any
 
 from pytest_boxlite.images import layout, pull
 from pytest_boxlite.images.reference import ImageError, Reference, parse_reference
-from pytest_boxlite.images.unpack import DEFAULT_MAX_UNPACKED, Limits, apply_layer, tree_size
+from pytest_boxlite.images.unpack import DEFAULT_MAX_UNPACKED, Limits, _rmtree_at, apply_layer, tree_size
 
 __all__ = ["Image", "ImageConfig", "StoredImage", "drop_images", "ensure_image", "list_images", "store_dir"]
 
@@ -221,18 +221,20 @@ def _locked(store: Path, timeout: float, what: str) -> Iterator[None]:
 
 
 def _rmtree(path: Path) -> None:
-    def fix(func: Any, p: str, exc: Any) -> None:
-        # A directory a layer made unreadable: the unpacker keeps u+rwx, but be sure.
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700, follow_symlinks=False)
-        func(p)
-
-    if path.is_symlink() or not path.exists():
+    """Remove ``path`` (a whole tree too, of any depth: no recursion), following no link."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         return
-    shutil.rmtree(path, onerror=fix)
+    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _rmtree_at(parent, path.name)
+    finally:
+        os.close(parent)
 
 
 def ensure_image(ref: str, *, store: Path, timeout: float = 600.0, max_unpacked: int = DEFAULT_MAX_UNPACKED) -> Image:
@@ -256,8 +258,12 @@ def ensure_image(ref: str, *, store: Path, timeout: float = 600.0, max_unpacked:
     with _locked(store, timeout, what):
         for stale in (store / "tmp").iterdir():
             _rmtree(stale)  # a writer that died; none other runs while the lock is held
-        with tempfile.TemporaryDirectory(prefix="work-", dir=store / "tmp") as work:
-            image = _ensure_locked(parsed, store, Path(work), deadline, max_unpacked)
+        # Not TemporaryDirectory: its cleanup is a recursive rmtree, which a deep tree defeats.
+        work = Path(tempfile.mkdtemp(prefix="work-", dir=store / "tmp"))
+        try:
+            image = _ensure_locked(parsed, store, work, deadline, max_unpacked)
+        finally:
+            _rmtree(work)
         if key is not None:
             _write_json(_ref_path(store, key), {"key": key, "reference": ref, "digest": image.digest[7:]})
         return image

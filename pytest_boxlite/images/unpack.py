@@ -45,6 +45,12 @@ __all__ = ["DEFAULT_MAX_MEMBERS", "DEFAULT_MAX_UNPACKED", "Limits", "apply_layer
 DEFAULT_MAX_UNPACKED = 8 << 30
 DEFAULT_MAX_MEMBERS = 1_000_000
 _MAX_NAME = 4096
+#: How deep the tree may get, in directories and in bytes of real path (links resolved): a deeper
+#: tree would break the host's path-based tools (Python's recursive os.walk and shutil.rmtree raise
+#: RecursionError at ~1000 levels; paths of more than PATH_MAX, 4096, cannot be named at all).
+#: Real images' deepest paths (node_modules, JDKs) are some 30 levels and a few hundred bytes.
+_MAX_DEPTH = 256
+_MAX_REAL_PATH = 3500
 _MAX_LINK_HOPS = 40
 _WH = ".wh."
 _OPAQUE = ".wh..wh..opq"
@@ -242,6 +248,7 @@ class _Tree:
                     os.mkdir(comp, 0o755, dir_fd=cur)
                 fds.append(os.open(comp, _DIR_FLAGS, dir_fd=cur))
                 real.append(comp)
+                _check_depth(real, what)
             fd = os.dup(fds[-1]) if fds else os.dup(self.rootfd)
         finally:
             for f in fds:
@@ -262,40 +269,63 @@ class _Tree:
         self.forget()
 
 
+def _check_depth(real: list[str] | tuple[str, ...], what: str) -> None:
+    """Refuse a tree deeper than :data:`_MAX_DEPTH` directories or :data:`_MAX_REAL_PATH` bytes."""
+    if len(real) > _MAX_DEPTH or sum(len(os.fsencode(c)) + 1 for c in real) > _MAX_REAL_PATH:
+        shown = "/".join(real)
+        raise ImageError(
+            f"{what}: the path {shown[:60]!r}...{shown[-40:]!r} ({len(real)} levels, links resolved) is deeper "
+            f"than an image may go ({_MAX_DEPTH} levels, {_MAX_REAL_PATH} bytes): the layer is hostile or broken"
+        )
+
+
 def _rmtree_at(dirfd: int, name: str) -> None:
     """Remove directory ``name`` of ``dirfd`` and all below it, through fds, following no link.
 
-    (``shutil.rmtree(dir_fd=)`` is 3.11+; this also runs on 3.10, and without recursion, so depth
-    is bounded by names' length only.)
+    Without recursion and with two fds open at most, so any depth is removed (a tree too deep for
+    paths, or for the fds a process may hold, too).  Going up is by ``..`` of the directory just
+    emptied, checked against the inode that was entered from, so a directory moved meanwhile
+    stops the removal instead of redirecting it.
     """
-    stack: list[tuple[int, str, int]] = []  # (parent fd, name, fd of the directory itself)
-    top = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
-    stack.append((os.dup(dirfd), name, top))
+    with contextlib.suppress(OSError, NotImplementedError):
+        os.chmod(name, 0o700, dir_fd=dirfd, follow_symlinks=False)
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+    names: list[str] = []  # the path from ``name`` down to ``fd``'s directory
+    ids: list[tuple[int, int]] = []  # (st_dev, st_ino) of each directory on that path, ``name`` first
     try:
-        while stack:
-            parent, dname, fd = stack[-1]
-            descended = False
+        st = os.fstat(fd)
+        ids.append((st.st_dev, st.st_ino))
+        while True:
+            child = None
             with os.scandir(fd) as it:
                 for entry in it:
                     if entry.is_dir(follow_symlinks=False):
-                        with contextlib.suppress(OSError):
-                            os.chmod(entry.name, 0o700, dir_fd=fd, follow_symlinks=False)
-                        stack.append((os.dup(fd), entry.name, os.open(entry.name, _DIR_FLAGS, dir_fd=fd)))
-                        descended = True
+                        child = entry.name
                         break
                     os.unlink(entry.name, dir_fd=fd)
-            if descended:
+            if child is not None:
+                with contextlib.suppress(OSError, NotImplementedError):
+                    os.chmod(child, 0o700, dir_fd=fd, follow_symlinks=False)
+                nfd = os.open(child, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+                st = os.fstat(fd)
+                names.append(child)
+                ids.append((st.st_dev, st.st_ino))
                 continue
-            stack.pop()
+            if not names:
+                break
+            up = os.open("..", _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
-            try:
-                os.rmdir(dname, dir_fd=parent)
-            finally:
-                os.close(parent)
+            fd = up
+            ids.pop()
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != ids[-1]:
+                raise OSError(errno.ESTALE, f"a directory under {name!r} was moved while it was being removed")
+            os.rmdir(names.pop(), dir_fd=fd)
     finally:
-        for parent, _, fd in stack:
-            os.close(parent)
-            os.close(fd)
+        os.close(fd)
+    os.rmdir(name, dir_fd=dirfd)
 
 
 def _safe_mode(member: tarfile.TarInfo) -> int:
@@ -437,6 +467,7 @@ def _apply_member(
     assert found is not None
     dirfd, real_parent = found
     try:
+        _check_depth((*real_parent, base), what)
         _write_member(tree, tf, member, checked, dirfd, real_parent, created, limits, what)
     finally:
         os.close(dirfd)
@@ -537,18 +568,29 @@ def _whiteout(tree: _Tree, parts: list[str], created: set[tuple[str, ...]], what
 
 
 def tree_size(root: Path) -> int:
-    """Bytes on disk of the tree at ``root`` (each inode once; links never followed)."""
+    """Bytes on disk of the tree at ``root`` (each inode once; links never followed; no recursion).
+
+    By path: what lies deeper than a path can name is not counted (the unpacker bounds depth).
+    """
     seen: set[tuple[int, int]] = set()
     total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            try:
-                st = os.lstat(os.path.join(dirpath, n))
-            except OSError:
-                continue
-            key = (st.st_dev, st.st_ino)
-            if key in seen:
-                continue
-            seen.add(key)
-            total += st.st_blocks * 512
+    todo = [os.fspath(root)]
+    while todo:
+        try:
+            it = os.scandir(todo.pop())
+        except OSError:
+            continue
+        with it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    todo.append(entry.path)
+                key = (st.st_dev, st.st_ino)
+                if key in seen:
+                    continue
+                seen.add(key)
+                total += st.st_blocks * 512
     return total
