@@ -33,6 +33,7 @@ import hashlib
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -216,7 +217,7 @@ def image_args(root: ImageRoot, template: str | None = None, persist: Path | Non
             args += ["--symlink", os.readlink(entry.path), target]
         elif entry.is_dir(follow_symlinks=False):
             args += ["--overlay-src", entry.path]
-            if template is not None and (Path(template) / "upper" / entry.name).is_dir():
+            if template is not None and _is_dir(Path(template) / "upper" / entry.name):
                 args += ["--overlay-src", str(Path(template) / "upper" / entry.name)]
             if persist is not None:
                 upper, work = persist / "upper" / entry.name, persist / "work" / entry.name
@@ -249,15 +250,20 @@ def host_mount_args(
     from pytest_boxlite.runtimes.namespace.mounts import _overlay
 
     tops = {e.name: e for e in _entries(root.rootfs)}
+    layers = layers_of(root, template)
     args: list[str] = []
     overlays: list[str] = []
     made: list[str] = []
     for m in [*mounts, *files]:
-        link = None if m.split("/")[1] in ("tmp", "run") else linked_part(root.rootfs, m)
+        link = None if m.split("/")[1] in ("tmp", "run") else linked_part(layers, m)
         if link is not None:
-            # bubblewrap would follow the image's link while it mounts (hostile images): refused.
+            # bubblewrap would follow the image's link (or one a template's setup planted) while it
+            # mounts (hostile images): refused.
+            where = "the image or its template's layer" if template is not None else "the image"
             raise BoxStartError(
-                f"image {root.reference}: {link} is a link in the image; host path {m} cannot be shown there"
+                f"image {root.reference}: {link} is a link in {where} (or not a directory there);"
+                f" host path {m} cannot be shown there"
+                + (" (rebuild the template: python -m pytest_boxlite clean --templates)" if template else "")
             )
     for m in mounts:
         top = m.split("/")[1]
@@ -278,34 +284,60 @@ def host_mount_args(
     return args, overlays
 
 
-def linked_part(rootfs: str, path: str) -> str | None:
-    """The first part of absolute ``path`` that is a link in the image's tree (or ``path`` itself
-    if it has ``..`` parts), else ``None``: bubblewrap follows links while it makes a mount point
-    or a directory, and an image's link may lead anywhere."""
+def layers_of(root: ImageRoot, template: str | None = None) -> list[str]:
+    """The trees a box of ``root`` stacks at the box's own paths, top first: a template's upper
+    layer (what its ``--boxlite-setup`` wrote, the image's own shell included), then the image's."""
+    return [str(Path(template) / "upper"), root.rootfs] if template is not None else [root.rootfs]
+
+
+def _is_dir(path: Path | str) -> bool:
+    """Whether ``path`` is a directory itself (a link to one is not: it is never followed)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def linked_part(layers: Sequence[str], path: str) -> str | None:
+    """The first part of absolute ``path`` that is a link in any of ``layers`` (the trees stacked
+    at the box's paths, see :func:`layers_of`; or ``path`` itself if it has ``..`` parts), else
+    ``None``: bubblewrap follows links while it makes a mount point or a directory, and a link of
+    the image's, or one its shell planted in a template, may lead anywhere (``/oldroot`` is the
+    host's root while bubblewrap sets a box up).
+
+    Every layer is looked at, not only the one overlayfs would show: a link hidden below another
+    layer's directory is refused all the same (a false alarm costs a clear error; overlayfs's own
+    resolution, with its opaque directories and whiteouts, is not re-implemented here).  A
+    non-directory (a file, a whiteout) on the way to ``path`` in any layer counts as a link too.
+    """
     parts = [p for p in path.split("/") if p and p != "."]
     if ".." in parts:
         return path
-    cur = rootfs
-    for i, part in enumerate(parts):
-        cur = os.path.join(cur, part)
-        try:
-            st = os.lstat(cur)
-        except OSError:
-            return None  # made anew below here: no link of the image's on the way
-        import stat as _stat
-
-        if _stat.S_ISLNK(st.st_mode):
-            return "/" + "/".join(parts[: i + 1])
-        if not _stat.S_ISDIR(st.st_mode):
-            return None
+    live = list(layers)
+    for i in range(len(parts)):
+        here = "/" + "/".join(parts[: i + 1])
+        last = i == len(parts) - 1
+        nxt: list[str] = []
+        for layer in live:
+            cur = os.path.join(layer, *parts[: i + 1])
+            try:
+                st = os.lstat(cur)  # every part before this one was a directory in this layer
+            except OSError:
+                continue  # absent here: nothing below it in this layer either
+            if stat.S_ISLNK(st.st_mode) or (not last and not stat.S_ISDIR(st.st_mode)):
+                return here
+            nxt.append(layer)
+        if not nxt:
+            return None  # made anew below here: no layer has anything on the way
+        live = nxt
     return None
 
 
-def image_workdir(root: ImageRoot) -> str | None:
+def image_workdir(root: ImageRoot, template: str | None = None) -> str | None:
     """The image config's ``WorkingDir`` where the box can make and enter it (absolute, reached
-    through no link of the image's), else ``None`` (then ``/workspace``)."""
+    through no link of the image's nor of ``template``'s layer), else ``None`` (then ``/workspace``)."""
     wd = root.workdir
-    if not wd or not wd.startswith("/") or len(wd) > 4096 or linked_part(root.rootfs, wd) is not None:
+    if not wd or not wd.startswith("/") or len(wd) > 4096 or linked_part(layers_of(root, template), wd) is not None:
         return None
     top = wd.split("/")[1]
     if top in _RUNTIME_TOPS or top == HOST_KIT.lstrip("/"):

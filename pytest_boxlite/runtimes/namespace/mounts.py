@@ -10,6 +10,7 @@ import os
 import pwd
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -115,7 +116,8 @@ def _overlay(path: str, template: str | None, persist: Path | None, masks: Mappi
     layer of it and its mask layer; its writes kept in ``persist`` (a template build) or thrown away."""
     layer = path.strip("/")
     args = ["--overlay-src", path, *regroup_args(path)]  # the user's files of a group the box cannot map
-    if template is not None and (Path(template) / "upper" / layer).is_dir():
+    # lstat, not is_dir(): a link in the template is never followed on the host.
+    if template is not None and stat.S_ISDIR(_lstat_mode(Path(template) / "upper" / layer)):
         args += ["--overlay-src", str(Path(template) / "upper" / layer)]
     if path in masks:
         args += ["--overlay-src", masks[path]]
@@ -130,6 +132,14 @@ def _overlay(path: str, template: str | None, persist: Path | None, masks: Mappi
 
 
 _PRIVATE_TOPS = ("/tmp", "/run", "/dev", "/proc", "/sys")
+
+
+def _lstat_mode(path: Path) -> int:
+    """``path``'s own mode (0 where it is absent): a link is not followed."""
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0
 
 
 def _own_dirs() -> list[str]:

@@ -123,7 +123,7 @@ class NamespaceRuntime(RuntimeDefaults):
             dirs, files = _image_mounts(spec)
             shown, _ = _image.host_mount_args(spec.root, dirs, files, masks, spec.template, persist)
             layers = _image.image_args(spec.root, spec.template, persist)
-            workdir = _image.image_workdir(spec.root) or WORKDIR
+            workdir = _image.image_workdir(spec.root, spec.template) or WORKDIR
             below = [*shown, *_image.kit_args()]
         else:
             mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
@@ -274,7 +274,7 @@ class NamespaceRuntime(RuntimeDefaults):
             cg.remove()
             remove_box_dirs(box_dir)
             raise
-        workdir = _image.image_workdir(spec.root) if spec.root is not None else None
+        workdir = _image.image_workdir(spec.root, spec.template) if spec.root is not None else None
         if workdir is not None:
             box.workdir = workdir  # the image config's WorkingDir: commands' default cwd
         # Each box forked per test from this one's warm interpreter gets these caps in cgroups of
