@@ -112,6 +112,25 @@ def test_config_is_parsed_with_env_split_at_the_first_equals() -> None:
         parse_config(json.dumps({"config": {"Cmd": "sh"}}).encode(), "image 'x'")
 
 
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        ({"Env": ["A=a\0b"]}, r"image 'x': config Env: 'A=a\\x00b'... holds a NUL byte"),
+        ({"Cmd": ["sh", "-c\0"]}, r"image 'x': config Cmd: .* holds a NUL byte"),
+        ({"WorkingDir": "/w\0"}, r"image 'x': config WorkingDir: .* holds a NUL byte"),
+        ({"Env": ["A=" + "x" * (3 << 20)]}, r"image 'x': config Env: a string of 3145730 characters, more than"),
+        ({"Env": [f"A{i}=" + "x" * 100_000 for i in range(12)]}, r"config's Env, Entrypoint and Cmd hold \d+ bytes"),
+    ],
+    ids=["env-nul", "cmd-nul", "workdir-nul", "env-huge", "env-total"],
+)
+def test_configs_no_process_could_be_given_are_refused_naming_the_image(cfg: dict[str, object], message: str) -> None:
+    # Else every command of every box of the image fails far from the cause ('embedded null
+    # byte', or a raw E2BIG from create_box).
+    with pytest.raises(ImageError, match=message):
+        parse_config(json.dumps({"config": cfg}).encode(), "image 'x'")
+
+
 def test_every_transport_gives_the_same_tree(images: dict[str, str], store: Path) -> None:
     archive = ensure_image(images["busybox"], store=store)
     layout = ensure_image(images["busybox-oci"], store=store)

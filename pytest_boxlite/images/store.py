@@ -77,12 +77,31 @@ def store_dir(home: Path) -> Path:
     return Path(home) / STORE_NAME
 
 
+#: A config's strings reach execve(2) as arguments and environment: each is at most
+#: MAX_ARG_STRLEN (32 pages, its NUL included), and all together far below ARG_MAX (2 MiB here).
+_MAX_EXEC_STRING = (32 << 12) - 1
+_MAX_EXEC_TOTAL = 1 << 20
+
+
 def _strings(value: Any, what: str) -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ImageError(f"{what} is not a list of strings; the image config is malformed")
+    for v in value:
+        _exec_string(v, what)
     return tuple(value)
+
+
+def _exec_string(value: str, what: str) -> None:
+    """Refuse a string no process can be given (the kernel would refuse it, far from its cause)."""
+    if "\0" in value:
+        raise ImageError(f"{what}: {value[:40]!r}... holds a NUL byte, which no command line or environment can")
+    if len(value.encode("utf-8", "surrogateescape")) > _MAX_EXEC_STRING:
+        raise ImageError(
+            f"{what}: a string of {len(value)} characters, more than the {_MAX_EXEC_STRING} bytes the kernel "
+            "passes to a process"
+        )
 
 
 def parse_config(data: bytes, what: str) -> ImageConfig:
@@ -106,13 +125,22 @@ def parse_config(data: bytes, what: str) -> ImageConfig:
     for name, value in (("WorkingDir", workdir), ("User", user)):
         if value is not None and not isinstance(value, str):
             raise ImageError(f"{what}: config {name} is not a string")
-    return ImageConfig(
+        if value is not None:
+            _exec_string(value, f"{what}: config {name}")
+    out = ImageConfig(
         env=tuple(env),
         workdir=workdir,
         user=user,
         entrypoint=_strings(cfg.get("Entrypoint"), f"{what}: config Entrypoint"),
         cmd=_strings(cfg.get("Cmd"), f"{what}: config Cmd"),
     )
+    total = sum(len(k) + len(v) + 2 for k, v in out.env) + sum(len(a) + 1 for a in out.entrypoint + out.cmd)
+    if total > _MAX_EXEC_TOTAL:
+        raise ImageError(
+            f"{what}: the config's Env, Entrypoint and Cmd hold {total} bytes, more than the {_MAX_EXEC_TOTAL} "
+            "a box's commands can be given; the image config is malformed"
+        )
+    return out
 
 
 def _config_dict(c: ImageConfig) -> dict[str, Any]:
