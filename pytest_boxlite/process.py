@@ -39,10 +39,17 @@ from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, RawProcess
 
 __all__ = ["MAX_LINE", "BoxProcess", "BoxProcessWarning", "OutputStream"]
 
-#: Longest line :meth:`BoxProcess.wait_for_output` matches; a longer one is cut there.
-MAX_LINE = 64 * 1024
-#: Output lines kept for :meth:`BoxProcess.wait_for_output` and error messages (per process).
+#: Longest line :meth:`BoxProcess.wait_for_output` matches: a longer line is matched on its
+#: first ``MAX_LINE`` bytes (the rest of it is not kept for the waits).  Small because Python's
+#: ``re`` cannot be interrupted and a pattern like ``\s+ready`` costs time quadratic in the
+#: line's length (64 KiB lines of spaces took 2 s each): the bound is what keeps a wait's
+#: timeout meaningful against a guest's output.
+MAX_LINE = 4 * 1024
+#: Output lines kept for :meth:`BoxProcess.wait_for_output` and error messages (per process)...
 _HISTORY = 2000
+#: ...and the bytes they may hold together (at most; a process's ``max_output`` when smaller,
+#: but never under one line): older lines are dropped first.
+_HISTORY_BYTES = 4 << 20
 #: Lines quoted in an error (each cut to ``_QUOTE`` characters).
 _QUOTED_LINES = 20
 _QUOTE = 300
@@ -171,9 +178,13 @@ class BoxProcess:
         self.stdout = OutputStream("stdout", max_output, self._cond)
         self.stderr = OutputStream("stderr", max_output, self._cond)
         #: ``(sequence number, stream name, line)`` of the last lines written, for the waits.
-        self._lines: collections.deque[tuple[int, str, bytes]] = collections.deque(maxlen=_HISTORY)
+        self._lines: collections.deque[tuple[int, str, bytes]] = collections.deque()
+        self._history_bytes = 0
+        self._history_budget = max(MAX_LINE, min(max_output, _HISTORY_BYTES))
         self._seq = 0
         self._partial = {"stdout": bytearray(), "stderr": bytearray()}
+        #: Streams whose current line passed MAX_LINE: its rest is skipped up to its newline.
+        self._skipping = {"stdout": False, "stderr": False}
         #: Where the next wait_for_output starts, per stream filter (after the last match).
         self._cursor: dict[str | None, int] = {}
         self._error: str | None = None
@@ -266,31 +277,39 @@ class BoxProcess:
                 self._cond.notify_all()
 
     def _scan(self, name: str, chunk: bytes) -> None:
-        """Split ``chunk`` into lines for the waits (each cut at :data:`MAX_LINE`)."""
+        """Split ``chunk`` into lines for the waits: each line is kept up to :data:`MAX_LINE`
+        bytes, as soon as it has them (a wait need not wait for its newline); the rest of a
+        longer line is skipped up to its newline."""
         partial = self._partial[name]
         start = 0
         while True:
             end = chunk.find(b"\n", start)
-            if end < 0:
-                rest = chunk[start:]
-                room = MAX_LINE - len(partial)
-                partial += rest[: max(room, 0)]
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            if self._skipping[name]:
+                if end >= 0:
+                    self._skipping[name] = False
+            else:
+                partial += piece[: max(0, MAX_LINE - len(partial))]
                 if len(partial) >= MAX_LINE:
                     self._flush_partial(name)
+                    self._skipping[name] = end < 0
+                elif end >= 0:
+                    self._flush_partial(name, force=True)
+            if end < 0:
                 return
-            piece = chunk[start:end]
-            if len(partial) + len(piece) > MAX_LINE:
-                piece = piece[: max(0, MAX_LINE - len(partial))]
-            partial += piece
-            self._flush_partial(name, force=True)
             start = end + 1
 
     def _flush_partial(self, name: str, *, force: bool = False) -> None:
         partial = self._partial[name]
         if partial or force:
-            self._lines.append((self._seq, name, bytes(partial)))
+            line = bytes(partial)
+            self._lines.append((self._seq, name, line))
+            self._history_bytes += len(line)
             self._seq += 1
             partial.clear()
+            # Bounded by count and by bytes: the oldest lines go first (a wait never sees them).
+            while len(self._lines) > 1 and (len(self._lines) > _HISTORY or self._history_bytes > self._history_budget):
+                self._history_bytes -= len(self._lines.popleft()[2])
 
     # -- Popen's interface ----------------------------------------------------
     def poll(self) -> int | None:
@@ -381,8 +400,11 @@ class BoxProcess:
         or ``None`` for either) that matches ``pattern`` (``re.search``; a text pattern searches the
         line decoded as UTF-8), after the line a previous wait matched.
 
-        Lines are those of the process's last :data:`_HISTORY` lines, without their newline, cut
-        at :data:`MAX_LINE`.  Raises :class:`~pytest_boxlite.errors.OutputTimeoutError` after
+        Lines are those the process still keeps (its last :data:`_HISTORY` lines, at most
+        ``min(max_output, 4 MiB)`` bytes of them: a line dropped before the wait saw it is not
+        seen), in order, without their newline; a line longer than :data:`MAX_LINE` bytes is
+        matched on its first ``MAX_LINE`` bytes.  The pattern runs outside the process's lock and
+        the deadline is checked between lines.  Raises :class:`~pytest_boxlite.errors.OutputTimeoutError` after
         ``timeout`` seconds, :class:`~pytest_boxlite.errors.ProcessExitedError` when the output
         ends first; both quote the last lines.
         """
@@ -393,20 +415,37 @@ class BoxProcess:
         regex: re.Pattern[Any] = re.compile(pattern) if isinstance(pattern, (str, bytes)) else pattern
         text = isinstance(regex.pattern, str)
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
+        while True:
+            with self._cond:
+                # Only the lines not yet looked at are copied; they are matched outside the lock,
+                # so the pump (and the box's output) never waits on a pattern.
                 cursor = self._cursor.get(stream, 0)
-                for seq, name, line in list(self._lines):
-                    if seq < cursor or (stream is not None and name != stream):
-                        continue
-                    match = regex.search(line.decode("utf-8", "replace") if text else line)
-                    if match is not None:
+                fresh = [
+                    (seq, line)
+                    for seq, name, line in self._lines
+                    if seq >= cursor and (stream is None or name == stream)
+                ]
+                copied = self._seq
+            unchecked = False
+            for i, (seq, line) in enumerate(fresh):
+                if i and time.monotonic() >= deadline:
+                    unchecked = True
+                    break
+                match = regex.search(line.decode("utf-8", "replace") if text else line)
+                if match is not None:
+                    with self._cond:
                         self._cursor[stream] = seq + 1
-                        return match
-                    cursor = seq + 1
+                    return match
+                cursor = seq + 1
+            with self._cond:
                 self._cursor[stream] = cursor
+                if not unchecked and self._seq != copied:
+                    # Lines came while matching: look at them before deciding anything.
+                    if time.monotonic() < deadline:
+                        continue
+                    unchecked = True
                 ended = self.stdout._eof and self.stderr._eof if stream is None else getattr(self, stream)._eof
-                if ended or self._closed:
+                if (ended or self._closed) and not unchecked:
                     # The exit status usually follows the end of the output: say it when it does.
                     soon = min(deadline, time.monotonic() + 1.0)
                     while self.returncode is None and not self._closed and time.monotonic() < soon:

@@ -1,0 +1,90 @@
+"""Hostile guests against the services surfaces (issue 24, red team F3): a process's output
+waits keep their timeout and its line history its memory bound whatever the guest writes, an
+HTTP readiness check keeps its deadline against a server that trickles bytes, and a service's
+setup output is escaped before it reaches the terminal.  Real namespace boxes throughout."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+import warnings
+from collections.abc import Iterator
+
+import pytest
+from conftest import CREATE_TIMEOUT, _Runtimes, new_box_name
+
+from pytest_boxlite import errors
+from pytest_boxlite.process import MAX_LINE, BoxProcessWarning
+from pytest_boxlite.sandbox import Sandbox
+from pytest_boxlite.spec import BoxSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def sb(runtimes: _Runtimes) -> Iterator[Sandbox]:
+    """A namespace box with a 1 MiB output bound; its processes are ended before it goes."""
+    handle = runtimes.get("namespace").create_box(BoxSpec(), new_box_name(), timeout=CREATE_TIMEOUT)
+    sandbox = Sandbox(handle, max_output=1 << 20)
+    try:
+        yield sandbox
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BoxProcessWarning)
+            sandbox.end()
+        handle.destroy()
+
+
+def _long_lines(count: int, fill: bytes, then: bytes = b"") -> str:
+    """Guest code writing ``count`` lines of 64 KiB of ``fill``, then ``then``, then sleeping."""
+    return (
+        "import sys, time\n"
+        f"line = {fill!r} * 65535 + b'\\n'\n"
+        f"for _ in range({count}): sys.stdout.buffer.write(line)\n"
+        f"sys.stdout.buffer.write({then!r}); sys.stdout.flush()\n"
+        "print('written', file=sys.stderr, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+
+
+@pytest.mark.reliability
+def test_a_wait_keeps_its_timeout_against_lines_a_pattern_is_slow_on(sb: Sandbox) -> None:
+    # 20 lines of 64 KiB of spaces: r"\s+ready" is quadratic in a line's length (about 2 s a
+    # line matched whole, 40 s for all before the fix, with the pump blocked meanwhile).
+    proc = sb.spawn([sb.handle.guest_python, "-c", _long_lines(20, b" ")])
+    proc.wait_for_output("^written$", timeout=30, stream="stderr")
+    t = time.monotonic()
+    with pytest.raises(errors.OutputTimeoutError, match="within 2 s"):
+        proc.wait_for_output(r"\s+ready", timeout=2, stream="stdout")
+    assert time.monotonic() - t < 15
+    proc.kill()
+
+
+@pytest.mark.reliability
+def test_a_long_line_is_matched_on_its_first_max_line_bytes(sb: Sandbox) -> None:
+    head = b"START" + b"x" * (MAX_LINE + 1000) + b"TAIL\nnext\n"
+    proc = sb.spawn([sb.handle.guest_python, "-c", _long_lines(0, b"", then=head)])
+    assert proc.wait_for_output("^START", timeout=30, stream="stdout").group(0) == "START"
+    # The rest of the long line is not a line of its own: the next line is "next".
+    assert proc.wait_for_output(".+", timeout=30, stream="stdout").group(0) == "next"
+    with pytest.raises(errors.OutputTimeoutError):
+        proc.wait_for_output("TAIL", timeout=1, stream="stdout")
+    proc.kill()
+
+
+@pytest.mark.reliability
+def test_the_line_history_is_bounded_by_bytes_not_only_by_lines(sb: Sandbox) -> None:
+    # 2500 lines of 64 KiB nobody reads, max_output 1 MiB: the history kept 2000 of them
+    # (125 MiB on the host) before the fix; now at most max_output bytes of lines.
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        proc = sb.spawn([sb.handle.guest_python, "-c", _long_lines(2500, b"y", then=b"LAST\n")])
+        proc.wait_for_output("^written$", timeout=60, stream="stderr")
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 32 << 20, f"the host holds {grown >> 20} MiB for one process with max_output 1 MiB"
+    # The waits still see the lines in order, up to the last.
+    assert proc.wait_for_output("^LAST$", timeout=10, stream="stdout")
+    proc.kill()
