@@ -428,3 +428,28 @@ def test_removal_and_sizes_need_no_recursion(tmp_path: Path) -> None:
     assert tree_size(top) >= 3000 * 512
     _rmtree(top)
     assert not top.exists()
+
+
+def test_hard_links_to_symlinks_are_symlinks_that_still_resolve_inside_the_tree(tmp_path: Path) -> None:
+    # A symlink's relative target is written for its own directory; a hard link (a second name of
+    # the same inode) in another directory would climb out of the tree on the host.
+    root = unpack(
+        tmp_path,
+        tar_of(
+            ("a/b/c", "dir", None, None),
+            ("a/b/c/l", "sym", "../../../oldroot/etc", None),
+            ("a/b/abs", "sym", "/usr/bin", None),
+            ("etc", "hard", "a/b/c/l", None),
+            ("usr/l2", "hard", "a/b/c/l", None),
+            ("top", "hard", "a/b/abs", None),
+        ),
+    )
+    assert os.readlink(root / "etc") == "oldroot/etc"
+    assert os.readlink(root / "usr/l2") == "../oldroot/etc"
+    assert os.readlink(root / "top") == "usr/bin"
+    real_root = os.path.realpath(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            if os.path.islink(p):
+                assert os.path.commonpath([os.path.realpath(p), real_root]) == real_root, p

@@ -505,7 +505,7 @@ def _write_member(
         os.symlink(checked.linkname, base, dir_fd=dirfd)
         tree.forget()
     elif checked.islnk():
-        _hardlink(tree, dirfd, base, checked, what)
+        _hardlink(tree, dirfd, real_parent, base, checked, what)
     else:
         limits.unpacked += checked.size
         if limits.unpacked > limits.max_unpacked:
@@ -524,14 +524,16 @@ def _write_member(
             os.close(fd)
 
 
-def _hardlink(tree: _Tree, dirfd: int, base: str, member: tarfile.TarInfo, what: str) -> None:
+def _hardlink(
+    tree: _Tree, dirfd: int, real_parent: tuple[str, ...], base: str, member: tarfile.TarInfo, what: str
+) -> None:
     target = _split(member.linkname)
     if not target or ".." in target:
         raise ImageError(f"{what}: hard link {member.name!r} -> {member.linkname!r} points outside the image")
     found = tree.resolve_dir(target[:-1], create=False, what=what)
     if found is None:
         raise ImageError(f"{what}: hard link {member.name!r} names {member.linkname!r}, which is not in the image")
-    srcfd, _ = found
+    srcfd, src_parent = found
     try:
         try:
             st = os.stat(target[-1], dir_fd=srcfd, follow_symlinks=False)
@@ -541,6 +543,15 @@ def _hardlink(tree: _Tree, dirfd: int, base: str, member: tarfile.TarInfo, what:
             ) from None
         if stat.S_ISDIR(st.st_mode):
             raise ImageError(f"{what}: hard link {member.name!r} names directory {member.linkname!r}")
+        if stat.S_ISLNK(st.st_mode):
+            # A hard link to a symlink is a second name of it, and its relative target is written
+            # for its own directory: from another one it could leave the tree.  A new symlink with
+            # the same (box-absolute) target, written for this directory, instead.
+            linked = os.readlink(target[-1], dir_fd=srcfd)
+            absolute = _clamped((), "/".join([*src_parent, linked]) if not linked.startswith("/") else linked)
+            os.symlink(_link_target(real_parent, "/" + absolute), base, dir_fd=dirfd)
+            tree.forget()
+            return
         os.link(target[-1], base, src_dir_fd=srcfd, dst_dir_fd=dirfd, follow_symlinks=False)
     finally:
         os.close(srcfd)
