@@ -316,6 +316,15 @@ def _bad(images: dict[str, str], tmp_path: Path, case: str) -> str:
         blob.unlink()
         blob.symlink_to("/etc/passwd")
         return f"oci:{layout}"
+    if case == "blobs-is-a-link":
+        real = tmp_path / "elsewhere"
+        shutil.copytree(images["busybox-oci"].split(":")[1], real)
+        layout = tmp_path / "linked-blobs"
+        layout.mkdir()
+        for name in ("oci-layout", "index.json"):
+            shutil.copy(real / name, layout / name)
+        (layout / "blobs").symlink_to(real / "blobs")
+        return f"oci:{layout}"
     if case == "huge-index":
         layout = tmp_path / "huge"
         layout.mkdir()
@@ -361,6 +370,7 @@ def _bad(images: dict[str, str], tmp_path: Path, case: str) -> str:
         ("docker-as-oci", r"this is a docker save archive, not an OCI one: write docker-archive:"),
         ("unknown-tag", r"no image is tagged 'nope' \(tags in it: latest\)"),
         ("blob-is-a-link", r"cannot open blobs/sha256/\w+: .*link"),
+        ("blobs-is-a-link", r"linked-blobs': blobs is a symbolic link; an OCI layout's directories must be"),
         ("huge-index", r"index.json has \d+ bytes, more than the \d+ allowed"),
         ("wrong-size", r"blob sha256:\w+ has \d+ bytes, its descriptor says \d+"),
         ("docker-paths", r"config /etc/passwd is missing from the archive"),

@@ -205,8 +205,17 @@ class _DirSource(_Source):
     def _open(self, parts: list[str]) -> tuple[IO[bytes], int] | None:
         fd = os.dup(self.rootfd)
         try:
-            for comp in parts[:-1]:
-                nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            for n, comp in enumerate(parts[:-1], 1):
+                try:
+                    nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except NotADirectoryError:
+                    # There, but a link (O_NOFOLLOW) or a file: not "missing", which would mislead.
+                    st = os.stat(comp, dir_fd=fd, follow_symlinks=False)
+                    kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+                    raise ImageError(
+                        f"{self.what}: {'/'.join(parts[:n])} is {kind}; an OCI layout's directories must be its own "
+                        "(copy the layout, e.g. cp -rL, or skopeo copy it)"
+                    ) from None
                 os.close(fd)
                 fd = nfd
             ffd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
