@@ -642,3 +642,18 @@ def test_a_deep_image_is_refused_and_a_deep_leftover_does_not_jam_the_store(stor
     _deep(image.rootfs, 2000)
     assert drop_images(store) == [image.digest]
     assert sorted(os.listdir(store)) == ["lock"]
+
+
+@pytest.mark.reliability
+def test_an_archives_extended_headers_are_bounded_in_all(store: Path, tmp_path: Path) -> None:
+    # An archive read in place keeps every member's TarInfo, PAX headers included: 300 members of
+    # 60 KB headers each (each under the bound of one header) is 18 MB kept, refused.
+    with tarfile.open(tmp_path / "pax.tar", "w", format=tarfile.PAX_FORMAT) as tf:
+        for i in range(300):
+            ti = tarfile.TarInfo(f"m{i}")
+            ti.pax_headers = {"comment": "C" * 60_000}
+            tf.addfile(ti)
+    with pytest.raises(
+        ImageError, match=r"pax.tar is not a readable tar archive \(extended headers of more than 16777216"
+    ):
+        ensure_image(f"oci-archive:{tmp_path}/pax.tar", store=store)
