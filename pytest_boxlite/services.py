@@ -73,10 +73,10 @@ with the in-box relay (:mod:`pytest_boxlite.reach`):
 from __future__ import annotations
 
 import contextlib
-import http.client
 import itertools
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -88,6 +88,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_boxlite.errors import BoxliteError, ConfigError, OutputWaitError
+from pytest_boxlite.process import _quote
 
 if TYPE_CHECKING:
     from pytest_boxlite.pool import Lease
@@ -230,19 +231,13 @@ class HttpReady(Ready):
         pause = 0.01
         seen = "no answer yet"
         while True:
-            left = _left(deadline)
-            conn = http.client.HTTPConnection(host, port, timeout=max(0.2, min(left, 5.0)))
             try:
-                conn.request("GET", self.path, headers={"Connection": "close"})
-                # Only the status line and headers are read (http.client bounds both); not the body.
-                got = conn.getresponse().status
+                got = _http_status(host, port, self.path, min(deadline, time.monotonic() + 5.0))
                 if got == self.status:
                     return
                 seen = f"the last answer was {got}"
-            except (OSError, http.client.HTTPException) as exc:
+            except (OSError, ValueError) as exc:
                 seen = f"the last try: {type(exc).__name__}: {str(exc)[:200]}"
-            finally:
-                conn.close()
             target.check_running(f"GET {self.path} on port {self.port} answered {self.status}")
             if time.monotonic() + pause >= deadline:
                 raise _Timeout(f"GET {self.path} on port {self.port} did not answer {self.status} in time ({seen})")
@@ -299,6 +294,37 @@ class _Timeout(OutputWaitError):
 
 class _Exited(OutputWaitError):
     """The process ended while a check polled."""
+
+
+#: The most of an HTTP answer HttpReady reads looking for its status line.
+_STATUS_LINE_MAX = 8 * 1024
+_STATUS_LINE = re.compile(rb"HTTP/\d(?:\.\d)? ([1-5]\d\d)(?:[ \t][^\r\n]*)?\r?\n")
+
+
+def _http_status(host: str, port: int, path: str, deadline: float) -> int:
+    """The status of ``GET path`` on ``host:port``, the whole exchange (connect, request, the
+    status line) bounded by ``deadline``: each socket operation gets only the time left, so a
+    server trickling bytes cannot hold it longer (http.client's timeout bounds each recv
+    alone).  Only the status line is read, at most :data:`_STATUS_LINE_MAX` bytes of it."""
+    with socket.create_connection((host, port), timeout=_left(deadline)) as sock:
+        sock.settimeout(_left(deadline))
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode("ascii"))
+        got = b""
+        while b"\n" not in got:
+            if time.monotonic() >= deadline:
+                raise TimeoutError("no status line in time")
+            if len(got) >= _STATUS_LINE_MAX:
+                raise ValueError(f"no status line in the first {_STATUS_LINE_MAX} bytes")
+            sock.settimeout(_left(deadline))
+            chunk = sock.recv(_STATUS_LINE_MAX - len(got))
+            if not chunk:
+                raise ConnectionError(f"the connection closed before a status line ({len(got)} bytes)")
+            got += chunk
+        match = _STATUS_LINE.match(got)
+        if match is None:
+            first = got.split(b"\n", 1)[0]
+            raise ValueError(f"not an HTTP status line: {_quote(first)}")
+        return int(match.group(1))
 
 
 def _left(deadline: float) -> float:

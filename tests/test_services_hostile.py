@@ -5,6 +5,7 @@ setup output is escaped before it reaches the terminal.  Real namespace boxes th
 
 from __future__ import annotations
 
+import threading
 import time
 import tracemalloc
 import warnings
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import CREATE_TIMEOUT, _Runtimes, new_box_name
 
-from pytest_boxlite import errors
+from pytest_boxlite import errors, services
 from pytest_boxlite.process import MAX_LINE, BoxProcessWarning
 from pytest_boxlite.sandbox import Sandbox
 from pytest_boxlite.spec import BoxSpec
@@ -87,4 +88,48 @@ def test_the_line_history_is_bounded_by_bytes_not_only_by_lines(sb: Sandbox) -> 
     assert grown < 32 << 20, f"the host holds {grown >> 20} MiB for one process with max_output 1 MiB"
     # The waits still see the lines in order, up to the last.
     assert proc.wait_for_output("^LAST$", timeout=10, stream="stdout")
+    proc.kill()
+
+
+TRICKLE_SERVER = r"""
+import socket, threading, time
+s = socket.create_server(("127.0.0.1", 8000))
+print("up", flush=True)
+def trickle(c):
+    try:
+        c.recv(4096)
+        for b in b"HTTP/1.1 200 OK\r\n" + b"X-A: " + b"a" * 10**6:
+            c.send(bytes([b])); time.sleep(0.5)
+    except OSError:
+        pass
+while True:
+    c, _ = s.accept(); threading.Thread(target=trickle, args=(c,), daemon=True).start()
+"""
+
+
+@pytest.mark.reliability
+def test_http_ready_keeps_its_deadline_against_a_server_that_trickles_bytes(sb: Sandbox) -> None:
+    # One byte every 0.5 s: http.client's timeout bounds each recv, so the check never ended
+    # before the fix (stuck after 90 s with a 3 s deadline).  Run in a thread so a regression
+    # fails here rather than hanging the test.
+    proc = sb.spawn([sb.handle.guest_python, "-c", TRICKLE_SERVER])
+    proc.wait_for_output("^up$", timeout=30)
+    target = services._Starting(spec=None, sandbox=sb, process=proc, addresses={8000: sb.publish(8000)})  # type: ignore[arg-type]
+    outcome: list[BaseException | None] = []
+
+    def check() -> None:
+        try:
+            services.HttpReady(8000).wait(target, time.monotonic() + 3)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(exc)
+
+    t = time.monotonic()
+    thread = threading.Thread(target=check, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert outcome, f"HttpReady.wait with a 3 s deadline still ran after {time.monotonic() - t:.0f} s"
+    # Not ready (the status line never completed): the check's timeout, as for a silent server.
+    assert isinstance(outcome[0], errors.OutputWaitError), outcome[0]
+    assert "did not answer 200 in time" in str(outcome[0])
     proc.kill()
