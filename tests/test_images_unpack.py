@@ -453,3 +453,30 @@ def test_hard_links_to_symlinks_are_symlinks_that_still_resolve_inside_the_tree(
             p = os.path.join(dirpath, n)
             if os.path.islink(p):
                 assert os.path.commonpath([os.path.realpath(p), real_root]) == real_root, p
+
+
+_FEW_FDS = """
+import resource, sys
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from pytest_boxlite.images.unpack import Limits, apply_layer
+root = Path(sys.argv[1]); root.mkdir()
+apply_layer(root, Path(sys.argv[2]), diff_id=None, limits=Limits(), what="test image")
+print(len(list(root.iterdir())))
+"""
+
+
+def test_an_image_with_more_directories_than_fds_unpacks(tmp_path: Path) -> None:
+    # The unpacker keeps directory fds for the next members: never more than a process may hold
+    # (1024 is a common soft limit; a Debian image has more directories than that).
+    blob = tmp_path / "layer"
+    blob.write_bytes(tar_of(*[(f"d{i}/f", "file", b"x", None) for i in range(1000)]))
+    out = subprocess.run(
+        [sys.executable, "-c", _FEW_FDS, str(tmp_path / "root"), str(blob)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.split()[-1] == "1000"

@@ -52,6 +52,8 @@ _MAX_NAME = 4096
 _MAX_DEPTH = 256
 _MAX_REAL_PATH = 3500
 _MAX_LINK_HOPS = 40
+#: Directory fds kept for the next members (most land in the directory of the one before).
+_MAX_CACHED_DIRS = 128
 _WH = ".wh."
 _OPAQUE = ".wh..wh..opq"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -253,6 +255,8 @@ class _Tree:
         finally:
             for f in fds:
                 os.close(f)
+        if len(self._cache) >= _MAX_CACHED_DIRS:
+            self.forget()  # one fd each: an image has more directories than a process may hold fds
         self._cache[key] = (fd, tuple(real))
         return os.dup(fd), tuple(real)
 
