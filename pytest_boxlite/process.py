@@ -37,7 +37,7 @@ from typing import Any
 from pytest_boxlite.errors import BoxDeadError, OutputTimeoutError, ProcessExitedError
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, RawProcess
 
-__all__ = ["MAX_LINE", "BoxProcess", "BoxProcessWarning", "OutputStream"]
+__all__ = ["MAX_LINE", "BoxProcess", "BoxProcessWarning", "OutputStream", "quote_output"]
 
 #: Longest line :meth:`BoxProcess.wait_for_output` matches: a longer line is matched on its
 #: first ``MAX_LINE`` bytes (the rest of it is not kept for the waits).  Small because Python's
@@ -67,6 +67,15 @@ def _quote(line: bytes) -> str:
     text = line[: _QUOTE * 4].decode("utf-8", "backslashreplace")
     text = "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in text)
     return text if len(text) <= _QUOTE else text[:_QUOTE] + "..."
+
+
+def quote_output(output: str | bytes, count: int = _QUOTED_LINES) -> list[str]:
+    """The last ``count`` lines of a box's ``output`` (a command's stdout/stderr), each escaped
+    and cut as :meth:`BoxProcess.last_lines` does, for an error, a warning or a report."""
+    data = output.encode("utf-8", "surrogateescape") if isinstance(output, str) else output
+    # Split from the right, ``count`` times: the output may be as large as its max_output.
+    lines = data.strip().rsplit(b"\n", count)[-count:] if data.strip() else []
+    return [_quote(line.rstrip(b"\r")) for line in lines]
 
 
 class OutputStream(io.RawIOBase):

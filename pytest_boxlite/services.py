@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_boxlite.errors import BoxliteError, ConfigError, OutputWaitError
-from pytest_boxlite.process import _quote
+from pytest_boxlite.process import _quote, quote_output
 
 if TYPE_CHECKING:
     from pytest_boxlite.pool import Lease
@@ -279,7 +279,7 @@ class CommandReady(Ready):
             if res.ok:
                 return
             last = f"the last try exited {res.exit_code}" + (
-                f": {res.stderr.strip().splitlines()[-1][:200]!r}" if res.stderr.strip() else ""
+                f": {quote_output(res.stderr, 1)[0]}" if res.stderr.strip() else ""
             )
             target.check_running(f"{self.describe()} succeeded")
             if time.monotonic() + pause >= deadline:
@@ -741,7 +741,9 @@ class ServiceManager:
                     why = f"{spec.label()}: setup {step!r} in box {sb.name}: {exc}"
                     raise ServiceStartError(spec.name, why) from exc
                 if not res.ok:
-                    out = (res.stdout + res.stderr).strip().splitlines()[-20:]
+                    # Guest bytes: escaped and cut, as a process's last lines are.
+                    out = quote_output(res.stdout) + quote_output(res.stderr)
+                    out = out[-20:]
                     why = "timed out" if res.timed_out else f"exited {res.exit_code}"
                     raise ServiceStartError(spec.name, f"{spec.label()}: setup {step!r} {why} in box {sb.name}", out)
             argv = spec.argv or _image_command(spec, session.home, _left(deadline))

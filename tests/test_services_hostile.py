@@ -10,9 +10,11 @@ import time
 import tracemalloc
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import CREATE_TIMEOUT, _Runtimes, new_box_name
+from subruns import SubRun
 
 from pytest_boxlite import errors, services
 from pytest_boxlite.process import MAX_LINE, BoxProcessWarning
@@ -133,3 +135,33 @@ def test_http_ready_keeps_its_deadline_against_a_server_that_trickles_bytes(sb: 
     assert isinstance(outcome[0], errors.OutputWaitError), outcome[0]
     assert "did not answer 200 in time" in str(outcome[0])
     proc.kill()
+
+
+SETUP_CONFTEST = r"""
+import sys
+from pytest_boxlite import service, CommandReady
+# A hostile program in the box (its /bin/sh, apt, ...) writes terminal control sequences.
+bad_setup = service(
+    "bad_setup", [sys.executable, "-c", "pass"],
+    setup="printf 'ok\\033]2;PWNED-TITLE\\007\\033[2J\\033[31mRED\\n'; exit 1", timeout=20,
+)
+bad_check = service(
+    "bad_check", ["/bin/sh", "-c", "exec sleep 60"], timeout=3,
+    ready=CommandReady("printf 'no\\033]2;PWNED-CHECK\\007\\033[2J\\n' >&2; exit 1"),
+)
+"""
+
+
+@pytest.mark.escapes
+def test_service_setup_and_check_output_reaches_the_terminal_escaped(tmp_path: Path, home: Path) -> None:
+    (tmp_path / "conftest.py").write_text(SETUP_CONFTEST)
+    (tmp_path / "test_c.py").write_text(
+        "def test_setup(bad_setup):\n    pass\n\ndef test_check(bad_check):\n    pass\n"
+    )
+    run = SubRun(tmp_path, home, "c", "-p", "no:randomly", "-p", "no:cacheprovider")
+    run.wait(120)
+    out = run.log_path.read_bytes()
+    assert b"PWNED-TITLE" in out and b"PWNED-CHECK" in out, out.decode(errors="replace")[-3000:]
+    # The control bytes are escaped (shown as \x1b, \x07), never written raw.
+    assert b"\x1b" not in out and b"\x07" not in out, out.decode(errors="replace")[-3000:]
+    assert b"ok\\x1b]2;PWNED-TITLE\\x07" in out
