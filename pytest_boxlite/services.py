@@ -219,6 +219,8 @@ class HttpReady(Ready):
         _check_port(self.port, "HttpReady")
         if not isinstance(self.path, str) or not self.path.startswith("/") or any(c in self.path for c in "\r\n "):
             raise ConfigError(f"HttpReady: path must start with '/' and hold no spaces or newlines, got {self.path!r}")
+        if not self.path.isascii():
+            raise ConfigError(f"HttpReady: path must be ASCII (percent-encode the rest), got {self.path!r}")
         if isinstance(self.status, bool) or not isinstance(self.status, int) or not 100 <= self.status <= 599:
             raise ConfigError(f"HttpReady: status must be an HTTP status code, got {self.status!r}")
         self._check_timeout()

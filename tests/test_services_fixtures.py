@@ -391,6 +391,7 @@ def test_a_run_without_services_does_not_import_them(tmp_path: Path, home: Path)
         (lambda: OutputReady("(", stream="stdout"), "bad pattern"),
         (lambda: OutputReady("x", stream="both"), "stream must be"),
         (lambda: HttpReady(80, path="health"), "path must start with '/'"),
+        (lambda: HttpReady(80, path="/sant\u00e9"), "path must be ASCII"),
         (lambda: HttpReady(80, status=42), "HTTP status code"),
         (lambda: CommandReady([]), "non-empty list"),
         (lambda: PortReady(80, timeout=-1), "timeout must be a positive"),
