@@ -85,15 +85,7 @@ class Relay:
                 if self._closed:
                     return
                 self._open.add(inner)
-            for sock in (client, inner):
-                # Blocking: a socket with a timeout (the runtime's connect) would time the copy out.
-                sock.setblocking(True)
-                with contextlib.suppress(OSError):  # a runtime's box end may be a Unix socket (vm)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            back = threading.Thread(target=_copy, args=(inner, client), daemon=True)
-            back.start()
-            _copy(client, inner)
-            back.join()
+            _splice(client, inner)
         finally:
             with self._lock:
                 for end in (client, inner):
@@ -116,6 +108,20 @@ class Relay:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         self._thread.join(5.0)
+
+
+def _splice(a: socket.socket, b: socket.socket) -> None:
+    """Copy both ways between two connected sockets (one thread per direction, this one's
+    included) until both directions have ended."""
+    for sock in (a, b):
+        # Blocking: a socket with a timeout (a runtime's connect) would time the copy out.
+        sock.setblocking(True)
+        with contextlib.suppress(OSError):  # a runtime's box end may be a Unix socket (vm)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    back = threading.Thread(target=_copy, args=(b, a), daemon=True)
+    back.start()
+    _copy(a, b)
+    back.join()
 
 
 def _copy(src: socket.socket, dst: socket.socket) -> None:

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_boxlite.errors import BoxliteError, ConfigError
-from pytest_boxlite.publish import _copy
+from pytest_boxlite.publish import _splice
 
 __all__ = [
     "MAX_CONNECTIONS",
@@ -304,13 +304,7 @@ class Offer:
                     return
                 self._open.add(out)
                 self.relayed += 1
-            out.setblocking(True)
-            for sock in (conn, out):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            back = threading.Thread(target=_copy, args=(out, conn), daemon=True)
-            back.start()
-            _copy(conn, out)
-            back.join()
+            _splice(conn, out)
         finally:
             with self._lock:
                 self._active -= 1

@@ -105,7 +105,7 @@ class ForkLog:
             self.write_end = -1
 
     def take(self) -> bool:
-        """Read what the pipe holds into the tail (the drainer's thread); False at its end."""
+        """Read one chunk of the pipe and :meth:`keep` it (the drainer's thread); False at its end."""
         try:
             chunk = os.read(self.read_end, 1 << 16)
         except (BlockingIOError, InterruptedError):
@@ -114,12 +114,16 @@ class ForkLog:
             return False
         if not chunk:
             return False
+        self.keep(chunk)
+        return True
+
+    def keep(self, chunk: bytes) -> None:
+        """What a chunk of the pipe becomes: here, the bounded tail."""
         with self._lock:
             self.total += len(chunk)
             self._buf += chunk
             if len(self._buf) > self.kept:
                 del self._buf[: len(self._buf) - self.kept]
-        return True
 
     def close(self) -> None:
         """The pipe ended (the drainer's thread): its read end is closed."""

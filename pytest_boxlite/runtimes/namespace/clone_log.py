@@ -43,16 +43,8 @@ class CappedBoxLog(ForkLog):
             os.close(self._fd)
             raise
 
-    def take(self) -> bool:
-        """One chunk of the pipe into the file, within the cap (the drainer's thread); False at its end."""
-        try:
-            chunk = os.read(self.read_end, 1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return True
-        except OSError:
-            return False
-        if not chunk:
-            return False
+    def keep(self, chunk: bytes) -> None:
+        """A chunk of the pipe into the file, within the cap (the drainer's thread)."""
         room = self.cap - self.written
         if room > 0:
             self._write(chunk[:room])
@@ -63,7 +55,6 @@ class CappedBoxLog(ForkLog):
                 self._write(_CAP_NOTE % self.cap)
             self.dropped += len(chunk)
             self._late = (self._late + chunk)[-TAIL_KEPT:]
-        return True
 
     def close(self) -> None:
         """The pipe ended: what came last after the cap, then the file is closed."""
