@@ -136,6 +136,7 @@ def _destroy(box: BoxHandle | None) -> None:
     try:
         box.destroy()
     except Exception as exc:  # noqa: BLE001 - said; the box's watchdog and the next reconcile get the rest
+        _failed.append(box.name)
         print(f"pytest-boxlite: could not destroy box {box.name}: {exc}", file=sys.stderr)
     finally:
         _destroying.pop()
@@ -166,6 +167,8 @@ _ended_by: list[int] = []
 #: The boxes being destroyed now (see _destroy), and a signal that came meanwhile.
 _destroying: list[str] = []
 _deferred: list[int] = []
+#: The boxes whose destroy failed: their server keeps its log, which says why.
+_failed: list[str] = []
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -247,10 +250,11 @@ def _serve(boxes: _Boxes, fd: int, directory: str | None, parent: int) -> int:
         _exiting()
         _destroy(box)
         listener.close()
-        if directory and _ended_by:
+        if directory and _ended_by and not _failed:
             # Told to end: by the controller's stop (which removes the directory too), or by the
             # controller's death (PR_SET_PDEATHSIG; then nobody else removes its sockets and logs).
-            # Not on a crash: the log, with the traceback, is what the worker's client quotes.
+            # Not on a crash, nor after a destroy that failed: the log, with the traceback or the
+            # reason, is what the worker's client quotes and what is left to look at.
             # (Whether the parent died cannot be told from getppid(): while the dying controller
             # has threads left, this process is first handed to one of them, same pid.)
             shutil.rmtree(directory, ignore_errors=True)

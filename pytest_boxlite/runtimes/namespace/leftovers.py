@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes.namespace.layout import _read_info, ctl_dir, keep_marker
+from pytest_boxlite.runtimes.namespace.provision import remove_tree
 
 
 def _proc_start_time(pid: int) -> str | None:
@@ -51,11 +52,30 @@ def kill_box_processes(info: dict[str, Any]) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+#: Pauses between tries at removing a box's directories (see remove_box_dirs).
+_REMOVE_RETRIES = (0.1, 0.3, 1.0)
+
+
 def remove_box_dirs(box_dir: Path) -> None:
-    """Remove a box's directories and keep mark (its processes must be dead)."""
-    shutil.rmtree(box_dir, ignore_errors=True)
-    shutil.rmtree(ctl_dir(box_dir), ignore_errors=True)
-    keep_marker(box_dir).unlink(missing_ok=True)
+    """Remove a box's directories and keep mark (its processes must be dead); raises ``OSError``,
+    naming the directory, if they cannot be removed.
+
+    Every mode a box left is undone first (:func:`~.provision.remove_tree`: overlayfs leaves its
+    work directories at mode 000, which an ordinary user's ``rmtree`` cannot list).  A box whose
+    first process was killed may still have processes on their way out under a loaded host, so a
+    failed try is repeated a few times before the error is raised: a directory left behind here is
+    a leaked box in the ledger (it used to be ``rmtree(ignore_errors=True)``, which hid it).
+    """
+    for pause in (*_REMOVE_RETRIES, None):
+        try:
+            remove_tree(box_dir)
+            remove_tree(ctl_dir(box_dir))
+            keep_marker(box_dir).unlink(missing_ok=True)
+            return
+        except OSError as exc:
+            if pause is None:
+                raise OSError(f"could not remove the directories of box {box_dir.name} ({box_dir}): {exc}") from exc
+            time.sleep(pause)
 
 
 def box_dirs(state_dir: Path) -> Iterator[Path]:

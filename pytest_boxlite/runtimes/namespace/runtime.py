@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -272,7 +273,10 @@ class NamespaceRuntime(RuntimeDefaults):
             box = start(spec, name, box_dir, cg, timeout, identity, limits, self._base_env(spec, name))
         except BaseException:
             cg.remove()
-            remove_box_dirs(box_dir)
+            # The start's own error is the one to raise; what could not be removed is a leftover
+            # that the ledger lists and the next reconcile removes.
+            with contextlib.suppress(OSError):
+                remove_box_dirs(box_dir)
             raise
         workdir = _image.image_workdir(spec.root, spec.template) if spec.root is not None else None
         if workdir is not None:
