@@ -20,7 +20,6 @@ import dataclasses
 import gc
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +34,7 @@ from typing import Any
 
 import pytest
 
+from pytest_boxlite._tidy import remove_own_dir
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.settings import Settings
 
@@ -200,7 +200,7 @@ class WorkerBoxServers:
             except subprocess.TimeoutExpired:
                 proc.kill()  # its box's watchdog and the controller's reap_workers get the rest
                 proc.wait(5.0)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        remove_own_dir(self.dir, "the box servers' directory")
 
 
 def _may_fork() -> bool:

@@ -22,7 +22,6 @@ import contextlib
 import os
 import secrets
 import select
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -32,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import IO
 
 from pytest_boxlite import guest
+from pytest_boxlite._tidy import remove_own_dir
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.guest.relay import CLOSE, DATA, HEADER, KINDS, MAX_CONNS, MAX_PAYLOAD, OPEN, READY
 
@@ -89,7 +89,7 @@ class ForkRelay:
         except BaseException:
             self.listener.relay = None
             self.listener.close()
-            shutil.rmtree(self._host_dir, ignore_errors=True)
+            remove_own_dir(self._host_dir, "the fork relay's directory")
             raise
         self._spawn(self._drain_stderr, "stderr")
         started = threading.Event()
@@ -274,7 +274,7 @@ class ForkRelay:
             for f in (proc.stdout, proc.stderr):
                 if f is not None:
                     f.close()
-        shutil.rmtree(self._host_dir, ignore_errors=True)
+        remove_own_dir(self._host_dir, "the fork relay's directory")
 
 
 class _RelayListener(socket.socket):

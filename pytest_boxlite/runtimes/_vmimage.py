@@ -25,9 +25,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
+
+from pytest_boxlite._tidy import remove_own_dir
 
 __all__ = ["LocalLayout", "is_local", "local_layout"]
 
@@ -84,5 +85,5 @@ def local_layout(ref: str, store: Path, *, timeout: float = 600.0) -> LocalLayou
                     raise
                 # Another session or worker made the same layout first: theirs is the same.
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_own_dir(tmp, "a staging directory of the image store")
     return LocalLayout(ref, str(final), image.digest)

@@ -1,0 +1,31 @@
+"""Removing directories the host made for its own use (sockets, logs, staging), saying so when it cannot.
+
+These hold nothing a later run needs, so a failure to remove one does not fail the run; but it is
+never hidden either: a directory left behind is named, with the reason, as a ``RuntimeWarning``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+
+def remove_own_dir(path: str | Path, what: str) -> bool:
+    """Remove ``path`` (a directory this process made); warn naming ``what`` if it cannot.
+
+    Returns whether the directory is gone.  Links inside are removed, never followed
+    (``shutil.rmtree``'s own rule).
+    """
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        warnings.warn(
+            f"pytest-boxlite: could not remove {what} {path}: {exc}; nothing depends on it, remove it by hand",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
