@@ -119,6 +119,7 @@ def _default_homes_of_others() -> list[str]:
     return found
 
 
+@pytest.mark.escape_row("other-homes")
 def test_a_boxed_test_cannot_read_a_kept_box_of_another_home(var_tmp: Path, tmp_path: Path) -> None:
     other = var_tmp / "other-home"
     logs = _keep_a_box(var_tmp / "other-project", other)
@@ -131,6 +132,7 @@ def test_a_boxed_test_cannot_read_a_kept_box_of_another_home(var_tmp: Path, tmp_
     assert all(p.exists() for p in logs), "the host's files are untouched"
 
 
+@pytest.mark.escape_row("other-homes")
 def test_a_home_above_the_project_hides_its_boxes_but_not_the_project(var_tmp: Path, tmp_path: Path) -> None:
     """A home that holds the project (``--boxlite-home`` at the project's root) cannot be hidden
     whole: its state entries are hidden one by one, and the project stays visible."""
@@ -161,6 +163,7 @@ def test_a_home_above_the_project_hides_its_boxes_but_not_the_project(var_tmp: P
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+@pytest.mark.escape_row("other-homes")
 def test_a_home_in_a_project_under_tmp_is_hidden(tmp_path: Path) -> None:
     """A project under the host's /tmp is mirrored in its boxes, and a home inside it with it: run
     from a subdirectory, so the project's root (not the working directory) is what is mirrored."""
@@ -180,6 +183,7 @@ def test_a_home_in_a_project_under_tmp_is_hidden(tmp_path: Path) -> None:
         _cleanup(other)
 
 
+@pytest.mark.escape_row("other-homes")
 def test_a_direct_box_cannot_read_another_home(var_tmp: Path, make_namespace_box: BoxFactory) -> None:
     """A sandbox box made after another session registered its home hides it: booted, and forked
     from a zygote booted before that home existed (its plan changed, so a new zygote is booted)."""
@@ -201,6 +205,7 @@ def test_a_direct_box_cannot_read_another_home(var_tmp: Path, make_namespace_box
         lock.release()
 
 
+@pytest.mark.escape_row("other-homes", runtime="host")
 def test_the_session_registers_its_home(tmp_path: Path) -> None:
     home = tmp_path / "registered"
     lock = ledger.OwnerLock(home, "cafe0001")
@@ -235,6 +240,7 @@ def _runuser_reason() -> str | None:
     return reason
 
 
+@pytest.mark.escape_row("other-homes", users="root", runtime="host")
 def test_another_users_registry_names_only_what_that_user_owns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unit layer (the user database is replaced by one user whose home is under tmp_path): a
     registry of another user cannot make this user's boxes hide a directory it does not own."""
@@ -269,6 +275,7 @@ def test_another_users_registry_names_only_what_that_user_owns(tmp_path: Path, m
     assert "/usr" not in _homes.boxlite_homes()
 
 
+@pytest.mark.escape_row("other-homes", runtime="host")
 def test_a_home_is_hidden_whole_unless_a_box_must_see_below_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unit layer (the homes found are replaced): what the mask plan hides for each kind of home."""
     below = "/var/tmp/pbx-unit/elsewhere/home"  # only named, never made
@@ -292,6 +299,7 @@ def test_a_home_is_hidden_whole_unless_a_box_must_see_below_it(tmp_path: Path, m
     assert not any(p.startswith(out_of_reach) for p in plan)
 
 
+@pytest.mark.escape_row("other-homes", users="user")
 def test_an_ordinary_users_box_hides_its_other_homes(tmp_path: Path) -> None:
     """As an ordinary user: a kept box in one of the user's homes is hidden from a boxed test of
     a session in another of the user's homes (the whole file also runs as that user in CI)."""

@@ -36,6 +36,7 @@ def clone(runtimes: object) -> Iterator[Sandbox]:
         handle.destroy()
 
 
+@pytest.mark.escape_row("inherited-descriptors", users="root")
 def test_a_clones_stderr_is_a_capped_pipe_not_the_host_file(clone: Sandbox) -> None:
     if os.geteuid() != 0:
         pytest.skip("the clone's agent is not dumpable: only root reads its descriptors through /proc")
@@ -61,6 +62,7 @@ def test_a_clones_stderr_is_a_capped_pipe_not_the_host_file(clone: Sandbox) -> N
     assert size - before <= LOG_CAP + 200, size
 
 
+@pytest.mark.escape_row("inherited-descriptors", runtime="host")
 def test_what_comes_last_after_the_cap_is_kept(tmp_path: Path) -> None:
     """The unit layer (a real pipe and the host's real drainer thread, no box): past the cap only
     the last bytes are written, once the pipe ends."""

@@ -35,6 +35,7 @@ def host_env(monkeypatch: pytest.MonkeyPatch, home: object) -> None:
     monkeypatch.setenv("PBX_DB_PASSWORD", "hunter2")
 
 
+@pytest.mark.escape_row("host-environment")
 def test_default_hides_credential_names_and_keeps_the_rest(pytester: pytest.Pytester) -> None:
     seen = _seen(pytester)
     assert seen["FAKE_SECRET_TOKEN"] == "<absent>"
@@ -48,6 +49,7 @@ def test_none_gives_the_whole_host_environment(pytester: pytest.Pytester) -> Non
     assert seen["PBX_DB_PASSWORD"] == "hunter2"
 
 
+@pytest.mark.escape_row("host-environment")
 def test_own_patterns_from_ini_and_environment(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     pytester.makeini("[pytest]\nboxlite_env_deny = pbx_plain_*\n")
     seen = _seen(pytester)

@@ -344,6 +344,18 @@ def run_attacks(sb: Sandbox, secrets: Secrets) -> list[dict[str, object]]:
     return parse(r.stdout + "\n" + r.stderr)
 
 
+@pytest.mark.escape_row(
+    "home-secrets",
+    "umount",
+    "userns",
+    "remount",
+    "sysctl-hostname-clock",
+    "leave-cgroup",
+    "control-dir",
+    "agent-watchdog",
+    "host-environment",
+    "seccomp",
+)
 def test_direct_box_as_root_cannot_undo_its_box(make_namespace_box: BoxFactory, secrets: Secrets) -> None:
     before = secrets.snapshot()
     sb = make_namespace_box()
@@ -361,6 +373,7 @@ def test_direct_box_as_root_cannot_undo_its_box(make_namespace_box: BoxFactory, 
     assert sorted(p.name for p in handle.box_dir.iterdir()) == []
 
 
+@pytest.mark.escape_row("host-environment")
 def test_commands_see_no_host_environment(make_namespace_box: BoxFactory, secrets: Secrets) -> None:
     sb = make_namespace_box()
     env = sb.execute_command("env; cat /proc/1/environ /proc/self/environ", timeout=20).stdout
@@ -371,6 +384,7 @@ def test_commands_see_no_host_environment(make_namespace_box: BoxFactory, secret
     assert passed == "given\n"
 
 
+@pytest.mark.escape_row("download-links")
 def test_download_refuses_links_leaving_the_destination(ns_sandbox: Sandbox, tmp_path: Path) -> None:
     sb = ns_sandbox
     outside = tmp_path / "outside"
@@ -392,6 +406,7 @@ def test_download_refuses_links_leaving_the_destination(ns_sandbox: Sandbox, tmp
     assert (dest / "inside").read_text() == "data\n"
 
 
+@pytest.mark.escape_row("agent-watchdog")
 def test_box_dies_with_its_host_process_whatever_the_guest_does(tmp_path: Path, secrets: Secrets) -> None:
     """A guest that tries to hold the watchdog (writing ``k`` into every descriptor it can open) dies
     with its host process all the same, and cleanup finds it from host-side facts."""
@@ -440,6 +455,7 @@ def test_box_dies_with_its_host_process_whatever_the_guest_does(tmp_path: Path, 
     assert not (home / "namespace" / name).exists()
 
 
+@pytest.mark.escape_row("control-dir")
 def test_forged_info_cannot_redirect_cleanup(namespace_runtime: Runtime, tmp_path: Path) -> None:
     """The host's record lives where no guest reaches; a box's own view holds nothing to forge."""
     handle = namespace_runtime.create_box(BoxSpec(), new_box_name(), timeout=30)
@@ -499,6 +515,19 @@ def test_b_sees_a_pristine_box():
 """
 
 
+@pytest.mark.escape_row(
+    "home-secrets",
+    "umount",
+    "userns",
+    "remount",
+    "sysctl-hostname-clock",
+    "leave-cgroup",
+    "control-dir",
+    "agent-watchdog",
+    "host-environment",
+    "seccomp",
+    "sibling-boxes",
+)
 def test_boxed_test_as_host_user_cannot_undo_its_box(
     pytester: pytest.Pytester, secrets: Secrets, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -565,6 +594,7 @@ def test_installer_style_work_as_root_in_the_box(make_namespace_box: BoxFactory)
     assert sb.run(["id", "-u"], user="1001", timeout=20).stdout.strip() == "1001"
 
 
+@pytest.mark.escape_row("lingering-box")
 def test_no_pid_of_a_box_survives_destroy(make_namespace_box: BoxFactory) -> None:
     sb = make_namespace_box()
     sb.execute_command("(setsid sh -c 'sleep 300' > /dev/null 2>&1 &); true", timeout=20)

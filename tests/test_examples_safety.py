@@ -89,6 +89,7 @@ def _shielded_env(plugins: Path, record: Path, home: Path, **extra: str) -> dict
         ),
     ],
 )
+@pytest.mark.escape_row("examples-unboxed", runtime="host")
 def test_examples_refuse_without_the_plugin(
     shield: tuple[Path, Path], tmp_path: Path, how: str, args: list[str], extra_env: dict[str, str], why: str
 ) -> None:
@@ -100,6 +101,7 @@ def test_examples_refuse_without_the_plugin(
     _assert_refused(proc, record, why)
 
 
+@pytest.mark.escape_row("examples-unboxed", runtime="host")
 def test_examples_refuse_where_the_plugin_is_not_installed(shield: tuple[Path, Path], tmp_path: Path) -> None:
     """A Python that has pytest but not pytest-boxlite: ``python -S`` (no site-packages, so no
     installed distribution and no entry point) with only pytest and its dependencies on the path."""
@@ -126,6 +128,7 @@ def test_examples_refuse_where_the_plugin_is_not_installed(shield: tuple[Path, P
     _assert_refused(proc, record, "pytest-boxlite is not installed for this Python")
 
 
+@pytest.mark.escape_row("examples-unboxed", runtime="host")
 def test_an_unmarked_example_is_refused_before_anything_runs(shield: tuple[Path, Path], tmp_path: Path) -> None:
     """With the plugin on, a test in examples/ without the boxlite marker would run on the host."""
     plugins, record = shield

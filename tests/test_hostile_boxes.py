@@ -238,6 +238,7 @@ def _check_flood_run(output: str, junit: Path, watch: _LogWatch) -> None:
     assert 0 < watch.largest <= LOG_BOUND, watch.largest
 
 
+@pytest.mark.escape_row("lingering-box", users="root")
 def test_a_lingering_test_does_not_starve_the_next(tmp_path: Path, home: Path, subruns: list[SubRun]) -> None:
     """4,000 threads or 100 MiB left running in a box that never ends: the next tests pass."""
     if os.geteuid() != 0:
@@ -250,6 +251,7 @@ def test_a_lingering_test_does_not_starve_the_next(tmp_path: Path, home: Path, s
     assert "leaked 0" in run.output, run.output[-2000:]
 
 
+@pytest.mark.escape_row("inherited-descriptors", "box-log")
 def test_output_and_descriptors_stay_in_their_own_box(
     tmp_path: Path, home: Path, subruns: list[SubRun], log_watch: _LogWatch
 ) -> None:
@@ -283,6 +285,7 @@ def _as_user() -> tuple[str, Workdir]:
     return python, Workdir()
 
 
+@pytest.mark.escape_row("lingering-box", users="user")
 def test_a_lingering_test_does_not_starve_the_next_as_an_ordinary_user() -> None:
     """No cgroups for ``boxuser``: a box whose test is done is ended before the next test runs, so
     the threads it left do not count against the next test's process limit (``RLIMIT_NPROC``)."""
@@ -298,6 +301,7 @@ def test_a_lingering_test_does_not_starve_the_next_as_an_ordinary_user() -> None
         shutil.rmtree(work.root, ignore_errors=True)
 
 
+@pytest.mark.escape_row("inherited-descriptors", "box-log", users="user")
 def test_output_and_descriptors_stay_in_their_own_box_as_an_ordinary_user() -> None:
     """The same as ``boxuser``: no cgroups, but the box's stderr is its own and the log capped."""
     import shutil

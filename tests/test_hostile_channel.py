@@ -531,10 +531,12 @@ def fork_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 @pytest.mark.parametrize("name", list(FORK_EXPECT))
+@pytest.mark.escape_row("malformed-reports", "channel-frames", "channel-paths")
 def test_fork_attack_fails_that_test_only(fork_run: Run, name: str) -> None:
     fork_run.contained(name, FORK_EXPECT[name])
 
 
+@pytest.mark.escape_row("channel-frames", "channel-paths")
 def test_fork_attacks_leave_the_host_bounded_and_clean(fork_run: Run) -> None:
     fork_run.session_went_on()
     assert fork_run.leftovers == []
@@ -552,6 +554,7 @@ def test_fork_attacks_leave_the_host_bounded_and_clean(fork_run: Run) -> None:
     assert "test_ghost" not in fork_run.cases
 
 
+@pytest.mark.escape_row("malformed-reports")
 def test_fork_done_before_any_report_fails_the_test(fork_run: Run) -> None:
     fork_run.contained("done_early", "DONE")
 
@@ -582,27 +585,33 @@ def module_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 @pytest.mark.parametrize("name", list(MODULE_EXPECT))
+@pytest.mark.escape_row("malformed-reports", "channel-frames")
 def test_module_scope_attack_fails_that_test_only(module_run: Run, name: str) -> None:
     module_run.contained(name, MODULE_EXPECT[name])
 
 
+@pytest.mark.escape_row("malformed-reports")
 def test_module_scope_session_goes_on(module_run: Run) -> None:
     module_run.session_went_on()
     assert module_run.leftovers == []
 
 
+@pytest.mark.escape_row("channel-frames")
 def test_module_scope_host_memory_stays_bounded(module_run: Run) -> None:
     assert 0 < module_run.host_rss_kib < HOST_RSS_BOUND_KIB, f"host peak RSS {module_run.host_rss_kib} KiB"
 
 
+@pytest.mark.escape_row("malformed-reports")
 def test_module_scope_messages_after_done_do_not_reach_the_next_test(module_run: Run) -> None:
     module_run.contained("after_done", None)
 
 
+@pytest.mark.escape_row("malformed-reports")
 def test_module_scope_done_before_any_report_fails_the_test(module_run: Run) -> None:
     module_run.contained("done_early", "DONE")
 
 
+@pytest.mark.escape_row("malformed-reports")
 def test_module_scope_exit_with_a_non_int_code_fails_that_test(module_run: Run) -> None:
     module_run.contained("exit_not_int", "returncode")
 
@@ -632,12 +641,14 @@ def test_pytest_exit_in_a_boxed_test_ends_the_session_with_its_code(tmp_path: Pa
         ),
     ],
 )
+@pytest.mark.escape_row("malformed-reports")
 def test_deeply_nested_message_fails_that_test_only(tmp_path: Path, scope: str, says: str) -> None:
     run = run_attacks(tmp_path / "deep", ["json_deep"], f"--boxlite-scope={scope}")
     run.session_went_on()
     run.contained("json_deep", says)
 
 
+@pytest.mark.escape_row("malformed-reports")
 def test_fork_cannot_speak_for_the_warm_interpreter(tmp_path: Path) -> None:
     run = run_attacks(tmp_path / "warm", ["warm_channel_from_fork"])
     assert "INTERNALERROR" not in run.output, run.tail()
@@ -645,6 +656,7 @@ def test_fork_cannot_speak_for_the_warm_interpreter(tmp_path: Path) -> None:
     assert run.case("test_warm_channel_from_fork_next").outcome == "passed", run.tail()
 
 
+@pytest.mark.escape_row("malformed-reports")
 def test_forged_fork_answer_fails_no_more_than_a_test(tmp_path: Path) -> None:
     # Boxes are forked one test ahead: the forged answer is read as the answer of a FORK sent two
     # tests later, so tests follow it.
@@ -661,6 +673,7 @@ def test_forged_fork_answer_fails_no_more_than_a_test(tmp_path: Path) -> None:
     "trusts its workers: a report for a node id never sent is logged as PASSED, an unknown event is "
     "an INTERNALERROR (xdist replaces the worker, then KeyError in its bookkeeping)"
 )
+@pytest.mark.escape_row("malformed-reports")
 def test_worker_scope_xdist_channel_is_checked(tmp_path: Path) -> None:
     pytest.importorskip("xdist")
     # The known failure hangs the session (xdist's INTERNALERROR, then a replaced worker) until
@@ -679,6 +692,7 @@ def test_worker_scope_xdist_channel_is_checked(tmp_path: Path) -> None:
     run.contained("xdist_unknown_event", "bogus-event")
 
 
+@pytest.mark.escape_row("lingering-box")
 def test_fork_is_gone_once_its_test_is_over(tmp_path: Path) -> None:
     run = run_attacks(
         tmp_path / "linger",
@@ -693,6 +707,7 @@ def test_fork_is_gone_once_its_test_is_over(tmp_path: Path) -> None:
     assert run.case("test_no_lingering_box_process").outcome == "passed", run.tail()
 
 
+@pytest.mark.escape_row("channel-paths")
 def test_fork_cache_conflict_under_w_error_fails_that_test_only(tmp_path: Path) -> None:
     run = run_attacks(tmp_path / "conflict", ["cache_key_file_and_dir"], "-W", "error::pytest.PytestCacheWarning")
     assert "INTERNALERROR" not in run.output, run.tail()
@@ -700,6 +715,7 @@ def test_fork_cache_conflict_under_w_error_fails_that_test_only(tmp_path: Path) 
     assert run.case("test_cache_key_file_and_dir_next").outcome == "passed", run.tail()
 
 
+@pytest.mark.escape_row("malformed-reports")
 def test_fork_bad_tuple_tag_fails_that_test_only(tmp_path: Path) -> None:
     run = run_attacks(tmp_path / "tag", ["json_tuple_tag"])
     run.session_went_on()
@@ -726,12 +742,14 @@ def test_fork_bad_tuple_tag_fails_that_test_only(tmp_path: Path) -> None:
         ),
     ],
 )
+@pytest.mark.escape_row("malformed-reports")
 def test_fork_report_fields_are_checked(tmp_path: Path, name: str) -> None:
     run = run_attacks(tmp_path / name, [name])
     run.session_went_on()
     run.contained(name, "report")
 
 
+@pytest.mark.escape_row("channel-paths")
 def test_fork_coverage_paths_stay_in_the_project(tmp_path: Path) -> None:
     coverage = pytest.importorskip("coverage")
     data_file = tmp_path / "cov" / ".coverage"
@@ -754,6 +772,7 @@ def test_fork_coverage_paths_stay_in_the_project(tmp_path: Path) -> None:
     assert all(n.startswith(root) for n in measured), measured
 
 
+@pytest.mark.escape_row("malformed-reports")
 def test_fork_coverage_huge_line_number_fails_that_test_only(tmp_path: Path) -> None:
     pytest.importorskip("coverage")
     run = run_attacks(
@@ -763,6 +782,7 @@ def test_fork_coverage_huge_line_number_fails_that_test_only(tmp_path: Path) -> 
     run.contained("coverage_huge_lineno", "coverage")
 
 
+@pytest.mark.escape_row("session-budget")
 def test_fork_message_flood_keeps_host_memory_bounded(tmp_path: Path) -> None:
     run = run_attacks(tmp_path / "flood", ["warning_flood"])
     assert "INTERNALERROR" not in run.output, run.tail()

@@ -143,6 +143,7 @@ def snapshot(root: Path) -> dict[str, tuple[str, bytes | str | None]]:
     return out
 
 
+@pytest.mark.escape_row("download-links", runtime="host")
 def test_the_issue_link_chain_and_hard_link_cannot_write_a_host_file(layout: tuple[Path, Path]) -> None:
     dest, host = layout
     before = snapshot(dest.parents[3])
@@ -169,6 +170,7 @@ def test_the_issue_link_chain_and_hard_link_cannot_write_a_host_file(layout: tup
     ],
     ids=["chain", "three-deep", "defined-later", "absolute", "parent"],
 )
+@pytest.mark.escape_row("download-links", runtime="host")
 def test_a_symlink_resolving_out_is_refused(layout: tuple[Path, Path], members: list[Member]) -> None:
     dest, host = layout
     with pytest.raises(errors.InvalidPathError, match="leaves the destination"):
@@ -177,6 +179,7 @@ def test_a_symlink_resolving_out_is_refused(layout: tuple[Path, Path], members: 
     assert (host / "secret.txt").read_bytes() == SECRET
 
 
+@pytest.mark.escape_row("download-through-links", runtime="host")
 def test_no_write_goes_through_a_link_already_in_the_destination(layout: tuple[Path, Path]) -> None:
     dest, host = layout
     (dest / "out").symlink_to(host)
@@ -196,6 +199,7 @@ def test_no_write_goes_through_a_link_already_in_the_destination(layout: tuple[P
     assert sorted(p.name for p in host.iterdir()) == ["secret.txt"]
 
 
+@pytest.mark.escape_row("download-through-links", runtime="host")
 def test_hard_links_only_to_files_this_download_wrote(layout: tuple[Path, Path]) -> None:
     dest, host = layout
     (dest / "there").write_bytes(b"the user's\n")
@@ -216,6 +220,7 @@ def test_hard_links_only_to_files_this_download_wrote(layout: tuple[Path, Path])
 
 
 @pytest.mark.parametrize("kind", ["fifo", "chr"])
+@pytest.mark.escape_row("download-links", runtime="host")
 def test_devices_and_fifos_are_refused(layout: tuple[Path, Path], kind: str) -> None:
     dest, _ = layout
     with pytest.raises(errors.InvalidPathError, match="special file"):
@@ -223,6 +228,7 @@ def test_devices_and_fifos_are_refused(layout: tuple[Path, Path], kind: str) -> 
     assert list(dest.iterdir()) == []
 
 
+@pytest.mark.escape_row("download-links", runtime="host")
 def test_names_that_leave_are_refused(layout: tuple[Path, Path]) -> None:
     dest, host = layout
     for name in ("../host/secret.txt", "/tmp/boxlite-absolute", "a/../../host/secret.txt"):
@@ -233,6 +239,7 @@ def test_names_that_leave_are_refused(layout: tuple[Path, Path]) -> None:
     assert list(dest.iterdir()) == []
 
 
+@pytest.mark.escape_row("download-links", runtime="host")
 def test_an_honest_tree_with_links_inside_extracts(layout: tuple[Path, Path]) -> None:
     dest, _ = layout
     buf = crafted_tar(
@@ -288,6 +295,7 @@ def nss_module(tmp_path: Path) -> Path:
     return lib
 
 
+@pytest.mark.escape_row("file-helper-nss", "agent-nss", users="root")
 def test_a_planted_nss_module_is_never_loaded_by_file_operations(
     ns_sandbox: Sandbox, nss_module: Path, host_layout: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -419,6 +427,7 @@ def run_measured(script: str, tmp_path: Path, *args: str) -> dict[str, object]:
     return result
 
 
+@pytest.mark.escape_row("download-gigabytes", runtime="host")
 def test_an_over_size_answer_is_refused_before_it_is_buffered(tmp_path: Path) -> None:
     out = run_measured(HOSTILE_HELPER, tmp_path)
     for case in ("over-size", "more-than-announced", "header-without-end"):
@@ -470,6 +479,7 @@ class _Scripted:
         ("download", b'{"ok": true, "payload": 3, "is_dir": true}\nabc'),
     ],
 )
+@pytest.mark.escape_row("download-gigabytes", runtime="host")
 def test_a_malformed_answer_is_a_clear_error(call: str, answer: bytes, tmp_path: Path) -> None:
     sb = Sandbox(_Scripted(answer))  # type: ignore[arg-type]
     calls: dict[str, Callable[[], object]] = {
@@ -518,6 +528,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.escape_row("download-gigabytes")
 def test_a_real_download_streams_to_disk(tmp_path: Path) -> None:
     """120 MiB downloaded as a file and as a tree from a real box: the host's peak RSS stays
     under the bound (it held three copies of the answer before), and a read over the cap is refused."""
@@ -535,6 +546,7 @@ def _no_stray_absolute() -> Iterator[None]:
     Path("/tmp/boxlite-absolute").unlink(missing_ok=True)
 
 
+@pytest.mark.escape_row("download-gigabytes", runtime="host")
 def test_a_huge_tar_header_is_refused_unread(layout: tuple[Path, Path]) -> None:
     """tarfile reads a pax header whole: one larger than a MiB is refused before it is read."""
     dest, _ = layout
@@ -583,6 +595,7 @@ print(json.dumps({"new": sorted(set(sys.modules) - before), "ok": answers}))
 """
 
 
+@pytest.mark.escape_row("file-helper-nss", runtime="host")
 def test_file_operations_import_nothing_after_boot(tmp_path: Path) -> None:
     """In a namespace box the helper runs in a fork of the agent: every module its operations use
     must be imported at boot, before a guest could replace a module file in the box."""
@@ -600,6 +613,7 @@ def test_file_operations_import_nothing_after_boot(tmp_path: Path) -> None:
     assert out["ok"] == [True] * 8 + [False, True, True, False]  # a bad pattern and a missing file answer errors
 
 
+@pytest.mark.escape_row("download-gigabytes")
 def test_the_transfer_cap_holds_on_every_runtime(sandbox: Sandbox, tmp_path: Path) -> None:
     """Each runtime streams the helper's answer (the vm one as base64 text): over the cap it is
     refused when announced, nothing is left at the destination, and the box goes on serving."""

@@ -185,6 +185,7 @@ def warning_tests(secret: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.escape_row("forged-warning")
 def test_warnings_carry_the_box_line_and_the_host_reads_no_file(tmp_path: Path) -> None:
     # A host file the box names as a warning's source: before the fix the warnings summary
     # printed its first line (read through linecache on the host); /dev/zero grew the host to GBs.
@@ -262,6 +263,7 @@ def report_tests() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("xdist", [False, True], ids=["plain", "n2"])
+@pytest.mark.escape_row("malformed-reports")
 def test_malformed_reports_fail_that_test_only(tmp_path: Path, xdist: bool) -> None:
     if xdist:
         pytest.importorskip("xdist")
@@ -320,6 +322,7 @@ FRAME_TESTS = {
         pytest.param(("--boxlite-fresh=boot",), "over the cap", id="execnet-channel"),
     ],
 )
+@pytest.mark.escape_row("channel-frames")
 def test_oversized_frame_is_refused_before_it_is_read(tmp_path: Path, args: tuple[str, ...], says: str) -> None:
     run = sub_run(tmp_path / "frame", FRAME_TESTS, "--boxlite", *args, timeout=240)
     run.went_on()
@@ -329,6 +332,7 @@ def test_oversized_frame_is_refused_before_it_is_read(tmp_path: Path, args: tupl
     assert 0 < run.tree_maxrss_kib < RSS_BOUND_KIB, f"the sub-run's peak RSS (ru_maxrss) {run.tree_maxrss_kib} KiB"
 
 
+@pytest.mark.escape_row("channel-frames", runtime="host")
 def test_execnet_receiver_is_held_back_while_the_host_takes_nothing() -> None:
     """A real popen gateway sends 40 messages of 4 MB at once: while the host takes none, the
     receiver thread queues at most ``QUEUED_CAP`` of them (before: all 40, 160 MB in the host);
@@ -354,6 +358,7 @@ def test_execnet_receiver_is_held_back_while_the_host_takes_nothing() -> None:
         gw.exit()
 
 
+@pytest.mark.escape_row("channel-frames", runtime="host")
 def test_execnet_frame_over_the_cap_is_refused_before_it_is_read() -> None:
     import execnet
 
@@ -390,6 +395,7 @@ BUDGET_TESTS = {
 }
 
 
+@pytest.mark.escape_row("session-budget")
 def test_session_budgets_fail_the_test_that_overflows_them(tmp_path: Path) -> None:
     run = sub_run(tmp_path / "budget", BUDGET_TESTS, timeout=300, HOSTILE_BUDGETS="1")
     run.went_on()
@@ -416,6 +422,7 @@ def test_session_budgets_fail_the_test_that_overflows_them(tmp_path: Path) -> No
 # Its parts without a VM: the shim's frame decoder and the backlog between the SDK and the client.
 
 
+@pytest.mark.escape_row("channel-frames", runtime="host")
 def test_vm_bridge_refuses_an_endless_frame_before_joining_it() -> None:
     from pytest_boxlite.runtimes._vmbridge import FRAME_CAP, BridgeStreamError, FrameDecoder
 
@@ -426,6 +433,7 @@ def test_vm_bridge_refuses_an_endless_frame_before_joining_it() -> None:
     assert len(decoder.pending) == 4, "the over-long text was joined before it was refused"
 
 
+@pytest.mark.escape_row("channel-frames", runtime="host")
 def test_vm_bridge_backlog_is_cut_at_its_cap() -> None:
     from pytest_boxlite.runtimes._vmbridge import Backlog
 
@@ -462,6 +470,7 @@ LOG_TESTS = {
 }
 
 
+@pytest.mark.escape_row("box-log")
 def test_failure_report_quotes_its_own_box_log_escaped(tmp_path: Path) -> None:
     run = sub_run(tmp_path / "log", LOG_TESTS, "--boxlite", timeout=180)
     run.went_on()

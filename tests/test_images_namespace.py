@@ -122,6 +122,7 @@ def test_each_box_of_an_image_is_pristine(namespace_runtime: Runtime, busybox: I
 
 @needs_busybox
 @pytest.mark.escapes
+@pytest.mark.escape_row("home-secrets")
 def test_masks_hold_in_a_box_of_an_image(namespace_runtime: Runtime, busybox: ImageRoot) -> None:
     """A host directory the box shows keeps its credentials hidden, as without an image."""
     home = Path.home()
@@ -156,6 +157,7 @@ def test_an_image_without_the_loader_cannot_box_tests(busybox: ImageRoot) -> Non
 
 @needs_busybox
 @pytest.mark.escapes
+@pytest.mark.escape_row("hostile-image")
 def test_links_of_a_hostile_image_are_never_followed_by_the_runtime(namespace_runtime: Runtime, tmp_path: Path) -> None:
     """An image's links where the runtime makes directories or mount points (/workspace, the
     WorkingDir, a host directory's path) would be followed by bubblewrap while it sets the box
@@ -243,6 +245,7 @@ def test_an_image_without_env_cannot_box_tests(tmp_path: Path) -> None:
 
 @needs_busybox
 @pytest.mark.escapes
+@pytest.mark.escape_row("host-files")
 def test_the_agents_kit_is_read_only_and_holds_no_installed_packages(
     namespace_runtime: Runtime, busybox: ImageRoot
 ) -> None:

@@ -378,6 +378,7 @@ def _bad(images: dict[str, str], tmp_path: Path, case: str) -> str:
         ("huge-header", r"huge.tar is not a readable tar archive \(an extended header of \d+ bytes"),
     ],
 )
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_bad_images_are_refused_naming_the_image_and_the_cause(
     images: dict[str, str], store: Path, tmp_path: Path, case: str, message: str
 ) -> None:
@@ -581,6 +582,7 @@ def _sparse_docker(dest: Path, size: int) -> str:
 
 @pytest.mark.reliability
 @pytest.mark.parametrize("transport", ["oci", "docker-archive"])
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_layers_over_the_size_bound_are_refused_before_they_are_copied(
     store: Path, tmp_path: Path, transport: str
 ) -> None:
@@ -595,6 +597,7 @@ def test_layers_over_the_size_bound_are_refused_before_they_are_copied(
 
 @pytest.mark.reliability
 @pytest.mark.parametrize("transport", ["oci", "docker-archive"])
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_a_refused_image_keeps_none_of_its_blobs(store: Path, tmp_path: Path, transport: str) -> None:
     # Sound layers (their digests right), but the image unpacks to more than its bound: refused,
     # and its layers (docker-archive ones hashed into the store as they are read) are not kept.
@@ -624,6 +627,7 @@ def _deep(top: Path, levels: int) -> None:
 
 
 @pytest.mark.reliability
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_a_deep_image_is_refused_and_a_deep_leftover_does_not_jam_the_store(store: Path, tmp_path: Path) -> None:
     # One file 2000 directories deep (4000 characters, under the name bound): refused whole, the
     # store left clean, and the next image unpacks.
@@ -645,6 +649,7 @@ def test_a_deep_image_is_refused_and_a_deep_leftover_does_not_jam_the_store(stor
 
 
 @pytest.mark.reliability
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_an_archives_extended_headers_are_bounded_in_all(store: Path, tmp_path: Path) -> None:
     # An archive read in place keeps every member's TarInfo, PAX headers included: 300 members of
     # 60 KB headers each (each under the bound of one header) is 18 MB kept, refused.

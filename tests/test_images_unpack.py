@@ -134,18 +134,21 @@ def test_upper_layers_replace_lower_entries_of_another_kind(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("name", ["../escaped", "a/../../escaped", "./../escaped"])
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_members_leaving_the_root_are_refused(tmp_path: Path, name: str) -> None:
     with pytest.raises(ImageError, match=r"test image: layer 1: member .* leaves the image's root"):
         unpack(tmp_path, tar_of(("a", "dir", None, None), (name, "file", b"x", None)))
     assert not (tmp_path / "escaped").exists()
 
 
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_absolute_member_names_land_inside_the_tree(tmp_path: Path, host: Path) -> None:
     root = unpack(tmp_path, tar_of((f"{host}/planted", "file", b"x", None)))
     host_untouched(host)
     assert (root / str(host).lstrip("/") / "planted").read_bytes() == b"x"
 
 
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_absolute_symlinks_stay_links_that_resolve_inside_the_tree(tmp_path: Path) -> None:
     layer = tar_of(
         ("bin", "dir", None, None),
@@ -175,6 +178,7 @@ def test_absolute_symlinks_stay_links_that_resolve_inside_the_tree(tmp_path: Pat
     ],
     ids=["absolute", "relative-up", "climbing", "link-through-link", "root-link-then-up"],
 )
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_writes_through_planted_links_stay_in_the_tree(tmp_path: Path, host: Path, links: list[Member]) -> None:
     planted = [(n, k, str(d).replace("{host}", str(host)) if d else d, m) for n, k, d, m in links]
     lower = tar_of(*planted)
@@ -189,6 +193,7 @@ def test_writes_through_planted_links_stay_in_the_tree(tmp_path: Path, host: Pat
     assert found, "the planted file is nowhere in the tree"
 
 
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_whiteouts_through_links_never_remove_host_files(tmp_path: Path, host: Path) -> None:
     lower = tar_of(("evil", "sym", str(host), None), ("rel", "sym", "../host", None))
     upper = tar_of(
@@ -211,6 +216,7 @@ def test_whiteouts_through_links_never_remove_host_files(tmp_path: Path, host: P
     ],
     ids=["relative-out", "absolute", "through-a-link", "missing"],
 )
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_hard_links_outside_the_tree_are_refused(tmp_path: Path, host: Path, members: list[Member]) -> None:
     layer = tar_of(*[(n, k, str(d).replace("{host}", str(host)) if d else d, m) for n, k, d, m in members])
     with pytest.raises(ImageError, match=r"test image: layer 1: (hard link|member) 'hl'"):
@@ -226,6 +232,7 @@ def test_hard_links_inside_the_layer_work(tmp_path: Path) -> None:
     assert (root / "f").stat().st_ino == (root / "d/hl").stat().st_ino
 
 
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_device_nodes_and_fifos_are_skipped_and_privilege_bits_cleared(tmp_path: Path) -> None:
     limits = Limits()
     layer = tar_of(
@@ -246,6 +253,7 @@ def test_device_nodes_and_fifos_are_skipped_and_privilege_bits_cleared(tmp_path:
     assert (root / "suid").stat().st_uid == os.getuid()  # never chowned to the tar's owner
 
 
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_unreadable_directories_stay_removable_by_their_owner(tmp_path: Path) -> None:
     layer = tar_of(
         ("locked", "dir", None, 0o000), ("locked/inner", "dir", None, 0o000), ("locked/inner/f", "file", b"x", 0o000)
@@ -257,6 +265,7 @@ def test_unreadable_directories_stay_removable_by_their_owner(tmp_path: Path) ->
     assert not root.exists()
 
 
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_sizes_and_member_counts_are_bounded(tmp_path: Path) -> None:
     big = tar_of(("big", "file", b"\0" * 200_000, None))
     with pytest.raises(ImageError, match="more than 100000 bytes"):
@@ -267,6 +276,7 @@ def test_sizes_and_member_counts_are_bounded(tmp_path: Path) -> None:
         unpack(tmp_path / "other", many, limits=Limits(max_members=20))
 
 
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_huge_extended_headers_are_refused_before_they_are_read(tmp_path: Path) -> None:
     # A GNU long name of 3 MiB: tarfile reads it whole into memory unless bounded first.
     buf = io.BytesIO()
@@ -281,6 +291,7 @@ def test_huge_extended_headers_are_refused_before_they_are_read(tmp_path: Path) 
         apply_layer(root, blob, diff_id=None, limits=Limits(), what="test image")
 
 
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_a_layer_that_does_not_match_its_diff_id_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
@@ -332,6 +343,7 @@ print(tracemalloc.get_traced_memory()[1] >> 20)
 """
 
 
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_memory_does_not_grow_with_the_layers_metadata(tmp_path: Path) -> None:
     # 4000 members of ~60 KiB PAX headers each (240 MB of metadata, a tiny gzip): tarfile keeps
     # every TarInfo it reads unless the unpacker drops them; the peak must stay far below that.
@@ -368,6 +380,7 @@ def _pax_record(key: str, value: str) -> bytes:
     return str(n).encode() + body
 
 
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_global_extended_headers_are_bounded_in_all(tmp_path: Path) -> None:
     # Global PAX headers are merged into the reader and kept for the whole layer: 40 of 40 KB
     # each, all under the bound of one header, with distinct keys (nothing overwritten).
@@ -400,6 +413,7 @@ def test_global_extended_headers_are_bounded_in_all(tmp_path: Path) -> None:
     ],
     ids=["levels", "bytes", "through-a-link"],
 )
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_trees_deeper_than_the_bound_are_refused(tmp_path: Path, members: list[Member]) -> None:
     # Python's os.walk and shutil.rmtree recurse once per level (RecursionError at ~1000), and a
     # path over PATH_MAX cannot be named: a tree too deep would jam every tool that walks it.
@@ -430,6 +444,7 @@ def test_removal_and_sizes_need_no_recursion(tmp_path: Path) -> None:
     assert not top.exists()
 
 
+@pytest.mark.escape_row("hostile-image", runtime="host")
 def test_hard_links_to_symlinks_are_symlinks_that_still_resolve_inside_the_tree(tmp_path: Path) -> None:
     # A symlink's relative target is written for its own directory; a hard link (a second name of
     # the same inode) in another directory would climb out of the tree on the host.

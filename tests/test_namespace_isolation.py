@@ -59,6 +59,7 @@ NON_ROOT_REASON = (
 
 
 @pytest.mark.parametrize("where", ["/etc", "/usr", "/usr/local/bin", "/var/tmp", "project", "home"])
+@pytest.mark.escape_row("host-files")
 def test_writes_anywhere_succeed_and_stay_in_the_box(make_namespace_box: BoxFactory, where: str) -> None:
     base = {"project": PROJECT, "home": Path.home()}.get(where, Path(where))
     if not ROOT_HOST and not (where == "home" or (where == "project" and os.stat(PROJECT).st_uid == os.geteuid())):
@@ -78,6 +79,7 @@ def test_writes_anywhere_succeed_and_stay_in_the_box(make_namespace_box: BoxFact
         assert not target.exists(), f"{target} leaked to the host"
 
 
+@pytest.mark.escape_row("host-files")
 def test_changes_to_existing_host_files_stay_in_the_box(make_namespace_box: BoxFactory) -> None:
     # /var/tmp, not the project: a checkout under /tmp is not visible in a box (its /tmp is private).
     # A non-root host's box can copy up only directories the host user owns: use the home there.
@@ -96,6 +98,7 @@ def test_changes_to_existing_host_files_stay_in_the_box(make_namespace_box: BoxF
         assert other.read_file(str(victim)) == "original\n"
 
 
+@pytest.mark.escape_row("host-files")
 def test_tmp_is_private(make_namespace_box: BoxFactory) -> None:
     host_file = Path("/tmp") / unique("pbx-host")
     box_file = Path("/tmp") / unique("pbx-box")
@@ -110,6 +113,7 @@ def test_tmp_is_private(make_namespace_box: BoxFactory) -> None:
         assert host_file.name not in listing
 
 
+@pytest.mark.escape_row("other-homes")
 def test_boxlite_home_is_hidden_from_guests(make_namespace_box: BoxFactory, namespace_runtime: Runtime) -> None:
     a = make_namespace_box()
     b = make_namespace_box()
@@ -120,6 +124,7 @@ def test_boxlite_home_is_hidden_from_guests(make_namespace_box: BoxFactory, name
     assert not b.exists(f"{home}/namespace/{a.name}.ctl/agent.sock")
 
 
+@pytest.mark.escape_row("sibling-boxes")
 def test_two_boxes_do_not_share_files(make_namespace_box: BoxFactory) -> None:
     a = make_namespace_box()
     b = make_namespace_box()
@@ -150,6 +155,7 @@ def test_box_survives_deleting_its_workdir(ns_sandbox: Sandbox) -> None:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.escape_row("host-processes")
 def test_box_cannot_see_host_processes(ns_sandbox: Sandbox) -> None:
     sb = ns_sandbox
     out = py(
@@ -186,6 +192,7 @@ def test_box_cannot_see_host_processes(ns_sandbox: Sandbox) -> None:
     assert seen != me
 
 
+@pytest.mark.escape_row("host-processes")
 def test_box_cannot_signal_host_processes(ns_sandbox: Sandbox) -> None:
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -198,6 +205,7 @@ def test_box_cannot_signal_host_processes(ns_sandbox: Sandbox) -> None:
         victim.wait(10)
 
 
+@pytest.mark.escape_row("sysctl-hostname-clock")
 def test_hostname_is_private(ns_sandbox: Sandbox) -> None:
     host_before = socket.gethostname()
     sb = ns_sandbox
@@ -211,6 +219,7 @@ def test_hostname_is_private(ns_sandbox: Sandbox) -> None:
     assert socket.gethostname() == host_before
 
 
+@pytest.mark.escape_row("sysctl-hostname-clock")
 def test_clock_cannot_be_set(ns_sandbox: Sandbox) -> None:
     before = time.time()
     r = ns_sandbox.execute_command("date -s '2001-01-01 00:00:00'", timeout=20)
@@ -221,6 +230,7 @@ def test_clock_cannot_be_set(ns_sandbox: Sandbox) -> None:
     assert int(year) > 2001
 
 
+@pytest.mark.escape_row("lingering-box")
 def test_destroying_a_box_kills_its_processes(namespace_runtime: Runtime) -> None:
     marker = unique("pbx-marker")
     handle = namespace_runtime.create_box(BoxSpec(), new_box_name(), timeout=30)
@@ -268,6 +278,7 @@ print('connected')
 """
 
 
+@pytest.mark.escape_row("loopback-off")
 def test_network_is_off_by_default(ns_sandbox: Sandbox, tcp_server: TcpServer) -> None:
     r = ns_sandbox.run([ns_sandbox.handle.guest_python, "-c", CONNECT, str(tcp_server.port)], timeout=20)
     assert r.exit_code == 1, r.stdout + r.stderr
@@ -278,6 +289,7 @@ def test_network_is_off_by_default(ns_sandbox: Sandbox, tcp_server: TcpServer) -
     assert devices == ["lo"]
 
 
+@pytest.mark.escape_row("loopback-on")
 def test_network_can_be_turned_on(make_namespace_box: BoxFactory, tcp_server: TcpServer) -> None:
     sb = make_namespace_box(BoxSpec(network=True))
     r = sb.run([sb.handle.guest_python, "-c", CONNECT, str(tcp_server.port)], timeout=20)
@@ -292,6 +304,7 @@ def test_network_can_be_turned_on(make_namespace_box: BoxFactory, tcp_server: Tc
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.escape_row("home-secrets")
 def test_ssh_directory_is_masked(namespace_runtime: Runtime) -> None:
     ssh = Path.home() / ".ssh"
     created = not ssh.exists()
@@ -323,6 +336,7 @@ def test_ssh_directory_is_masked(namespace_runtime: Runtime) -> None:
                 ssh.rmdir()
 
 
+@pytest.mark.escape_row("home-secrets")
 def test_netrc_is_masked(namespace_runtime: Runtime) -> None:
     netrc = Path.home() / ".netrc"
     if netrc.exists():
@@ -422,6 +436,7 @@ def _readline(proc: subprocess.Popen[bytes], timeout: float) -> str:
         return proc.stdout.readline().decode().strip()
 
 
+@pytest.mark.escape_row("agent-watchdog")
 def test_box_dies_with_its_sigkilled_host_process(tmp_path: Path) -> None:
     rt = NamespaceRuntime(tmp_path)
     name = new_box_name()
@@ -451,6 +466,7 @@ def test_box_dies_with_its_sigkilled_host_process(tmp_path: Path) -> None:
         rt.close()
 
 
+@pytest.mark.escape_row("host-files")
 def test_template_layers_come_back_in_every_box_and_never_reach_the_host(namespace_runtime: Runtime) -> None:
     """``--boxlite-setup``'s template: built in a box (root in the box), stacked under later boxes."""
     from pytest_boxlite.templates import ensure_template
@@ -530,6 +546,7 @@ def _zygote(rt: NamespaceRuntime, h: NamespaceBox) -> NamespaceBox:
     return zygote
 
 
+@pytest.mark.escape_row("sibling-boxes")
 def test_the_next_forked_box_of_a_spec_is_pristine(forked_runtime: NamespaceRuntime) -> None:
     """What one sandbox writes (in /tmp, /workspace, $HOME, /etc, a new directory) the next one of the
     same spec, forked from the same zygote, never sees; and the zygote's own files are untouched."""
@@ -569,6 +586,7 @@ def _box_namespaces(h: NamespaceBox) -> dict[str, str]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="reads the zygote's namespaces from the host, which takes root")
+@pytest.mark.escape_row("sibling-boxes", users="root")
 def test_forked_boxes_have_namespaces_of_their_own(forked_runtime: NamespaceRuntime) -> None:
     """Each forked box is in user, mount, pid, network, uts, ipc and cgroup namespaces of its own:
     not its zygote's, not its sibling's (the network too: the spec has none)."""
@@ -597,6 +615,7 @@ def _cgroup_of(pid: int, controller: str) -> str:
     raise AssertionError(f"pid {pid} has no {controller!r} cgroup")
 
 
+@pytest.mark.escape_row("lingering-box")
 def test_a_forked_box_has_the_cgroup_limits_of_a_booted_one(namespace_runtime: Runtime) -> None:
     """Its own memory and pids cgroups with the spec's limits, which hold: a memory hog is OOM-killed
     (counted by oom_kills, the box lives on), a fork bomb hits the pids cap."""
@@ -624,6 +643,7 @@ def test_a_forked_box_has_the_cgroup_limits_of_a_booted_one(namespace_runtime: R
         h.destroy()
 
 
+@pytest.mark.escape_row("lingering-box")
 def test_destroying_a_forked_box_kills_everything_in_it_and_nothing_else(forked_runtime: NamespaceRuntime) -> None:
     """Detached and double-forked processes go with the box; its sibling and the zygote live on;
     destroy is idempotent and removes the box's cgroups and directories."""
@@ -657,6 +677,7 @@ def wait_for(cond: Any, timeout: float) -> bool:
     return bool(cond())
 
 
+@pytest.mark.escape_row("box-log")
 def test_a_forked_box_logs_to_its_own_log(forked_runtime: NamespaceRuntime) -> None:
     """log_tail is the box's own: what its commands write there, not its zygote's or a sibling's."""
     a, b = _forked(forked_runtime), _forked(forked_runtime)
@@ -751,6 +772,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.escape_row("agent-watchdog")
 def test_forked_boxes_and_their_zygote_die_with_a_sigkilled_host_and_are_reaped(tmp_path: Path) -> None:
     """kill -9 of the process that forked a box: the box and its zygote end (the watchdog, the
     nested pid namespace), and removing what is left leaves no cgroup, directory or process."""

@@ -208,6 +208,7 @@ def test_the_relay_ends_with_the_sandbox(rt: Runtime) -> None:
 
 
 @pytest.mark.reliability
+@pytest.mark.escape_row("process-output")
 def test_the_relay_holds_a_bounded_number_of_connections(sb: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(publish, "MAX_CONNECTIONS", 3)
     echo_server(sb)
@@ -232,6 +233,7 @@ def test_the_relay_holds_a_bounded_number_of_connections(sb: Sandbox, monkeypatc
 
 
 @pytest.mark.escapes
+@pytest.mark.escape_row("loopback-off")
 def test_the_box_cannot_reach_the_relay_or_the_host(sb: Sandbox, tcp_server: TcpServer) -> None:
     echo_server(sb)
     _host, port = sb.publish(8000)
@@ -252,6 +254,7 @@ def test_the_box_cannot_reach_the_relay_or_the_host(sb: Sandbox, tcp_server: Tcp
 
 
 @pytest.mark.escapes
+@pytest.mark.escape_row("process-output")
 def test_the_agent_connects_only_to_a_valid_port_of_the_box(sb: Sandbox) -> None:
     if sb.runtime == "vm":
         pytest.skip("the namespace agent's connect request (a vm box connects with a guest command)")

@@ -263,6 +263,7 @@ def test_guest_marks_its_box_kept(boxlite_sandbox):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.escape_row("keep-mark")
 def test_kill9_leftovers_are_reaped_even_when_a_guest_marks_its_box_kept(
     pytester: pytest.Pytester, home: Path, subruns: list[SubRun]
 ) -> None:
@@ -594,6 +595,7 @@ def test_misbehaving_run_completes_without_leftovers(misbehaviour: Misbehaviour)
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.escape_row("lingering-box")
 def test_fork_bomb_is_stopped_by_the_pids_limit(misbehaviour: Misbehaviour) -> None:
     bomb = misbehaviour.case("test_c1_fork_bomb", "passed")
     # Stopped by the box's pids limit (4096), long before the bound of 10000.
@@ -657,6 +659,7 @@ def test_sandbox_deleting_its_workspace(misbehaviour: Misbehaviour) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.escape_row("sibling-boxes")
 def test_boxed_test_writes_to_run_do_not_reach_the_next_boxed_test(misbehaviour: Misbehaviour) -> None:
     """A boxed test's box must be as pristine as a new one: /run included."""
     misbehaviour.case("test_h1_write_to_run", "passed")
@@ -1047,6 +1050,7 @@ def py(sb: Sandbox, code: str, *args: str, timeout: float = 30) -> Any:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.escape_row("host-files")
 def test_escape_write_host_paths(make_box: BoxFactory) -> None:
     tag = uuid.uuid4().hex[:10]
     with host_victim() as victim:
@@ -1070,6 +1074,7 @@ def test_escape_write_host_paths(make_box: BoxFactory) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.escape_row("host-processes")
 def test_escape_see_host_processes(sandbox: Sandbox, host_sleeper: tuple[int, str]) -> None:
     sleeper_pid, tag = host_sleeper
     me = host_cmdline(os.getpid())
@@ -1103,6 +1108,7 @@ def test_escape_see_host_processes(sandbox: Sandbox, host_sleeper: tuple[int, st
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.escape_row("loopback-off", "loopback-on")
 def test_escape_reach_host_loopback(make_box: BoxFactory, tcp_server: TcpServer) -> None:
     """network off (default): the host's loopback is unreachable; network on shares the host's network namespace."""
     connect = """
@@ -1127,6 +1133,7 @@ def test_escape_reach_host_loopback(make_box: BoxFactory, tcp_server: TcpServer)
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.escape_row("home-secrets")
 def test_escape_read_home_secrets(make_box: BoxFactory) -> None:
     with ssh_secret() as secret:
         sb = make_box()  # made after the secret exists: the mask is decided when a box is made
@@ -1143,6 +1150,7 @@ def test_escape_read_home_secrets(make_box: BoxFactory) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.escape_row("sysctl-hostname-clock")
 def test_escape_change_host_time_or_hostname(sandbox: Sandbox) -> None:
     host = socket.gethostname()
     wall0, mono0 = time.time(), time.monotonic()
@@ -1324,6 +1332,7 @@ def boxed_escapes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.escape_row("host-files")
 def test_boxed_escape_write_host_paths(boxed_escapes: BoxedEscapes) -> None:
     boxed_escapes.passed("test_write_host_paths")
     assert boxed_escapes.victim_intact
@@ -1332,18 +1341,21 @@ def test_boxed_escape_write_host_paths(boxed_escapes: BoxedEscapes) -> None:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.escape_row("host-processes")
 def test_boxed_escape_see_host_processes(boxed_escapes: BoxedEscapes) -> None:
     boxed_escapes.passed("test_see_host_processes")
     assert boxed_escapes.sleeper_alive
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.escape_row("loopback-off")
 def test_boxed_escape_host_loopback_unreachable_with_network_off(boxed_escapes: BoxedEscapes) -> None:
     boxed_escapes.passed("test_reach_host_loopback_network_off")
     assert b"boxed-network-off" not in boxed_escapes.received
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.escape_row("loopback-on")
 def test_boxed_escape_host_loopback_reachable_with_network_on(boxed_escapes: BoxedEscapes) -> None:
     """``@pytest.mark.boxlite(network=True)`` shares the host's network namespace, as a box with network on does."""
     boxed_escapes.passed("test_reach_host_loopback_network_on")
@@ -1351,6 +1363,7 @@ def test_boxed_escape_host_loopback_reachable_with_network_on(boxed_escapes: Box
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.escape_row("home-secrets")
 def test_boxed_escape_read_home_secrets(boxed_escapes: BoxedEscapes) -> None:
     boxed_escapes.passed("test_read_home_secrets")
     assert boxed_escapes.secret_intact
@@ -1358,6 +1371,7 @@ def test_boxed_escape_read_home_secrets(boxed_escapes: BoxedEscapes) -> None:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.escape_row("sysctl-hostname-clock")
 def test_boxed_escape_change_host_time_or_hostname(boxed_escapes: BoxedEscapes) -> None:
     boxed_escapes.passed("test_change_host_time")
     boxed_escapes.passed("test_change_hostname")

@@ -51,6 +51,7 @@ def _long_lines(count: int, fill: bytes, then: bytes = b"") -> str:
 
 
 @pytest.mark.reliability
+@pytest.mark.escape_row("service-readiness")
 def test_a_wait_keeps_its_timeout_against_lines_a_pattern_is_slow_on(sb: Sandbox) -> None:
     # 20 lines of 64 KiB of spaces: r"\s+ready" is quadratic in a line's length (about 2 s a
     # line matched whole, 40 s for all before the fix, with the pump blocked meanwhile).
@@ -64,6 +65,7 @@ def test_a_wait_keeps_its_timeout_against_lines_a_pattern_is_slow_on(sb: Sandbox
 
 
 @pytest.mark.reliability
+@pytest.mark.escape_row("service-readiness")
 def test_a_long_line_is_matched_on_its_first_max_line_bytes(sb: Sandbox) -> None:
     head = b"START" + b"x" * (MAX_LINE + 1000) + b"TAIL\nnext\n"
     proc = sb.spawn([sb.handle.guest_python, "-c", _long_lines(0, b"", then=head)])
@@ -76,6 +78,7 @@ def test_a_long_line_is_matched_on_its_first_max_line_bytes(sb: Sandbox) -> None
 
 
 @pytest.mark.reliability
+@pytest.mark.escape_row("service-readiness")
 def test_the_line_history_is_bounded_by_bytes_not_only_by_lines(sb: Sandbox) -> None:
     # 2500 lines of 64 KiB nobody reads, max_output 1 MiB: the history kept 2000 of them
     # (125 MiB on the host) before the fix; now at most max_output bytes of lines.
@@ -110,6 +113,7 @@ while True:
 
 
 @pytest.mark.reliability
+@pytest.mark.escape_row("service-readiness")
 def test_http_ready_keeps_its_deadline_against_a_server_that_trickles_bytes(sb: Sandbox) -> None:
     # One byte every 0.5 s: http.client's timeout bounds each recv, so the check never ended
     # before the fix (stuck after 90 s with a 3 s deadline).  Run in a thread so a regression
@@ -153,6 +157,7 @@ bad_check = service(
 
 
 @pytest.mark.escapes
+@pytest.mark.escape_row("service-readiness")
 def test_service_setup_and_check_output_reaches_the_terminal_escaped(tmp_path: Path, home: Path) -> None:
     (tmp_path / "conftest.py").write_text(SETUP_CONFTEST)
     (tmp_path / "test_c.py").write_text(

@@ -172,6 +172,7 @@ except OSError:
 
 
 @pytest.mark.escapes
+@pytest.mark.escape_row("service-relay")
 def test_the_box_cannot_make_the_relay_connect_anywhere_else(boxlite_sandbox: Sandbox, echo: Echo) -> None:
     canary = socket.create_server(("127.0.0.1", 0))
     canary.settimeout(0.5)
@@ -212,6 +213,7 @@ print(s.recv(10).decode())
 
 
 @pytest.mark.reliability
+@pytest.mark.escape_row("service-relay")
 def test_a_flood_of_connections_from_the_box_is_bounded(boxlite_sandbox: Sandbox, echo: Echo) -> None:
     offer = _offer_into(boxlite_sandbox, echo.port)
     n = reach.MAX_CONNECTIONS * 4
@@ -222,6 +224,7 @@ def test_a_flood_of_connections_from_the_box_is_bounded(boxlite_sandbox: Sandbox
     assert offer.refused >= n - reach.MAX_CONNECTIONS
 
 
+@pytest.mark.escape_row("service-relay")
 def test_the_offer_ends_with_its_box(boxlite_pool, echo: Echo) -> None:  # type: ignore[no-untyped-def]
     with boxlite_pool.sandbox() as sb:
         offer = _offer_into(sb, echo.port)
@@ -383,6 +386,7 @@ def _subrun(tmp_path: Path, home: Path, *args: str) -> subprocess.CompletedProce
         pytest.param(("-n", "2"), id="xdist-2"),
     ],
 )
+@pytest.mark.escape_row("service-relay")
 def test_boxed_tests_reach_the_service_at_its_host_address(tmp_path: Path, home: Path, args: tuple[str, ...]) -> None:
     if args[:1] == ("-n",):
         pytest.importorskip("xdist")

@@ -328,6 +328,7 @@ def test_writing_to_a_closed_stdin_is_a_broken_pipe(sb: Sandbox) -> None:
 
 
 @pytest.mark.reliability
+@pytest.mark.escape_row("process-output")
 def test_a_flood_is_cut_and_flagged_and_waits_still_see_later_lines(sb: Sandbox) -> None:
     # 48 MiB on stdout, one 8 MiB line without a newline on stderr, then a line to wait for.
     script = (
@@ -351,6 +352,7 @@ def test_a_flood_is_cut_and_flagged_and_waits_still_see_later_lines(sb: Sandbox)
 
 
 @pytest.mark.escapes
+@pytest.mark.escape_row("process-output")
 def test_spoofed_control_frames_on_output_are_only_output(sb: Sandbox) -> None:
     frames = b'{"exit": 0}\n{"pid": 1}\n{"error": "x", "errno": 2}\n'
     proc = sb.spawn(

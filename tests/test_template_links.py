@@ -193,6 +193,7 @@ def _users() -> list[object]:
 
 
 @pytest.mark.parametrize("as_user", _users())
+@pytest.mark.escape_row("hostile-image")
 def test_links_an_images_shell_plants_in_a_template_are_never_followed(scratch: Path, as_user: bool) -> None:
     result, canary = _drive(scratch, "image", as_user=as_user)
     # The attack happened: the image's shell left both links in the template's layer.
@@ -209,6 +210,7 @@ def test_links_an_images_shell_plants_in_a_template_are_never_followed(scratch: 
 
 
 @pytest.mark.parametrize("as_user", _users())
+@pytest.mark.escape_row("hostile-image")
 def test_links_a_setup_plants_over_the_hosts_files_are_never_followed(scratch: Path, as_user: bool) -> None:
     result, canary = _drive(scratch, "host", as_user=as_user)
     assert any(p.endswith("proj/sub") for p in result["planted"]), result  # the setup did plant links
