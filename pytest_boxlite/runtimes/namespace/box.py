@@ -26,6 +26,7 @@ from pytest_boxlite.runtimes.namespace.fork import CELL_SOCKET, CellDealer, fork
 from pytest_boxlite.runtimes.namespace.layout import _MAX_INFO, WORKDIR, ctl_dir, keep_marker
 from pytest_boxlite.runtimes.namespace.leftovers import kill_box_processes, remove_box_dirs
 from pytest_boxlite.runtimes.namespace.privileges import Limits
+from pytest_boxlite.runtimes.namespace.regroup import settle as settle_regrouped
 
 ATTACH = guest.path("attach")
 _MAX_LOG_READ = 1 << 20
@@ -227,6 +228,7 @@ class NamespaceBox(BoxDefaults):
     ) -> RawResult:
         if user is not None and not isinstance(user, (str, int)):
             raise ConfigError(f"user must be a name or 'uid[:gid]', got {user!r}")
+        settle_regrouped()  # the command reads the host's re-owned files as they are now
         start = time.monotonic()
         deadline = start + timeout
         out_r, out_w = os.pipe()
@@ -473,6 +475,7 @@ class NamespaceBox(BoxDefaults):
         the guest takes before the fork (see :mod:`pytest_boxlite.runtimes._forkcell`)."""
         if self._destroyed:
             raise BoxDeadError(f"box {self.name} has been destroyed")
+        settle_regrouped()  # the forked box's test reads the host's re-owned files as they are now
         if self._cells is None:
             self._cells = CellDealer(self.box_dir)
         memory_mib, cpus, pids = self.cell_limits

@@ -16,6 +16,24 @@ to the host's files.  Only the trees a box is made for are looked at (the workin
 interpreter's prefix and ``sys.path``), and only entries the user owns and may already change on
 the host: a file of another owner keeps its look (and stays unwritable, as on the host).
 
+Host edits show through, as they do for the files that need no copy (an overlay lower layer is the
+host's directory itself, so a box reads what the host has now, within overlayfs's own rules):
+
+- a box made after an edit sees it: each box start scans again, and the layer stacked is one whose
+  entries match what the host has then (their looks key it, the change time included);
+- a live box sees it too: this process watches the host directories of the layers its boxes stack
+  (inotify) and brings each copy up to date *in place* (the same inode, so a box that has it open
+  or cached reads the new content), from a thread of its own as the host changes them, and
+  synchronously before each box is forked from a warm one (:func:`settle`).  A copy is brought up to date
+  even where the host's file no longer needs one (an editor's save makes a new file, of the user's
+  group): a live box's overlay keeps the copy's inode cached.  The copy of an entry removed on the
+  host is removed (a live box that has it cached may still see it, as with any host file).  Where
+  inotify is not to be had (the user's instances or watches used up), :func:`settle` compares
+  every copied entry's look instead.
+
+A layer changed in place is never handed to a later box start by its key again (its ``ready``
+mark goes): that box gets a layer matching what it scanned.
+
 A root host maps every id one to one (see ``privileges._write_id_maps``): nothing to do there.
 """
 
@@ -25,16 +43,20 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import heapq
+import json
 import os
 import secrets
+import select
 import shutil
 import stat
+import struct
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 #: Entries looked at per tree: a tree this large (a home directory as the working directory) is
@@ -46,6 +68,9 @@ MAX_COPY_BYTES = 256 * 1024 * 1024
 #: A layer unused this long is removed when another one of the same directory is built.
 _STALE_S = 24 * 3600
 _FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+#: A copy made this close to its file's last change may predate a change in the same clock tick
+#: (file times come from a coarse clock): it is made again once a box of this process stacks it.
+_RACY_NS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,11 @@ class Entry:
     mtime_ns: int
     ino: int
     target: str = ""  # a link's target, as read (never followed)
+    ctime_ns: int = 0  # the change time: a change that keeps size and modification time moves it
+
+    def look(self) -> tuple[object, ...]:
+        """What tells this entry's state on the host (not the access time: reading moves it)."""
+        return (self.rel, self.kind, self.mode, self.size, self.mtime_ns, self.ctime_ns, self.ino, self.target)
 
 
 def regroup_args(top: str) -> list[str]:
@@ -92,13 +122,23 @@ def regroup_layer(top: str, trees: Iterable[str]) -> str | None:
     """The layer re-owning what the box cannot copy up of ``trees`` inside ``top`` (built, or
     reused when a layer of the same entries is there already), or ``None`` when there is none."""
     uid, gid = os.geteuid(), os.getegid()
+    trees = list(trees)
     entries: dict[str, Entry] = {}
     for tree in trees:
         if tree == top or tree.startswith(top.rstrip("/") + "/"):
             entries.update(scan(top, tree, uid, gid))
     if not entries:
         return None
-    return _build(top, sorted(entries.values(), key=lambda e: e.rel))
+    with _BUILD:
+        _settle_locked()
+        for live in _LIVE.values():
+            if live.top == top and live.matches(entries):
+                return live.tree  # kept current since it was stacked: what the host has now
+        built = _build(top, sorted(entries.values(), key=lambda e: e.rel))
+        if built is None:
+            return None
+        _go_live(top, built, entries, trees)
+        return built.tree
 
 
 def scan(top: str, tree: str, uid: int, gid: int) -> dict[str, Entry]:
@@ -190,7 +230,8 @@ def _entry(rel: str, st: os.stat_result, path: str) -> Entry | None:
             target = os.readlink(path)
         except OSError:
             return None
-    return Entry(rel, kind, stat.S_IMODE(mode), st.st_size, st.st_atime_ns, st.st_mtime_ns, st.st_ino, target)
+    size, ino = st.st_size, st.st_ino
+    return Entry(rel, kind, stat.S_IMODE(mode), size, st.st_atime_ns, st.st_mtime_ns, ino, target, st.st_ctime_ns)
 
 
 def _warn_once(tree: str, what: str) -> None:
@@ -205,44 +246,73 @@ def _warn_once(tree: str, what: str) -> None:
     )
 
 
-def _build(top: str, entries: Sequence[Entry]) -> str | None:
-    """The layer of ``entries`` of ``top``: made once per distinct set (their looks and inodes
-    key it), in a fresh directory renamed into place, so a layer a live box stacks is never changed."""
+@dataclass
+class _Built:
+    """A layer on disk: its root, when its copies were made and the files it does not hold."""
+
+    tree: str
+    copied_ns: int
+    absent: set[str]
+
+
+def _build(top: str, entries: Sequence[Entry]) -> _Built | None:
+    """The layer of ``entries`` of ``top`` (the caller holds ``_BUILD``): made once per distinct set
+    (their looks and inodes key it), in a fresh directory renamed into place, or one made before and
+    never changed since (its ``ready`` mark says when its copies were made and which files it lacks)."""
     from pytest_boxlite.runtimes.namespace.layout import private_tmp
 
-    # Not the access times: reading a file (a box's lookups, the copy itself) may change them.
-    looks = [(e.rel, e.kind, e.mode, e.size, e.mtime_ns, e.ino, e.target) for e in entries]
-    key = hashlib.sha256(repr((top, looks)).encode()).hexdigest()[:20]
+    key = hashlib.sha256(repr(("v2", top, [e.look() for e in entries])).encode()).hexdigest()[:20]
     base = private_tmp() / "regroup" / hashlib.sha256(top.encode()).hexdigest()[:12]
     layer = base / key
-    with _BUILD:
-        if (layer / "ready").is_file():
-            with contextlib.suppress(OSError):
-                os.utime(layer / "ready")
-            return str(layer / "tree")
-        base.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = base / f"{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        try:
-            left = _populate(top, tmp / "tree", entries)
-            (tmp / "ready").write_text("")
-            os.rename(tmp, layer)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if (layer / "ready").is_file():
-                return str(layer / "tree")  # another process built it meanwhile
-            _warn_once(top, f"no copy-on-write layer could be made for the files of {top} ({exc})")
-            return None
-        if left:
-            _warn_once(top, f"{left} files of {top} past the {MAX_COPY_BYTES >> 20} MiB copy cap were not copied")
-        _prune(base, keep=layer)
-    return str(layer / "tree")
+    made = _ready(layer)
+    if made is not None:
+        with contextlib.suppress(OSError):
+            os.utime(layer / "ready")
+        return made
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if layer.exists():
+        # One made of these entries and changed in place since (see _go_live): a box that stacks it
+        # may still be live, so it stays as it is, and this one is made beside it.
+        layer = base / f"{key}.{secrets.token_hex(4)}"
+    tmp = base / f"{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    copied_ns = time.time_ns()
+    try:
+        absent, left = _populate(top, tmp / "tree", entries)
+        (tmp / "ready").write_text(json.dumps({"copied_ns": copied_ns, "absent": sorted(absent)}))
+        os.rename(tmp, layer)
+    except OSError as exc:
+        _make_removable(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover is pruned with the stale layers
+        made = _ready(layer)
+        if made is not None:
+            return made  # another process built it meanwhile
+        _warn_once(top, f"no copy-on-write layer could be made for the files of {top} ({exc})")
+        return None
+    if left:
+        _warn_once(top, f"{left} files of {top} past the {MAX_COPY_BYTES >> 20} MiB copy cap were not copied")
+    _prune(base, keep=layer)
+    return _Built(str(layer / "tree"), copied_ns, absent)
 
 
-def _populate(top: str, root: Path, entries: Sequence[Entry]) -> int:
-    """Make ``entries`` under ``root``; returns how many files were left out for the copy cap."""
+def _ready(layer: Path) -> _Built | None:
+    """The layer at ``layer`` if it is complete and was never changed in place, else ``None``."""
+    try:
+        with open(layer / "ready", "rb") as fh:
+            raw = fh.read(64 << 20)  # our own file in the user's private directory; bounded all the same
+        mark = json.loads(raw)
+        copied_ns, absent = int(mark["copied_ns"]), {str(a) for a in mark["absent"]}
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # absent, half written or of an older version: made anew
+    return _Built(str(layer / "tree"), copied_ns, absent)
+
+
+def _populate(top: str, root: Path, entries: Sequence[Entry]) -> tuple[set[str], int]:
+    """Make ``entries`` under ``root``; returns the files not copied (unreadable, changed meanwhile
+    or past the copy cap) and how many of them were left out for the cap."""
     root.mkdir(parents=True, mode=0o700)
     budget = MAX_COPY_BYTES
     left = 0
+    absent: set[str] = set()
     dirs: list[Entry] = []
     for e in entries:  # sorted: a directory comes before what is in it
         dst = os.path.join(root, e.rel)
@@ -258,15 +328,18 @@ def _populate(top: str, root: Path, entries: Sequence[Entry]) -> int:
             os.utime(dst, ns=(e.atime_ns, e.mtime_ns))
         elif e.size > budget:
             left += 1
+            absent.add(e.rel)
         elif _copy_file(os.path.join(top, e.rel), dst, e):
             budget -= e.size
+        else:
+            absent.add(e.rel)
     # Modes and times last, deepest first: a directory's own mode may forbid making what is in it,
     # and making it changes its time.
     for e in reversed(dirs):
         dst = os.path.join(root, e.rel)
         os.chmod(dst, e.mode & 0o7777)
         os.utime(dst, ns=(e.atime_ns, e.mtime_ns))
-    return left
+    return absent, left
 
 
 def _copy_file(src: str, dst: str, e: Entry) -> bool:
@@ -321,3 +394,438 @@ def _make_removable(p: Path) -> None:
             with contextlib.suppress(OSError):
                 if not os.path.islink(full):
                     os.chmod(full, 0o700)
+
+
+# --- keeping the layers of live boxes current ---------------------------------------------------
+
+_IN_MODIFY, _IN_ATTRIB, _IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+_IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x40, 0x80, 0x100, 0x200
+_IN_DELETE_SELF, _IN_MOVE_SELF, _IN_Q_OVERFLOW, _IN_IGNORED = 0x400, 0x800, 0x4000, 0x8000
+_IN_ONLYDIR, _IN_DONT_FOLLOW, _IN_EXCL_UNLINK = 0x01000000, 0x02000000, 0x04000000
+#: What changes a directory's entries or the entries themselves (not reads, not opens).
+_WATCH_MASK = (
+    _IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE
+    | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_ONLYDIR | _IN_DONT_FOLLOW | _IN_EXCL_UNLINK
+)  # fmt: skip
+_EVENT = struct.Struct("=iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
+#: Event bytes read per settle: past it, every layer is compared whole instead.
+_MAX_EVENT_BYTES = 4 << 20
+#: How long a settle waits for another process of this user changing the same layer.
+_LOCK_WAIT_S = 5.0
+
+
+@dataclass(eq=False)
+class _Live:
+    """A layer that boxes of this process stack, and what it holds (as the host had it when copied)."""
+
+    top: str
+    tree: str
+    trees: tuple[str, ...]
+    held: dict[str, Entry]
+    absent: dict[str, Entry]  # files of the scan it does not hold (unreadable, past the cap)
+    used: int
+    copied_ns: int
+    polled: bool = False  # no watches: every settle compares each entry's look
+    changed: bool = False  # changed in place: no later box start takes it by its key
+    failed: bool = False  # a change could not be made: said once, no longer kept current
+    dirty: set[str] = field(default_factory=set)
+    forced: set[str] = field(default_factory=set)  # copied again even where the look is the same
+    full: bool = False  # compare everything (events were lost, a watched directory moved)
+
+    def matches(self, entries: dict[str, Entry]) -> bool:
+        """Whether this layer is what a box start that scanned ``entries`` would stack."""
+        if self.failed or len(entries) != len(self.held) + len(self.absent):
+            return False
+        for rel, e in entries.items():
+            mine = self.held.get(rel) or self.absent.get(rel)
+            if mine is None or mine.look() != e.look():
+                return False
+        return True
+
+
+_LIVE: dict[str, _Live] = {}
+#: A watch on a host directory: its copy-on-write directory and the directory's path in it.
+_WDS: dict[int, tuple[str, str]] = {}
+_WATCHER: _Inotify | None = None
+_NO_INOTIFY: list[str] = []  # why there is none (said in the polled layers' stead)
+
+
+class _Inotify:
+    """This process's inotify instance (non-blocking, closed on exec)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self.fd: int = fd
+
+    def add(self, path: str) -> int:
+        import ctypes
+
+        wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), _WATCH_MASK)
+        if wd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+        return int(wd)
+
+    def events(self) -> Iterator[tuple[int, int, str]] | None:
+        """``(wd, mask, name)`` of what is queued (``None``: more than a settle reads, compare all)."""
+        out: list[tuple[int, int, str]] = []
+        total = 0
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return iter(out)
+            total += len(buf)
+            if total > _MAX_EVENT_BYTES:
+                return None
+            i = 0
+            while i + _EVENT.size <= len(buf):
+                wd, mask, _cookie, n = _EVENT.unpack_from(buf, i)
+                raw = buf[i + _EVENT.size : i + _EVENT.size + n].split(b"\0", 1)[0]
+                out.append((wd, mask, os.fsdecode(raw)))
+                i += _EVENT.size + n
+
+
+def settle() -> None:
+    """Bring every layer this process's boxes stack up to what the host has now (before a box is
+    forked from a warm one: its test must read the host's files as they are).  Cheap where nothing
+    changed: one read of the queued events."""
+    if not _LIVE:
+        return
+    with _BUILD:
+        _settle_locked()
+
+
+def _go_live(top: str, built: _Built, entries: dict[str, Entry], trees: Iterable[str]) -> None:
+    """Keep ``built`` current from now on: watch the host directories it has copies of, then
+    compare what it holds with the host (what changed since the scan, or within a clock tick of
+    its copies, is copied again)."""
+    global _WATCHER
+    held = {r: e for r, e in entries.items() if r not in built.absent}
+    absent = {r: e for r, e in entries.items() if r in built.absent}
+    used = sum(e.size for e in held.values() if e.kind == "file")
+    live = _Live(top, built.tree, tuple(trees), held, absent, used, built.copied_ns)
+    if _WATCHER is None and not _NO_INOTIFY:
+        try:
+            _WATCHER = _Inotify()
+        except OSError as exc:
+            _NO_INOTIFY.append(str(exc))
+        else:
+            threading.Thread(target=_watch_loop, args=(_WATCHER,), name="boxlite-regroup", daemon=True).start()
+    for rel, e in held.items():
+        if e.kind == "dir":
+            _watch(live, rel)
+    _watch(live, "")  # the top itself: entries made or removed right in it
+    live.dirty |= set(entries)
+    live.forced |= {r for r, e in held.items() if e.kind == "file" and e.ctime_ns >= built.copied_ns - _RACY_NS}
+    _LIVE[built.tree] = live
+    _sync(live)
+
+
+def _watch(live: _Live, rel: str) -> None:
+    if _WATCHER is None:
+        live.polled = True
+        return
+    try:
+        wd = _WATCHER.add(os.path.join(live.top, rel) if rel else live.top)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            live.dirty.add(rel)  # gone meanwhile: the sync removes its copy
+        else:
+            live.polled = True  # watches used up (ENOSPC): compared at each settle instead
+        return
+    _WDS[wd] = (live.top, rel)
+
+
+def _watch_loop(watcher: _Inotify) -> None:
+    """The host changes files while boxes live: bring their copies up to date as it does."""
+    while True:
+        try:
+            select.select([watcher.fd], [], [])
+        except (OSError, ValueError):
+            return  # closed: this process no longer keeps layers current (see _forget_after_fork)
+        with _BUILD:
+            if _WATCHER is not watcher:
+                return
+            _settle_locked()
+
+
+def _settle_locked() -> None:
+    if _WATCHER is not None:
+        events = _WATCHER.events()
+        if events is None:
+            for live in _LIVE.values():
+                live.full = True
+        else:
+            for wd, mask, name in events:
+                _note(wd, mask, name)
+    for live in list(_LIVE.values()):
+        if live.failed:
+            continue
+        if live.polled:
+            live.dirty |= set(live.held) | set(live.absent)
+        if live.full:
+            live.full = False
+            live.dirty |= set(live.held) | set(live.absent)
+            for tree in live.trees:
+                live.dirty |= set(scan(live.top, tree, os.geteuid(), os.getegid()))
+            for rel, e in list(live.held.items()):
+                if e.kind == "dir":
+                    _watch(live, rel)  # a moved directory's watch names its new path
+        if live.dirty:
+            _sync(live)
+
+
+def _note(wd: int, mask: int, name: str) -> None:
+    """Mark what an event says changed in every live layer of its directory."""
+    if mask & _IN_Q_OVERFLOW:
+        for live in _LIVE.values():
+            live.full = True
+        return
+    where = _WDS.get(wd)
+    if where is None:
+        return
+    top, rel_dir = where
+    if mask & _IN_IGNORED:
+        del _WDS[wd]
+        return
+    rel = f"{rel_dir}/{name}" if rel_dir and name else name or rel_dir
+    for live in _LIVE.values():
+        if live.top != top:
+            continue
+        if mask & (_IN_MOVE_SELF | _IN_DELETE_SELF):
+            live.full = True  # its path is no longer the one watched
+        if rel:
+            live.dirty.add(rel)
+            if mask & (_IN_MODIFY | _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE):
+                live.forced.add(rel)  # written: copied again even if its times did not move (one tick)
+        if rel_dir:
+            live.dirty.add(rel_dir)  # its own times
+
+
+def _sync(live: _Live) -> None:
+    """Make ``live``'s copies of its dirty entries what the host has now (under its lock: other
+    processes of this user may stack and keep the same layer)."""
+    todo, forced = live.dirty, live.forced
+    live.dirty, live.forced = set(), set()
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        with _layer_lock(live):
+            fix: set[str] = set()
+            heap = [(r.count("/"), r) for r in todo if r]
+            heapq.heapify(heap)  # a directory before what is in it
+            seen: set[str] = set()
+            while heap:
+                _, rel = heapq.heappop(heap)
+                if rel in seen:
+                    continue
+                seen.add(rel)
+                if len(seen) > MAX_ENTRIES:
+                    _warn_once(live.top, f"more than {MAX_ENTRIES} entries of {live.top} changed at once")
+                    break
+                for more in _sync_one(live, rel, rel in forced, uid, gid, fix):
+                    heapq.heappush(heap, (more.count("/"), more))
+            for rel in sorted(fix, key=lambda r: -r.count("/")):  # deepest first: making it moves its time
+                _fix_dir(live, rel)
+    except OSError as exc:
+        live.failed = True
+        _warn_once(
+            live.top,
+            f"the re-owned copy of {live.top} could not be kept current ({exc}); its live boxes may see "
+            "files as they were when they started",
+        )
+
+
+@contextlib.contextmanager
+def _layer_lock(live: _Live) -> Iterator[None]:
+    fd = os.open(os.path.dirname(live.tree), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OSError(errno.ETIMEDOUT, "another process holds the layer's lock") from None
+                time.sleep(0.005)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def _changing(live: _Live) -> None:
+    """Before the first change in place: no later box start may take this layer by its key."""
+    if not live.changed:
+        live.changed = True
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(os.path.dirname(live.tree), "ready"))
+
+
+def _sync_one(live: _Live, rel: str, forced: bool, uid: int, gid: int, fix: set[str]) -> set[str]:
+    """Bring the copy of ``rel`` up to date; returns entries to look at next (a new directory's)."""
+    host, dst = os.path.join(live.top, rel), os.path.join(live.tree, rel)
+    parent = os.path.dirname(rel)
+    if parent and parent not in live.held:
+        return set()  # its directory is not in the layer: the host's shows as it is
+    old = live.held.get(rel)
+    try:
+        st: os.stat_result | None = os.lstat(host)
+    except (FileNotFoundError, NotADirectoryError):
+        st = None
+    new = _entry(rel, st, host) if st is not None and st.st_uid == uid else None
+    if new is not None and st is not None and st.st_gid == gid and old is None:
+        new = None  # of the user's own group: the host's shows as it is
+    # A copy held already stays, brought up to date, even where the host's is now of the user's own
+    # group (an editor's save makes a new file): a live box's overlay keeps the copy's inode
+    # cached, so only a change made in it reaches that box.
+    if new is None or (old is not None and old.kind != new.kind):
+        live.absent.pop(rel, None)
+        if old is not None:
+            _changing(live)
+            _writable(live, parent, fix)
+            _drop(dst, old.kind)
+            del live.held[rel]
+            if old.kind == "file":
+                live.used -= old.size
+        if new is None:
+            return set()
+        old = None
+    if old is not None and not forced and old.look() == new.look() and rel not in live.absent:
+        return set()
+    if old is None and rel in live.absent and not forced and live.absent[rel].look() == new.look():
+        return set()  # not copied before (unreadable, past the cap) and not changed since
+    _changing(live)
+    _writable(live, parent, fix)
+    more: set[str] = set()
+    if new.kind == "dir":
+        if old is None:
+            os.mkdir(dst, 0o700)
+            with os.scandir(host) as it:  # what it holds: looked at next
+                more = {f"{rel}/{de.name}" for de in it}
+        live.held[rel] = new
+        fix.add(rel)
+        _watch(live, rel)
+        return more
+    if new.kind == "link":
+        tmp = f"{dst}.{secrets.token_hex(4)}.boxlite"
+        os.symlink(new.target, tmp)
+        os.utime(tmp, ns=(new.atime_ns, new.mtime_ns), follow_symlinks=False)
+        os.replace(tmp, dst)
+    elif new.kind == "fifo":
+        if old is None:
+            os.mkfifo(dst, 0o600)
+        os.chmod(dst, new.mode)
+        os.utime(dst, ns=(new.atime_ns, new.mtime_ns))
+    else:
+        copied = _refresh_file(live, host, dst, old.size if old is not None else 0)
+        if copied is None:
+            if old is not None:
+                _drop(dst, "file")  # the host's shows (its group unmapped): never an old content
+                del live.held[rel]
+                live.used -= old.size
+            live.absent[rel] = new
+            return set()
+        new = copied
+        live.used += new.size - (old.size if old is not None else 0)
+    live.absent.pop(rel, None)
+    live.held[rel] = new
+    return more
+
+
+def _writable(live: _Live, rel_dir: str, fix: set[str]) -> None:
+    """The copy of ``rel_dir`` (the layer's root for ``""``) writable by the user until _fix_dir."""
+    path = os.path.join(live.tree, rel_dir) if rel_dir else live.tree
+    if rel_dir:
+        fix.add(rel_dir)
+    if stat.S_IMODE(os.lstat(path).st_mode) & 0o700 != 0o700:
+        os.chmod(path, 0o700)
+
+
+def _fix_dir(live: _Live, rel: str) -> None:
+    """Give the copy of the directory ``rel`` the host's mode and times again."""
+    e = live.held.get(rel)
+    if e is None or e.kind != "dir":
+        return
+    try:
+        st = os.lstat(os.path.join(live.top, rel))
+    except OSError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        e = _entry(rel, st, os.path.join(live.top, rel)) or e
+        live.held[rel] = e
+    dst = os.path.join(live.tree, rel)
+    os.chmod(dst, e.mode & 0o7777)
+    os.utime(dst, ns=(e.atime_ns, e.mtime_ns))
+
+
+def _drop(dst: str, kind: str) -> None:
+    if kind == "dir":
+        _make_removable(Path(dst))
+        os.chmod(dst, 0o700)
+        shutil.rmtree(dst)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dst)
+
+
+def _refresh_file(live: _Live, src: str, dst: str, old_size: int) -> Entry | None:
+    """Copy ``src`` into ``dst`` in place (the same inode: a box that has the copy open or cached
+    reads the new content); its entry as copied, or ``None`` where it cannot be (unreadable for the
+    user, past the copy cap: then the caller removes the copy)."""
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if live.used - old_size + st.st_size > MAX_COPY_BYTES:
+            _warn_once(live.top, f"files of {live.top} grew past the {MAX_COPY_BYTES >> 20} MiB copy cap")
+            return None
+        e = _entry(os.path.relpath(src, live.top), st, src)
+        assert e is not None
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_IMODE(os.lstat(dst).st_mode) & 0o200 == 0:
+                os.chmod(dst, 0o600)  # a read-only file's copy: written by its owner all the same
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.ioctl(out, _FICLONE, fd)
+                os.ftruncate(out, os.fstat(fd).st_size)  # a longer old content does not stay behind
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS):
+                    raise
+                written = 0
+                while n := os.sendfile(out, fd, None, 1 << 20):
+                    written += n
+                os.ftruncate(out, written)
+            os.fchmod(out, e.mode & 0o7777)
+            os.utime(out, ns=(e.atime_ns, e.mtime_ns))
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+    return e
+
+
+def _forget_after_fork() -> None:
+    """A child forked from this process keeps no layer current (the parent does)."""
+    global _BUILD, _WATCHER
+    _BUILD = threading.Lock()
+    if _WATCHER is not None:
+        with contextlib.suppress(OSError):
+            os.close(_WATCHER.fd)
+    _WATCHER = None
+    _LIVE.clear()
+    _WDS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
