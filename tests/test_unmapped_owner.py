@@ -222,7 +222,7 @@ PKG = Path(__file__).resolve().parent / "pkg"
 
 @pytest.mark.boxlite
 def test_a_new_session_reads_the_edit():
-    assert (PKG / "other.txt").read_text() == "edited between sessions\\n"
+    assert (PKG / "other.txt").read_text() == {expected!r}
 """
 
 
@@ -230,7 +230,6 @@ def test_host_edits_of_re_owned_files_show_in_boxes(work: Workdir) -> None:
     """A boxed test forked from a warm box after the host changed a re-owned file reads what the
     host has (as for files that need no copy), a live sandbox too, and so does a later session."""
     work.write("test_edited.py", EDITED)
-    work.write("test_again.py", AGAIN)
     pkg = work.project / "pkg"
     pkg.mkdir()
     for name, text in [("data.txt", "v1\n"), ("gone.txt", "gone\n"), ("other.txt", "other\n")]:
@@ -243,10 +242,18 @@ def test_host_edits_of_re_owned_files_show_in_boxes(work: Workdir) -> None:
     assert "6 passed" in r.stdout
     assert (pkg / "data.txt").read_text() == "v3\n"  # the box's write stayed in the box
 
-    (pkg / "other.txt").write_text("edited between sessions\n")  # in place: group root's still
-    r = work.pytest("--boxlite-runtime=namespace", "-p", "no:randomly", "-rA", "test_again.py")
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert "1 passed" in r.stdout
+    other = pkg / "other.txt"
+    for text in ["edited between sessions\n", "same size and same time\n"]:
+        before = other.stat()
+        other.write_text(text)  # in place: its group stays root's
+        if len(text) == before.st_size:
+            # Only the change time tells this edit (as `cp -p` or an rsync of a same-sized file):
+            # the second session's layer must not be taken for this one's.
+            os.utime(other, ns=(before.st_atime_ns, before.st_mtime_ns))
+        work.write("test_again.py", AGAIN.format(expected=text))
+        r = work.pytest("--boxlite-runtime=namespace", "-p", "no:randomly", "-rA", "test_again.py")
+        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+        assert "1 passed" in r.stdout
 
 
 @pytest.fixture
@@ -319,3 +326,34 @@ def test_a_layer_without_watches_is_compared_at_each_settle(live_layer: tuple[Pa
     os.utime(host, ns=(st.st_atime_ns, st.st_mtime_ns))  # the times as before: the change time moved
     regroup.settle()
     assert (layer / "proj" / "sub" / "b.txt").read_text() == "b3"
+
+
+def test_a_box_start_after_an_edit_that_keeps_size_and_time_gets_the_new_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layer a box start stacks is keyed by its entries' looks, the change time included: an
+    edit that restores the modification time (``cp -p``, rsync) of a same-sized file is not missed
+    by a later process (one that did not watch the edit)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give files another group")
+    monkeypatch.setattr(regroup, "_RACY_NS", -(10**18))  # private: no copy counts as made within a tick
+    top = tmp_path / "top"
+    (top / "proj").mkdir(parents=True)
+    host = top / "proj" / "b.txt"
+    host.write_text("b1")
+    for p in [top / "proj", host]:
+        os.lchown(p, 0, 4243)
+    first = regroup.regroup_layer(str(top), [str(top / "proj")])
+    assert first is not None
+    regroup._LIVE.pop(first)  # private: a later process, which has no live layer of its own
+    assert (Path(first).parent / "ready").exists()  # unchanged: a later box start may take it by its key
+    before = host.stat()
+    host.write_text("bX")
+    os.utime(host, ns=(before.st_atime_ns, before.st_mtime_ns))
+    again = regroup.regroup_layer(str(top), [str(top / "proj")])
+    assert again is not None
+    try:
+        assert again != first
+        assert (Path(again) / "proj" / "b.txt").read_text() == "bX"
+    finally:
+        regroup._LIVE.pop(again, None)
