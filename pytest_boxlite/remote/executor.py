@@ -1,4 +1,16 @@
-"""The runtest protocol of boxed items: which box runs a test (lease policy), and logging its reports."""
+"""The runtest protocol of boxed items: which box runs a test (lease policy), and logging its reports.
+
+:class:`BoxedExecutor` drives each step of a boxed item's run, one call each into the module that
+owns it, which returns here without calling another step's module (``tests/test_item_path.py``
+measures that order):
+
+1. lease: the box (or fork parent) from the pool (:meth:`BoxedExecutor._lease`, ``_fork_parent``);
+2. fork and send RUN: :class:`~.worker_host.RemoteRunner` (``fork``, ``run_in``, ``run_item``);
+3. drain: :func:`.transport.drain` reads the test's messages, within every bound on them;
+4. end: ``RemoteRunner.end`` kills or reaps the box and reads how it ended and its log;
+5. report: :func:`.reports.finish` makes the complete reports, which are logged here (the shared
+   fixtures a warm interpreter set up are torn down at the last test that can use them).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +23,10 @@ import pytest
 
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.pool import Lease
-from pytest_boxlite.remote import reports
+from pytest_boxlite.remote import reports, transport
 from pytest_boxlite.remote.transport import BoxSpoke
 from pytest_boxlite.remote.transport import _report as report_of
-from pytest_boxlite.remote.worker_host import ForkedBox, RemoteRunner
+from pytest_boxlite.remote.worker_host import BoxRun, Ended, ForkedBox, RemoteRunner
 from pytest_boxlite.spec import BoxSpec
 
 if TYPE_CHECKING:
@@ -162,16 +174,19 @@ class BoxedExecutor:
                     ahead.append(later.nodeid)
             if self.runner.share_fixtures:
                 self._shared[lease.handle.name] = (lease, [n.nodeid for n in item.listchain()[:-1]])
-            out, box_name, exit_with = self._run_forked(item, lease, plan, module, nextitem if shared else None, ahead)
-            if lease.handle.name not in self.runner.live_workers():
+            out, ended = self._run_forked(item, lease, plan, module, nextitem if shared else None, ahead)
+            box_name, exit_with = ended.name, ended.exit
+            if not ended.worker_alive:
                 self._fork_parents.pop(plan.spec, None)
                 self._shared.pop(lease.handle.name, None)
                 lease.release()
         elif lease is not None:
             next_nodeid = nextitem.nodeid if shared and nextitem else None
-            out, exit_with = self.runner.run_item(item, lease, next_nodeid=next_nodeid, timeout=plan.timeout)
+            run = self.runner.run_item(item, lease, next_nodeid=next_nodeid, timeout=plan.timeout)
+            out, ended = self._drain_end_report(item, run, last=True)
+            exit_with = ended.exit
             self._held_failed |= any(r.failed for r in out)
-            dead = lease.handle.name not in self.runner.live_workers()
+            dead = not ended.worker_alive
             if not shared or dead or exit_with is not None:
                 # With --boxlite-keep, a box in which any test failed outlives the run (a dead one cannot).
                 self._drop(keep=self._held_failed and self.session.settings.keep and not dead)
@@ -248,7 +263,7 @@ class BoxedExecutor:
         module: str,
         nextitem: pytest.Item | None,
         ahead: list[str],
-    ) -> tuple[list[pytest.TestReport], str, tuple[str, int] | None]:
+    ) -> tuple[list[pytest.TestReport], Ended]:
         """Run ``item`` in a forked box: a new one per test, or the module's (module scope).
 
         ``nextitem`` is the next item when it shares this box (module scope, same module and spec);
@@ -257,21 +272,26 @@ class BoxedExecutor:
         next_nodeid = nextitem.nodeid if nextitem is not None else None
         held = self._held_fork
         if held is not None and (held[0], held[1]) == (module, plan.spec) and held[2].alive:
-            box = held[2]
-            out, exit_with = self.runner.run_in(box, item, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead)
+            run = self.runner.run_in(held[2], item, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead)
         else:
             self._close_fork()
-            forked, out, exit_with = self.runner.fork(
+            run = self.runner.fork(
                 item, lease, network=plan.spec.network, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead
             )
-            name = forked.name if forked is not None else f"{lease.handle.name}.{self.runner.forks}"
-            if forked is None:
-                return out, name, exit_with
-            box = forked
-            self._held_fork = (module, plan.spec, box)
-        if nextitem is None or exit_with is not None or not box.alive:
-            self._close_fork()
-        return out, box.name, exit_with
+        out, ended = self._drain_end_report(item, run, last=nextitem is None)
+        # The module's box stays for its next test; one that ended (or is done) is forgotten.
+        self._held_fork = (module, plan.spec, ended.box) if ended.box is not None else None
+        return out, ended
+
+    def _drain_end_report(self, item: pytest.Item, run: BoxRun, *, last: bool) -> tuple[list[pytest.TestReport], Ended]:
+        """The steps of a started run after the runner's: drain its messages (if it got as far as
+        a stream), end its box (``last``: a forked box is closed even where it finished), and make
+        its complete reports."""
+        if run.stream is not None:
+            deadline = run.start + run.timeout
+            run.outcome = transport.drain(run.stream, item, deadline, box=run.handle.name, seq=run.seq)
+        ended = self.runner.end(run, last=last)
+        return reports.finish(item, run.outcome, ended), ended
 
     def _close_fork(self) -> None:
         if self._held_fork is not None:

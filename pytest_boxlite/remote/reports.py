@@ -1,46 +1,40 @@
-"""Reports the host makes itself, and the words for how a box's test process ended."""
+"""Reports the host makes itself: an item's complete reports once its box has ended
+(:func:`finish`), and those for what a box did not report."""
 
 from __future__ import annotations
 
-import signal
-import time
 from collections.abc import Sequence
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+if TYPE_CHECKING:
+    from pytest_boxlite.remote.transport import Outcome
+    from pytest_boxlite.remote.worker_host import Ended
+
 PHASES = ("setup", "call", "teardown")
+TIMED_OUT = "timed out after {:.0f}s; the box was killed (--boxlite-timeout or the marker's timeout)"
 
 
-def describe_status(code: int | None, *, forked: bool = False) -> str:
-    """'exited with status 3' / 'was killed by SIGSEGV'.
-
-    A forked box's init exits with 128+N when the test process dies by signal N (pid 1 of a pid
-    namespace cannot die by its own signal), so for forks such codes name the signal.
-    """
-    if code is None:
-        return "died"
-    if forked and 128 < code <= 128 + 64:
-        code = 128 - code
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
-def how_it_died(status_file: Path, wait: float = 2.0) -> str:
-    """How a warm interpreter ended, read from the attach bridge's status file (bounded wait)."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            with open(status_file, "rb") as fh:  # written by our host-side bridge, not the guest
-                return describe_status(int(fh.read(32).strip()))
-        except (OSError, ValueError):
-            if time.monotonic() > deadline:
-                return describe_status(None)
-            time.sleep(0.02)
+def finish(item: pytest.Item, out: Outcome, ended: Ended) -> list[pytest.TestReport]:
+    """The complete reports of ``item``'s run: what its box said (``out``, as drained), completed
+    with failed reports that say what happened where it did not finish (``ended``: how the box
+    ended, its log), or its setup's failure where it could not be run."""
+    if ended.failure is not None:
+        return failed_phase(item, "setup", ended.failure, ended.log, ended.duration)
+    if out.error is not None:
+        return failed_phase(item, "setup", out.error, ended.log, ended.duration)
+    if out.done or out.exit is not None:
+        return out.reports
+    if out.timed_out:
+        why = TIMED_OUT.format(ended.timeout)
+    elif out.spoke is not None:
+        why = f"the box sent {out.spoke}; the box was killed"
+    else:
+        why = ended.how
+    # What the host refused (or a timeout) fails the test even after phases that passed.
+    refused = out.timed_out or out.spoke is not None
+    return complete(item, out.reports, why, ended.log, ended.duration, must_fail=refused, captured=out.last_words)
 
 
 def make_report(

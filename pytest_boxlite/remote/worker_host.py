@@ -4,9 +4,14 @@ Each box made for boxed tests gets a warm interpreter at boot: an execnet gatewa
 runtime's stdio bridge, running :mod:`pytest_boxlite.guest.worker`, which configures pytest from
 the host's own command line and collects the session once.  A test then costs one request on that
 channel (:meth:`RemoteRunner.run_item`), or one fork of that interpreter into a fresh box
-(:meth:`RemoteRunner.fork`, on runtimes that can fork).  Both read the test's messages with the
-same loop (:func:`pytest_boxlite.remote.transport.drain`) and complete what a dead or hung box did
-not report with failed reports that say what happened, with the box's log attached.
+(:meth:`RemoteRunner.fork`, on runtimes that can fork).
+
+This module owns the boxes' side of an item's run, and only that: those calls start the run (the
+box made or found, RUN sent) and hand the executor a :class:`BoxRun`; the executor has
+:func:`pytest_boxlite.remote.transport.drain` read the test's messages, then
+:meth:`RemoteRunner.end` ends the box (killed or reaped, its exit and its log read: an
+:class:`Ended`), and :func:`pytest_boxlite.remote.reports.finish` makes the reports.  Nothing here
+reads a test's messages (but a forked box's TOKEN, as it connects) or makes a report.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import re
 import secrets
 import shlex
+import signal
 import socket
 import sys
 import tempfile
@@ -35,8 +41,7 @@ from pytest_boxlite import guest, reach
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.guest import messages as msg
 from pytest_boxlite.pool import Lease
-from pytest_boxlite.remote import reports
-from pytest_boxlite.remote.transport import BoxSpoke, ChannelStream, ForkStream, Outcome, drain
+from pytest_boxlite.remote.transport import BoxSpoke, ChannelStream, ForkStream, Outcome, Stream
 from pytest_boxlite.runtimes.base import BoxHandle, ForkCell
 from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, minimal_dirs, worker_env
 
@@ -49,7 +54,6 @@ FORK_GRACE = 2.0
 #: run of trivial tests (making one takes longer than such a test), more only hold memory.
 AHEAD_MAX = 2
 _OOM = "the test process in the box was killed by the kernel's OOM killer (the box's memory cap)"
-_TIMED_OUT = "timed out after {:.0f}s; the box was killed (--boxlite-timeout or the marker's timeout)"
 
 
 @dataclasses.dataclass
@@ -140,6 +144,93 @@ class _Worker:
     #: Boxes asked for whose FORKED answer is still on the channel, oldest first: the answers come
     #: in order, and every other request on the channel reads them first.
     pending: list[ForkedBox] = dataclasses.field(default_factory=list)
+    #: The channel's messages as :func:`transport.drain` reads them (made once: it keeps no state).
+    stream: ChannelStream = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream = ChannelStream(self.channel)
+
+
+@dataclasses.dataclass
+class BoxRun:
+    """One item's run as the runner started it (:meth:`RemoteRunner.run_item`, :meth:`~RemoteRunner.fork`,
+    :meth:`~RemoteRunner.run_in`): the executor drains ``stream`` (if any) into ``outcome``, then
+    has :meth:`RemoteRunner.end` end it."""
+
+    handle: BoxHandle  # the leased box, or the forked box's fork parent
+    start: float
+    timeout: float
+    #: Whether it runs in a forked box (else on the leased box's channel).
+    forked: bool
+    #: The messages to drain, and the run's number they carry; None: nothing to read.
+    stream: Stream | None = None
+    seq: int = 0
+    #: What the box said: :func:`transport.drain`'s result once drained; for a run that went no
+    #: further, what stands for it (a box that never connected: a timeout; a RUN that could not be
+    #: sent: the broken connection).
+    outcome: Outcome = dataclasses.field(default_factory=Outcome)
+    #: Whether RUN was sent (or its sending failed): :meth:`RemoteRunner.end` settles the box then.
+    started: bool = False
+    box: ForkedBox | None = None  # the forked box the test was sent to
+    held: bool = False  # that box was forked for an earlier test of its module (module scope)
+    worker: _Worker | None = None  # the warm interpreter a leased box's test was sent to
+    #: Why the test could not be run (its setup fails with that), and the duration it reports.
+    failure: str | None = None
+    duration: float | None = None  # None: the time from ``start`` to the run's end
+    cell: ForkCell | None = None  # the forked box's own cell, whose log the reports quote
+
+
+@dataclasses.dataclass
+class Ended:
+    """What is left of a run once :meth:`RemoteRunner.end` has ended its box, for its reports."""
+
+    #: The box that ran the test (the ``boxlite_box`` property of its teardown report).
+    name: str
+    duration: float
+    timeout: float
+    #: Why the test could not be run (:attr:`BoxRun.failure`).
+    failure: str | None
+    #: How the box's test process ended, in words, for a run that ended without DONE.
+    how: str
+    #: The box log's tail since the test began, where the reports quote it (a run that did not finish).
+    log: tuple[str, str] | None
+    #: The forked box, still open for the next test of its module (module scope); else None.
+    box: ForkedBox | None
+    #: Whether the warm interpreter the test ran under is still usable.
+    worker_alive: bool
+    #: ``pytest.exit``'s reason and return code, if the test called it.
+    exit: tuple[str, int] | None
+
+
+def describe_status(code: int | None, *, forked: bool = False) -> str:
+    """'exited with status 3' / 'was killed by SIGSEGV'.
+
+    A forked box's init exits with 128+N when the test process dies by signal N (pid 1 of a pid
+    namespace cannot die by its own signal), so for forks such codes name the signal.
+    """
+    if code is None:
+        return "died"
+    if forked and 128 < code <= 128 + 64:
+        code = 128 - code
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def how_it_died(status_file: Path, wait: float = 2.0) -> str:
+    """How a warm interpreter ended, read from the attach bridge's status file (bounded wait)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with open(status_file, "rb") as fh:  # written by our host-side bridge, not the guest
+                return describe_status(int(fh.read(32).strip()))
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                return describe_status(None)
+            time.sleep(0.02)
 
 
 _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
@@ -380,22 +471,18 @@ class RemoteRunner:
         self._status_tmp.cleanup()
 
     # -- running --------------------------------------------------------------------------
-    def run_item(
-        self, item: pytest.Item, lease: Lease, *, next_nodeid: str | None, timeout: float
-    ) -> tuple[list[pytest.TestReport], tuple[str, int] | None]:
-        """Run ``item`` in the leased box's warm interpreter.
-
-        Returns a complete set of reports, and ``(reason, returncode)`` if the test called
-        ``pytest.exit``.
-        """
+    def run_item(self, item: pytest.Item, lease: Lease, *, next_nodeid: str | None, timeout: float) -> BoxRun:
+        """Start ``item`` in the leased box's warm interpreter: RUN sent on its channel, whose
+        messages the executor drains next (see :class:`BoxRun`)."""
         handle = lease.handle
         with self._lock:
             worker = self._workers.get(handle.name)
         if worker is None:
-            return self._failed(item, f"box {handle.name} has no running test worker", handle, 0.0), None
+            none = f"box {handle.name} has no running test worker"
+            return BoxRun(handle, 0.0, timeout, forked=False, failure=none, duration=0.0)
         why = self._reach(handle, item)
         if why is not None:
-            return self._failed(item, why, handle, 0.0), None
+            return BoxRun(handle, 0.0, timeout, forked=False, failure=why, duration=0.0)
         start = time.monotonic()
         self._seq += 1
         seq = self._seq
@@ -404,16 +491,10 @@ class RemoteRunner:
             fields["timeout"] = _left(start, timeout)  # the box sends its last words when it passes
             worker.channel.send((msg.RUN, fields))
         except (EOFError, OSError, execnet.RemoteError) as exc:
-            return self._failed(item, self._death_reason(handle, worker, exc), handle, 0.0), None
+            why = self._death_reason(handle, worker, exc)
+            return BoxRun(handle, start, timeout, forked=False, failure=why, duration=0.0)
         self._log_since[handle.name] = handle.log_size()  # the report quotes what this run logged
-        out = drain(ChannelStream(worker.channel), item, start + timeout, box=handle.name, seq=seq)
-        if out.hung_up is not None and worker.frames is not None and worker.frames.refused:
-            out.hung_up, out.spoke = None, worker.frames.refused
-        if out.timed_out or out.spoke:
-            self._kill(handle)
-        elif out.hung_up is not None:
-            out.hung_up = BoxSpoke(self._death_reason(handle, worker, out.hung_up))
-        return self._finish(item, out, handle, start, timeout, forked_code=None), out.exit
+        return BoxRun(handle, start, timeout, forked=False, stream=worker.stream, seq=seq, started=True, worker=worker)
 
     def fork(
         self,
@@ -424,8 +505,8 @@ class RemoteRunner:
         next_nodeid: str | None,
         timeout: float,
         ahead: Sequence[str] = (),
-    ) -> tuple[ForkedBox | None, list[pytest.TestReport], tuple[str, int] | None]:
-        """Run ``item`` first in a fresh box forked from the leased box's warm interpreter.
+    ) -> BoxRun:
+        """Start ``item`` in a fresh box forked from the leased box's warm interpreter.
 
         The fork gets new namespaces and empty writable layers, so it is as pristine as a newly
         booted box, at the cost of a fork (namespace runtime).  The box is the one made ahead for
@@ -434,9 +515,8 @@ class RemoteRunner:
         are forked while ``item`` runs (each a box of its own, which starts its test only on that
         test's ``RUN``).  Two ahead let one box be made while the next one's last steps and this
         test run side by side: making a box takes longer than running a trivial test in one.
-        Returns the forked box (``None`` when it could not start or died), ``item``'s reports
-        and ``pytest.exit``'s arguments if the test called it.  A live box takes more items
-        (:meth:`run_in`) until :meth:`close`.
+        Returns the run (see :class:`BoxRun`); once :meth:`end` has ended it, a box still open
+        takes more items (:meth:`run_in`) until :meth:`close`.
         """
         handle = lease.handle
         start = time.monotonic()
@@ -447,13 +527,13 @@ class RemoteRunner:
         if box is None:
             made = self._send_fork(handle, item.nodeid, network)
             if isinstance(made, str):
-                return None, self._failed(item, made, handle, 0.0), None
+                return BoxRun(handle, start, timeout, forked=True, failure=made, duration=0.0)
             box = made
         # With shared fixtures the answer comes once they are set up (a slow session fixture's
         # time): the test's own bound, as when its box set them up itself.
         why = self._resolve(box, timeout if self.share_fixtures else min(timeout, 30.0))
         if why is not None:
-            return None, self._failed(item, why, handle, 0.0), None
+            return BoxRun(handle, start, timeout, forked=True, failure=why, duration=0.0)
         if box.stream is None:
             try:
                 box.stream = self._accept_fork(
@@ -463,16 +543,15 @@ class RemoteRunner:
                 box.alive = False
                 self._retire(box)
                 self._fork_status(box.worker, msg.KILL, box.child)
-                out = Outcome(timed_out=True)
-                return None, self._finish(item, out, handle, start, timeout, forked_code=None, cell=box.cell), None
+                return BoxRun(handle, start, timeout, forked=True, outcome=Outcome(timed_out=True), cell=box.cell)
             if box.stream is None:
                 box.alive = False
                 self._retire(box)
                 died = self._fork_status(box.worker, msg.WAIT, box.child)
-                why = f"the box died before it could run the test: it {reports.describe_status(died, forked=True)}"
-                return None, self._failed(item, why, handle, time.monotonic() - start, cell=box.cell), None
-        done, exit_with = self.run_in(box, item, next_nodeid=next_nodeid, timeout=timeout, start=start, ahead=ahead)
-        return (box if box.alive else None), done, exit_with
+                why = f"the box died before it could run the test: it {describe_status(died, forked=True)}"
+                duration = time.monotonic() - start
+                return BoxRun(handle, start, timeout, forked=True, failure=why, duration=duration, cell=box.cell)
+        return self.run_in(box, item, next_nodeid=next_nodeid, timeout=timeout, start=start, ahead=ahead)
 
     def run_in(
         self,
@@ -483,12 +562,14 @@ class RemoteRunner:
         timeout: float,
         start: float | None = None,
         ahead: Sequence[str] = (),
-    ) -> tuple[list[pytest.TestReport], tuple[str, int] | None]:
-        """Run an item in a live forked box (the first, or another of its module: module scope).
+    ) -> BoxRun:
+        """Start an item in a live forked box (the first, or another of its module: module scope):
+        what is done of earlier boxes is ended first, then RUN is sent.
 
         ``ahead``: as for :meth:`fork`, the boxes for those tests are forked once this item has started.
         """
         assert box.stream is not None and box.alive
+        held = start is None
         if start is None:  # another test of a module's box: its report quotes what it logged
             start = time.monotonic()
             self._log_since[box.handle.name] = box.handle.log_size()
@@ -496,26 +577,75 @@ class RemoteRunner:
         if self._end_now:
             self._end_now = False
             self._reap_lingering()  # boxes without cgroups that are done: ended before this test runs
-        why = self._reach(box.handle, item, box)
+        handle = box.handle
+        run = BoxRun(handle, start, timeout, forked=True, box=box, held=held, cell=box.cell)
+        why = self._reach(handle, item, box)
         if why is not None:
             box.alive = False
             self._retire(box)
             self._fork_status(box.worker, msg.KILL, box.child)
-            return self._failed(item, why, box.handle, 0.0, cell=box.cell), None
+            run.failure, run.duration = why, 0.0
+            return run
         self._seq += 1
-        seq = self._seq
+        run.seq = seq = self._seq
         fields = {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq, **_service_fields(self.config, item=item)}
         fields["timeout"] = _left(start, timeout)  # the box sends its last words when it passes
         line = json.dumps([msg.RUN, fields]) + "\n"
+        run.started = True
         try:
             box.stream.conn.sendall(line.encode())
         except OSError as exc:
-            out = Outcome(hung_up=exc)
+            run.outcome = Outcome(hung_up=exc)  # nothing to drain: the box is settled as one that hung up
+            return run
+        if ahead:
+            self._fork_ahead(handle, ahead, box.network)
+        run.stream = box.stream
+        return run
+
+    def end(self, run: BoxRun, *, last: bool = True) -> Ended:
+        """End ``run`` once its messages are read (``run.outcome``): a box that timed out, was
+        refused or broke is killed (a forked one reaped, its exit read, its OOM kills counted into
+        ``run.outcome``), and what its reports need is gathered: how the box ended and, for a run
+        that did not finish, its log.  A forked box that finished stays open for its module's next
+        test unless ``last`` (or the test called ``pytest.exit``)."""
+        out = run.outcome
+        box = run.box
+        code: int | None = None
+        if run.started and box is not None:
+            code = self._settle(box, out, run.start)
+        elif run.started and run.worker is not None:
+            self._settle_channel(run.handle, run.worker, out)
+        duration = run.duration if run.duration is not None else time.monotonic() - run.start
+        if isinstance(out.hung_up, BoxSpoke):
+            how = str(out.hung_up)
         else:
-            if ahead:
-                self._fork_ahead(box.handle, ahead, box.network)
-            out = drain(box.stream, item, start + timeout, box=box.handle.name, seq=seq)
-        return self._settle(box, item, out, start, timeout)
+            how = f"the test process in the box {describe_status(code, forked=True)}"
+        finished = run.failure is None and out.error is None and (out.done or out.exit is not None)
+        log = None if finished else self._log(run.handle, run.cell)
+        if not run.forked:
+            name = run.handle.name
+        elif box is not None and (run.held or box.alive):
+            name = box.name
+        else:
+            name = f"{run.handle.name}.{self.forks}"
+        still_open = None
+        if box is not None and box.alive:
+            if last or out.exit is not None:
+                self.close(box)
+            else:
+                still_open = box
+        alive = run.handle.name in self.live_workers()
+        return Ended(name, duration, run.timeout, run.failure, how, log, still_open, alive, out.exit)
+
+    def _settle_channel(self, handle: BoxHandle, worker: _Worker, out: Outcome) -> None:
+        """A leased box whose test timed out or sent what the host refuses is killed; one whose
+        channel broke is asked how it died (``out.hung_up`` then says so)."""
+        if out.hung_up is not None and worker.frames is not None and worker.frames.refused:
+            out.hung_up, out.spoke = None, worker.frames.refused
+        if out.timed_out or out.spoke:
+            self._kill(handle)
+        elif out.hung_up is not None:
+            out.hung_up = BoxSpoke(self._death_reason(handle, worker, out.hung_up))
 
     def _reach(self, handle: BoxHandle, item: pytest.Item, box: ForkedBox | None = None) -> str | None:
         """Make the services ``item`` uses reachable in its box (``box``, forked from ``handle``'s
@@ -701,10 +831,9 @@ class RemoteRunner:
             self._end_now = self._end_now or unconfined
         self._retire(box)
 
-    def _settle(
-        self, box: ForkedBox, item: pytest.Item, out: Outcome, start: float, timeout: float
-    ) -> tuple[list[pytest.TestReport], tuple[str, int] | None]:
-        """The reports for what ``drain`` saw; a forked box that failed to finish is ended."""
+    def _settle(self, box: ForkedBox, out: Outcome, start: float) -> int | None:
+        """A forked box that failed to finish is ended: killed (a timeout, a refused stream) or
+        waited for (its exit code returned; an OOM kill said in ``out.hung_up``)."""
         code: int | None = None
         if out.timed_out or out.spoke:
             box.alive = False
@@ -721,38 +850,7 @@ class RemoteRunner:
                 box.stream.conn.close()
         if not box.alive:
             self._retire(box)
-        return self._finish(item, out, box.handle, start, timeout, forked_code=code, cell=box.cell), out.exit
-
-    def _finish(
-        self,
-        item: pytest.Item,
-        out: Outcome,
-        handle: BoxHandle,
-        start: float,
-        timeout: float,
-        *,
-        forked_code: int | None,
-        cell: ForkCell | None = None,
-    ) -> list[pytest.TestReport]:
-        """The complete reports for what ``drain`` saw (``cell``: the forked box's own, whose log
-        they quote)."""
-        duration = time.monotonic() - start
-        if out.error is not None:
-            return self._failed(item, out.error, handle, duration, cell=cell)
-        if out.done or out.exit is not None:
-            return out.reports
-        if out.timed_out:
-            why = _TIMED_OUT.format(timeout)
-        elif out.spoke is not None:
-            why = f"the box sent {out.spoke}; the box was killed"
-        elif isinstance(out.hung_up, BoxSpoke):
-            why = str(out.hung_up)
-        else:
-            why = f"the test process in the box {reports.describe_status(forked_code, forked=True)}"
-        # What the host refused (or a timeout) fails the test even after phases that passed.
-        refused = out.timed_out or out.spoke is not None
-        log = self._log(handle, cell)
-        return reports.complete(item, out.reports, why, log, duration, must_fail=refused, captured=out.last_words)
+        return code
 
     def _accept_fork(
         self, worker: _Worker, listener: socket.socket, token: str, child: int, deadline: float, parent: str
@@ -872,7 +970,7 @@ class RemoteRunner:
             self._workers.pop(handle.name, None)
         if handle.oom_kills() > 0:
             return _OOM
-        how = reports.how_it_died(worker.status_file)
+        how = how_it_died(worker.status_file)
         gone = "" if handle.alive(timeout=1.0) else "; the box itself is gone"
         return f"the test process in the box {how}{gone} (channel: {type(exc).__name__}: {str(exc)[:500]})"
 
@@ -888,11 +986,6 @@ class RemoteRunner:
         since = self._log_since.get(handle.name)
         tail = escape_controls(handle.log_tail(since=since or 0))
         return (f"boxlite log of {handle.name}", tail) if tail.strip() else None
-
-    def _failed(
-        self, item: pytest.Item, why: str, handle: BoxHandle, duration: float, *, cell: ForkCell | None = None
-    ) -> list[pytest.TestReport]:
-        return reports.failed_phase(item, "setup", why, self._log(handle, cell), duration)
 
     def _retire(self, box: ForkedBox) -> None:
         """A forked box is done: every process in its cgroups is killed now (no grace: nothing of
