@@ -288,6 +288,8 @@ def test_a_live_layer_follows_the_host(live_layer: tuple[Path, Path]) -> None:
     (top / "proj" / "a.txt").unlink()
     (top / "proj" / "sub" / "new.txt").write_text("n")
     os.chown(top / "proj" / "sub" / "new.txt", 0, 4243)
+    (top / "beside").mkdir()  # in the top, outside the trees the layer is for: never copied
+    os.chown(top / "beside", 0, 4243)
     regroup.settle()
 
     assert copy.read_text() == "b2, longer"
@@ -296,6 +298,7 @@ def test_a_live_layer_follows_the_host(live_layer: tuple[Path, Path]) -> None:
     assert stat.S_IMODE((layer / "proj" / "sub").stat().st_mode) == 0o750
     assert not (layer / "proj" / "a.txt").exists()
     assert (layer / "proj" / "sub" / "new.txt").read_text() == "n"
+    assert not (layer / "beside").exists()
     # Changed in place: no later box start takes it by its key; one that scans now gets this one
     # (what it holds is what the host has), with nothing to copy.
     assert not (layer.parent / "ready").exists()

@@ -675,6 +675,8 @@ def _sync_one(live: _Live, rel: str, forced: bool, uid: int, gid: int, fix: set[
     if parent and parent not in live.held:
         return set()  # its directory is not in the layer: the host's shows as it is
     old = live.held.get(rel)
+    if old is None and rel not in live.absent and not any(host.startswith(t.rstrip("/") + "/") for t in live.trees):
+        return set()  # beside the trees its boxes are made for (in a directory above them): not looked at
     try:
         st: os.stat_result | None = os.lstat(host)
     except (FileNotFoundError, NotADirectoryError):
@@ -701,7 +703,8 @@ def _sync_one(live: _Live, rel: str, forced: bool, uid: int, gid: int, fix: set[
         return set()
     if old is None and rel in live.absent and not forced and live.absent[rel].look() == new.look():
         return set()  # not copied before (unreadable, past the cap) and not changed since
-    _changing(live)
+    if old is None or old.look() != new.look():
+        _changing(live)  # a copy made again with the same look (a clock tick's doubt) keeps the key true
     _writable(live, parent, fix)
     more: set[str] = set()
     if new.kind == "dir":
