@@ -15,6 +15,7 @@ registers its ``DSession`` only where it distributes:
 from __future__ import annotations
 
 import fcntl
+import io
 import os
 import re
 import traceback
@@ -346,8 +347,10 @@ def _boxed_on(role: _SessionRole) -> Callable[[pytest.Item], bool]:
 
 
 class PdbNotice:
-    """``--pdb`` and boxed tests: pdb cannot reach a box, so each boxed failure gets a line saying
-    how to debug that test here, where pytest would have entered the debugger."""
+    """``--pdb`` and boxed tests in booted boxes (``--boxlite-fresh=boot``, ``--boxlite-keep``):
+    pdb cannot reach such a box, so each of their failures gets a line saying how to debug that
+    test here, where pytest would have entered the debugger.  A box forked per test (the default)
+    opens pytest's post-mortem itself, relayed to this terminal: no line for those."""
 
     def __init__(self, boxed: Callable[[pytest.Item], bool]) -> None:
         self._boxed = boxed
@@ -368,6 +371,10 @@ class PdbNotice:
             return
         if not self._boxed(item):
             return
+        from pytest_boxlite.remote.debug_relay import RELAYED
+
+        if item.stash.get(RELAYED, False):
+            return  # its box opened the debugger on this terminal
         self._told.add(report.nodeid)
         reporter = item.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
@@ -407,22 +414,31 @@ class GuestRole:
         self.terminal = terminal
 
     def pytest_enter_pdb(self, config: pytest.Config, pdb: object) -> None:
-        """``breakpoint()``, ``pdb.set_trace()`` and ``pytest.set_trace()`` in a box: where no debugger
-        can reach the user's terminal, the test fails at that line saying so, instead of pdb reading
-        end-of-file and quitting with a bare ``BdbQuit``."""
+        """``breakpoint()``, ``pdb.set_trace()`` and ``pytest.set_trace()`` in a box: in a box forked
+        per test the debugger is relayed to the host's terminal (``guest/debugger.py``); under xdist
+        it reads end-of-file, as in an unboxed xdist worker (``bdb.BdbQuit``); where no debugger can
+        reach the user's terminal (a booted box), the test fails at that line saying so."""
         if self.terminal:
             return  # the session's own box, with the user's stdin and stdout: pdb works as locally
+        from pytest_boxlite.guest import debugger
+
+        if debugger.current() is not None:
+            return  # relayed to the host (or end-of-file under xdist): see BoxDebugger
+        if debugger.under_xdist():
+            # As pdb in an unboxed xdist worker: its stdin has nothing, the test fails with BdbQuit.
+            pdb.stdin = io.StringIO("")  # type: ignore[attr-defined]
+            pdb.use_rawinput = False  # type: ignore[attr-defined]
+            return
         # pytest suspended capturing to hand the terminal to pdb; nobody resumes it if we refuse.
         capman = config.pluginmanager.getplugin("capturemanager")
         if capman is not None and hasattr(capman, "resume"):
             capman.resume()
         test = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0] or "this test"
-        under_xdist = "PYTEST_XDIST_WORKER" in os.environ
         pytest.fail(
             f"[boxlite] {test}: a debugger was asked for at {_caller()}, but this test runs in a box of "
-            "pytest-boxlite, which has no terminal of yours to debug in. To debug it, run it unboxed: "
-            f"pytest -p no:boxlite {'without -n ' if under_xdist else ''}{test}"
-            f"{' (xdist workers have no terminal either)' if under_xdist else ''}",
+            "pytest-boxlite booted for it, which has no terminal of yours to debug in (boxes forked per "
+            "test, the default, relay it). To debug it, run it unboxed: "
+            f"pytest -p no:boxlite {test}",
             pytrace=False,
         )
 

@@ -126,10 +126,12 @@ class _SessionRole:
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         lines = reporting.header(self.session, controller=isinstance(self, ControllerPlugin))
         lines += header_notes(self.session.choice.kind, self.session.default_spec)
-        if config.option.usepdb:
+        if config.option.usepdb and not self.session.fork_boxes:
+            # Boxes forked per test (the default) open pytest's post-mortem on this terminal
+            # (guest/debugger.py, remote/debug_relay.py); booted ones cannot.
             lines.append(
-                "boxlite: --pdb does not enter boxed tests (they run in a box without this terminal); "
-                "to debug one here, run it with -p no:boxlite"
+                "boxlite: --pdb does not enter boxed tests (they run in a box booted for them, without "
+                "this terminal); to debug one here, run it with -p no:boxlite"
             )
         return lines
 

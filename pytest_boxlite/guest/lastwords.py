@@ -15,23 +15,67 @@ import threading
 
 
 class LastWords:
-    """Watch one test run: at ``timeout`` seconds, send its phase's captured output with ``send``."""
+    """Watch one test run: at ``timeout`` seconds, send its phase's captured output with ``send``.
+
+    The time the test waits at a debugger's prompt for the host's user (:meth:`pause` to
+    :meth:`resume`) does not count, as pytest-timeout does not count it locally.
+    """
 
     def __init__(self, item, send, timeout):
+        import time
+
         self.item = item
         self.send = send
         self.done = threading.Event()
+        self.changed = threading.Condition()
+        self.paused_at = None
+        self.deadline = time.monotonic() + float(timeout or 0)
         self.thread = None
         if timeout is not None and timeout > 0:
-            self.thread = threading.Thread(target=self._watch, args=(float(timeout),), name="boxlite-lastwords")
+            self.thread = threading.Thread(target=self._watch, name="boxlite-lastwords")
             self.thread.daemon = True
             self.thread.start()
 
     def stop(self):
         self.done.set()
+        with self.changed:
+            self.changed.notify_all()
 
-    def _watch(self, timeout):
-        if self.done.wait(timeout):
+    def pause(self):
+        """The test waits for the user (at a debugger's prompt): the clock stops."""
+        import time
+
+        with self.changed:
+            if self.paused_at is None:
+                self.paused_at = time.monotonic()
+
+    def resume(self):
+        """The user answered: the clock runs on from where it stopped."""
+        import time
+
+        with self.changed:
+            if self.paused_at is not None:
+                self.deadline += time.monotonic() - self.paused_at
+                self.paused_at = None
+                self.changed.notify_all()
+
+    def _due(self):
+        """Wait until the (paused-aware) deadline passes or the run ends; True if it passed."""
+        import time
+
+        with self.changed:
+            while not self.done.is_set():
+                if self.paused_at is not None:
+                    self.changed.wait()
+                    continue
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    return True
+                self.changed.wait(left)
+            return False
+
+    def _watch(self):
+        if not self._due():
             return
         try:
             fields = self._captured()

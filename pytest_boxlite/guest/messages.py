@@ -45,6 +45,14 @@ guest -> host
     ``TORNDOWN {report}``             the answer to ``SHARED``: a serialized teardown report of
                                       ``nodeid`` (its output and errors), or ``None`` if nothing was
                                       torn down
+    ``DEBUG {op, ...}``               a forked box's debugger (``breakpoint()``, ``--pdb``), relayed
+                                      to the host's terminal (:mod:`pytest_boxlite.guest.debugger`):
+                                      ``enter {title}`` a session starts, ``sep {title}`` a separator
+                                      line, ``out {text}`` what it prints, ``read {}`` it waits for a
+                                      line, ``leave {}`` it continued
+host -> forked box (its socket, during a run, one line per ``DEBUG read``)
+    ``DEBUG {line}`` / ``DEBUG {eof: true}`` / ``DEBUG {interrupt: true}``
+                                      the user's line, the end of the host's stdin, or Ctrl-C
 """
 
 from typing import Any
@@ -70,9 +78,10 @@ TOKEN = "token"
 SHARED = "shared"
 TORNDOWN = "torndown"
 LASTWORDS = "lastwords"
+DEBUG = "debug"
 
 #: Messages a test may send while it runs (everything else ends or is foreign to a run).
-RUN_MESSAGES = (REPORT, WARNING, EXIT, OUTPUT, CACHE, COVERAGE, FILES, ERROR, DONE, LASTWORDS)
+RUN_MESSAGES = (REPORT, WARNING, EXIT, OUTPUT, CACHE, COVERAGE, FILES, ERROR, DONE, LASTWORDS, DEBUG)
 
 #: Longest text the guest puts in one report field (a section, the failure's text).
 FIELD_CAP = 1 << 20
@@ -84,6 +93,14 @@ WRITE_BACK = (".hypothesis/examples",)
 #: At most this many files and bytes come back per test.
 WRITE_BACK_FILES = 1000
 WRITE_BACK_BYTES = 16 << 20
+
+#: Longest text of one ``DEBUG out`` frame (the guest cuts what its debugger prints into such
+#: pieces), and of one line of the user's that the host sends back.
+DEBUG_TEXT_CAP = 1 << 16
+#: What the host prints of one boxed test's debugger sessions together (each frame counts at
+#: least :data:`DEBUG_FRAME_COST`): a box that prints on and on fails instead.
+DEBUG_OUTPUT_CAP = 16 << 20
+DEBUG_FRAME_COST = 80
 
 #: Longest JSON line the host accepts from a forked box (a report with capped fields fits).
 LINE_CAP = 16 << 20

@@ -320,6 +320,20 @@ def _new_files(since):
     return out
 
 
+def _relay_debugger(config, plugin, clock):
+    """In a forked box: relay the run's debugger to the host's terminal (guest/debugger.py, which
+    the box's pytest imports from the package, as it imports this plugin).  Returns that module
+    (``detach`` after the run), or ``None`` where it cannot be imported: then the plugin's
+    GuestRole says at the debugger's line why there is none."""
+    try:
+        from pytest_boxlite.guest import debugger
+    except ImportError as exc:
+        sys.stderr.write("pytest-boxlite: no debugger relay in this box: %r\n" % (exc,))
+        return None
+    debugger.attach(config, plugin.send, plugin.commands, clock, plugin.postmortem)
+    return debugger
+
+
 def _take_services(descriptions):
     """The host's descriptions of the services (``pytest_boxlite.service`` fixtures) of the item
     about to be set up: where the box's service fixtures find their addresses.  Where no conftest
@@ -376,6 +390,11 @@ def serve(channel):
             #: In such a box: fixtures wider than a function's that its test set up itself (asked
             #: for with ``request.getfixturevalue``): torn down at its teardown, as the box ends.
             self.own_wide = []
+            #: In a forked box: the reading side of its socket (the host's RUNs, and its answers to
+            #: the test's debugger, see guest/debugger.py).
+            self.commands = None
+            #: The host runs with --pdb (taken off here at configure; forked boxes relay it).
+            self.postmortem = False
 
         def _locked(self, send):
             """``send`` made safe for the live-output threads (one message at a time)."""
@@ -395,6 +414,7 @@ def serve(channel):
         # -- configuration: the host's invocation, minus what only the host does -------------
         @pytest.hookimpl(tryfirst=True)
         def pytest_configure(self, config):
+            self.postmortem = bool(getattr(config.option, "usepdb", False))
             for name, value in _HOST_ONLY_OPTIONS.items():
                 if hasattr(config.option, name):
                     setattr(config.option, name, value)
@@ -688,12 +708,15 @@ def serve(channel):
             since = time.time() - 1.0  # file systems keep mtimes coarser than the clock
             live = _LiveOutput(self.send) if item.config.option.capture in ("no", "tee-sys") else None
             last = LastWords(item, self.send, timeout)  # noqa: F821 - guest/lastwords.py
+            debugger = _relay_debugger(item.config, self, last) if self.commands is not None else None
             try:
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
             except pytest.exit.Exception as exc:
                 self.send(EXIT, reason=str(exc.msg), returncode=exc.returncode)  # noqa: F821
             finally:
                 last.stop()
+                if debugger is not None:
+                    debugger.detach(item.config)
                 if live is not None:
                     live.close()
             self._send_side_data(since)
@@ -777,6 +800,7 @@ def serve(channel):
                 # Every test, the first included, starts on the host's RUN: a box may be made
                 # ahead, while the test before it still runs, and must not start before its turn.
                 commands = conn.makefile("rb")
+                self.commands = commands  # the test's debugger reads the host's answers here too
                 while True:
                     line = commands.readline(1 << 20)
                     if not line:

@@ -23,7 +23,7 @@ import stat
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,6 +31,7 @@ import execnet
 import pytest
 
 from pytest_boxlite.guest import messages as msg
+from pytest_boxlite.remote.debug_relay import DebugRelay
 from pytest_boxlite.remote.reports import PHASES
 
 
@@ -38,8 +39,17 @@ class BoxSpoke(Exception):
     """A box sent something the host does not accept (malformed, oversized or foreign)."""
 
 
+#: A deadline (``time.monotonic()``), or what gives it now: a test's deadline moves on while its
+#: debugger waits for the user (see ``debug_relay``).
+Deadline = float | Callable[[], float]
+
+
+def _due(deadline: Deadline) -> float:
+    return deadline() if callable(deadline) else deadline
+
+
 class Stream(Protocol):
-    def messages(self, deadline: float) -> Iterator[tuple[str, dict[str, Any]]]:
+    def messages(self, deadline: Deadline) -> Iterator[tuple[str, dict[str, Any]]]:
         """Messages until the sender ends the stream; ``TimeoutError`` at ``deadline``."""
         ...
 
@@ -61,9 +71,9 @@ class ChannelStream:
     def __init__(self, channel: Any) -> None:
         self.channel = channel
 
-    def messages(self, deadline: float) -> Iterator[tuple[str, dict[str, Any]]]:
+    def messages(self, deadline: Deadline) -> Iterator[tuple[str, dict[str, Any]]]:
         while True:
-            left = deadline - time.monotonic()
+            left = _due(deadline) - time.monotonic()
             if left <= 0:
                 raise TimeoutError
             try:
@@ -79,8 +89,11 @@ class ForkStream:
     def __init__(self, conn: socket.socket) -> None:
         self.conn = conn
         self._buf = bytearray()
+        #: Called before each wait on the box (``DebugRelay.wait_input``: while the box's debugger
+        #: waits for the user's line, that is what the host waits for).
+        self.idle: Callable[[], None] | None = None
 
-    def messages(self, deadline: float) -> Iterator[tuple[str, dict[str, Any]]]:
+    def messages(self, deadline: Deadline) -> Iterator[tuple[str, dict[str, Any]]]:
         scanned = 0  # bytes of the buffer known to hold no newline: each byte is scanned once
         while True:
             end = self._buf.find(b"\n", scanned)
@@ -97,7 +110,9 @@ class ForkStream:
             scanned = len(self._buf)
             if len(self._buf) > msg.LINE_CAP:
                 raise BoxSpoke(f"a message longer than {msg.LINE_CAP} bytes")
-            left = deadline - time.monotonic()
+            if self.idle is not None:
+                self.idle()
+            left = _due(deadline) - time.monotonic()
             if left <= 0:
                 raise TimeoutError
             self.conn.settimeout(left)
@@ -185,14 +200,21 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
     """
     out = Outcome()
     stale = 0
+    # A box forked per test can relay its debugger to this terminal; its socket carries the answers.
+    relay = DebugRelay(item, stream.conn if isinstance(stream, ForkStream) else None)
+    if isinstance(stream, ForkStream):
+        stream.idle = relay.wait_input
     try:
-        for name, fields in stream.messages(deadline):
+        for name, fields in stream.messages(lambda: deadline + relay.paused):
             if fields.get("seq") != seq:
                 stale += 1
                 if stale > STALE_CAP:
                     raise BoxSpoke(f"more than {STALE_CAP} messages that belong to no running test")
                 continue
             try:
+                if name == msg.DEBUG:
+                    relay.handle(fields)
+                    continue
                 if _handle(out, item, name, fields, box):
                     break
             except BoxSpoke:
@@ -205,10 +227,18 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
         out.spoke = str(exc)
     except TimeoutError:
         out.timed_out = True
+        if isinstance(stream, ForkStream):
+            stream.idle = None
+        relay.close()
         if not out.last_words:
             _await_last_words(stream, item, out, seq)
     except (EOFError, OSError, execnet.RemoteError, execnet.HostNotFound) as exc:
         out.hung_up = exc
+    finally:
+        # The test is done (or its box): nothing more is relayed, and pytest's capture is back on.
+        if isinstance(stream, ForkStream):
+            stream.idle = None
+        relay.close()
     dropped = out.warnings - WARNINGS_CAP
     if dropped > 0 or out.warning_bytes > msg.WRITE_BACK_BYTES:
         _relay_warning(
@@ -316,6 +346,8 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
             _store_files(config, fields.get("files"))
     elif name == msg.EXIT:
         code = fields.get("returncode")
+        if code is None:
+            code = int(pytest.ExitCode.INTERRUPTED)  # pytest.exit() without one: what pytest ends with
         if not isinstance(code, int) or isinstance(code, bool):
             raise BoxSpoke(f"pytest.exit() with a returncode that is not an int: {reprlib.repr(code)}")
         out.exit = (str(fields.get("reason", ""))[:1000], code)

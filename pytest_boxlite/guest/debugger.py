@@ -1,0 +1,230 @@
+"""In a box forked per test: the test's debugger on the host's terminal, as locally.
+
+``breakpoint()``, ``pdb.set_trace()``, ``pytest.set_trace()`` and ``--pdb``'s post-mortem go
+through pytest's own debugging plugin in the box, which calls ``pytest_enter_pdb`` with the
+debugger it made.  :class:`BoxDebugger` (registered for one run) points that debugger's
+``stdin``/``stdout`` at the box's socket to the host: what it prints travels as ``DEBUG out``
+frames, and each line it reads is asked for with ``DEBUG read`` and answered by the host with one
+line of the user's (or the end of the host's stdin, or Ctrl-C).  The time spent waiting for that
+line does not count against the test's timeout (:class:`LastWords` pauses; the host pauses its own).
+
+Under pytest-xdist the host is a worker with no terminal: the debugger reads end-of-file, as it
+does in an unboxed xdist worker (the test fails with ``bdb.BdbQuit``), and nothing is relayed.
+
+Imported in the box's pytest (the package is on its ``sys.path``: this plugin runs there) by
+``guest/worker.py`` when it runs a test in a forked box.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pytest_boxlite.guest import messages as msg
+
+#: The relay of the run in progress in this process (``None`` outside a forked box's run).
+_current: BoxDebugger | None = None
+
+
+def current() -> BoxDebugger | None:
+    """The debugger relay of the test running in this forked box, if any."""
+    return _current
+
+
+def under_xdist() -> bool:
+    """The host is an xdist worker: it has no terminal to debug on (nor has an unboxed worker)."""
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+class _RelayOut(io.TextIOBase):
+    """The debugger's ``stdout``: text goes to the host in ``DEBUG out`` frames.
+
+    Kept until a newline, a read or :meth:`flush` (pdb flushes its prompt), so a frame carries a
+    line or more, never more than :data:`~pytest_boxlite.guest.messages.DEBUG_TEXT_CAP`.
+    """
+
+    def __init__(self, relay: BoxDebugger) -> None:
+        super().__init__()
+        self._relay = relay
+        self._buf: list[str] = []
+        self._size = 0
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> int:
+        text = str(text)
+        self._buf.append(text)
+        self._size += len(text)
+        if "\n" in text or self._size >= msg.DEBUG_TEXT_CAP:
+            self.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        text, self._buf, self._size = "".join(self._buf), [], 0
+        for start in range(0, len(text), msg.DEBUG_TEXT_CAP):
+            self._relay.frame("out", text=text[start : start + msg.DEBUG_TEXT_CAP])
+
+
+class _RelayIn(io.TextIOBase):
+    """The debugger's ``stdin``: each line is the host's answer to one ``DEBUG read``."""
+
+    def __init__(self, relay: BoxDebugger) -> None:
+        super().__init__()
+        self._relay = relay
+
+    def readable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def readline(self, size: int | None = -1) -> str:  # type: ignore[override]
+        return self._relay.read_line()
+
+
+class BoxDebugger:
+    """One run's debugger relay (a pytest plugin while the run lasts).
+
+    ``send``: the forked box's ``send(name, **fields)`` (it adds the run's number); ``commands``:
+    the socket's reading side, on which the host answers each ``DEBUG read`` with one line;
+    ``clock``: the run's :class:`LastWords`, paused while the user types; ``postmortem``: the host
+    runs with ``--pdb``.
+    """
+
+    def __init__(self, send: Callable[..., None], commands: Any, clock: Any, postmortem: bool) -> None:
+        self.send = send
+        self.commands = commands
+        self.clock = clock
+        self.postmortem = postmortem
+        self.xdist = under_xdist()
+        self.method = "set_trace"
+        self.broken = False  # the host stopped answering: every later read is end-of-file
+        self.lock = threading.Lock()
+
+    def frame(self, op: str, **fields: Any) -> None:
+        """Send one ``DEBUG`` frame (a closed socket: the host is gone, the debugger reads EOF)."""
+        if self.broken:
+            return
+        try:
+            self.send(msg.DEBUG, op=op, **fields)
+        except (OSError, ValueError):
+            self.broken = True
+
+    def read_line(self) -> str:
+        """One line from the host's user: ``""`` (end of file) if the host has none to give."""
+        with self.lock:
+            if self.broken or self.xdist:
+                return ""
+            self.frame("read")
+            self.clock.pause()
+            try:
+                raw = self.commands.readline(1 << 20)
+            except (OSError, ValueError):
+                raw = b""
+            finally:
+                self.clock.resume()
+            try:
+                name, fields = json.loads(raw)
+            except (ValueError, TypeError):
+                self.broken = True  # the host hung up (or spoke out of turn): nothing more to read
+                return ""
+            if name != msg.DEBUG or not isinstance(fields, dict):
+                self.broken = True
+                return ""
+            if fields.get("interrupt"):
+                raise KeyboardInterrupt  # Ctrl-C at the host's prompt: pdb says so and asks again
+            line = fields.get("line")
+            if fields.get("eof") or not isinstance(line, str):
+                return ""
+            return line[: msg.DEBUG_TEXT_CAP]
+
+    # -- pytest hooks, in the box --------------------------------------------------------
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_enter_pdb(self, config: pytest.Config, pdb: Any) -> None:
+        """Point the debugger pytest made at the host (or, under xdist, at end-of-file)."""
+        if self.xdist:
+            pdb.stdin = io.StringIO("")
+            pdb.use_rawinput = False
+            return
+        pdb.stdin = _RelayIn(self)
+        pdb.stdout = _RelayOut(self)
+        pdb.use_rawinput = False  # read pdb.stdin, not input(): the box has no terminal
+        capman = config.pluginmanager.getplugin("capturemanager")
+        capturing = config.option.capture != "no" and capman is not None
+        title = f"PDB {self.method}" + (" (IO-capturing turned off)" if capturing else "")
+        # Shown by the host as pytest's own ">>>>> PDB set_trace (IO-capturing turned off) >>>>>".
+        self.frame("enter", title=title)
+        self.method = "set_trace"
+
+    def pytest_leave_pdb(self, config: pytest.Config, pdb: Any) -> None:
+        """``continue``: the host shows pytest's ">>>>> PDB continue (IO-capturing resumed) >>>>>"."""
+        if not self.xdist:
+            capturing = config.option.capture != "no"
+            self.frame("leave", title="PDB continue" + (" (IO-capturing resumed)" if capturing else ""))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_exception_interact(self, node: Any, call: Any, report: Any) -> None:
+        """``--pdb``: before pytest's post-mortem (its ``PdbInvoke``, registered with this relay)
+        opens at the failing frame, show the host what pytest shows locally: the captured
+        output, the traceback, then "entering PDB"."""
+        if not self.postmortem or self.xdist or not isinstance(report, pytest.TestReport):
+            return
+        self.method = "post_mortem"
+        self.frame("enter")  # the session starts here: what pytest shows before its debugger
+        showcapture = node.config.option.showcapture
+        for name, content in (("stdout", report.capstdout), ("stderr", report.capstderr), ("log", report.caplog)):
+            if showcapture in (name, "all") and content:
+                self.frame("sep", title="captured " + name)
+                self._out(content if content.endswith("\n") else content + "\n")
+        self.frame("sep", title="traceback")
+        text = report.longreprtext
+        self._out(msg.cap(text if text.endswith("\n") else text + "\n", "of this failure"))
+        self.frame("sep", title="entering PDB")
+
+    def _out(self, text: str) -> None:
+        for start in range(0, len(text), msg.DEBUG_TEXT_CAP):
+            self.frame("out", text=text[start : start + msg.DEBUG_TEXT_CAP])
+
+
+def attach(
+    config: pytest.Config, send: Callable[..., None], commands: Any, clock: Any, postmortem: bool
+) -> BoxDebugger:
+    """Relay the debugger of the run about to start (see :class:`BoxDebugger`); :func:`detach` after."""
+    global _current
+    relay = BoxDebugger(send, commands, clock, postmortem)
+    config.pluginmanager.register(relay, "boxlite-debugger")
+    if postmortem and not relay.xdist and not config.pluginmanager.has_plugin("pdbinvoke"):
+        # pytest's own --pdb post-mortem: the box's pytest had --pdb taken off at its configure
+        # (a box that cannot relay must not open a debugger), so it is registered per run here.
+        # _pytest.debugging.PdbInvoke is private (pytest 8.0 to 9 have it as is).
+        from _pytest.debugging import PdbInvoke
+
+        config.pluginmanager.register(PdbInvoke(), "boxlite-pdbinvoke")
+    _current = relay
+    return relay
+
+
+def detach(config: pytest.Config) -> None:
+    """The run is over: no more relaying (a debugger opened later reads end-of-file)."""
+    global _current
+    relay, _current = _current, None
+    if relay is not None:
+        relay.broken = True
+    for name in ("boxlite-debugger", "boxlite-pdbinvoke"):
+        plugin = config.pluginmanager.get_plugin(name)
+        if plugin is not None:
+            config.pluginmanager.unregister(plugin, name)

@@ -1,0 +1,276 @@
+"""Host side of a boxed test's debugger: the box's pdb on this terminal (see guest/debugger.py).
+
+A box forked per test sends ``DEBUG`` frames on its socket while its test sits in a debugger:
+``enter`` (a session starts), ``sep``/``out`` (what it prints), ``read`` (it waits for a line),
+``leave`` (it continued).  :class:`DebugRelay` prints what it prints, with control characters
+escaped (a guest must not drive this terminal), and answers each ``read`` with one line of this
+process's stdin, read only then, while pytest's capture is suspended as pytest's own pdb support
+does.  The wait for that line is not counted against the test's timeout: :attr:`paused` is added
+to the deadline, and the host's ``pytest_enter_pdb`` hook is called (pytest-timeout stops its
+timer there, as it does for a local debugger).
+
+Everything a box sends is bounded: the text of one test's debugger sessions together
+(``DEBUG_OUTPUT_CAP``), each frame's; the host holds no more of it than one frame (what it
+prints it writes at once, so a box that prints fast waits on the terminal).  Under xdist (this
+process is a worker, it has no terminal) every ``read`` gets end-of-file, as pdb gets in an
+unboxed xdist worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import select
+import socket
+import time
+from typing import Any
+
+import pytest
+
+from pytest_boxlite.guest import messages as msg
+
+#: What a box's debugger output may not carry to this terminal as is: every control character but
+#: newline, tab and carriage return (as ``worker_host.escape_controls``, which escapes CR too and
+#: which this module cannot import: worker_host imports the transport, which imports this).
+_CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character but newline, tab and CR written as ``\\xNN``."""
+    return _CONTROLS.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+#: The tests whose box could relay a debugger to this terminal (they ran forked): ``--pdb``'s
+#: "no debugger here" line is not for them.
+RELAYED = pytest.StashKey[bool]()
+
+#: Longest line of the user's sent to a box (the rest of a longer one follows as the next line).
+LINE_CAP = msg.DEBUG_TEXT_CAP
+
+
+class _Refused(Exception):
+    """A box's ``DEBUG`` frame the host does not take (see :class:`DebugRelay.handle`)."""
+
+
+class _Stdin:
+    """This process's stdin, read in lines without ever blocking past a poll that said it can.
+
+    What one read brings beyond a line waits here for the next ``read`` (of any box: it is the
+    user's input to a debugger either way).
+    """
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.eof = False
+
+    def line(self) -> bytes | None:
+        """A complete line (or the rest at end of file), if one is here already."""
+        end = self.buf.find(b"\n")
+        if end < 0 and len(self.buf) >= LINE_CAP:
+            end = LINE_CAP - 1
+        if end >= 0:
+            end = min(end, LINE_CAP - 1)
+            line = bytes(self.buf[: end + 1])
+            del self.buf[: end + 1]
+            return line
+        if self.eof and self.buf:
+            line = bytes(self.buf)
+            self.buf.clear()
+            return line
+        return None
+
+    def fill(self) -> None:
+        """Read what stdin has (the caller polled it readable); an unreadable stdin is at its end."""
+        try:
+            chunk = os.read(0, 4096)
+        except OSError:
+            chunk = b""
+        if chunk:
+            self.buf += chunk
+        else:
+            self.eof = True
+
+
+_STDIN_KEY = pytest.StashKey[_Stdin]()
+
+
+def _stdin(config: pytest.Config) -> _Stdin:
+    found = config.stash.get(_STDIN_KEY, None)
+    if found is None:
+        found = config.stash[_STDIN_KEY] = _Stdin()
+    return found
+
+
+def can_debug_here(config: pytest.Config) -> bool:
+    """This process has the user's terminal to debug on: not an xdist worker (whose stdin is not
+    the user's), and pytest's debugging plugin is on."""
+    return (
+        not hasattr(config, "workerinput")
+        and "PYTEST_XDIST_WORKER" not in os.environ
+        and config.pluginmanager.has_plugin("debugging")
+    )
+
+
+class DebugRelay:
+    """One boxed test's debugger frames, from one box (``conn``: its socket, where the answers go)."""
+
+    def __init__(self, item: pytest.Item, conn: socket.socket | None) -> None:
+        self.item = item
+        self.config = item.config
+        self.conn = conn
+        self.enabled = conn is not None and can_debug_here(self.config)
+        self.active = False  # inside a session (``enter`` seen, no ``leave`` yet)
+        self.wanted = False  # the box waits for a line
+        self.paused = 0.0  # seconds spent waiting for the user: not the test's
+        self.printed = 0
+        self._suspended = False
+        self._entered = False  # the host's pytest_enter_pdb hook was called
+        if conn is not None:
+            item.stash[RELAYED] = True
+
+    # -- frames from the box ----------------------------------------------------------------
+    def handle(self, fields: dict[str, Any]) -> None:
+        """Act on one ``DEBUG`` frame; raises ``ValueError`` for one the host refuses."""
+        op = fields.get("op")
+        self.printed += msg.DEBUG_FRAME_COST
+        if self.printed > msg.DEBUG_OUTPUT_CAP:
+            raise ValueError(f"more than {msg.DEBUG_OUTPUT_CAP} bytes of debugger output for one test")
+        if self.conn is None:
+            raise ValueError("debugger frames from a box that runs no relayed debugger")
+        if self.wanted:
+            # A box waiting for its line prints nothing (its pdb is blocked reading): a frame now
+            # is foreign to the session.
+            raise ValueError(f"a debugger {str(op)[:20]!r} frame while it waits for input")
+        if op == "enter":
+            self._enter()
+            if fields.get("title") is not None:
+                self._sep(fields.get("title"), newline=True)
+        elif op in ("sep", "out", "read", "leave") and not self.active:
+            raise ValueError(f"a debugger {op!r} frame outside a debugger session")
+        elif op == "sep":
+            self._sep(fields.get("title"))
+        elif op == "out":
+            text = fields.get("text")
+            if not isinstance(text, str) or len(text) > 2 * msg.DEBUG_TEXT_CAP:
+                raise ValueError("debugger output that is not text of a frame's size")
+            self.printed += len(text)
+            if self.printed > msg.DEBUG_OUTPUT_CAP:
+                raise ValueError(f"more than {msg.DEBUG_OUTPUT_CAP} bytes of debugger output for one test")
+            self._write(text)
+        elif op == "read":
+            if self.enabled:
+                self.wanted = True
+            else:
+                self._answer({"eof": True})  # as pdb reads in an unboxed xdist worker
+        elif op == "leave":
+            self._sep(fields.get("title"), newline=True)
+            self._leave()
+        else:
+            raise ValueError(f"an unknown debugger frame {str(op)[:20]!r}")
+
+    def _enter(self) -> None:
+        self.active = True
+        if not self.enabled:
+            return
+        if not self._suspended:
+            capman = self.config.pluginmanager.getplugin("capturemanager")
+            if capman is not None:
+                # As pytest's own pdb support: the terminal, stdin included, is the debugger's.
+                capman.suspend_global_capture(in_=True)
+            self._suspended = True
+        if not self._entered:
+            self._entered = True
+            # pytest-timeout (and any plugin that watches for debuggers) stops its timer here.
+            self.config.hook.pytest_enter_pdb(config=self.config, pdb=self)
+
+    def _leave(self) -> None:
+        self.active = False
+        if not self.enabled:
+            return
+        self._resume()
+        if self._entered:
+            self._entered = False
+            self.config.hook.pytest_leave_pdb(config=self.config, pdb=self)
+
+    def _resume(self) -> None:
+        if self._suspended:
+            self._suspended = False
+            capman = self.config.pluginmanager.getplugin("capturemanager")
+            if capman is not None:
+                capman.resume_global_capture()
+
+    def _sep(self, title: object, newline: bool = False) -> None:
+        if not self.enabled:
+            return
+        words = escape_controls(str(title)[:200]).replace("\n", " ") if title is not None else ""
+        tw = self.config.get_terminal_writer()
+        if newline:
+            tw.line()  # as pytest's own pdb support starts (and ends) a session
+        tw.sep(">", words)
+
+    def _write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        tw = self.config.get_terminal_writer()
+        tw.write(escape_controls(text), flush=True)
+
+    def _answer(self, fields: dict[str, Any]) -> None:
+        assert self.conn is not None
+        line = json.dumps([msg.DEBUG, fields]) + "\n"
+        with contextlib.suppress(OSError):  # the box is gone: the stream says so next
+            self.conn.sendall(line.encode())
+
+    # -- while the box waits for a line -------------------------------------------------------
+    def wait_input(self) -> None:
+        """Called by the stream before it waits on the box: while the box waits for a line, wait
+        for the user's (or for the box: a frame, its end) and send it.  Every wait is a bounded
+        poll; Ctrl-C here goes to the box's debugger, as pdb takes it at its prompt."""
+        if not self.wanted or self.conn is None:
+            return
+        start = time.monotonic()
+        stdin = _stdin(self.config)
+        try:
+            while self.wanted:
+                line = stdin.line()
+                if line is not None or stdin.eof:
+                    self.wanted = False
+                    if line is None:
+                        self._answer({"eof": True})
+                    else:
+                        self._answer({"line": line.decode("utf-8", "replace")})
+                    return
+                poller = select.poll()
+                poller.register(0, select.POLLIN)
+                poller.register(self.conn.fileno(), select.POLLIN | select.POLLRDHUP)
+                try:
+                    events = poller.poll(1000)
+                except KeyboardInterrupt:
+                    self.wanted = False
+                    self._answer({"interrupt": True})
+                    return
+                for fd, event in events:
+                    if fd == 0:
+                        if event & select.POLLNVAL:
+                            stdin.eof = True
+                        else:
+                            stdin.fill()
+                    else:
+                        # The box ended (or sent something while it waits): the stream reads it.
+                        return
+        finally:
+            self.paused += time.monotonic() - start
+
+    def close(self) -> None:
+        """The test is done (or its box is): capture resumes, no more relaying."""
+        self.wanted = False
+        with contextlib.suppress(Exception):
+            if self.active:
+                self._write("\n")
+        self.active = False
+        self._resume()
+        if self._entered:
+            self._entered = False
+            self.config.hook.pytest_leave_pdb(config=self.config, pdb=self)
+        self.conn = None
