@@ -293,3 +293,53 @@ def test_under_xdist_as_unboxed(tmp_path: Path, home: Path) -> None:
         assert rc == pytest.ExitCode.USAGE_ERROR, out
         assert "--pdb is incompatible with distributing tests; try using -n0 or -nauto." in out, out
     no_leftovers(home, out)
+
+
+def test_ctrl_c_at_the_prompt_goes_to_pdb(tmp_path: Path, home: Path) -> None:
+    """Ctrl-C at a boxed test's prompt: pdb says ``--KeyboardInterrupt--`` and asks again, as
+    locally; the session goes on (``c``: the tests pass)."""
+    write(tmp_path, "test_breaks.py", BREAKS)
+    answers = [
+        (PROMPT, b"\x03", 0.5),
+        (b"--KeyboardInterrupt--", b"p some_local\n", 0.5),
+        (b"42", b"c\n", 0.0),
+        (PROMPT, b"c\n", 0.0),
+    ]
+    rc, raw = run_in_pty(argv(home, "test_breaks.py"), tmp_path, answers)
+    out = text(raw)
+    assert rc == 0, out
+    assert re.search(r"\b2 passed\b", out), out
+    assert out.count("--KeyboardInterrupt--") == 1, out
+    no_leftovers(home, out)
+
+
+DIES = """
+import os
+import threading
+import time
+
+import pytest
+
+
+@pytest.mark.boxlite
+def test_dies_at_the_prompt():
+    threading.Thread(target=lambda: (time.sleep(2), os._exit(3)), daemon=True).start()
+    breakpoint()
+
+
+@pytest.mark.boxlite
+def test_after():
+    pass
+"""
+
+
+def test_box_ending_at_the_prompt_ends_cleanly(tmp_path: Path, home: Path) -> None:
+    """The box's test process ends while the host waits for the user's line: no hang, the test
+    fails saying how it ended, capture is back on and the next test runs."""
+    write(tmp_path, "test_dies.py", DIES)
+    rc, raw = run_in_pty(argv(home, "test_dies.py"), tmp_path, timeout=120)
+    out = text(raw)
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert re.search(r"\b1 failed, 1 passed\b", out), out
+    assert "the test process in the box exited with status 3" in out, out
+    no_leftovers(home, out)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -96,6 +97,19 @@ class _RelayIn(io.TextIOBase):
         return self._relay.read_line()
 
 
+def _ignore_sigint() -> Any:
+    """Ignore SIGINT (the main thread only may; elsewhere nothing changes): the previous handler."""
+    try:
+        return signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:
+        return None
+
+
+def _restore_sigint(previous: Any) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGINT, previous)
+
+
 class BoxDebugger:
     """One run's debugger relay (a pytest plugin while the run lasts).
 
@@ -131,11 +145,15 @@ class BoxDebugger:
                 return ""
             self.frame("read")
             self.clock.pause()
+            # Ctrl-C on the user's terminal reaches this box too (its init passes it on): the
+            # host's relay takes it and answers "interrupt", so here it is ignored while waiting.
+            previous = _ignore_sigint()
             try:
                 raw = self.commands.readline(1 << 20)
             except (OSError, ValueError):
                 raw = b""
             finally:
+                _restore_sigint(previous)
                 self.clock.resume()
             try:
                 name, fields = json.loads(raw)

@@ -23,7 +23,9 @@ import json
 import os
 import re
 import select
+import signal
 import socket
+import termios
 import time
 from typing import Any
 
@@ -67,7 +69,8 @@ class _Stdin:
 
     def line(self) -> bytes | None:
         """A complete line (or the rest at end of file), if one is here already."""
-        end = self.buf.find(b"\n")
+        ends = [i for i in (self.buf.find(b"\n"), self.buf.find(b"\x03")) if i >= 0]
+        end = min(ends) if ends else -1  # Ctrl-C ends a line too (see _ctrl_c_ends_the_line)
         if end < 0 and len(self.buf) >= LINE_CAP:
             end = LINE_CAP - 1
         if end >= 0:
@@ -111,6 +114,27 @@ def can_debug_here(config: pytest.Config) -> bool:
         and "PYTEST_XDIST_WORKER" not in os.environ
         and config.pluginmanager.has_plugin("debugging")
     )
+
+
+_CTRL_C = b"\x03"
+
+
+def _ctrl_c_ends_the_line() -> list[Any] | None:
+    """While the box's debugger waits on a terminal: Ctrl-C ends the line (``VEOL``) instead of
+    sending SIGINT to the terminal's process group, which holds the boxes too (their warm
+    interpreters and the boxes forked ahead would die of it; locally only pdb sees it).  Returns
+    the terminal's settings to put back, or ``None`` where stdin is no terminal."""
+    try:
+        if not os.isatty(0):
+            return None
+        saved = termios.tcgetattr(0)
+        changed = termios.tcgetattr(0)
+        changed[3] &= ~termios.ISIG
+        changed[6][termios.VEOL] = _CTRL_C
+        termios.tcsetattr(0, termios.TCSANOW, changed)
+    except (OSError, termios.error):
+        return None
+    return saved
 
 
 class DebugRelay:
@@ -231,9 +255,24 @@ class DebugRelay:
             return
         start = time.monotonic()
         stdin = _stdin(self.config)
+        interrupted: list[int] = []
+        # Ctrl-C at the prompt is the debugger's, as pdb takes it locally: a flag, sent to the box
+        # as "interrupt" (no KeyboardInterrupt here, wherever this process is when it comes).
+        try:
+            previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+        except ValueError:  # not the main thread: Ctrl-C stays as it is
+            previous = None
+        terminal = _ctrl_c_ends_the_line()
         try:
             while self.wanted:
+                if interrupted:
+                    self.wanted = False
+                    self._answer({"interrupt": True})
+                    return
                 line = stdin.line()
+                if line is not None and line.endswith(_CTRL_C):
+                    interrupted.append(signal.SIGINT)  # Ctrl-C typed on this terminal
+                    continue
                 if line is not None or stdin.eof:
                     self.wanted = False
                     if line is None:
@@ -244,12 +283,7 @@ class DebugRelay:
                 poller = select.poll()
                 poller.register(0, select.POLLIN)
                 poller.register(self.conn.fileno(), select.POLLIN | select.POLLRDHUP)
-                try:
-                    events = poller.poll(1000)
-                except KeyboardInterrupt:
-                    self.wanted = False
-                    self._answer({"interrupt": True})
-                    return
+                events = poller.poll(200)  # bounded: the Ctrl-C flag is looked at between polls
                 for fd, event in events:
                     if fd == 0:
                         if event & select.POLLNVAL:
@@ -260,6 +294,11 @@ class DebugRelay:
                         # The box ended (or sent something while it waits): the stream reads it.
                         return
         finally:
+            if terminal is not None:
+                with contextlib.suppress(OSError, termios.error):
+                    termios.tcsetattr(0, termios.TCSANOW, terminal)
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
             self.paused += time.monotonic() - start
 
     def close(self) -> None:
