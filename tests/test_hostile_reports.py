@@ -417,6 +417,27 @@ def test_session_budgets_fail_the_test_that_overflows_them(tmp_path: Path) -> No
     assert sum(p.stat().st_size for p in cache.iterdir()) < 2 << 20
 
 
+@pytest.mark.escape_row("session-budget")
+def test_session_budgets_are_split_among_xdist_workers(tmp_path: Path) -> None:
+    """Under ``-n 2`` each worker keeps its own budget and the controller receives both: each may
+    keep half, so the session's sum stays within the caps (4 MiB of report text, 2 MiB of cache
+    values here).  Without the split each worker kept the whole cap: all four 1.8 MB section tests
+    passed (7.2 MB through the controller) and all three cache values were written."""
+    tests = {name: BUDGET_TESTS[name] for name in ("test_b1_sections.py", "test_b3_cache.py")}
+    run = sub_run(tmp_path / "split", tests, "-n", "2", timeout=300, HOSTILE_BUDGETS="1")
+    run.went_on()
+    names = [f"test_sections_{i}" for i in range(4)]
+    kept = [n for n in names if run.case(n).outcome == "passed"]
+    assert len(kept) <= 2, f"{kept} kept: more than 4 MiB through the controller\n{run.tail()}"
+    for name in set(names) - set(kept):
+        run.failed(name, "this xdist worker's boxed tests (1/2 of it)")
+    run.outcome("test_sections_quiet", "passed")
+    cache = run.work / ".pytest_cache" / "v" / "hostile"
+    written = list(cache.iterdir()) if cache.is_dir() else []
+    assert sum(p.stat().st_size for p in written) < 2 << 20, [p.name for p in written]
+    assert len(written) <= 2
+
+
 # --------------------------------------------------------------------------------------------
 # the vm bridge (host side of a VM's stdio): what it holds of a box's output is bounded too.
 # Its parts without a VM: the shim's frame decoder and the backlog between the SDK and the client.

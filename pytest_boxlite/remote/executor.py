@@ -243,6 +243,8 @@ class BoxedExecutor:
             try:
                 data = self.runner.teardown_shared(lease.handle, keep, item.nodeid, timeout)
                 rep = report_of(self.config, item, data) if data is not None else None
+                if rep is not None:  # kept like every report a box sends: within the session's budget
+                    transport.session_budget(self.config).take_report(transport.report_size(rep))
             except (BoxliteError, BoxSpoke) as exc:
                 rep = reports.make_report(item, "teardown", "failed", f"shared fixtures' teardown: {exc}", None, 0.0)
                 self._shared.pop(name, None)

@@ -165,12 +165,28 @@ SESSION_CACHE_BYTES = 64 << 20
 
 @dataclasses.dataclass
 class SessionBudget:
-    """What this session's host has kept so far of what boxes sent (see ``SESSION_*``)."""
+    """What this session's host has kept so far of what boxes sent (see ``SESSION_*``).
+
+    ``share``: under ``pytest -n N`` every xdist worker keeps its own budget and the controller
+    receives all of them, so each worker may keep ``1/N`` of each ``SESSION_*`` cap: the session's
+    sum stays within the caps (a worker that gets the heaviest tests reaches its share first).
+    """
 
     report_bytes: int = 0
     warnings: int = 0
     warning_bytes: int = 0
     cache_bytes: int = 0
+    share: int = 1
+
+    def cap(self, total: int) -> int:
+        """This process's part of the session-wide cap ``total``."""
+        return total // self.share
+
+    def take_report(self, size: int, what: str = "report text") -> None:
+        """Count ``size`` bytes of report text, or raise :class:`BoxSpoke` (naming ``what``) over the budget."""
+        if self.report_bytes + size > self.cap(SESSION_REPORT_BYTES):
+            raise over_budget(what, self.report_bytes, size, SESSION_REPORT_BYTES, self.share)
+        self.report_bytes += size
 
 
 _BUDGET_KEY = pytest.StashKey[SessionBudget]()
@@ -180,15 +196,24 @@ def session_budget(config: pytest.Config) -> SessionBudget:
     """This session's :class:`SessionBudget` (kept in ``config.stash``: one per session, not per module)."""
     budget = config.stash.get(_BUDGET_KEY, None)
     if budget is None:
-        budget = config.stash[_BUDGET_KEY] = SessionBudget()
+        budget = config.stash[_BUDGET_KEY] = SessionBudget(share=_workers(config))
     return budget
 
 
-def over_budget(what: str, used: int | str, adding: int, cap: int) -> BoxSpoke:
-    """The clear failure of the test whose message would take the session over a budget."""
+def _workers(config: pytest.Config) -> int:
+    """How many xdist workers share this session's budgets: 1 unless this process is one of them."""
+    workerinput = getattr(config, "workerinput", None)  # set by pytest-xdist on its workers
+    count = workerinput.get("workercount") if isinstance(workerinput, dict) else None
+    return count if isinstance(count, int) and count > 0 else 1
+
+
+def over_budget(what: str, used: int | str, adding: int, cap: int, share: int = 1) -> BoxSpoke:
+    """The clear failure of the test whose message would take the session over a budget
+    (``share``: the xdist workers that split it, see :class:`SessionBudget`)."""
+    whose = "all boxed tests of this session" if share == 1 else f"this xdist worker's boxed tests (1/{share} of it)"
     return BoxSpoke(
-        f"{what} over the session's budget: {adding} more after {used} of {cap} kept for all boxed "
-        "tests of this session (it bounds the host's memory and disk); what this message held was not kept"
+        f"{what} over the session's budget: {adding} more after {used} of {cap // share} kept for {whose} "
+        f"(the session's cap, {cap}, bounds the host's memory and disk); what this message held was not kept"
     )
 
 
@@ -291,12 +316,16 @@ def _last_words(config: pytest.Config, fields: dict[str, Any]) -> list[tuple[str
         if isinstance(text, str) and text:
             sections.append((f"Captured {title} {when}", msg.cap(_text(text))))
     size = sum(len(c) for _, c in sections)
-    budget = session_budget(config)
-    if budget.report_bytes + size > SESSION_REPORT_BYTES:
-        refused = over_budget("the timed-out test's output", budget.report_bytes, size, SESSION_REPORT_BYTES)
+    try:
+        session_budget(config).take_report(size, "the timed-out test's output")
+    except BoxSpoke as refused:
         return [("boxlite", str(refused))]
-    budget.report_bytes += size
     return sections
+
+
+def report_size(rep: pytest.TestReport) -> int:
+    """The text of ``rep`` the host keeps (what the session's report budget counts)."""
+    return len(rep.longreprtext) + sum(len(c) for _, c in rep.sections)
 
 
 def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], box: str) -> bool:
@@ -305,14 +334,11 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
     if name == msg.REPORT:
         # Many reports are legitimate (a subtest each, reruns); their total size is what is bounded.
         rep = _report(config, item, fields.get("data"))
-        size = len(rep.longreprtext) + sum(len(c) for _, c in rep.sections)
+        size = report_size(rep)
         out.report_bytes += size
         if len(out.reports) >= REPORTS_CAP or out.report_bytes > REPORT_BYTES_CAP:
             raise BoxSpoke(f"more than {REPORTS_CAP} reports or {REPORT_BYTES_CAP} bytes of them for one test")
-        budget = session_budget(config)
-        if budget.report_bytes + size > SESSION_REPORT_BYTES:
-            raise over_budget("report text", budget.report_bytes, size, SESSION_REPORT_BYTES)
-        budget.report_bytes += size
+        session_budget(config).take_report(size)
         out.reports.append(rep)
     elif name == msg.WARNING:
         text_size = len(str(fields.get("message", ""))) + len(str(fields.get("line", "")))
@@ -320,9 +346,10 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
         out.warning_bytes += text_size
         if out.warnings <= WARNINGS_CAP and out.warning_bytes <= msg.WRITE_BACK_BYTES:
             budget = session_budget(config)
-            if budget.warnings >= SESSION_WARNINGS or budget.warning_bytes + text_size > SESSION_WARNING_BYTES:
+            most = budget.cap(SESSION_WARNINGS)
+            if budget.warnings >= most or budget.warning_bytes + text_size > budget.cap(SESSION_WARNING_BYTES):
                 used = f"{budget.warnings} warnings and {budget.warning_bytes} bytes"
-                raise over_budget(f"a warning (at most {SESSION_WARNINGS})", used, text_size, SESSION_WARNING_BYTES)
+                raise over_budget(f"a warning (at most {most})", used, text_size, SESSION_WARNING_BYTES, budget.share)
             budget.warnings += 1
             budget.warning_bytes += text_size
             _relay_warning(item, fields)
@@ -563,8 +590,8 @@ def _store_cache(config: pytest.Config, values: object) -> None:
         total += size
     # Every value is checked before any is stored: a message over the budget stores nothing.
     budget = session_budget(config)
-    if budget.cache_bytes + total > SESSION_CACHE_BYTES:
-        raise over_budget("cache values", budget.cache_bytes, total, SESSION_CACHE_BYTES)
+    if budget.cache_bytes + total > budget.cap(SESSION_CACHE_BYTES):
+        raise over_budget("cache values", budget.cache_bytes, total, SESSION_CACHE_BYTES, budget.share)
     budget.cache_bytes += total
     for key, value in values.items():
         cache.set(key, value)
