@@ -332,10 +332,13 @@ def test_local_breakpoint():
 
 
 def test_breakpoint_in_a_boxed_test_says_why_and_how(tmp_path: Path, home: Path) -> None:
-    """On a terminal: a boxed test's breakpoint() and pdb.set_trace() fail at once naming the test,
-    the line and the way out; the local test's breakpoint() gets its debugger (the terminal works)."""
+    """On a terminal, in boxes booted per test (``--boxlite-fresh=boot``: no debugger relay there;
+    forked boxes get one, tests/test_pdb_relay.py): a boxed test's breakpoint() and pdb.set_trace()
+    fail at once naming the test, the line and the way out; the local test's breakpoint() gets its
+    debugger (the terminal works)."""
     write(tmp_path, "test_dbg.py", DEBUGGED)
-    rc, out = run_in_pty(pytest_argv(home, "test_dbg.py"), tmp_path, answers=[(b"(Pdb) ", b"c\n")])
+    argv = pytest_argv(home, "--boxlite-fresh=boot", "test_dbg.py")
+    rc, out = run_in_pty(argv, tmp_path, answers=[(b"(Pdb) ", b"c\n")])
     assert rc == pytest.ExitCode.TESTS_FAILED, out
     assert re.search(r"\b2 failed, 1 passed\b", out), out
     for name, line in (("test_boxed_breakpoint", 7), ("test_boxed_set_trace", 14)):
@@ -363,10 +366,11 @@ def test_local_fails():
 
 
 def test_pdb_with_boxed_tests_says_so_where_it_would_debug(tmp_path: Path, home: Path) -> None:
-    """--pdb on a terminal: a header line, and for a boxed failure a line naming it and how to
-    debug it here; a local failure still gets pdb's post-mortem."""
+    """--pdb on a terminal, boxes booted per test (no debugger relay there; forked boxes get their
+    post-mortem, tests/test_pdb_relay.py): a header line, and for a boxed failure a line naming it
+    and how to debug it here; a local failure still gets pdb's post-mortem."""
     write(tmp_path, "test_pdb.py", PDB_FAILS)
-    argv = pytest_argv(home, "--pdb", "test_pdb.py")
+    argv = pytest_argv(home, "--boxlite-fresh=boot", "--pdb", "test_pdb.py")
     rc, out = run_in_pty(argv, tmp_path, answers=[(b"(Pdb) ", b"c\n")])
     assert rc == pytest.ExitCode.TESTS_FAILED, out
     assert "boxlite: --pdb does not enter boxed tests" in out, out

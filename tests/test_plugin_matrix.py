@@ -938,18 +938,21 @@ def test_last_failed_after_boxed_run(proj: Project, mode: tuple[str, ...]) -> No
     assert again.summary() == {"failed": 1}, again.tail()
 
 
-def test_pdb_says_why_in_one_line(proj: Project) -> None:
-    """``--boxlite --pdb``: no hang, the failure is reported, and the output says why no debugger comes:
-    one header line for the run, and one line for the boxed failure with the command that debugs it."""
-    proj.files(test_pdb="def test_bad():\n    assert 0\n")
-    run = proj.run("--boxlite", "--pdb", timeout=90)
-    assert run.outcome("test_bad") == ["failed"], run.tail()
-    # (Not any line with "pdb" and "box": the run's paths hold the test's name and the user's.)
-    lines = [ln for ln in run.output.splitlines() if ln.startswith("boxlite:") and "--pdb" in ln]
-    header = [ln for ln in lines if ln.startswith("boxlite: --pdb does not enter boxed tests")]
-    failure = [ln for ln in lines if "test_pdb.py::test_bad failed in a box" in ln]
-    assert len(header) == 1 and len(failure) == 1 and len(lines) == 2, run.tail()
-    assert "pytest -p no:boxlite --pdb test_pdb.py::test_bad" in failure[0], failure[0]
+def test_pdb_without_a_terminal_ends_as_unboxed(proj: Project) -> None:
+    """``--boxlite --pdb`` with stdin at EOF (no terminal): no hang, and the same as unboxed: the
+    box's post-mortem debugger reads EOF, quits, the failure is reported and the session stops
+    with the same status.  (Booted boxes, which get no debugger, say why in one line each:
+    tests/test_fidelity_misc.py.)"""
+    proj.files(test_pdb="def test_bad():\n    assert 0\n\n\ndef test_after():\n    pass\n")
+    local = proj.run("--pdb", timeout=90)
+    boxed = proj.run("--boxlite", "--pdb", timeout=90)
+    for run in (local, boxed):
+        assert run.outcome("test_bad") == ["failed"], run.tail()
+        assert "Quitting debugger" in run.output, run.tail()
+    assert boxed.ret == local.ret, boxed.tail()
+    ran_after = [{k: v for k, v in r.cases.items() if k.endswith("::test_after")} for r in (local, boxed)]
+    assert ran_after[0] == ran_after[1], boxed.tail()
+    assert not [ln for ln in boxed.output.splitlines() if ln.startswith("boxlite: --pdb")], boxed.tail()
 
 
 SUBTEST_TESTS = """
