@@ -179,6 +179,7 @@ def mark(label, nodeid=None):
 
 
 if not GUEST:
+    from pytest_boxlite.remote import transport as tp
     from pytest_boxlite.remote import worker_host as wh
 
     PROBE = os.environ["PBXPROF_GUEST_PROBE"]
@@ -211,9 +212,11 @@ if not GUEST:
         ("close", "host.close"),
         ("run_in", "host.run_in"),
         ("_fork_ahead", "host.ahead"),
+        ("end", "host.end"),
     ):
         wrap(wh.RemoteRunner, _name, _label)
-    wrap(wh, "drain", "host.drain")
+    # The executor calls the drain on the transport module (one owner per step), so it is wrapped there.
+    wrap(tp, "drain", "host.drain")
     _fork = wh.RemoteRunner.fork
 
     def fork(self, item, lease, **k):
