@@ -347,10 +347,10 @@ def _boxed_on(role: _SessionRole) -> Callable[[pytest.Item], bool]:
 
 
 class PdbNotice:
-    """``--pdb`` and boxed tests in booted boxes (``--boxlite-fresh=boot``, ``--boxlite-keep``):
-    pdb cannot reach such a box, so each of their failures gets a line saying how to debug that
-    test here, where pytest would have entered the debugger.  A box forked per test (the default)
-    opens pytest's post-mortem itself, relayed to this terminal: no line for those."""
+    """``--pdb`` and boxed tests that failed without a box relaying their debugger (no box could
+    be had for them, say): each gets a line saying how to debug that test here, where pytest
+    would have entered the debugger.  A test that ran in a box (forked per test or booted) had
+    pytest's post-mortem opened by the box itself, relayed to this terminal: no line for those."""
 
     def __init__(self, boxed: Callable[[pytest.Item], bool]) -> None:
         self._boxed = boxed
@@ -384,7 +384,7 @@ class PdbNotice:
                 reporter.write("\n")
             reporter.ensure_newline()
             reporter.write_line(
-                f"boxlite: --pdb: {report.nodeid} failed in a box, which no debugger here can enter; "
+                f"boxlite: --pdb: {report.nodeid} failed before a box could open its debugger here; "
                 f"to debug it: pytest -p no:boxlite --pdb {report.nodeid}",
                 yellow=True,
             )
@@ -414,10 +414,11 @@ class GuestRole:
         self.terminal = terminal
 
     def pytest_enter_pdb(self, config: pytest.Config, pdb: object) -> None:
-        """``breakpoint()``, ``pdb.set_trace()`` and ``pytest.set_trace()`` in a box: in a box forked
-        per test the debugger is relayed to the host's terminal (``guest/debugger.py``); under xdist
-        it reads end-of-file, as in an unboxed xdist worker (``bdb.BdbQuit``); where no debugger can
-        reach the user's terminal (a booted box), the test fails at that line saying so."""
+        """``breakpoint()``, ``pdb.set_trace()`` and ``pytest.set_trace()`` in a box: in a test's run
+        (in a box forked per test or booted) the debugger is relayed to the host's terminal
+        (``guest/debugger.py``); under xdist it reads end-of-file, as in an unboxed xdist worker
+        (``bdb.BdbQuit``); outside a test's run (the box's collection: module-level code) no
+        debugger reaches the user's terminal, so it fails at that line saying so."""
         if self.terminal:
             return  # the session's own box, with the user's stdin and stdout: pdb works as locally
         from pytest_boxlite.guest import debugger
@@ -433,12 +434,14 @@ class GuestRole:
         capman = config.pluginmanager.getplugin("capturemanager")
         if capman is not None and hasattr(capman, "resume"):
             capman.resume()
-        test = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0] or "this test"
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0]
+        where = _caller()
+        target = test or where.rpartition(":")[0] or "."
         pytest.fail(
-            f"[boxlite] {test}: a debugger was asked for at {_caller()}, but this test runs in a box of "
-            "pytest-boxlite booted for it, which has no terminal of yours to debug in (boxes forked per "
-            "test, the default, relay it). To debug it, run it unboxed: "
-            f"pytest -p no:boxlite {test}",
+            f"[boxlite] {test or 'collecting in a box'}: a debugger was asked for at {where}, outside any "
+            "test's run in a box of pytest-boxlite (a boxed test's own debugger is relayed to your "
+            "terminal; the box's collection has none). To debug it, run it unboxed: "
+            f"pytest -p no:boxlite {target}",
             pytrace=False,
         )
 

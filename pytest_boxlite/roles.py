@@ -126,13 +126,8 @@ class _SessionRole:
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         lines = reporting.header(self.session, controller=isinstance(self, ControllerPlugin))
         lines += header_notes(self.session.choice.kind, self.session.default_spec)
-        if config.option.usepdb and not self.session.fork_boxes:
-            # Boxes forked per test (the default) open pytest's post-mortem on this terminal
-            # (guest/debugger.py, remote/debug_relay.py); booted ones cannot.
-            lines.append(
-                "boxlite: --pdb does not enter boxed tests (they run in a box booted for them, without "
-                "this terminal); to debug one here, run it with -p no:boxlite"
-            )
+        # No --pdb line: every boxed test's box, forked or booted, opens pytest's post-mortem on
+        # this terminal (guest/debugger.py, remote/debug_relay.py).
         return lines
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
@@ -213,6 +208,11 @@ class ControllerPlugin(_SessionRole):
         from pytest_boxlite.xdist_support import is_remote, spec_text
 
         node.workerinput["boxlite_session"] = self.session.session_id
+        if self._box_servers is not None:
+            # The worker is a session in a box: what it sends is the guest's (xdist trusts it).
+            from pytest_boxlite.xdist_guard import guard
+
+            guard(node)
         spec = spec_text(node.gateway.spec)
         if is_remote(spec):
             node.workerinput[REMOTE_KEY] = spec

@@ -313,40 +313,36 @@ def pytest_argv(home: Path, *args: str) -> list[str]:
 DEBUGGED = """
 import pytest
 
-
-@pytest.mark.boxlite
-def test_boxed_breakpoint():
-    breakpoint()
+breakpoint()
 
 
 @pytest.mark.boxlite
-def test_boxed_set_trace():
-    import pdb
-
-    pdb.set_trace()
+def test_boxed():
+    pass
 
 
-def test_local_breakpoint():
-    breakpoint()
+def test_local():
+    pass
 """
 
 
-def test_breakpoint_in_a_boxed_test_says_why_and_how(tmp_path: Path, home: Path) -> None:
-    """On a terminal, in boxes booted per test (``--boxlite-fresh=boot``: no debugger relay there;
-    forked boxes get one, tests/test_pdb_relay.py): a boxed test's breakpoint() and pdb.set_trace()
-    fail at once naming the test, the line and the way out; the local test's breakpoint() gets its
-    debugger (the terminal works)."""
+@pytest.mark.parametrize("fresh", ["fork", "boot"])
+def test_breakpoint_in_a_boxed_test_says_why_and_how(tmp_path: Path, home: Path, fresh: str) -> None:
+    """On a terminal, a breakpoint() in module-level code of a boxed test's module: the host's
+    collection gets its debugger (the terminal works, ``c``); the box's own collection, outside any
+    test's run (whose debugger is relayed, tests/test_pdb_relay.py), has no terminal of the user's,
+    so the boxed test errors at once naming the line and the way out, in forked and booted boxes
+    alike; no second prompt, no BdbQuit."""
     write(tmp_path, "test_dbg.py", DEBUGGED)
-    argv = pytest_argv(home, "--boxlite-fresh=boot", "test_dbg.py")
+    argv = pytest_argv(home, f"--boxlite-fresh={fresh}", "test_dbg.py")
     rc, out = run_in_pty(argv, tmp_path, answers=[(b"(Pdb) ", b"c\n")])
     assert rc == pytest.ExitCode.TESTS_FAILED, out
-    assert re.search(r"\b2 failed, 1 passed\b", out), out
-    for name, line in (("test_boxed_breakpoint", 7), ("test_boxed_set_trace", 14)):
-        assert (
-            f"[boxlite] test_dbg.py::{name}: a debugger was asked for at {tmp_path / 'test_dbg.py'}:{line}, "
-            "but this test runs in a box of pytest-boxlite"
-        ) in out, out
-        assert f"run it unboxed: pytest -p no:boxlite test_dbg.py::{name}" in out, out
+    assert re.search(r"\b1 passed, 1 error\b", out), out
+    assert (
+        f"a debugger was asked for at {tmp_path / 'test_dbg.py'}:4, outside any test's run in a box of pytest-boxlite"
+    ) in out, out
+    assert f"run it unboxed: pytest -p no:boxlite {tmp_path / 'test_dbg.py'}" in out, out
+    assert out.count("(Pdb) ") == 1, out  # the host's own collection's
     assert "BdbQuit" not in out, out
     no_leftovers(home, out)
 
@@ -366,18 +362,19 @@ def test_local_fails():
 
 
 def test_pdb_with_boxed_tests_says_so_where_it_would_debug(tmp_path: Path, home: Path) -> None:
-    """--pdb on a terminal, boxes booted per test (no debugger relay there; forked boxes get their
-    post-mortem, tests/test_pdb_relay.py): a header line, and for a boxed failure a line naming it
-    and how to debug it here; a local failure still gets pdb's post-mortem."""
+    """--pdb on a terminal, and boxed tests that get no box (a ``--boxlite-setup`` that fails):
+    no box can open their post-mortem (a box does for the tests it runs, tests/test_pdb_relay.py),
+    so each such failure gets a line naming it and how to debug it here; a local failure still
+    gets pdb's post-mortem; no header line (boxes relay --pdb)."""
     write(tmp_path, "test_pdb.py", PDB_FAILS)
-    argv = pytest_argv(home, "--boxlite-fresh=boot", "--pdb", "test_pdb.py")
+    argv = pytest_argv(home, "--boxlite-setup", "exit 3", "--pdb", "test_pdb.py")
     rc, out = run_in_pty(argv, tmp_path, answers=[(b"(Pdb) ", b"c\n")])
     assert rc == pytest.ExitCode.TESTS_FAILED, out
-    assert "boxlite: --pdb does not enter boxed tests" in out, out
+    assert "does not enter boxed tests" not in out, out
 
     def told(name: str) -> bool:
         return (
-            f"boxlite: --pdb: test_pdb.py::{name} failed in a box, which no debugger here can enter; "
+            f"boxlite: --pdb: test_pdb.py::{name} failed before a box could open its debugger here; "
             f"to debug it: pytest -p no:boxlite --pdb test_pdb.py::{name}"
         ) in out
 

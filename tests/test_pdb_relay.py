@@ -1,6 +1,7 @@
 """A boxed test's debugger on the host's terminal (issue 23, item 6): real pytest sub-runs on a
-pseudo-terminal (the standard library's ``pty``), real namespace boxes forked per test, and the
-debugger driven by typing at its prompt, as a user would.
+pseudo-terminal (the standard library's ``pty``), real namespace boxes forked per test or booted
+(``--boxlite-fresh=boot``: the test runs in a warm interpreter, its debugger's frames and answers
+travel on the execnet channel), and the debugger driven by typing at its prompt, as a user would.
 
 - ``breakpoint()`` / ``pdb.set_trace()`` in test and module scope: the prompt, a local's value,
   ``c`` and the test passes; ``q`` ends the session as locally; end-of-file on stdin (no terminal)
@@ -10,6 +11,8 @@ debugger driven by typing at its prompt, as a user would.
 - a box whose test floods debugger frames (it plays the hostile guest through the relay's real
   ``send``) fails, the host's output stays bounded and carries no raw ESC byte;
 - ``-n 2``: what xdist gives unboxed (``BdbQuit``; ``--pdb`` is a usage error).
+
+The cases marked ``booted`` run the same in boxes booted per test.
 """
 
 from __future__ import annotations
@@ -102,6 +105,11 @@ def no_leftovers(home: Path, output: str) -> None:
 
 PROMPT = b"(Pdb) "
 
+#: How the boxes are made: forked per test (the default) or booted (``--boxlite-fresh=boot``,
+#: which ``--boxlite-keep`` implies), where the debugger goes over the warm interpreter's channel.
+BOXES = {"forked": (), "booted": ("--boxlite-fresh=boot",)}
+both_boxes = pytest.mark.parametrize("boxes", sorted(BOXES))
+
 BREAKS = """
 import pytest
 
@@ -123,8 +131,8 @@ def test_set_trace():
 """
 
 
-@pytest.mark.parametrize("scope", ["test", "module"])
-def test_breakpoint_gives_a_debugger_here(tmp_path: Path, home: Path, scope: str) -> None:
+@pytest.mark.parametrize(("scope", "boxes"), [("test", "forked"), ("module", "forked"), ("test", "booted")])
+def test_breakpoint_gives_a_debugger_here(tmp_path: Path, home: Path, scope: str, boxes: str) -> None:
     """breakpoint() and pdb.set_trace() in boxed tests: the prompt on this terminal, ``p`` prints
     the box's value, ``c`` continues and the tests pass; no refusal, no leftover boxes."""
     write(tmp_path, "test_breaks.py", BREAKS)
@@ -134,7 +142,7 @@ def test_breakpoint_gives_a_debugger_here(tmp_path: Path, home: Path, scope: str
         (PROMPT, b"p other_local * 2\n", 0.0),
         (PROMPT, b"c\n", 0.0),
     ]
-    rc, raw = run_in_pty(argv(home, f"--boxlite-scope={scope}", "test_breaks.py"), tmp_path, answers)
+    rc, raw = run_in_pty(argv(home, f"--boxlite-scope={scope}", *BOXES[boxes], "test_breaks.py"), tmp_path, answers)
     out = text(raw)
     assert rc == 0, out
     assert re.search(r"\b2 passed\b", out), out
@@ -157,12 +165,13 @@ def test_fails():
 """
 
 
-def test_pdb_post_mortem_at_the_failing_frame(tmp_path: Path, home: Path) -> None:
+@both_boxes
+def test_pdb_post_mortem_at_the_failing_frame(tmp_path: Path, home: Path, boxes: str) -> None:
     """--pdb: a boxed failure opens pytest's post-mortem at the failing frame (its locals), after
     the traceback, as locally; ``c`` ends it and the test is reported failed; no "no debugger" line."""
     write(tmp_path, "test_fails.py", FAILS)
     answers = [(PROMPT, b"p failing_local\n", 0.0), (PROMPT, b"c\n", 0.0)]
-    rc, raw = run_in_pty(argv(home, "--pdb", "test_fails.py"), tmp_path, answers)
+    rc, raw = run_in_pty(argv(home, "--pdb", *BOXES[boxes], "test_fails.py"), tmp_path, answers)
     out = text(raw)
     assert rc == pytest.ExitCode.TESTS_FAILED, out
     assert re.search(r"\b1 failed\b", out), out
@@ -174,11 +183,12 @@ def test_pdb_post_mortem_at_the_failing_frame(tmp_path: Path, home: Path) -> Non
     no_leftovers(home, out)
 
 
-def test_quit_ends_the_session_as_locally(tmp_path: Path, home: Path) -> None:
+@both_boxes
+def test_quit_ends_the_session_as_locally(tmp_path: Path, home: Path, boxes: str) -> None:
     """``q`` at a boxed breakpoint: pytest's "Quitting debugger" exit, the session stops (rc 2),
     the second test does not run, as locally."""
     write(tmp_path, "test_breaks.py", BREAKS)
-    rc, raw = run_in_pty(argv(home, "test_breaks.py"), tmp_path, [(PROMPT, b"q\n", 0.0)])
+    rc, raw = run_in_pty(argv(home, *BOXES[boxes], "test_breaks.py"), tmp_path, [(PROMPT, b"q\n", 0.0)])
     out = text(raw)
     assert rc == pytest.ExitCode.INTERRUPTED, out
     assert "Quitting debugger" in out, out
@@ -187,12 +197,13 @@ def test_quit_ends_the_session_as_locally(tmp_path: Path, home: Path) -> None:
     no_leftovers(home, out)
 
 
-def test_end_of_stdin_fails_the_test_with_bdbquit(tmp_path: Path, home: Path) -> None:
+@both_boxes
+def test_end_of_stdin_fails_the_test_with_bdbquit(tmp_path: Path, home: Path, boxes: str) -> None:
     """No terminal (stdin at its end): pdb reads end-of-file, each test fails with bdb.BdbQuit and
     the session goes on, as locally (``pytest -p no:boxlite < /dev/null`` does the same)."""
     write(tmp_path, "test_breaks.py", BREAKS)
     for boxed in (True, False):
-        args = argv(home, "test_breaks.py", boxed=boxed)
+        args = argv(home, *(BOXES[boxes] if boxed else ()), "test_breaks.py", boxed=boxed)
         proc = subprocess.run(
             args, cwd=tmp_path, env=sub_env(), stdin=subprocess.DEVNULL, capture_output=True, timeout=150
         )
@@ -215,10 +226,11 @@ def test_waits_at_the_prompt():
 """
 
 
-def test_time_at_the_prompt_is_not_the_tests(tmp_path: Path, home: Path) -> None:
+@both_boxes
+def test_time_at_the_prompt_is_not_the_tests(tmp_path: Path, home: Path, boxes: str) -> None:
     """--boxlite-timeout 5 (and pytest-timeout's --timeout 5): 7 s at the prompt, then ``c``: passes."""
     write(tmp_path, "test_slow.py", SLOW_PROMPT)
-    args = argv(home, "--boxlite-timeout", "5", "--timeout", "5", "test_slow.py")
+    args = argv(home, "--boxlite-timeout", "5", "--timeout", "5", *BOXES[boxes], "test_slow.py")
     rc, raw = run_in_pty(args, tmp_path, [(PROMPT, b"c\n", 7.0)])
     out = text(raw)
     assert rc == 0, out
@@ -261,12 +273,13 @@ def test_after():
 """
 
 
-def test_a_flooding_box_keeps_the_host_bounded(tmp_path: Path, home: Path) -> None:
+@both_boxes
+def test_a_flooding_box_keeps_the_host_bounded(tmp_path: Path, home: Path, boxes: str) -> None:
     """The test code plays the hostile guest with the relay's real ``send`` (a fault injected on
     purpose): frames outside a session and a read without one fail their test without the host
     reading stdin; a flood inside one stops at the per-test cap; the terminal gets no raw ESC."""
     write(tmp_path, "test_floods.py", FLOODS)
-    rc, raw = run_in_pty(argv(home, "test_floods.py"), tmp_path, timeout=200)
+    rc, raw = run_in_pty(argv(home, *BOXES[boxes], "test_floods.py"), tmp_path, timeout=200)
     out = text(raw)
     assert rc == pytest.ExitCode.TESTS_FAILED, out[-3000:]
     assert re.search(r"\b3 failed, 1 passed\b", out), out[-3000:]
@@ -295,7 +308,8 @@ def test_under_xdist_as_unboxed(tmp_path: Path, home: Path) -> None:
     no_leftovers(home, out)
 
 
-def test_ctrl_c_at_the_prompt_goes_to_pdb(tmp_path: Path, home: Path) -> None:
+@both_boxes
+def test_ctrl_c_at_the_prompt_goes_to_pdb(tmp_path: Path, home: Path, boxes: str) -> None:
     """Ctrl-C at a boxed test's prompt: pdb says ``--KeyboardInterrupt--`` and asks again, as
     locally; the session goes on (``c``: the tests pass)."""
     write(tmp_path, "test_breaks.py", BREAKS)
@@ -305,7 +319,7 @@ def test_ctrl_c_at_the_prompt_goes_to_pdb(tmp_path: Path, home: Path) -> None:
         (b"42", b"c\n", 0.0),
         (PROMPT, b"c\n", 0.0),
     ]
-    rc, raw = run_in_pty(argv(home, "test_breaks.py"), tmp_path, answers)
+    rc, raw = run_in_pty(argv(home, *BOXES[boxes], "test_breaks.py"), tmp_path, answers)
     out = text(raw)
     assert rc == 0, out
     assert re.search(r"\b2 passed\b", out), out
@@ -333,11 +347,12 @@ def test_after():
 """
 
 
-def test_box_ending_at_the_prompt_ends_cleanly(tmp_path: Path, home: Path) -> None:
+@both_boxes
+def test_box_ending_at_the_prompt_ends_cleanly(tmp_path: Path, home: Path, boxes: str) -> None:
     """The box's test process ends while the host waits for the user's line: no hang, the test
     fails saying how it ended, capture is back on and the next test runs."""
     write(tmp_path, "test_dies.py", DIES)
-    rc, raw = run_in_pty(argv(home, "test_dies.py"), tmp_path, timeout=120)
+    rc, raw = run_in_pty(argv(home, *BOXES[boxes], "test_dies.py"), tmp_path, timeout=120)
     out = text(raw)
     assert rc == pytest.ExitCode.TESTS_FAILED, out
     assert re.search(r"\b1 failed, 1 passed\b", out), out

@@ -1,18 +1,20 @@
-"""In a box forked per test: the test's debugger on the host's terminal, as locally.
+"""In a boxed test: the test's debugger on the host's terminal, as locally.
 
 ``breakpoint()``, ``pdb.set_trace()``, ``pytest.set_trace()`` and ``--pdb``'s post-mortem go
 through pytest's own debugging plugin in the box, which calls ``pytest_enter_pdb`` with the
 debugger it made.  :class:`BoxDebugger` (registered for one run) points that debugger's
-``stdin``/``stdout`` at the box's socket to the host: what it prints travels as ``DEBUG out``
-frames, and each line it reads is asked for with ``DEBUG read`` and answered by the host with one
-line of the user's (or the end of the host's stdin, or Ctrl-C).  The time spent waiting for that
+``stdin``/``stdout`` at the host: what it prints travels as ``DEBUG out`` frames, and each line it
+reads is asked for with ``DEBUG read`` and answered by the host with one line of the user's (or
+the end of the host's stdin, or Ctrl-C).  A box forked per test sends and reads on its socket
+(:class:`SocketAnswers`); a booted box, whose test runs in its warm interpreter, on its execnet
+channel (:class:`ChannelAnswers`: nothing else reads that channel while a test runs).  The time spent waiting for that
 line does not count against the test's timeout (:class:`LastWords` pauses; the host pauses its own).
 
 Under pytest-xdist the host is a worker with no terminal: the debugger reads end-of-file, as it
 does in an unboxed xdist worker (the test fails with ``bdb.BdbQuit``), and nothing is relayed.
 
 Imported in the box's pytest (the package is on its ``sys.path``: this plugin runs there) by
-``guest/worker.py`` when it runs a test in a forked box.
+``guest/worker.py`` when it runs a test.
 """
 
 from __future__ import annotations
@@ -97,6 +99,56 @@ class _RelayIn(io.TextIOBase):
         return self._relay.read_line()
 
 
+class SocketAnswers:
+    """The host's answers on a forked box's socket: one JSON line each (``commands``: its reading side)."""
+
+    def __init__(self, commands: Any) -> None:
+        self.commands = commands
+
+    def next(self) -> object:
+        """The next message from the host, decoded; ``None`` when it hung up or sent no JSON."""
+        try:
+            raw = self.commands.readline(1 << 20)
+        except (OSError, ValueError):
+            return None
+        try:
+            return json.loads(raw)
+        except (ValueError, TypeError, RecursionError):
+            return None
+
+
+class ChannelAnswers:
+    """The host's answers on a booted box's execnet channel (``channel.send((DEBUG, fields))``).
+
+    The warm interpreter's serve loop reads nothing while its test runs (it runs it), so the
+    debugger reads here.  A message that is no answer (the host ending the interpreter, say) is
+    kept in :attr:`unexpected`: the serve loop takes it next, as if it had read it itself.
+    """
+
+    #: Each wait on the channel is bounded: a closed channel is seen within a step.
+    STEP = 1.0
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+        self.unexpected: list[object] = []
+
+    def next(self) -> object:
+        """The next answer from the host; ``None`` once the channel closed or spoke out of turn."""
+        while True:
+            try:
+                message = self.channel.receive(self.STEP)
+            except self.channel.TimeoutError:
+                if self.channel.isclosed():
+                    return None
+                continue
+            except (EOFError, OSError, self.channel.RemoteError):
+                return None
+            if isinstance(message, (tuple, list)) and len(message) == 2 and message[0] == msg.DEBUG:
+                return message
+            self.unexpected.append(message)
+            return None
+
+
 def _ignore_sigint() -> Any:
     """Ignore SIGINT (the main thread only may; elsewhere nothing changes): the previous handler."""
     try:
@@ -113,15 +165,15 @@ def _restore_sigint(previous: Any) -> None:
 class BoxDebugger:
     """One run's debugger relay (a pytest plugin while the run lasts).
 
-    ``send``: the forked box's ``send(name, **fields)`` (it adds the run's number); ``commands``:
-    the socket's reading side, on which the host answers each ``DEBUG read`` with one line;
+    ``send``: the box's ``send(name, **fields)`` (it adds the run's number); ``answers``: where
+    the host answers each ``DEBUG read`` (:class:`SocketAnswers` or :class:`ChannelAnswers`);
     ``clock``: the run's :class:`LastWords`, paused while the user types; ``postmortem``: the host
     runs with ``--pdb``.
     """
 
-    def __init__(self, send: Callable[..., None], commands: Any, clock: Any, postmortem: bool) -> None:
+    def __init__(self, send: Callable[..., None], answers: Any, clock: Any, postmortem: bool) -> None:
         self.send = send
-        self.commands = commands
+        self.answers = answers
         self.clock = clock
         self.postmortem = postmortem
         self.xdist = under_xdist()
@@ -149,17 +201,14 @@ class BoxDebugger:
             # host's relay takes it and answers "interrupt", so here it is ignored while waiting.
             previous = _ignore_sigint()
             try:
-                raw = self.commands.readline(1 << 20)
-            except (OSError, ValueError):
-                raw = b""
+                message = self.answers.next()
             finally:
                 _restore_sigint(previous)
                 self.clock.resume()
-            try:
-                name, fields = json.loads(raw)
-            except (ValueError, TypeError):
+            if not isinstance(message, (tuple, list)) or len(message) != 2:
                 self.broken = True  # the host hung up (or spoke out of turn): nothing more to read
                 return ""
+            name, fields = message
             if name != msg.DEBUG or not isinstance(fields, dict):
                 self.broken = True
                 return ""
@@ -218,12 +267,10 @@ class BoxDebugger:
             self.frame("out", text=text[start : start + msg.DEBUG_TEXT_CAP])
 
 
-def attach(
-    config: pytest.Config, send: Callable[..., None], commands: Any, clock: Any, postmortem: bool
-) -> BoxDebugger:
+def attach(config: pytest.Config, send: Callable[..., None], answers: Any, clock: Any, postmortem: bool) -> BoxDebugger:
     """Relay the debugger of the run about to start (see :class:`BoxDebugger`); :func:`detach` after."""
     global _current
-    relay = BoxDebugger(send, commands, clock, postmortem)
+    relay = BoxDebugger(send, answers, clock, postmortem)
     config.pluginmanager.register(relay, "boxlite-debugger")
     if postmortem and not relay.xdist and not config.pluginmanager.has_plugin("pdbinvoke"):
         # pytest's own --pdb post-mortem: the box's pytest had --pdb taken off at its configure

@@ -320,18 +320,23 @@ def _new_files(since):
     return out
 
 
-def _relay_debugger(config, plugin, clock):
-    """In a forked box: relay the run's debugger to the host's terminal (guest/debugger.py, which
-    the box's pytest imports from the package, as it imports this plugin).  Returns that module
-    (``detach`` after the run), or ``None`` where it cannot be imported: then the plugin's
-    GuestRole says at the debugger's line why there is none."""
+def _relay_debugger(config, plugin, clock, channel):
+    """Relay the run's debugger to the host's terminal (guest/debugger.py, which the box's pytest
+    imports from the package, as it imports this plugin): a forked box's answers come on its
+    socket, a booted box's on ``channel`` (its serve loop reads nothing while the test runs).
+    Returns ``(module, answers)`` (``detach`` after the run), or ``None`` where the module cannot
+    be imported: then the plugin's GuestRole says at the debugger's line why there is none."""
     try:
         from pytest_boxlite.guest import debugger
     except ImportError as exc:
         sys.stderr.write("pytest-boxlite: no debugger relay in this box: %r\n" % (exc,))
         return None
-    debugger.attach(config, plugin.send, plugin.commands, clock, plugin.postmortem)
-    return debugger
+    if plugin.commands is not None:
+        answers = debugger.SocketAnswers(plugin.commands)
+    else:
+        answers = debugger.ChannelAnswers(channel)
+    debugger.attach(config, plugin.send, answers, clock, plugin.postmortem)
+    return debugger, answers
 
 
 def _take_services(descriptions):
@@ -395,6 +400,9 @@ def serve(channel):
             self.commands = None
             #: The host runs with --pdb (taken off here at configure; forked boxes relay it).
             self.postmortem = False
+            #: Messages of the host's that a booted box's debugger read while waiting for its
+            #: answer (guest/debugger.py's ChannelAnswers): the serve loop takes them first.
+            self.held = []
 
         def _locked(self, send):
             """``send`` made safe for the live-output threads (one message at a time)."""
@@ -459,7 +467,7 @@ def serve(channel):
                 ready["fork_problem"] = fork_problem
             channel.send((READY, ready))  # noqa: F821
             while True:
-                msg = channel.receive()
+                msg = self.held.pop(0) if self.held else channel.receive()
                 if msg is None:
                     return True
                 name, fields = msg
@@ -708,7 +716,7 @@ def serve(channel):
             since = time.time() - 1.0  # file systems keep mtimes coarser than the clock
             live = _LiveOutput(self.send) if item.config.option.capture in ("no", "tee-sys") else None
             last = LastWords(item, self.send, timeout)  # noqa: F821 - guest/lastwords.py
-            debugger = _relay_debugger(item.config, self, last) if self.commands is not None else None
+            debugger = _relay_debugger(item.config, self, last, channel)
             try:
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
             except pytest.exit.Exception as exc:
@@ -716,7 +724,8 @@ def serve(channel):
             finally:
                 last.stop()
                 if debugger is not None:
-                    debugger.detach(item.config)
+                    debugger[0].detach(item.config)
+                    self.held.extend(getattr(debugger[1], "unexpected", ()))
                 if live is not None:
                     live.close()
             self._send_side_data(since)

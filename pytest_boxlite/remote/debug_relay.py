@@ -1,13 +1,15 @@
 """Host side of a boxed test's debugger: the box's pdb on this terminal (see guest/debugger.py).
 
-A box forked per test sends ``DEBUG`` frames on its socket while its test sits in a debugger:
+A boxed test's box sends ``DEBUG`` frames while its test sits in a debugger (a box forked per
+test on its socket, a booted box on its warm interpreter's execnet channel):
 ``enter`` (a session starts), ``sep``/``out`` (what it prints), ``read`` (it waits for a line),
 ``leave`` (it continued).  :class:`DebugRelay` prints what it prints, with control characters
 escaped (a guest must not drive this terminal), and answers each ``read`` with one line of this
 process's stdin, read only then, while pytest's capture is suspended as pytest's own pdb support
-does.  The wait for that line is not counted against the test's timeout: :attr:`paused` is added
-to the deadline, and the host's ``pytest_enter_pdb`` hook is called (pytest-timeout stops its
-timer there, as it does for a local debugger).
+does; the answer goes back the way the frames came (``answer``: the socket or the channel).
+The wait for that line is not counted against the test's timeout: :attr:`paused` is added to the
+deadline, and the host's ``pytest_enter_pdb`` hook is called (pytest-timeout stops its timer
+there, as it does for a local debugger).
 
 Everything a box sends is bounded: the text of one test's debugger sessions together
 (``DEBUG_OUTPUT_CAP``), each frame's; the host holds no more of it than one frame (what it
@@ -19,14 +21,13 @@ unboxed xdist worker.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import select
 import signal
-import socket
 import termios
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -44,8 +45,8 @@ def escape_controls(text: str) -> str:
     return _CONTROLS.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
-#: The tests whose box could relay a debugger to this terminal (they ran forked): ``--pdb``'s
-#: "no debugger here" line is not for them.
+#: The tests whose box could relay a debugger to this terminal (they ran in a box that sends its
+#: messages to this process): ``--pdb``'s "no debugger here" line is not for them.
 RELAYED = pytest.StashKey[bool]()
 
 #: Longest line of the user's sent to a box (the rest of a longer one follows as the next line).
@@ -137,21 +138,45 @@ def _ctrl_c_ends_the_line() -> list[Any] | None:
     return saved
 
 
-class DebugRelay:
-    """One boxed test's debugger frames, from one box (``conn``: its socket, where the answers go)."""
+#: While waiting for the user's line without the box's descriptor to poll (a booted box's
+#: channel): stdin is polled this long, then the channel looked at for as long again.
+CHANNEL_STEP = 0.1
 
-    def __init__(self, item: pytest.Item, conn: socket.socket | None) -> None:
+#: Sends one answer (``DEBUG`` fields) to the box that asked; a gone box is not an error here.
+Answer = Callable[[dict[str, Any]], None]
+
+
+class DebugRelay:
+    """One boxed test's debugger frames, from one box.
+
+    ``answer`` sends an answer to that box (``None``: the box relays no debugger, its frames are
+    refused).  While the box waits for a line, :meth:`wait_input` also watches the box, to stop
+    waiting when it sends something or ends: ``fd``, the box's socket, polled with stdin; or,
+    where there is none to poll (an execnet channel), ``arrived(timeout)``, called between bounded
+    polls of stdin, true once a message (or the channel's end) is there for the stream to read.
+    """
+
+    def __init__(
+        self,
+        item: pytest.Item,
+        answer: Answer | None,
+        *,
+        fd: int | None = None,
+        arrived: Callable[[float], bool] | None = None,
+    ) -> None:
         self.item = item
         self.config = item.config
-        self.conn = conn
-        self.enabled = conn is not None and can_debug_here(self.config)
+        self.answer = answer
+        self.fd = fd
+        self.arrived = arrived
+        self.enabled = answer is not None and can_debug_here(self.config)
         self.active = False  # inside a session (``enter`` seen, no ``leave`` yet)
         self.wanted = False  # the box waits for a line
         self.paused = 0.0  # seconds spent waiting for the user: not the test's
         self.printed = 0
         self._suspended = False
         self._entered = False  # the host's pytest_enter_pdb hook was called
-        if conn is not None:
+        if answer is not None:
             item.stash[RELAYED] = True
 
     # -- frames from the box ----------------------------------------------------------------
@@ -161,7 +186,7 @@ class DebugRelay:
         self.printed += msg.DEBUG_FRAME_COST
         if self.printed > msg.DEBUG_OUTPUT_CAP:
             raise ValueError(f"more than {msg.DEBUG_OUTPUT_CAP} bytes of debugger output for one test")
-        if self.conn is None:
+        if self.answer is None:
             raise ValueError("debugger frames from a box that runs no relayed debugger")
         if self.wanted:
             # A box waiting for its line prints nothing (its pdb is blocked reading): a frame now
@@ -241,17 +266,15 @@ class DebugRelay:
         tw.write(escape_controls(text), flush=True)
 
     def _answer(self, fields: dict[str, Any]) -> None:
-        assert self.conn is not None
-        line = json.dumps([msg.DEBUG, fields]) + "\n"
-        with contextlib.suppress(OSError):  # the box is gone: the stream says so next
-            self.conn.sendall(line.encode())
+        if self.answer is not None:
+            self.answer(fields)  # a box gone meanwhile: the stream says so next
 
     # -- while the box waits for a line -------------------------------------------------------
     def wait_input(self) -> None:
         """Called by the stream before it waits on the box: while the box waits for a line, wait
         for the user's (or for the box: a frame, its end) and send it.  Every wait is a bounded
         poll; Ctrl-C here goes to the box's debugger, as pdb takes it at its prompt."""
-        if not self.wanted or self.conn is None:
+        if not self.wanted or self.answer is None:
             return
         start = time.monotonic()
         stdin = _stdin(self.config)
@@ -282,8 +305,10 @@ class DebugRelay:
                     return
                 poller = select.poll()
                 poller.register(0, select.POLLIN)
-                poller.register(self.conn.fileno(), select.POLLIN | select.POLLRDHUP)
-                events = poller.poll(200)  # bounded: the Ctrl-C flag is looked at between polls
+                if self.fd is not None:
+                    poller.register(self.fd, select.POLLIN | select.POLLRDHUP)
+                # Bounded: the Ctrl-C flag (and, on a channel, the box) is looked at between polls.
+                events = poller.poll(200 if self.fd is not None else int(CHANNEL_STEP * 1000))
                 for fd, event in events:
                     if fd == 0:
                         if event & select.POLLNVAL:
@@ -293,6 +318,8 @@ class DebugRelay:
                     else:
                         # The box ended (or sent something while it waits): the stream reads it.
                         return
+                if self.fd is None and not events and self.arrived is not None and self.arrived(CHANNEL_STEP):
+                    return  # the same, on the box's channel: the stream holds what came
         finally:
             if terminal is not None:
                 with contextlib.suppress(OSError, termios.error):
@@ -312,4 +339,4 @@ class DebugRelay:
         if self._entered:
             self._entered = False
             self.config.hook.pytest_leave_pdb(config=self.config, pdb=self)
-        self.conn = None
+        self.answer = None

@@ -12,6 +12,7 @@ goes on).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -65,14 +66,53 @@ def _checked(message: object) -> tuple[str, dict[str, Any]]:
     return message[0], message[1]
 
 
+@dataclasses.dataclass
+class _Ended:
+    """The channel's end (or refusal), seen by :meth:`ChannelStream.arrived`: raised where read."""
+
+    exc: BaseException
+
+
 class ChannelStream:
     """Messages on a warm interpreter's execnet channel."""
 
     def __init__(self, channel: Any) -> None:
         self.channel = channel
+        #: Called before each wait on the box (``DebugRelay.wait_input``, as on a ForkStream).
+        self.idle: Callable[[], None] | None = None
+        #: What :meth:`arrived` received (one message, or the channel's end): read next.
+        self._held: list[object] = []
+
+    def arrived(self, timeout: float) -> bool:
+        """Whether a message (or the channel's end) came within ``timeout`` seconds: it is kept
+        for :meth:`messages`, which reads it next (the debugger relay's look at the box between
+        its polls of stdin; a channel has no descriptor to poll with it)."""
+        if self._held:
+            return True
+        try:
+            self._held.append(self.channel.receive(timeout))
+        except execnet.TimeoutError:
+            return False
+        except (EOFError, OSError, execnet.RemoteError) as exc:
+            self._held.append(_Ended(exc))
+        return True
+
+    def answer(self, fields: dict[str, Any]) -> None:
+        """Answer the box's debugger (guest/debugger.py's ChannelAnswers reads it)."""
+        # A box gone meanwhile is no error here: its channel says so at the next read.
+        with contextlib.suppress(EOFError, OSError, ValueError, execnet.RemoteError):
+            self.channel.send((msg.DEBUG, fields))
 
     def messages(self, deadline: Deadline) -> Iterator[tuple[str, dict[str, Any]]]:
         while True:
+            if self.idle is not None:
+                self.idle()
+            if self._held:
+                message = self._held.pop(0)
+                if isinstance(message, _Ended):
+                    raise message.exc
+                yield _checked(message)
+                continue
             left = _due(deadline) - time.monotonic()
             if left <= 0:
                 raise TimeoutError
@@ -120,6 +160,12 @@ class ForkStream:
             if not chunk:
                 return
             self._buf += chunk
+
+    def answer(self, fields: dict[str, Any]) -> None:
+        """Answer the box's debugger: one JSON line on its socket (guest/debugger.py's SocketAnswers)."""
+        line = json.dumps([msg.DEBUG, fields]) + "\n"
+        with contextlib.suppress(OSError):  # the box is gone: the stream says so next
+            self.conn.sendall(line.encode())
 
 
 @dataclasses.dataclass
@@ -225,9 +271,16 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
     """
     out = Outcome()
     stale = 0
-    # A box forked per test can relay its debugger to this terminal; its socket carries the answers.
-    relay = DebugRelay(item, stream.conn if isinstance(stream, ForkStream) else None)
+    # A boxed test's debugger is relayed to this terminal; the answers go back the way its frames
+    # came: a forked box's socket (polled with stdin), a booted box's channel (looked at between
+    # bounded polls of stdin).
     if isinstance(stream, ForkStream):
+        relay = DebugRelay(item, stream.answer, fd=stream.conn.fileno())
+    elif isinstance(stream, ChannelStream):
+        relay = DebugRelay(item, stream.answer, arrived=stream.arrived)
+    else:
+        relay = DebugRelay(item, None)
+    if isinstance(stream, (ForkStream, ChannelStream)):
         stream.idle = relay.wait_input
     try:
         for name, fields in stream.messages(lambda: deadline + relay.paused):
@@ -252,7 +305,7 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
         out.spoke = str(exc)
     except TimeoutError:
         out.timed_out = True
-        if isinstance(stream, ForkStream):
+        if isinstance(stream, (ForkStream, ChannelStream)):
             stream.idle = None
         relay.close()
         if not out.last_words:
@@ -261,7 +314,7 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
         out.hung_up = exc
     finally:
         # The test is done (or its box): nothing more is relayed, and pytest's capture is back on.
-        if isinstance(stream, ForkStream):
+        if isinstance(stream, (ForkStream, ChannelStream)):
             stream.idle = None
         relay.close()
     dropped = out.warnings - WARNINGS_CAP
