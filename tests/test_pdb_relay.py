@@ -292,16 +292,16 @@ def test_a_flooding_box_keeps_the_host_bounded(tmp_path: Path, home: Path, boxes
 
 
 def test_under_xdist_as_unboxed(tmp_path: Path, home: Path) -> None:
-    """-n 2: breakpoint() in a boxed test fails with bdb.BdbQuit as in an unboxed xdist worker;
-    --pdb is xdist's usage error, boxed or not."""
+    """-n 2: breakpoint() in a boxed test (forked or booted) fails with bdb.BdbQuit as in an
+    unboxed xdist worker; --pdb is xdist's usage error, boxed or not."""
     write(tmp_path, "test_breaks.py", BREAKS)
-    for boxed in (True, False):
-        rc, raw = run_in_pty(argv(home, "-n", "2", "test_breaks.py", boxed=boxed), tmp_path)
+    for boxed, boxes in ((True, "forked"), (True, "booted"), (False, "forked")):
+        rc, raw = run_in_pty(argv(home, "-n", "2", *BOXES[boxes], "test_breaks.py", boxed=boxed), tmp_path)
         out = text(raw)
         assert rc == pytest.ExitCode.TESTS_FAILED, out
         assert re.search(r"\b2 failed\b", out), out
         assert out.count("bdb.BdbQuit") >= 2, out
-        rc, raw = run_in_pty(argv(home, "-n", "2", "--pdb", "test_breaks.py", boxed=boxed), tmp_path)
+        rc, raw = run_in_pty(argv(home, "-n", "2", "--pdb", *BOXES[boxes], "test_breaks.py", boxed=boxed), tmp_path)
         out = text(raw)
         assert rc == pytest.ExitCode.USAGE_ERROR, out
         assert "--pdb is incompatible with distributing tests; try using -n0 or -nauto." in out, out
