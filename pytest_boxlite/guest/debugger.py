@@ -31,12 +31,12 @@ import pytest
 
 from pytest_boxlite.guest import messages as msg
 
-#: The relay of the run in progress in this process (``None`` outside a forked box's run).
+#: The relay of the run in progress in this process (``None`` outside a boxed test's run).
 _current: BoxDebugger | None = None
 
 
 def current() -> BoxDebugger | None:
-    """The debugger relay of the test running in this forked box, if any."""
+    """The debugger relay of the test running in this box (forked or booted), if any."""
     return _current
 
 

@@ -398,7 +398,7 @@ def serve(channel):
             #: In a forked box: the reading side of its socket (the host's RUNs, and its answers to
             #: the test's debugger, see guest/debugger.py).
             self.commands = None
-            #: The host runs with --pdb (taken off here at configure; forked boxes relay it).
+            #: The host runs with --pdb (taken off here at configure; each run relays it).
             self.postmortem = False
             #: Messages of the host's that a booted box's debugger read while waiting for its
             #: answer (guest/debugger.py's ChannelAnswers): the serve loop takes them first.
