@@ -18,9 +18,9 @@ on (exit status 1, never 3 / INTERNALERROR), the next test runs and passes, and 
 sends writes outside the host's intended places.  The host's peak RSS (``VmHWM``, written by the
 sub-run's own conftest in ``pytest_unconfigure``) shows whether memory stayed bounded.
 
-Where the host is wrong the test is ``xfail(strict=True)`` with the reason (one is left: xdist's
-own worker channel under ``--boxlite-scope=worker``, which xdist trusts by design).  The
-fork-mode checks need a working per-test fork.  Sub-runs are
+Where the host is wrong the test is ``xfail(strict=True)`` with the reason (none is left: xdist's
+own worker channel under ``--boxlite-scope=worker -n N``, which xdist trusts, is checked by
+:mod:`pytest_boxlite.xdist_guard`).  The fork-mode checks need a working per-test fork.  Sub-runs are
 grouped (one per scope, plus one for each attack that stops the whole session today) so the file
 stays within a few minutes.
 """
@@ -282,6 +282,23 @@ ATTACKS: dict[str, tuple[str, str]] = {
         "xdist_worker().sendevent('testreport', data=report(request, nodeid='test_hostile.py::test_ghost'))",
     ),
     "xdist_unknown_event": ("", "xdist_worker().channel.send(('bogus-event', {}))"),
+    # xdist's controller imports the module a worker's warning names and calls what it finds with
+    # the worker's arguments: os.system would run a command on the host.
+    "xdist_warning_runs_host_code": (
+        "request",
+        """
+        data = {"message_module": "os", "message_class_name": "system",
+                "message_args": ["touch " + os.environ["PBX_HOST_MARK"]], "message_str": "hostile-warning",
+                "category_module": "builtins", "category_class_name": "UserWarning",
+                "filename": os.environ["PBX_HOST_FILE"], "lineno": 1, "file": None, "line": None, "source": None}
+        xdist_worker().sendevent("warning_recorded", warning_message_data=data, when="runtest",
+                                 nodeid=request.node.nodeid, location=request.node.location)
+        """,
+    ),
+    "xdist_skip_longrepr": (
+        "request",
+        "xdist_worker().sendevent('testreport', data=report(request, outcome='skipped', longrepr=['a', 'b']))",
+    ),
     "done_then_linger": (
         "",
         """
@@ -668,15 +685,13 @@ def test_forged_fork_answer_fails_no_more_than_a_test(tmp_path: Path) -> None:
     assert run.leftovers == []
 
 
-@xfail(
-    "--boxlite-scope=worker -n N puts xdist workers in boxes and leaves their channel to xdist, which "
-    "trusts its workers: a report for a node id never sent is logged as PASSED, an unknown event is "
-    "an INTERNALERROR (xdist replaces the worker, then KeyError in its bookkeeping)"
-)
 @pytest.mark.escape_row("malformed-reports")
 def test_worker_scope_xdist_channel_is_checked(tmp_path: Path) -> None:
+    """--boxlite-scope=worker -n 2: each xdist worker is a session in a box, and xdist trusts its
+    workers (without pytest_boxlite.xdist_guard a report for a node id never sent was logged as
+    PASSED, an unknown event was an INTERNALERROR, then a KeyError in xdist's bookkeeping)."""
     pytest.importorskip("xdist")
-    # The known failure hangs the session (xdist's INTERNALERROR, then a replaced worker) until
+    # Without the guard the session hangs (xdist's INTERNALERROR, then a replaced worker) until
     # the sub-run's bound: 60 s, not the default 240 s, is enough to see what this checks.
     run = run_attacks(
         tmp_path / "xdist",
@@ -690,6 +705,34 @@ def test_worker_scope_xdist_channel_is_checked(tmp_path: Path) -> None:
     run.session_went_on()
     run.contained("xdist_foreign_nodeid", "test_ghost")
     run.contained("xdist_unknown_event", "bogus-event")
+
+
+@pytest.mark.escape_row("malformed-reports")
+@pytest.mark.escape_row("forged-warning")
+def test_worker_scope_xdist_warnings_and_reports_cannot_act_on_the_host(tmp_path: Path) -> None:
+    """--boxlite-scope=worker -n 2: a worker's warning that names ``os.system`` and a host secret
+    as its file (xdist would import and call the one and the warnings summary read the other), and
+    a skip whose longrepr is no (path, line, reason): nothing runs or is read on the host, the
+    session goes on (without the guard the command ran on the host)."""
+    pytest.importorskip("xdist")
+    mark, secret = tmp_path / "host-mark", tmp_path / "host-secret.txt"
+    secret.write_text("host-secret-line-31337\n")
+    run = run_attacks(
+        tmp_path / "xdist-warn",
+        ["xdist_warning_runs_host_code", "xdist_skip_longrepr"],
+        "--boxlite-scope=worker",
+        "-n",
+        "2",
+        timeout=120.0,
+        PBX_HOST_MARK=str(mark),
+        PBX_HOST_FILE=str(secret),
+    )
+    assert "hostile-warning" in run.output, run.tail()  # the warning came, as its text
+    assert not mark.exists(), "a worker's warning ran a command on the host"
+    assert "host-secret-line-31337" not in run.output, run.tail()
+    run.session_went_on()
+    run.contained("xdist_skip_longrepr", "not shaped as pytest")
+    assert run.case("test_xdist_warning_runs_host_code_next").outcome == "passed", run.tail()
 
 
 @pytest.mark.escape_row("lingering-box")
