@@ -219,8 +219,7 @@ class BoxDebugger:
                 return ""
             return line[: msg.DEBUG_TEXT_CAP]
 
-    # -- pytest hooks, in the box --------------------------------------------------------
-    @pytest.hookimpl(tryfirst=True)
+    # -- pytest hooks, in the box (called by :class:`_Hooks`) ------------------------------
     def pytest_enter_pdb(self, config: pytest.Config, pdb: Any) -> None:
         """Point the debugger pytest made at the host (or, under xdist, at end-of-file)."""
         if self.xdist:
@@ -243,7 +242,6 @@ class BoxDebugger:
             capturing = config.option.capture != "no"
             self.frame("leave", title="PDB continue" + (" (IO-capturing resumed)" if capturing else ""))
 
-    @pytest.hookimpl(tryfirst=True)
     def pytest_exception_interact(self, node: Any, call: Any, report: Any) -> None:
         """``--pdb``: before pytest's post-mortem (its ``PdbInvoke``, registered with this relay)
         opens at the failing frame, show the host what pytest shows locally: the captured
@@ -267,11 +265,40 @@ class BoxDebugger:
             self.frame("out", text=text[start : start + msg.DEBUG_TEXT_CAP])
 
 
+class _Hooks:
+    """The pytest hooks of the running test's relay (:data:`_current`), registered once per
+    interpreter: the warm interpreter registers it before it forks (:func:`prepare`), so a forked
+    box neither imports this module nor registers a plugin per test (together ~8 ms of CPU)."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_enter_pdb(self, config: pytest.Config, pdb: Any) -> None:
+        if _current is not None:
+            _current.pytest_enter_pdb(config, pdb)
+
+    def pytest_leave_pdb(self, config: pytest.Config, pdb: Any) -> None:
+        if _current is not None:
+            _current.pytest_leave_pdb(config, pdb)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_exception_interact(self, node: Any, call: Any, report: Any) -> None:
+        if _current is not None:
+            _current.pytest_exception_interact(node, call, report)
+
+
+_HOOKS_NAME = "boxlite-debugger"
+
+
+def prepare(config: pytest.Config) -> None:
+    """Register the relay's hooks in this interpreter (once; they act only while a run is attached)."""
+    if config.pluginmanager.get_plugin(_HOOKS_NAME) is None:
+        config.pluginmanager.register(_Hooks(), _HOOKS_NAME)
+
+
 def attach(config: pytest.Config, send: Callable[..., None], answers: Any, clock: Any, postmortem: bool) -> BoxDebugger:
     """Relay the debugger of the run about to start (see :class:`BoxDebugger`); :func:`detach` after."""
     global _current
     relay = BoxDebugger(send, answers, clock, postmortem)
-    config.pluginmanager.register(relay, "boxlite-debugger")
+    prepare(config)
     if postmortem and not relay.xdist and not config.pluginmanager.has_plugin("pdbinvoke"):
         # pytest's own --pdb post-mortem: the box's pytest had --pdb taken off at its configure
         # (a box that cannot relay must not open a debugger), so it is registered per run here.
@@ -289,7 +316,6 @@ def detach(config: pytest.Config) -> None:
     relay, _current = _current, None
     if relay is not None:
         relay.broken = True
-    for name in ("boxlite-debugger", "boxlite-pdbinvoke"):
-        plugin = config.pluginmanager.get_plugin(name)
-        if plugin is not None:
-            config.pluginmanager.unregister(plugin, name)
+    plugin = config.pluginmanager.get_plugin("boxlite-pdbinvoke")
+    if plugin is not None:
+        config.pluginmanager.unregister(plugin, "boxlite-pdbinvoke")

@@ -320,6 +320,17 @@ def _new_files(since):
     return out
 
 
+def _prepare_debugger(config):
+    """In the warm interpreter, before it forks: import the debugger relay and register its hooks
+    once, so that no forked box compiles the module (the box cannot write its bytecode cache) or
+    registers a plugin for its one test."""
+    try:
+        from pytest_boxlite.guest import debugger
+    except ImportError:
+        return  # _relay_debugger says so in the box
+    debugger.prepare(config)
+
+
 def _relay_debugger(config, plugin, clock, channel):
     """Relay the run's debugger to the host's terminal (guest/debugger.py, which the box's pytest
     imports from the package, as it imports this plugin): a forked box's answers come on its
@@ -754,6 +765,7 @@ def serve(channel):
                 channel.send((ERROR, {"text": error}))  # noqa: F821
                 return
             stop = self._prepare(item) if shared else None
+            _prepare_debugger(item.config)  # here, once: not in every box (see guest/debugger.py _Hooks)
             # Root's fresh box maps every id into its new user namespace: this process writes the maps.
             # On a VM (renew_all) root forks the box as root of the VM's kernel: no maps to write.
             real_root = bool(renew_all) and os.geteuid() == 0
