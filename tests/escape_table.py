@@ -216,20 +216,25 @@ ROWS: tuple[Row, ...] = (
     Row(
         "session-budget",
         "flood the host with many small reports, warnings or cache values",
-        "the session's budget per host process (256 MiB of report text; 10,000 warnings or 64 MiB of warning "
-        'text; 64 MiB of `config.cache` values): the overflowing test fails "over the session\'s budget"',
+        "the session's budget (256 MiB of report text; 10,000 warnings or 64 MiB of warning text; 64 MiB of "
+        "`config.cache` values), split among the xdist workers under `-n N` (each keeps 1/N): the overflowing "
+        'test fails "over the session\'s budget"',
         "same",
     ),
     Row(
         "forged-warning",
-        "forge a warning naming a host file (`/etc/shadow`, a key, `/dev/zero`) so the host prints its line",
-        "the host prints the source line the box sent and never reads a file a box names",
+        "forge a warning naming a host file (`/etc/shadow`, a key, `/dev/zero`) so the host prints its line; "
+        "in a boxed xdist worker (`--boxlite-scope=worker -n N`), a warning whose class is `os.system`, which "
+        "xdist's controller imports and calls",
+        "the host prints the source line the box sent and never reads a file a box names; a worker's warning "
+        "is text of an already-imported warning class (nothing is imported or called)",
         "same",
     ),
     Row(
         "malformed-reports",
         "send malformed reports: a skip whose `longrepr` is not `(path, line, reason)`, lone surrogates, wrong "
-        "types, foreign test ids, unknown messages, messages after its test is done",
+        "types, foreign test ids, unknown messages, messages after its test is done; the same as xdist events "
+        "from a boxed xdist worker",
         "that test fails with a clear report (surrogates become U+FFFD); the session and later tests are unaffected",
         "same",
     ),
