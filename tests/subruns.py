@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pty
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 #: Plugins installed here that sub-runs do not need and that slow every pytest start.
@@ -209,3 +211,52 @@ class TcpServer:
         self._stop.set()
         self._thread.join(5)
         self.sock.close()
+
+
+def run_in_pty(
+    args: Sequence[str],
+    cwd: Path,
+    answers: Sequence[tuple[bytes, bytes, float]] = (),
+    timeout: float = 150.0,
+    columns: int = 120,
+) -> tuple[int, bytes]:
+    """Run ``args`` on a new pseudo-terminal, as from a user's shell; type each ``(prompt, reply,
+    delay)`` of ``answers`` ``delay`` seconds after ``prompt`` appears (after the previous reply).
+    Its exit code and everything it wrote to the terminal, as bytes."""
+    env = sub_env(TERM="dumb", COLUMNS=str(columns), PY_COLORS="0")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.chdir(cwd)
+            os.execve(args[0], list(args), env)
+        finally:
+            os._exit(127)
+    out = bytearray()
+    seen = 0
+    pending = list(answers)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                raise AssertionError(f"no end within {timeout}s:\n{out.decode(errors='replace')[-4000:]}")
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the child's side of the terminal closed
+                break
+            if not chunk:
+                break
+            out += chunk
+            if pending and pending[0][0] in out[seen:]:
+                _prompt, reply, delay = pending.pop(0)
+                seen = len(out)
+                time.sleep(delay)
+                os.write(fd, reply)
+    finally:
+        os.close(fd)
+        _, status = os.waitpid(pid, 0)
+    assert not pending, f"never prompted for {pending}:\n{out.decode(errors='replace')[-4000:]}"
+    return os.waitstatus_to_exitcode(status), bytes(out)

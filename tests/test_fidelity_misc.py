@@ -12,15 +12,10 @@ real namespace boxes and a ``--boxlite-home`` of its own, left empty afterwards:
 
 from __future__ import annotations
 
-import os
-import pty
 import re
-import select
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -269,41 +264,8 @@ def run_in_pty(
 ) -> tuple[int, str]:
     """Run ``argv`` on a new pseudo-terminal, as from a user's shell; each ``(prompt, reply)`` of
     ``answers`` is typed once ``prompt`` appears after the previous reply.  Its exit code and output."""
-    env = sub_env(TERM="dumb", COLUMNS="200", PY_COLORS="0")
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.chdir(cwd)
-            os.execve(argv[0], list(argv), env)
-        finally:
-            os._exit(127)
-    out = bytearray()
-    seen = 0
-    pending = list(answers)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                raise AssertionError(f"no end within {timeout}s:\n{out.decode(errors='replace')[-4000:]}")
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if not ready:
-                continue
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:  # EIO: the child's side of the terminal closed
-                break
-            if not chunk:
-                break
-            out += chunk
-            if pending and pending[0][0] in out[seen:]:
-                seen = len(out)
-                os.write(fd, pending.pop(0)[1])
-    finally:
-        os.close(fd)
-        _, status = os.waitpid(pid, 0)
-    assert not pending, f"never prompted for {pending}:\n{out.decode(errors='replace')[-4000:]}"
-    return os.waitstatus_to_exitcode(status), out.decode(errors="replace").replace("\r\n", "\n")
+    rc, out = subruns.run_in_pty(argv, cwd, [(p, r, 0.0) for p, r in answers], timeout, columns=200)
+    return rc, out.decode(errors="replace").replace("\r\n", "\n")
 
 
 def pytest_argv(home: Path, *args: str) -> list[str]:

@@ -17,78 +17,25 @@ The cases marked ``booted`` run the same in boxes booted per test.
 
 from __future__ import annotations
 
-import os
-import pty
 import re
-import select
-import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import subruns
-from subruns import sub_env
+from subruns import run_in_pty, sub_env
 
 from pytest_boxlite import ledger
 
 pytestmark = pytest.mark.timeout(300)
-
-#: A reply typed once its prompt shows: (prompt, text, seconds to wait before typing it).
-Answer = tuple[bytes, bytes, float]
 
 
 def argv(home: Path, *args: str, boxed: bool = True) -> list[str]:
     if not boxed:  # the same run without this plugin, to compare with
         return [sys.executable, "-m", "pytest", *subruns.QUIET, "-p", "no:boxlite", "-p", "no:randomly", *args]
     return subruns.pytest_argv(home, "--boxlite-runtime=namespace", "-p", "no:randomly", *args)
-
-
-def run_in_pty(
-    args: Sequence[str], cwd: Path, answers: Sequence[Answer] = (), timeout: float = 150.0
-) -> tuple[int, bytes]:
-    """Run ``args`` on a new pseudo-terminal; type each answer once its prompt appears (after the
-    previous answer).  Its exit code and everything it wrote to the terminal, as bytes."""
-    env = sub_env(TERM="dumb", COLUMNS="120", PY_COLORS="0")
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.chdir(cwd)
-            os.execve(args[0], list(args), env)
-        finally:
-            os._exit(127)
-    out = bytearray()
-    seen = 0
-    pending = list(answers)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                raise AssertionError(f"no end within {timeout}s:\n{out.decode(errors='replace')[-4000:]}")
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if not ready:
-                continue
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:  # EIO: the child's side of the terminal closed
-                break
-            if not chunk:
-                break
-            out += chunk
-            if pending and pending[0][0] in out[seen:]:
-                _prompt, reply, delay = pending.pop(0)
-                seen = len(out)
-                time.sleep(delay)
-                os.write(fd, reply)
-    finally:
-        os.close(fd)
-        _, status = os.waitpid(pid, 0)
-    assert not pending, f"never prompted for {pending}:\n{out.decode(errors='replace')[-4000:]}"
-    return os.waitstatus_to_exitcode(status), bytes(out)
 
 
 def text(out: bytes) -> str:
