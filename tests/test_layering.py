@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "pytest glue: fixtures, boxed-test execution, xdist, the terminal report",
-        ("fixtures", "services", "remote", "remote.*", "reporting", "xdist_support"),
+        ("fixtures", "services", "remote", "remote.*", "reporting", "xdist_support", "xdist_guard"),
     ),
     ("test plans: markers to box specs, and the marker's registration", ("markers", "marker_registration")),
     ("the per-process session", ("session",)),
@@ -57,7 +57,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime parts: protocol, host probe, private helpers", ("runtimes.base", "runtimes.probe", "runtimes._*")),
     ("images: references, the image store and its unpacker", ("images", "images.*")),
     ("shared vocabulary: box specs; guest scripts and their loader", ("spec", "guest", "guest.*")),
-    ("errors", ("errors",)),
+    ("errors, and removing the host's own directories", ("errors", "_tidy")),
 ]
 
 #: Runtime kinds: naming one outside runtimes/ ties that code to a runtime.

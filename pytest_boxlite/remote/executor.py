@@ -25,7 +25,6 @@ from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.remote import reports, transport
 from pytest_boxlite.remote.transport import BoxSpoke
-from pytest_boxlite.remote.transport import _report as report_of
 from pytest_boxlite.remote.worker_host import BoxRun, Ended, ForkedBox, RemoteRunner
 from pytest_boxlite.spec import BoxSpec
 
@@ -242,9 +241,7 @@ class BoxedExecutor:
             timeout = max(self.session.settings.timeout, 30.0)
             try:
                 data = self.runner.teardown_shared(lease.handle, keep, item.nodeid, timeout)
-                rep = report_of(self.config, item, data) if data is not None else None
-                if rep is not None:  # kept like every report a box sends: within the session's budget
-                    transport.session_budget(self.config).take_report(transport.report_size(rep))
+                rep = transport.kept_report(self.config, item, data) if data is not None else None
             except (BoxliteError, BoxSpoke) as exc:
                 rep = reports.make_report(item, "teardown", "failed", f"shared fixtures' teardown: {exc}", None, 0.0)
                 self._shared.pop(name, None)

@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     from pytest_boxlite.remote.transport import Outcome
     from pytest_boxlite.remote.worker_host import Ended
 
-PHASES = ("setup", "call", "teardown")
 TIMED_OUT = "timed out after {:.0f}s; the box was killed (--boxlite-timeout or the marker's timeout)"
 
 

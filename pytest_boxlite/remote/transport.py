@@ -33,7 +33,9 @@ import pytest
 
 from pytest_boxlite.guest import messages as msg
 from pytest_boxlite.remote.debug_relay import DebugRelay
-from pytest_boxlite.remote.reports import PHASES
+
+#: The phases of a test's run, as its reports name them.
+PHASES = ("setup", "call", "teardown")
 
 
 class BoxSpoke(Exception):
@@ -374,6 +376,14 @@ def _last_words(config: pytest.Config, fields: dict[str, Any]) -> list[tuple[str
     except BoxSpoke as refused:
         return [("boxlite", str(refused))]
     return sections
+
+
+def kept_report(config: pytest.Config, item: pytest.Item, data: object) -> pytest.TestReport:
+    """A report a box sent outside a test's stream (the shared fixtures' teardown), rebuilt and
+    checked as every report is, and kept within the session's report budget (else ``BoxSpoke``)."""
+    rep = _report(config, item, data)
+    session_budget(config).take_report(report_size(rep))
+    return rep
 
 
 def report_size(rep: pytest.TestReport) -> int:
