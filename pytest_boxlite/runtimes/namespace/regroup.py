@@ -355,20 +355,29 @@ def _copy_file(src: str, dst: str, e: Entry) -> bool:
             return False
         out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            try:
-                fcntl.ioctl(out, _FICLONE, fd)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS):
-                    raise
-                while os.sendfile(out, fd, None, 1 << 20):
-                    pass
-            os.fchmod(out, e.mode & 0o7777)
-            os.utime(out, ns=(e.atime_ns, e.mtime_ns))
+            _write_copy(fd, out, e)
         finally:
             os.close(out)
     finally:
         os.close(fd)
     return True
+
+
+def _write_copy(fd: int, out: int, e: Entry) -> None:
+    """``out`` made the content of ``fd`` (a reflink where the filesystem can; whatever ``out``
+    held beyond it cut off), with ``e``'s mode and times."""
+    try:
+        fcntl.ioctl(out, _FICLONE, fd)
+        os.ftruncate(out, os.fstat(fd).st_size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS):
+            raise
+        written = 0
+        while n := os.sendfile(out, fd, None, 1 << 20):
+            written += n
+        os.ftruncate(out, written)
+    os.fchmod(out, e.mode & 0o7777)
+    os.utime(out, ns=(e.atime_ns, e.mtime_ns))
 
 
 def _prune(base: Path, keep: Path) -> None:
@@ -800,18 +809,7 @@ def _refresh_file(live: _Live, src: str, dst: str, old_size: int) -> Entry | Non
                 os.chmod(dst, 0o600)  # a read-only file's copy: written by its owner all the same
         out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            try:
-                fcntl.ioctl(out, _FICLONE, fd)
-                os.ftruncate(out, os.fstat(fd).st_size)  # a longer old content does not stay behind
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS):
-                    raise
-                written = 0
-                while n := os.sendfile(out, fd, None, 1 << 20):
-                    written += n
-                os.ftruncate(out, written)
-            os.fchmod(out, e.mode & 0o7777)
-            os.utime(out, ns=(e.atime_ns, e.mtime_ns))
+            _write_copy(fd, out, e)  # in place: a longer old content does not stay behind
         finally:
             os.close(out)
     finally:
