@@ -471,6 +471,20 @@ class BoxProcess:
                     )
                 self._cond.wait(min(left, 0.5))
 
+    def _settle(self, bound: float = 1.0) -> None:
+        """Once the process has exited, wait (at most ``bound`` seconds) until both streams have
+        ended: the exit status can arrive before the pump has read the last output, and an error
+        that quotes the last lines must not miss the line that says why it exited."""
+        deadline = time.monotonic() + bound
+        with self._cond:
+            while (
+                self.returncode is not None
+                and not self._closed
+                and not (self.stdout._eof and self.stderr._eof)
+                and time.monotonic() < deadline
+            ):
+                self._cond.wait(deadline - time.monotonic())
+
     def last_lines(self, count: int = _QUOTED_LINES) -> list[str]:
         """The process's last ``count`` output lines, escaped, each ``"stdout: ..."``/``"stderr: ..."``."""
         with self._cond:

@@ -313,6 +313,7 @@ class Sandbox:
                 # a remote server's exec): not yet; the wait's own deadline decides.
                 pass
             if process is not None and process.poll() is not None:
+                process._settle()
                 raise ProcessExitedError(
                     f"{process._label()} exited with status {process.returncode} before port {port} listened",
                     process.last_lines(),

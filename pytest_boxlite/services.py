@@ -814,8 +814,10 @@ class ServiceManager:
     def _not_ready(
         self, spec: ServiceSpec, check: Ready, proc: BoxProcess, sb: Sandbox, overall: bool, exc: OutputWaitError
     ) -> ServiceStartError:
-        lines = proc.last_lines()
         code = proc.poll()
+        if code is not None:
+            proc._settle()
+        lines = proc.last_lines()
         if code is not None:
             what = f"exited with status {code} before it was ready ({check.describe()})"
         else:
