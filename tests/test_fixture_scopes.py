@@ -375,3 +375,63 @@ def test_a_shared_fixtures_warnings_are_filtered_and_shown_as_locally(tmp_path: 
         assert re.search(r"^test_w.py::test_noisy\n +.*DeprecationWarning: shown, as for the first", out, re.M), out
         assert "1 error" in out and "2 passed" in out, out
     assert ledger.scan(home) == []
+
+
+PARAM_TESTS = """
+import os
+
+import pytest
+
+pytestmark = pytest.mark.boxlite
+
+
+@pytest.fixture(scope="module", params=["a", "b"])
+def letter(request):
+    return request.param, os.getpid()
+
+
+@pytest.fixture(scope="module")
+def extra():
+    return "x", os.getpid()
+
+
+@pytest.fixture(scope="module")
+def base(request):
+    return request.param * 10, os.getpid()
+
+
+# Each value was made before the box was forked (in the warm interpreter: another pid than the
+# test's), with the parameter of this test.
+@pytest.mark.parametrize("i", [1, 2])
+def test_one(letter, i, request):
+    assert letter[0] == request.node.callspec.params["letter"]
+    assert letter[1] != os.getpid()
+
+
+def test_two(letter, extra, request):
+    assert (letter[0], extra[0]) == (request.node.callspec.params["letter"], "x")
+    assert os.getpid() not in (letter[1], extra[1])
+
+
+@pytest.mark.parametrize("base", [1, 2], indirect=True)
+@pytest.mark.parametrize("j", [1, 2])
+def test_indirect(base, j, request):
+    assert base[0] == request.node.callspec.params["base"] * 10
+    assert base[1] != os.getpid()
+"""
+
+
+def test_parametrized_module_fixtures_reach_each_box_with_their_own_parameter(tmp_path: Path, home: Path) -> None:
+    # The warm interpreter sets up an item's wider fixtures before forking its box, and skips that
+    # when the item before it needed the same ones with the same parameters: one parametrized
+    # anew (directly or indirectly), or one more fixture, must still reach the box set up.
+    proj = tmp_path / "params"
+    proj.mkdir()
+    (proj / "test_p.py").write_text(PARAM_TESTS)
+    run = SubRun(proj, home, "boxed", "-rA", "-p", "no:randomly", "-v")
+    assert run.wait(200) == 0, run.output
+    assert "10 passed" in run.output, run.output
+    names = ("test_one[a-1]", "test_one[b-2]", "test_two[a]", "test_two[b]", "test_indirect[1-1]", "test_indirect[2-2]")
+    for name in names:
+        assert re.search(rf"^PASSED test_p.py::{re.escape(name)}$", run.output, re.M), run.output
+    assert ledger.scan(home) == []

@@ -134,6 +134,15 @@ def _shared_names(item):
     return [n for n in names if defs.get(n) and getattr(defs[n][-1], "scope", "function") != "function"]
 
 
+def _prepared_key(item, names):
+    """What ``GuestPlugin._prepare`` sets up for ``item`` (beside its collectors): its fixtures
+    wider than a function's (``names``, :func:`_shared_names`) and the parameter each of them has
+    for it (a module fixture parametrized, directly or indirectly, is set up again for another)."""
+    callspec = getattr(item, "callspec", None)
+    indices = getattr(callspec, "indices", None) or {}
+    return tuple(names), tuple(sorted((n, repr(indices[n])) for n in names if n in indices))
+
+
 def _warning_filter(arg, escape):
     """A ``-W``/``filterwarnings`` line as ``warnings.filterwarnings`` arguments (pytest's own
     parser is private): ``None`` if it does not parse (pytest reports that itself)."""
@@ -398,6 +407,9 @@ def serve(channel):
             #: forked boxes (session first): fixtures wider than a function's, which pytest sets
             #: up once per session, package, module or class and every box inherits.
             self.shared = []
+            #: What the last ``_prepare`` set up on ``shared`` (see ``_prepared_key``): an item
+            #: that needs no more is forked as it is, without setting it up and down again here.
+            self.prepared = None
             #: In a forked box whose item was prepared so: the node its teardown stops at (the
             #: item's parent: what is above it belongs to the warm interpreter).
             self.stop = None
@@ -602,6 +614,14 @@ def serve(channel):
                 # Not a Python function: its setup runs in its box only; nothing of ours is torn down there.
                 kept = [n for n in self.shared if n in chain]
                 return kept[-1] if kept else None
+            key = _prepared_key(item, names)
+            if self.prepared == key and self.shared == chain[:-1]:
+                # The item before it (of the same collectors) had the same fixtures set up here,
+                # with the same parameters: its setup would set up nothing and run every plugin's
+                # setup and teardown hooks here for nothing (each box then copies the pages they wrote).
+                self.prepare_warnings = []
+                return item.parent
+            self.prepared = None
             # The host asked for this already (SHARED) when the next item left a scope; for an
             # item it did not tell us about (a test run again, say), here is when it is due.
             late = self._teardown_shared([n.nodeid for n in chain], None)
@@ -640,6 +660,7 @@ def serve(channel):
                     item.funcargs = None
             self.prepare_warnings = [_warning_fields(w, item.nodeid) for w in caught]
             self.shared = chain[:-1]
+            self.prepared = key
             return item.parent
 
         def _teardown_shared(self, keep, nodeid):
@@ -663,6 +684,7 @@ def serve(channel):
             import pytest
 
             top, self.shared = self.shared[-1], kept
+            self.prepared = None
             shadow = pytest.Function.from_parent(top, name=_SHADOW, callobj=_noop)
             shadow.fixturenames = []
             sections = []
