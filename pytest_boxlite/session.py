@@ -95,6 +95,8 @@ class BoxliteSession:
         #: Images resolved to their root filesystems (or why they cannot be), per reference.
         self._images: dict[str, ImageRoot | ConfigError] = {}
         self._images_lock = threading.Lock()
+        #: The specs :meth:`spec_for` made, by its arguments.
+        self._specs: dict[tuple[Any, ...], BoxSpec] = {}
         self.report = SessionReport()
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -181,7 +183,23 @@ class BoxliteSession:
 
         Where the runtime boxes on the host's files unless an image is named (namespace) and one
         is (:meth:`image_explicit`), the image is resolved (:meth:`image_root`) unless ``resolve``
-        is false; a :class:`ConfigError` names the image and the cause where it cannot be."""
+        is false; a :class:`ConfigError` names the image and the cause where it cannot be.
+
+        Specs are kept by their arguments (and the runtime's kind, which ``auto`` may change):
+        every collected test asks, most with the same arguments, and making one checks every field."""
+        try:
+            key = (resolve, self.choice.kind, tuple(sorted(overrides.items())))
+            known = self._specs.get(key)
+        except TypeError:  # an unhashable argument: made anew (the spec's checks name what is wrong)
+            key, known = None, None
+        if known is not None:
+            return known
+        spec = self._make_spec(resolve, overrides)
+        if key is not None:
+            self._specs[key] = spec
+        return spec
+
+    def _make_spec(self, resolve: bool, overrides: dict[str, Any]) -> BoxSpec:
         s = self.settings
         base: dict[str, Any] = {
             "image": s.image,
