@@ -26,26 +26,23 @@ class LastWords:
 
         self.item = item
         self.send = send
-        self.done = threading.Event()
-        self.changed = threading.Condition()
+        self.done = False
         self.paused_at = None
         self.deadline = time.monotonic() + float(timeout or 0)
-        self.thread = None
-        if timeout is not None and timeout > 0:
-            self.thread = threading.Thread(target=self._watch, name="boxlite-lastwords")
-            self.thread.daemon = True
-            self.thread.start()
+        #: Whether this process's watcher thread watches this run (it has a timeout).
+        self.thread_watches = timeout is not None and timeout > 0
+        if self.thread_watches:
+            _Watcher.of_this_process().watch(self)
 
     def stop(self):
-        self.done.set()
-        with self.changed:
-            self.changed.notify_all()
+        with _Watcher.lock_of_this_process():
+            self.done = True
 
     def pause(self):
         """The test waits for the user (at a debugger's prompt): the clock stops."""
         import time
 
-        with self.changed:
+        with _Watcher.lock_of_this_process():
             if self.paused_at is None:
                 self.paused_at = time.monotonic()
 
@@ -53,35 +50,21 @@ class LastWords:
         """The user answered: the clock runs on from where it stopped."""
         import time
 
-        with self.changed:
+        watcher = _Watcher.of_this_process() if self.thread_watches else None
+        with watcher.changed if watcher is not None else _Watcher.lock_of_this_process():
             if self.paused_at is not None:
                 self.deadline += time.monotonic() - self.paused_at
                 self.paused_at = None
-                self.changed.notify_all()
+                if watcher is not None:
+                    watcher.changed.notify_all()
 
-    def _due(self):
-        """Wait until the (paused-aware) deadline passes or the run ends; True if it passed."""
-        import time
-
-        with self.changed:
-            while not self.done.is_set():
-                if self.paused_at is not None:
-                    self.changed.wait()
-                    continue
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    return True
-                self.changed.wait(left)
-            return False
-
-    def _watch(self):
-        if not self._due():
-            return
+    def _speak(self):
+        """The deadline passed: send what the running phase captured (once)."""
         try:
             fields = self._captured()
         except Exception as exc:  # noqa: BLE001 - best effort: the host reports the timeout either way
             fields = {"when": "call", "out": "", "err": "", "log": "", "problem": "%s: %s" % (type(exc).__name__, exc)}
-        if not self.done.is_set():
+        if not self.done:
             self.send(LASTWORDS, **fields)  # noqa: F821 - messages.py
 
     def _captured(self):
@@ -107,3 +90,67 @@ class LastWords:
             "err": cap(err),  # noqa: F821
             "log": cap(log),  # noqa: F821
         }
+
+
+class _Watcher:
+    """One thread per process watches the running test's deadline, for every test of the box.
+
+    A thread per test would cost its start and its end for each test of a module's box; this one
+    sleeps until the deadline it knows, and a test that starts or ends wakes it only when its own
+    deadline is sooner: when it wakes it looks at the test of the moment.
+    """
+
+    #: The watcher of the process that made it (a forked process has no thread of its parent's).
+    current = None
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.changed = threading.Condition()
+        self.run = None
+        #: The deadline the thread sleeps until (``None``: until it is woken).
+        self.until = None
+        thread = threading.Thread(target=self._serve, name="boxlite-lastwords")
+        thread.daemon = True
+        thread.start()
+
+    @classmethod
+    def lock_of_this_process(cls):
+        """The condition of this process's watcher, to hold; where there is none (no test here
+        had a timeout), a context that holds nothing."""
+        import contextlib
+
+        watcher = cls.current
+        if watcher is None or watcher.pid != os.getpid():
+            return contextlib.nullcontext()
+        return watcher.changed
+
+    @classmethod
+    def of_this_process(cls):
+        watcher = cls.current
+        if watcher is None or watcher.pid != os.getpid():
+            watcher = cls.current = cls()
+        return watcher
+
+    def watch(self, run):
+        with self.changed:
+            self.run = run
+            if self.until is None or run.deadline < self.until:
+                self.changed.notify_all()
+
+    def _serve(self):
+        import time
+
+        while True:
+            with self.changed:
+                run = self.run
+                if run is None or run.done or run.paused_at is not None:
+                    self.until = None
+                    self.changed.wait()
+                    continue
+                left = run.deadline - time.monotonic()
+                if left > 0:
+                    self.until = run.deadline
+                    self.changed.wait(left)
+                    continue
+                self.run = self.until = None
+            run._speak()
