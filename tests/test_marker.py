@@ -15,6 +15,7 @@ import re
 import shutil
 import socket
 import threading
+import time
 import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from subruns import host_cleanup, process_gone, wait_until
+from subruns import TcpServer, host_cleanup, process_gone, wait_until
 
 from pytest_boxlite import ledger
 
@@ -611,6 +612,41 @@ def test_scope_module_shares_a_box_in_order(pytester: pytest.Pytester, home: Pat
     assert box_of(reports, "test_scope_a.py::test_1_writes") != box_of(reports, "test_scope_b.py::test_1_writes")
     assert not Path("/workspace/x").exists()
     assert not Path("/pbx-scope-top").exists()
+
+
+STOP_TESTS = """
+    import socket
+
+    import pytest
+
+    pytestmark = pytest.mark.boxlite(network=True)
+
+
+    @pytest.mark.parametrize("word", [b"w1", b"w2", b"w3", b"w4"])
+    def test_says(word):
+        with socket.create_connection(("127.0.0.1", PORT), timeout=5) as conn:
+            conn.sendall(word)
+        assert word != b"w2"
+"""
+
+
+@pytest.mark.parametrize("stop", [[], ["-x"], ["--maxfail=1"], ["--sw"]], ids=["none", "x", "maxfail", "stepwise"])
+def test_scope_module_runs_the_tests_pytest_runs_and_no_more(
+    pytester: pytest.Pytester, home: Path, tcp_server: TcpServer, stop: list[str]
+) -> None:
+    """A module's box is sent its next test as soon as the one before it ends (the host logs the
+    reports meanwhile), but never where those reports can stop the session: after the failure
+    under -x, --maxfail or --stepwise no test runs in the box.  The tests say they ran to a
+    server on the host (their boxes share its network); the order is pytest's."""
+    pytester.makepyfile(test_stop=STOP_TESTS.replace("PORT", str(tcp_server.port)))
+    args = ("--boxlite", "--boxlite-scope=module", f"--boxlite-home={home}", "-p", "no:randomly", *stop)
+    result, _ = run(pytester, *args)
+    no_leftovers(home)
+    ran = [b"w1", b"w2"] if stop else [b"w1", b"w2", b"w3", b"w4"]
+    assert result.parseoutcomes() == ({"failed": 1, "passed": 1} if stop else {"failed": 1, "passed": 3})
+    assert tcp_server.got(ran[-1])
+    time.sleep(1.0)  # a test run after the stop would have said so by now
+    assert tcp_server.received == ran
 
 
 def test_scope_test_is_the_default_fresh_box_per_test(pytester: pytest.Pytester, home: Path) -> None:

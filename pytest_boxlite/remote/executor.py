@@ -97,6 +97,10 @@ class BoxedExecutor:
         self._fork_parents: dict[BoxSpec, Lease] = {}
         #: The forked box that runs the current module's tests (module scope, fork mode).
         self._held_fork: tuple[str, BoxSpec, ForkedBox] | None = None
+        #: The module box's next test, when its RUN was sent as soon as the test before it ended
+        #: (see ``_start_ahead``): its node id and its run.
+        self._started_ahead: tuple[str, BoxRun] | None = None
+        self._may_start_ahead: bool | None = None
         #: Why a box could not be had, and the first test that said so in full.
         self._lease_errors: dict[str, str] = {}
         #: Per test, each forked box inherits the fixtures wider than a function's from its warm
@@ -173,7 +177,8 @@ class BoxedExecutor:
                     ahead.append(later.nodeid)
             if self.runner.share_fixtures:
                 self._shared[lease.handle.name] = (lease, [n.nodeid for n in item.listchain()[:-1]])
-            out, ended = self._run_forked(item, lease, plan, module, nextitem if shared else None, ahead)
+            after = (nextitem, next_plan, then) if shared and nextitem is not None else None
+            out, ended = self._run_forked(item, lease, plan, module, after, ahead)
             box_name, exit_with = ended.name, ended.exit
             if not ended.worker_alive:
                 self._fork_parents.pop(plan.spec, None)
@@ -260,19 +265,27 @@ class BoxedExecutor:
         lease: Lease,
         plan: BoxPlan,
         module: str,
-        nextitem: pytest.Item | None,
+        after: tuple[pytest.Item, BoxPlan | None, tuple[pytest.Item, BoxPlan | None] | None] | None,
         ahead: list[str],
     ) -> tuple[list[pytest.TestReport], Ended]:
         """Run ``item`` in a forked box: a new one per test, or the module's (module scope).
 
-        ``nextitem`` is the next item when it shares this box (module scope, same module and spec);
-        ``ahead`` the node ids of the next tests that need new boxes of the same warm interpreter.
+        ``after`` is the next item, its plan and what follows it (``run_protocol``'s ``then``)
+        when the next item shares this box (module scope, same module and spec); ``ahead`` the
+        node ids of the next tests that need new boxes of the same warm interpreter.
         """
+        nextitem = after[0] if after is not None else None
         next_nodeid = nextitem.nodeid if nextitem is not None else None
         held = self._held_fork
-        if held is not None and (held[0], held[1]) == (module, plan.spec) and held[2].alive:
+        started, self._started_ahead = self._started_ahead, None
+        same_box = held is not None and (held[0], held[1]) == (module, plan.spec) and held[2].alive
+        if started is not None and started[0] == item.nodeid and same_box and held is not None:
+            run = started[1]
+        elif same_box and started is None and held is not None:
             run = self.runner.run_in(held[2], item, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead)
         else:
+            # A module box that runs another test than this one (started for a test pytest then
+            # did not run next) is closed as well: this test gets a box of its own.
             self._close_fork()
             run = self.runner.fork(
                 item, lease, network=plan.spec.network, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead
@@ -280,7 +293,62 @@ class BoxedExecutor:
         out, ended = self._drain_end_report(item, run, last=nextitem is None)
         # The module's box stays for its next test; one that ended (or is done) is forgotten.
         self._held_fork = (module, plan.spec, ended.box) if ended.box is not None else None
+        if after is not None and ended.box is not None and ended.exit is None:
+            self._start_ahead(ended.box, module, plan.spec, *after)
         return out, ended
+
+    def _start_ahead(
+        self,
+        box: ForkedBox,
+        module: str,
+        spec: BoxSpec,
+        nextitem: pytest.Item,
+        next_plan: BoxPlan | None,
+        then: tuple[pytest.Item, BoxPlan | None] | None,
+    ) -> None:
+        """Send the module box's next test its RUN now, as soon as the test before it has ended,
+        so that the box runs it while this process logs the reports of the one before (the host's
+        work and the box's then overlap instead of taking turns).
+
+        Only where nothing this process does with those reports can decide that the next test
+        does not run, or runs elsewhere: no ``-x``/``--maxfail``, ``--stepwise``, debugger or
+        ``--boxlite-keep`` (a kept box must hold what its failed test left), and no plugin of its
+        own around each test's run (one that runs a test again, as pytest-rerunfailures does).
+        The module's last test is started in its turn (its RUN also forks the next box ahead).
+        """
+        later, later_plan = then if then is not None else (None, None)
+        if (
+            next_plan is None
+            or later is None
+            or later_plan is None
+            or later_plan.spec != spec
+            or later.nodeid.split("::", 1)[0] != module
+            or not self._ahead_allowed()
+        ):
+            return
+        run = self.runner.run_in(box, nextitem, next_nodeid=later.nodeid, timeout=next_plan.timeout)
+        self._started_ahead = (nextitem.nodeid, run)
+
+    #: Plugins whose ``pytest_runtest_protocol`` runs each test once, as it is: pytest's own, this
+    #: plugin's and pytest-timeout's.
+    _PROTOCOL_PLUGINS = frozenset(
+        ("runner", "boxlite-host", "faulthandler", "unittest", "timeout", "assertion", "warnings", "logging-plugin")
+    )
+
+    def _ahead_allowed(self) -> bool:
+        if self._may_start_ahead is None:
+            opt = self.config.option
+            pm = self.config.pluginmanager
+            impls = {pm.get_name(impl.plugin) for impl in self.config.hook.pytest_runtest_protocol.get_hookimpls()}
+            self._may_start_ahead = not (
+                getattr(opt, "maxfail", 0)
+                or getattr(opt, "stepwise", False)
+                or getattr(opt, "usepdb", False)
+                or getattr(opt, "trace", False)
+                or self.session.settings.keep
+                or not impls <= self._PROTOCOL_PLUGINS
+            )
+        return self._may_start_ahead
 
     def _drain_end_report(self, item: pytest.Item, run: BoxRun, *, last: bool) -> tuple[list[pytest.TestReport], Ended]:
         """The steps of a started run after the runner's: drain its messages (if it got as far as
@@ -293,6 +361,7 @@ class BoxedExecutor:
         return reports.finish(item, run.outcome, ended), ended
 
     def _close_fork(self) -> None:
+        self._started_ahead = None  # its box goes with it
         if self._held_fork is not None:
             box = self._held_fork[2]
             self._held_fork = None
