@@ -435,3 +435,48 @@ def test_parametrized_module_fixtures_reach_each_box_with_their_own_parameter(tm
     for name in names:
         assert re.search(rf"^PASSED test_p.py::{re.escape(name)}$", run.output, re.M), run.output
     assert ledger.scan(home) == []
+
+
+TMP_PARAM_TESTS = """
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+
+pytestmark = pytest.mark.boxlite
+
+
+@pytest.fixture(scope="module", params=["a", "b", "c"])
+def data_dir(request):
+    made = tempfile.mkdtemp(prefix="pbx_param_%s_" % request.param)
+    with open(os.path.join(made, "token"), "w") as f:
+        f.write(request.param)
+    yield made, request.param
+    shutil.rmtree(made)
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_reads(data_dir, i):
+    time.sleep(0.3)  # the next tests' boxes are made meanwhile
+    made, param = data_dir
+    with open(os.path.join(made, "token")) as f:
+        assert f.read() == param
+"""
+
+
+def test_a_running_box_keeps_its_parametrized_fixture_while_the_next_param_is_set_up(
+    tmp_path: Path, home: Path
+) -> None:
+    # The warm interpreter sets up the next test's wider fixtures before forking its box, while
+    # the test before it runs: for another parameter of a module fixture that means tearing down
+    # the one the running test uses (its files in the warm /tmp, which the box sees through).
+    # Such a box is made in its turn instead.
+    proj = tmp_path / "tmpparams"
+    proj.mkdir()
+    (proj / "test_t.py").write_text(TMP_PARAM_TESTS)
+    run = SubRun(proj, home, "boxed", "-rA", "-p", "no:randomly")
+    assert run.wait(200) == 0, run.output
+    assert "9 passed" in run.output, run.output
+    assert ledger.scan(home) == []

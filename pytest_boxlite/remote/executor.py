@@ -111,9 +111,9 @@ class BoxedExecutor:
         #: Per fork parent (its box's name): its lease, and the node ids on which its warm
         #: interpreter may hold fixtures set up (the last forked item's collectors).
         self._shared: dict[str, tuple[Lease, list[str]]] = {}
-        #: The collector of the last test forked per spec, and the fixture names the tests forked
-        #: under it asked for (see ``_ahead_ok``).
-        self._group: dict[BoxSpec, tuple[Any, set[str]]] = {}
+        #: The collector of the last test forked per spec, the fixture names the tests forked
+        #: under it asked for, and the parameter each wider fixture had last (see ``_ahead_ok``).
+        self._group: dict[BoxSpec, tuple[Any, set[str], dict[str, Any]]] = {}
 
     def run_protocol(
         self,
@@ -160,19 +160,20 @@ class BoxedExecutor:
             # warm interpreter and this box will not run them (module scope keeps one box per
             # module, so there only the next module's first test gets one).
             ahead: list[str] = []
-            names = self._group_names(item, plan.spec)
+            names, params = self._group_of(item, plan.spec)
             same = nextitem is not None and next_plan is not None and next_plan.spec == plan.spec
-            if same and not shared and nextitem is not None and self._ahead_ok(item, nextitem, names):
+            if same and not shared and nextitem is not None and self._ahead_ok(item, nextitem, names, params):
                 ahead.append(nextitem.nodeid)
                 later, later_plan = then if then is not None else (None, None)
                 per_test = self.session.settings.scope == "test"
                 names_then = names | set(getattr(nextitem, "fixturenames", ()))
+                params_then = {**params, **wide_params(nextitem)}
                 if (
                     per_test
                     and later is not None
                     and later_plan is not None
                     and later_plan.spec == plan.spec
-                    and self._ahead_ok(nextitem, later, names_then)
+                    and self._ahead_ok(nextitem, later, names_then, params_then)
                 ):
                     ahead.append(later.nodeid)
             if self.runner.share_fixtures:
@@ -212,24 +213,30 @@ class BoxedExecutor:
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
 
-    def _group_names(self, item: pytest.Item, spec: BoxSpec) -> set[str]:
+    def _group_of(self, item: pytest.Item, spec: BoxSpec) -> tuple[set[str], dict[str, Any]]:
         """The fixture names asked for by the tests forked from ``spec``'s warm interpreter since
-        its tests last changed collector, ``item``'s included."""
-        parent, names = self._group.get(spec, (None, set()))
+        its tests last changed collector, ``item``'s included, and the parameter each of their
+        wider fixtures has there now (``item``'s, or the last test's that had one)."""
+        parent, names, params = self._group.get(spec, (None, set(), {}))
         if parent is not item.parent:
-            names = set()
+            names, params = set(), {}
         names |= set(getattr(item, "fixturenames", ()))
-        self._group[spec] = (item.parent, names)
-        return names
+        params.update(wide_params(item))
+        self._group[spec] = (item.parent, names, params)
+        return names, params
 
-    def _ahead_ok(self, item: pytest.Item, nxt: pytest.Item, names: set[str]) -> bool:
+    def _ahead_ok(self, item: pytest.Item, nxt: pytest.Item, names: set[str], params: dict[str, Any]) -> bool:
         """Whether ``nxt``'s box may be forked while ``item`` runs.  With shared fixtures its warm
         interpreter sets up ``nxt``'s wider fixtures first: only when that changes nothing a
-        running test could see, as far as the host can tell (the same collector, and no fixture
-        that no earlier test under it asked for)."""
+        running test could see, as far as the host can tell (the same collector, no fixture that
+        no earlier test under it asked for, and each wider fixture with the parameter it has now:
+        another one is torn down first, and with it what the running test may use, such as its
+        files in the warm interpreter's /tmp, which a box sees through)."""
         if not self.runner.share_fixtures:
             return True
-        return nxt.parent is item.parent and set(getattr(nxt, "fixturenames", ())) <= names
+        if nxt.parent is not item.parent or not set(getattr(nxt, "fixturenames", ())) <= names:
+            return False
+        return all(name in params and params[name] == index for name, index in wide_params(nxt).items())
 
     def teardown_shared(self, item: pytest.Item, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
         """Tear down, in every warm interpreter, the shared fixtures that ``nextitem`` does not
@@ -455,6 +462,22 @@ class BoxedExecutor:
             lease.release()
         self._fork_parents.clear()
         self._shared.clear()
+
+
+def wide_params(item: pytest.Item) -> dict[str, Any]:
+    """The parameter (its index) of each of ``item``'s fixtures wider than a function's that is
+    parametrized for it, directly or indirectly.  Reads what pytest 8.0 to 9 have and no public
+    API offers: ``Function._fixtureinfo.name2fixturedefs`` (the last definition of a name is the
+    one used), ``FixtureDef.scope`` and ``CallSpec2.indices`` (as guest/worker.py does)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", None)
+    indices = getattr(getattr(item, "callspec", None), "indices", None)
+    if not isinstance(defs, dict) or not isinstance(indices, dict):
+        return {}
+    return {
+        name: index
+        for name, index in indices.items()
+        if defs.get(name) and getattr(defs[name][-1], "scope", "function") != "function"
+    }
 
 
 def merge_teardown(report: pytest.TestReport, extra: Sequence[pytest.TestReport]) -> None:
