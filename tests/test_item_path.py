@@ -202,7 +202,14 @@ def test_module_scope_one_box_per_module(tmp_path: Path, boxlite_home: Path) -> 
     assert list(paths) == NODEIDS
     for path in paths.values():
         steps_only(path)
-        assert path == RUN  # the module's box sets its fixtures up itself: nothing shared to tear down
+    # The module's box sets its fixtures up itself: nothing shared to tear down.  Its next test is
+    # sent its RUN (worker_host) once the one before has its reports, in the run of the one before,
+    # except for the module's last test, which is started in its turn.
+    one, two, fails, dies = (paths[n] for n in NODEIDS)
+    assert one == [*RUN, W, E]
+    assert two == [E, *RUN[3:], W, E]
+    assert fails == [E, *RUN[3:]]
+    assert dies == RUN
 
 
 def test_boot_fresh_leased_boxes(tmp_path: Path, boxlite_home: Path) -> None:
