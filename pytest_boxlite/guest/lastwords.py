@@ -97,7 +97,9 @@ class _Watcher:
 
     A thread per test would cost its start and its end for each test of a module's box; this one
     sleeps until the deadline it knows, and a test that starts or ends wakes it only when its own
-    deadline is sooner: when it wakes it looks at the test of the moment.
+    deadline is sooner: when it wakes it looks at the test of the moment.  It lives as long as its
+    process: a warm interpreter that forks boxes runs no test itself, so it has none (a thread of
+    its own would make guest/fresh.py fork its boxes the slower way, through fork(3)).
     """
 
     #: The watcher of the process that made it (a forked process has no thread of its parent's).
