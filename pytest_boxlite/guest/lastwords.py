@@ -10,6 +10,7 @@ The host waits briefly for it and kills the box as before; the message is only e
 Shipped into the box as source after ``messages`` (for :data:`LASTWORDS` and ``cap``).
 """
 
+import contextlib
 import os
 import threading
 
@@ -29,20 +30,18 @@ class LastWords:
         self.done = False
         self.paused_at = None
         self.deadline = time.monotonic() + float(timeout or 0)
-        #: Whether this process's watcher thread watches this run (it has a timeout).
-        self.thread_watches = timeout is not None and timeout > 0
-        if self.thread_watches:
+        if timeout is not None and timeout > 0:
             _Watcher.of_this_process().watch(self)
 
     def stop(self):
-        with _Watcher.lock_of_this_process():
+        with _Watcher.held():
             self.done = True
 
     def pause(self):
         """The test waits for the user (at a debugger's prompt): the clock stops."""
         import time
 
-        with _Watcher.lock_of_this_process():
+        with _Watcher.held():
             if self.paused_at is None:
                 self.paused_at = time.monotonic()
 
@@ -50,13 +49,12 @@ class LastWords:
         """The user answered: the clock runs on from where it stopped."""
         import time
 
-        watcher = _Watcher.of_this_process() if self.thread_watches else None
-        with watcher.changed if watcher is not None else _Watcher.lock_of_this_process():
+        with _Watcher.held() as watcher:
             if self.paused_at is not None:
                 self.deadline += time.monotonic() - self.paused_at
                 self.paused_at = None
                 if watcher is not None:
-                    watcher.changed.notify_all()
+                    watcher.changed.notify_all()  # it may sleep without a deadline while paused
 
     def _speak(self):
         """The deadline passed: send what the running phase captured (once)."""
@@ -116,22 +114,27 @@ class _Watcher:
         thread.start()
 
     @classmethod
-    def lock_of_this_process(cls):
-        """The condition of this process's watcher, to hold; where there is none (no test here
-        had a timeout), a context that holds nothing."""
-        import contextlib
-
+    def _mine(cls):
         watcher = cls.current
-        if watcher is None or watcher.pid != os.getpid():
-            return contextlib.nullcontext()
-        return watcher.changed
+        return watcher if watcher is not None and watcher.pid == os.getpid() else None
 
     @classmethod
     def of_this_process(cls):
-        watcher = cls.current
-        if watcher is None or watcher.pid != os.getpid():
+        watcher = cls._mine()
+        if watcher is None:
             watcher = cls.current = cls()
         return watcher
+
+    @classmethod
+    @contextlib.contextmanager
+    def held(cls):
+        """This process's watcher (``None`` where no test here had a timeout), its condition held."""
+        watcher = cls._mine()
+        if watcher is None:
+            yield None
+            return
+        with watcher.changed:
+            yield watcher
 
     def watch(self, run):
         with self.changed:

@@ -132,13 +132,13 @@ class BoxedExecutor:
         output join ``item``'s teardown report, with those of warm interpreters' shared fixtures."""
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        module = item.nodeid.split("::", 1)[0]
+        module = _module_of(item)
         shared = (
             self.session.settings.scope == "module"
             and nextitem is not None
             and next_plan is not None
             and next_plan.spec == plan.spec
-            and nextitem.nodeid.split("::", 1)[0] == module
+            and _module_of(nextitem) == module
         )
         out: list[pytest.TestReport]
         exit_with: tuple[str, int] | None = None
@@ -284,12 +284,12 @@ class BoxedExecutor:
         nextitem = after[0] if after is not None else None
         next_nodeid = nextitem.nodeid if nextitem is not None else None
         held = self._held_fork
+        box = held[2] if held is not None and (held[0], held[1]) == (module, plan.spec) and held[2].alive else None
         started, self._started_ahead = self._started_ahead, None
-        same_box = held is not None and (held[0], held[1]) == (module, plan.spec) and held[2].alive
-        if started is not None and started[0] == item.nodeid and same_box and held is not None:
+        if box is not None and started is not None and started[0] == item.nodeid:
             run = started[1]
-        elif same_box and started is None and held is not None:
-            run = self.runner.run_in(held[2], item, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead)
+        elif box is not None and started is None:
+            run = self.runner.run_in(box, item, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead)
         else:
             # A module box that runs another test than this one (started for a test pytest then
             # did not run next) is closed as well: this test gets a box of its own.
@@ -329,7 +329,7 @@ class BoxedExecutor:
             or later is None
             or later_plan is None
             or later_plan.spec != spec
-            or later.nodeid.split("::", 1)[0] != module
+            or _module_of(later) != module
             or not self._ahead_allowed()
         ):
             return
@@ -462,6 +462,11 @@ class BoxedExecutor:
             lease.release()
         self._fork_parents.clear()
         self._shared.clear()
+
+
+def _module_of(item: pytest.Item) -> str:
+    """The node id of ``item``'s file (what a module's box is kept for)."""
+    return item.nodeid.split("::", 1)[0]
 
 
 def wide_params(item: pytest.Item) -> dict[str, Any]:
