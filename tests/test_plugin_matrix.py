@@ -548,6 +548,11 @@ CORE_TESTS = """
     def test_not_pid1():
         assert os.getpid() != 1 and os.getppid() != 0
 
+    def test_own_threads():
+        import threading
+
+        assert threading.enumerate() == [threading.main_thread()]
+
     def test_warns():
         warnings.warn(UserWarning("pbx-warning-marker"))
 
@@ -679,6 +684,13 @@ def test_platform_node_is_hostname(core_runs: dict[str, tuple[Run, Path]], mode:
 def test_test_process_is_not_pid1(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
     """A boxed test's process is not pid 1 and has a parent."""
     core_check(core_runs, mode, "test_not_pid1")
+
+
+@core_params()
+def test_boxed_test_sees_only_its_own_threads(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
+    """``threading.enumerate()`` in a boxed test with a timeout is its main thread alone, as
+    locally: the thread that watches the timeout is none of the test's."""
+    core_check(core_runs, mode, "test_own_threads")
 
 
 @core_params()

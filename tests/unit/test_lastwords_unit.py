@@ -8,6 +8,7 @@ its timeout); this layer checks the orders of tests and deadlines a real run can
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -31,6 +32,10 @@ def _load() -> dict[str, Any]:
     return ns
 
 
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
 def _said(sent: list[str], tag: str, bound: float) -> float:
     start = time.monotonic()
     while tag not in sent and time.monotonic() - start < bound:
@@ -41,6 +46,7 @@ def _said(sent: list[str], tag: str, bound: float) -> float:
 def test_each_run_speaks_at_its_own_deadline_and_never_after_it_stopped() -> None:
     last_words = _load()["LastWords"]
     sent: list[str] = []
+    known, threads = threading.enumerate(), _os_threads()
 
     def run(tag: str, timeout: float | None) -> Any:
         return last_words(_Item, lambda name, **fields: sent.append(tag), timeout)
@@ -70,5 +76,7 @@ def test_each_run_speaks_at_its_own_deadline_and_never_after_it_stopped() -> Non
     untimed.stop()
     time.sleep(0.3)
     assert sent == ["due", "paused", "short0", "short1", "short2"]
-    watchers = [t for t in threading.enumerate() if t.name == "boxlite-lastwords"]
-    assert len(watchers) == 1  # one thread for every run of this process
+    # One thread for every run of this process, and none a test can see through threading (a
+    # boxed test's threading.enumerate() is what it is locally).
+    assert _os_threads() == threads + 1
+    assert threading.enumerate() == known
