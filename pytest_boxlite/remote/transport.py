@@ -388,7 +388,10 @@ def kept_report(config: pytest.Config, item: pytest.Item, data: object) -> pytes
 
 def report_size(rep: pytest.TestReport) -> int:
     """The text of ``rep`` the host keeps (what the session's report budget counts)."""
-    return len(rep.longreprtext) + sum(len(c) for _, c in rep.sections)
+    # longreprtext renders through a new TerminalWriter even when there is nothing to render: a
+    # passed test's report (most of them) has no longrepr, and so no text.
+    failure = len(rep.longreprtext) if rep.longrepr is not None else 0
+    return failure + sum(len(c) for _, c in rep.sections)
 
 
 def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], box: str) -> bool:
