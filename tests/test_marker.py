@@ -526,6 +526,40 @@ def test_tmp_path_when_host_temproot_is_under_tmp(
     assert result.parseoutcomes() == {"passed": 1}, result.stdout.str()
 
 
+def test_an_option_value_that_is_a_path_names_the_tests_as_on_the_host(
+    pytester: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``--data DIR`` (a conftest's option, its value apart): pytest finds the rootdir before it
+    knows any plugin's or conftest's options, so on the host DIR counts as a path of the command
+    line and the rootdir is the common ancestor of it and the project, while in the box DIR does
+    not exist.  The box is given the host's rootdir: its tests have the host's node ids (else the
+    box could not find the test the host asked for, and it errored)."""
+    pytester.makeconftest("def pytest_addoption(parser):\n    parser.addoption('--data')\n")
+    pytester.makepyfile(
+        test_named="""
+        import pytest
+
+        @pytest.mark.boxlite
+        def test_here():
+            pass
+        """
+    )
+    # Directly in /tmp: the rootdir is then /tmp itself, which the box does not see whole (its
+    # /tmp is its own, with the project's directory in it).
+    data = Path("/tmp") / f"pbx-data-{uuid.uuid4().hex[:10]}"
+    data.mkdir()
+    home = tmp_path_factory.mktemp("home")
+    try:
+        # A run of its own, as from a shell: in-process, options are known early.
+        result = pytester.runpytest_subprocess("--data", str(data), f"--boxlite-home={home}", ".")
+    finally:
+        data.rmdir()
+    no_leftovers(home)
+    assert result.parseoutcomes() == {"passed": 1}, result.stdout.str()
+    # The host's rootdir is the common ancestor (the situation this test is about).
+    result.stdout.fnmatch_lines([f"rootdir: {os.path.commonpath([pytester.path, data])}"])
+
+
 # --------------------------------------------------------------------------
 # 3. -x, -k and --lf
 

@@ -251,8 +251,18 @@ def guest_args(config: pytest.Config) -> list[str]:
 
     Every option (pytest's, other plugins', the project's conftest options) then means in the box
     what it means on the host; the box resets what only the host does (``guest/worker.py``).
+
+    The host's rootdir goes with them (unless the command line names one): pytest finds it from
+    the command line's existing paths before any plugin's options are known, so the value of
+    ``--boxlite-home /some/dir`` counts as one of them on the host, where that directory exists,
+    and not in the box, where it does not: the two would name the tests differently.
     """
-    return [str(a) for a in config.invocation_params.args]
+    args = [str(a) for a in config.invocation_params.args]
+    if not any(a == "--rootdir" or a.startswith("--rootdir=") for a in args):
+        # Before a "--", after which every argument is a path.
+        end = args.index("--") if "--" in args else len(args)
+        args.insert(end, f"--rootdir={config.rootpath}")
+    return args
 
 
 def worker_mounts(config: pytest.Config) -> tuple[str, ...]:
