@@ -551,7 +551,10 @@ def test_an_option_value_that_is_a_path_names_the_tests_as_on_the_host(
     home = tmp_path_factory.mktemp("home")
     try:
         # A run of its own, as from a shell: in-process, options are known early.
-        result = pytester.runpytest_subprocess("--data", str(data), f"--boxlite-home={home}", ".")
+        # No cache: the rootdir is /tmp, where .pytest_cache may be another user's.
+        result = pytester.runpytest_subprocess(
+            "-p", "no:cacheprovider", "--data", str(data), f"--boxlite-home={home}", "."
+        )
     finally:
         data.rmdir()
     no_leftovers(home)

@@ -6,6 +6,7 @@ of the package.
 """
 
 import ctypes
+import gc
 import os
 import sys
 
@@ -41,6 +42,8 @@ _PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 #: The C library, opened once in the warm interpreter (ctypes is imported at load time for the same
 #: reason): every forked box would otherwise pay the import and the dlopen (several ms) itself.
 _LIBC = ctypes.CDLL(None, use_errno=True)
+#: The same library through a PyDLL: its calls keep the GIL held (see :class:`BareInit`).
+_PYLIBC = ctypes.PyDLL(None, use_errno=True)
 
 
 def _libc():
@@ -88,11 +91,14 @@ class IdMapper:
     #: end and ends the wait at once; this is only for a child that hangs before it gets there.
     TIMEOUT = 30.0
 
-    def __init__(self):
+    def __init__(self, proc=True):
         # /proc as the parent sees it now, held open: the child may mount its own /proc over it
         # (in a mount namespace the parent shares) before it asks, where the child's pid, as the
-        # parent knows it, means another process or none.
-        self.proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # parent knows it, means another process or none.  (``proc=False``: a :class:`BareInit`
+        # serves it, in the box's own /proc.)
+        self.proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if proc else None
+        #: The maps to write (:func:`_id_maps`), once worked out.
+        self.maps = None
         self.ready_r, self.ready_w = os.pipe()
         self.done_r, self.done_w = os.pipe()
         #: Set by clone_box: the child was born in its user namespace, so the maps can be written
@@ -101,7 +107,18 @@ class IdMapper:
 
     def close_parent_side(self):
         for fd in (self.ready_r, self.done_w, self.proc):
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
+
+    def fds(self):
+        """Every descriptor of this mapper's (both sides)."""
+        return tuple(fd for fd in (self.ready_r, self.ready_w, self.done_r, self.done_w, self.proc) if fd is not None)
+
+    def id_maps(self):
+        """The maps this mapper writes (:func:`_id_maps`), worked out once."""
+        if self.maps is None:
+            self.maps = _id_maps(self.proc)
+        return self.maps
 
     def close_child_side(self):
         for fd in (self.ready_w, self.done_r):
@@ -118,7 +135,7 @@ class IdMapper:
                 ready, _, _ = select.select([self.ready_r], [], [], self.TIMEOUT)
                 if not ready or os.read(self.ready_r, 2) != b"u\n":
                     return  # the child ended (or hung) before unsharing: it reports that itself
-            maps = _id_maps(self.proc)
+            maps = self.id_maps()
             for which in ("uid", "gid"):
                 _write("%d/%s_map" % (pid, which), maps[which], dir_fd=self.proc)
             os.write(self.done_w, b"m\n")
@@ -305,7 +322,7 @@ def sandbox_flags(network):
     return flags if network else flags | _CLONE_NEWNET
 
 
-def clone_box(network, mapper=None, real_root=False, flags=None, cell=None):
+def clone_box(network, mapper=None, real_root=False, flags=None, cell=None, init=None):
     """``os.fork()`` into a fresh box's new namespaces: the child's pid in the parent; 0 in the
     child, which is pid 1 of its new pid namespace with its ids mapped (root: through ``mapper``,
     an :class:`IdMapper` the parent serves; anyone else maps their own).  ``flags``: the
@@ -319,6 +336,11 @@ def clone_box(network, mapper=None, real_root=False, flags=None, cell=None):
 
     ``cell``: what :func:`take_cell` got from the host for this box (its cgroups' join files and
     its stderr): the child enters them before anything else; the parent closes them.
+
+    ``init``: a :class:`BareInit`, for a test's box: pid 1 forks the box's test process at once,
+    before anything else, and is that init from then on; the test process takes the steps pid 1
+    took (its cell, its ids) and gets :data:`IN_TEST`.  Where the box is made the other way (see
+    above) it has no effect: 0 is returned in pid 1, which forks its test process itself.
     """
     flags = box_flags(network) if flags is None else flags
     if real_root:
@@ -348,13 +370,123 @@ def clone_box(network, mapper=None, real_root=False, flags=None, cell=None):
         if mapper is not None:
             mapper.born_in_namespace = True
         return pid
+    if init is not None:
+        # Pid 1: before the interpreter's after-fork work (its hooks, the other threads' states:
+        # hundreds of pages copied), fork the test process, which does that work once, for both.
+        init.seal()
+        test = _SYSCALL(number, _SIGCHLD, 0, 0, 0, 0)
+        if test != 0:
+            init.run(test)  # never returns
     api.PyOS_AfterFork_Child()
     sys.setswitchinterval(interval)
     if real_root:
         _or_exit(_die_with_parent)
+    elif init is not None:
+        # The test process, as pid 1's copy it is dumpable no more (it sealed itself first): the
+        # test's own process is dumpable, as locally.
+        _or_exit(check_libc, _LIBC.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")  # noqa: F821 - caps.py
+        _or_exit(_in_new_box, uid, gid, mapper, None, cell)
+        return IN_TEST
     else:
         _or_exit(_in_new_box, uid, gid, mapper, None, cell)
     return 0
+
+
+#: What :func:`clone_box` returns in the test process of a box whose pid 1 forked it (``init``).
+IN_TEST = -1
+_SIG_BLOCK, _WNOHANG, _SIGKILL, _ECHILD = 0, 1, 9, 10
+
+
+class BareInit:
+    """Pid 1 of a test's box, as it runs once it has forked the test process (see
+    :func:`clone_box`): it forwards ``signals`` to the test process, reaps whatever else ends in
+    the box, serves the id maps of a root test's nested user namespace (``nested``, an
+    :class:`IdMapper` made with ``proc=False``, and ``maps``, what to write), and exits as the test
+    process exits (128+N when a signal N killed it: pid 1 cannot die by a signal it sends itself;
+    the host reads it back that way).
+
+    It is made in the warm interpreter, with all it needs ready: pid 1 is a copy of that
+    interpreter that never ran ``PyOS_AfterFork_Child`` (its GIL's lock, the import lock and the
+    other threads' states are as the clone found them, possibly held by a thread that is not
+    there), so it only makes libc calls that keep the GIL held (``_PYLIBC``), imports nothing,
+    runs no Python code of the interpreter's (signals are waited for, not handled; no garbage
+    collection) and so copies few of the interpreter's pages.  ``close``: descriptors of the warm
+    interpreter's that pid 1 must not hold (the box's cell and id mapper, other boxes' cells).
+    """
+
+    def __init__(self, signals, close, nested=None, maps=None):
+        self.close = tuple(close)
+        self.nested = nested
+        self.maps = {k: v.encode() for k, v in (maps or {}).items()}
+        self.mask = ctypes.create_string_buffer(128)  # a sigset_t (glibc's is 128 bytes)
+        check_libc(_LIBC.sigemptyset(self.mask), "sigemptyset")  # noqa: F821 - caps.py
+        for signum in (*signals, _SIGCHLD):
+            check_libc(_LIBC.sigaddset(self.mask, int(signum)), "sigaddset")  # noqa: F821 - caps.py
+        self.status = ctypes.c_int()
+        self.byte = ctypes.create_string_buffer(2)
+
+    def discard(self):
+        """In the warm interpreter, after the clone (or when it failed): the nested mapper's descriptors."""
+        if self.nested is not None:
+            for fd in self.nested.fds():
+                os.close(fd)
+            self.nested = None
+
+    def seal(self):
+        """In pid 1, before it forks: nothing in the box may ptrace it or open its descriptors
+        through /proc (the warm interpreter's, until it has closed them); the test process makes
+        itself dumpable again."""
+        if _PYLIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            os._exit(70)
+
+    def run(self, test):
+        """Pid 1, from the fork of its test process ``test`` (< 0: the fork failed) on; never returns."""
+        libc = _PYLIBC
+        gc.disable()
+        if test < 0 or libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0) != 0:
+            os._exit(70)
+        for fd in self.close:
+            libc.close(fd)
+        # Signals pid 1 forwards, and SIGCHLD, are taken with sigwaitinfo: blocked, never handled.
+        if libc.sigprocmask(_SIG_BLOCK, self.mask, None) != 0:
+            os._exit(70)
+        if self.nested is not None:
+            self._serve_nested(libc, test)
+        status = ctypes.byref(self.status)
+        while True:
+            while True:  # what ended before SIGCHLD was blocked, or since the last one
+                pid = libc.waitpid(-1, status, _WNOHANG)
+                if pid == test:
+                    code = os.waitstatus_to_exitcode(self.status.value)
+                    os._exit(code if code >= 0 else 128 - code)
+                if pid == 0:
+                    break
+                if pid < 0:
+                    os._exit(70)  # no child left, the test process unseen: cannot be
+            signum = libc.sigwaitinfo(self.mask, None)
+            if signum > 0 and signum != _SIGCHLD:
+                libc.kill(test, signum)
+
+    def _serve_nested(self, libc, test):
+        """Write the maps of the test process's nested user namespace once it asks (see
+        :meth:`IdMapper.serve`), in the box's /proc, which the test process has mounted by then
+        (the mount namespace is pid 1's too) and where ``test`` is its pid."""
+        n = self.nested
+        libc.close(n.ready_w)
+        libc.close(n.done_r)
+        if libc.read(n.ready_r, self.byte, 2) == 2 and self.byte.raw == b"u\n":
+            written = 0
+            for which in ("uid", "gid"):
+                data = self.maps.get(which, b"")
+                fd = libc.open(b"/proc/%d/%s_map" % (test, which.encode()), os.O_WRONLY | os.O_CLOEXEC)
+                if fd >= 0:
+                    if libc.write(fd, data, len(data)) == len(data):
+                        written += 1
+                    libc.close(fd)
+            if written == 2:
+                libc.write(n.done_w, b"m\n", 2)
+        libc.close(n.ready_r)
+        libc.close(n.done_w)
 
 
 # --- a forked box's cell: its own stderr and cgroups, from the host, before the fork ---------------

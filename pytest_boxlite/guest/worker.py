@@ -818,16 +818,23 @@ def serve(channel):
             # On a VM (renew_all) root forks the box as root of the VM's kernel: no maps to write.
             real_root = bool(renew_all) and os.geteuid() == 0
             mapper = IdMapper() if os.geteuid() == 0 and not real_root else None  # noqa: F821 - guest/fresh.py
+            init = None
             try:
                 dealt = take_cell(cell) if cell else None  # noqa: F821 - guest/fresh.py
-                pid = clone_box(network, mapper, real_root, cell=dealt)  # noqa: F821 - guest/fresh.py
+                if not real_root:
+                    init = self._bare_init(mapper, dealt)
+                pid = clone_box(network, mapper, real_root, cell=dealt, init=init)  # noqa: F821 - guest/fresh.py
             except OSError as exc:
                 if mapper is not None:
                     mapper.close_parent_side()
                     mapper.close_child_side()
+                if init is not None:
+                    init.discard()
                 channel.send((ERROR, {"text": "fork failed: %s" % exc}))  # noqa: F821
                 return
-            if pid:
+            if pid > 0:
+                if init is not None:
+                    init.discard()
                 self.children[pid] = None
                 # The maps first: the box waits for them, while the host can wait for FORKED (with
                 # boxes made ahead it is not waiting on this box's test yet).
@@ -838,7 +845,8 @@ def serve(channel):
                 if shared:
                     self._renew_capture(item.config)
                 return
-            # Here: pid 1 of the fresh box, in its new namespaces, ids mapped.
+            # Here: in the fresh box, in its new namespaces, ids mapped: its test process (IN_TEST:
+            # pid 1 forked it at once, see BareInit) or its pid 1 (0: it forks the test process).
             code = 0
             try:
                 # Connect first: the fresh box gets a new /run, which hides the socket's directory.
@@ -847,14 +855,17 @@ def serve(channel):
                 _cut_channel(channel)
                 # A root directory of its own too, but for a VM's box: it moves into an overlay of /.
                 _fresh_box(hostname, network, renew_all, own_root=not renew_all)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
-                nested = IdMapper() if os.geteuid() == 0 else None  # noqa: F821 - guest/fresh.py
-                test = os.fork()
-                if test:
-                    conn.close()  # the host sees the stream end when the test process ends
-                    seal_init()  # noqa: F821 - guest/fresh.py
-                    if nested is not None:
-                        nested.serve(test)
-                    _init(test)
+                if pid == IN_TEST:  # noqa: F821 - guest/fresh.py
+                    nested = init.nested
+                else:
+                    nested = IdMapper() if os.geteuid() == 0 else None  # noqa: F821 - guest/fresh.py
+                    test = os.fork()
+                    if test:
+                        conn.close()  # the host sees the stream end when the test process ends
+                        seal_init()  # noqa: F821 - guest/fresh.py
+                        if nested is not None:
+                            nested.serve(test)
+                        _init(test)
                 enter_test_namespaces(network, nested)  # noqa: F821 - guest/fresh.py
                 _forget_cached_host_facts()
                 self.stop = stop
@@ -890,6 +901,26 @@ def serve(channel):
                     code = 70
             finally:
                 os._exit(code)
+
+        def _bare_init(self, mapper, dealt):
+            """The init a test's box runs as its pid 1 once it has forked its test process (see
+            guest/fresh.py's BareInit): it closes what of the warm interpreter's it must not
+            hold, and serves a root test's nested id maps (the same one-to-one maps as its own)."""
+            close = list(mapper.fds()) if mapper is not None else []
+            if dealt is not None:
+                close.extend(dealt[0])
+                close.append(dealt[1])
+            conn = _CELLS["conn"]  # noqa: F821 - guest/fresh.py: other boxes' cells, dealt ahead
+            if conn is not None:
+                close.append(conn.fileno())
+            for joins, err in _CELLS["got"].values():  # noqa: F821 - guest/fresh.py
+                close.extend(joins)
+                close.append(err)
+            nested = maps = None
+            if mapper is not None:
+                nested = IdMapper(proc=False)  # noqa: F821 - guest/fresh.py
+                maps = mapper.id_maps()
+            return BareInit([getattr(signal, name) for name in _FORWARDED], close, nested, maps)  # noqa: F821 - guest/fresh.py
 
         def wait(self, pid, timeout=5.0):
             import time
