@@ -553,6 +553,22 @@ CORE_TESTS = """
 
         assert threading.enumerate() == [threading.main_thread()]
 
+    def test_orphan_is_reaped():
+        import subprocess
+        import time
+
+        # A grandchild whose parent has exited ends as an orphan: an init reaps it, so it is gone.
+        out = subprocess.run(["sh", "-c", "sleep 0.2 & echo $!"], capture_output=True, text=True, check=True)
+        orphan = int(out.stdout)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(orphan, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+        raise AssertionError("the orphan %d was never reaped" % orphan)
+
     def test_warns():
         warnings.warn(UserWarning("pbx-warning-marker"))
 
@@ -691,6 +707,13 @@ def test_boxed_test_sees_only_its_own_threads(core_runs: dict[str, tuple[Run, Pa
     """``threading.enumerate()`` in a boxed test with a timeout is its main thread alone, as
     locally: the thread that watches the timeout is none of the test's."""
     core_check(core_runs, mode, "test_own_threads")
+
+
+@core_params()
+def test_boxed_test_s_orphans_are_reaped(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
+    """A process a boxed test left as an orphan is reaped when it ends (by the box's pid 1), as
+    an init reaps it locally: it does not stay a zombie the test can still signal."""
+    core_check(core_runs, mode, "test_orphan_is_reaped")
 
 
 @core_params()
