@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 
-forks, bound = int(sys.argv[3]), float(sys.argv[4])
+forks, bound, with_init = int(sys.argv[3]), float(sys.argv[4]), sys.argv[5] == "init"
 sys.setswitchinterval(1e-5)  # the reader asks for the GIL after 10 us of waiting, not 5 ms
 r, w = os.pipe()
 
@@ -73,7 +73,10 @@ try:
     for made in range(1, forks + 1):
         # No namespaces (flags=0, real_root: no id maps), so no privilege is needed: the child
         # only has to get through clone_box and exit.
-        pid = ns["clone_box"](True, None, True, flags=0)
+        # With an init (a test's box): pid 1 forks at once and waits as a bare init, never having
+        # run PyOS_AfterFork_Child; its child, the test process, exits.
+        init = ns["BareInit"]([], []) if with_init else None
+        pid = ns["clone_box"](True, None, True, flags=0, init=init)
         if pid == 0:
             os._exit(0)
         deadline = time.monotonic() + bound
@@ -95,12 +98,15 @@ finally:
 
 @pytest.mark.reliability
 @pytest.mark.skipif(sys.platform != "linux", reason="clone(2) is Linux's")
-def test_clone_box_child_never_hangs_while_the_reader_wants_the_gil(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["pid1", "init"])
+def test_clone_box_child_never_hangs_while_the_reader_wants_the_gil(tmp_path: Path, mode: str) -> None:
+    """``pid1``: the clone's child goes on as pid 1; ``init``: it forks the test process at once
+    and waits for it as a bare init (a test's box, guest/fresh.py's BareInit)."""
     forks, bound = 60, 10.0
     script = tmp_path / "clones.py"
     script.write_text(SCRIPT)
     proc = subprocess.run(
-        [sys.executable, str(script), str(guest.path("fresh")), str(guest.path("caps")), str(forks), str(bound)],
+        [sys.executable, str(script), str(guest.path("fresh")), str(guest.path("caps")), str(forks), str(bound), mode],
         capture_output=True,
         text=True,
         timeout=240,

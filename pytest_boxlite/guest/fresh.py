@@ -373,8 +373,13 @@ def clone_box(network, mapper=None, real_root=False, flags=None, cell=None, init
     if init is not None:
         # Pid 1: before the interpreter's after-fork work (its hooks, the other threads' states:
         # hundreds of pages copied), fork the test process, which does that work once, for both.
-        init.seal()
-        test = _SYSCALL(number, _SIGCHLD, 0, 0, 0, 0)
+        # Nothing raised here may reach the caller: pid 1 would return into the warm
+        # interpreter's loop (a signal the warm interpreter had pending runs its handler here).
+        try:
+            init.seal()
+            test = _SYSCALL(number, _SIGCHLD, 0, 0, 0, 0)
+        except BaseException:
+            os._exit(70)
         if test != 0:
             init.run(test)  # never returns
     api.PyOS_AfterFork_Child()
@@ -394,7 +399,7 @@ def clone_box(network, mapper=None, real_root=False, flags=None, cell=None, init
 
 #: What :func:`clone_box` returns in the test process of a box whose pid 1 forked it (``init``).
 IN_TEST = -1
-_SIG_BLOCK, _WNOHANG, _SIGKILL, _ECHILD = 0, 1, 9, 10
+_SIG_BLOCK, _WNOHANG, _SIGKILL = 0, 1, 9
 
 
 class BareInit:
@@ -441,6 +446,12 @@ class BareInit:
 
     def run(self, test):
         """Pid 1, from the fork of its test process ``test`` (< 0: the fork failed) on; never returns."""
+        try:
+            self._run(test)
+        finally:
+            os._exit(70)  # _run ends only by exiting: anything raised ends pid 1 here, never its caller
+
+    def _run(self, test):
         libc = _PYLIBC
         gc.disable()
         if test < 0 or libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0) != 0:

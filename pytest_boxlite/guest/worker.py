@@ -858,6 +858,8 @@ def serve(channel):
                 if pid == IN_TEST:  # noqa: F821 - guest/fresh.py
                     nested = init.nested
                 else:
+                    if init is not None:
+                        init.discard()  # made by fork(3) (see clone_box): this pid 1 forks its test itself
                     nested = IdMapper() if os.geteuid() == 0 else None  # noqa: F821 - guest/fresh.py
                     test = os.fork()
                     if test:
