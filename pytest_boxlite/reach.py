@@ -355,23 +355,29 @@ def peer_pidfd(conn: socket.socket) -> int:
         return os.pidfd_open(pid)
 
 
-def only_child_pidfd(parent_pidfd: int) -> int:
-    """A pidfd of the one child of the process of ``parent_pidfd``: a forked box's test process,
-    child of the box's pid 1 (``guest/worker.py``'s ``fork``), asked for before the test runs."""
-    ppid = _pidfd_pid(parent_pidfd)
+def test_process_pidfd(peer_pidfd: int) -> int:
+    """A pidfd of a forked box's test process, from ``peer_pidfd``: the process that connected
+    the box's stream, asked for before the test runs (``guest/worker.py``'s ``fork``).  That is
+    the test process itself where the box's pid 1 forked it at once (``guest/fresh.py``'s
+    ``BareInit``: it has no child yet), or the box's pid 1 where pid 1 forked it after connecting
+    (its one child).  ``peer_pidfd`` is returned itself in the first case, a new pidfd in the
+    second."""
+    ppid = _pidfd_pid(peer_pidfd)
     if ppid <= 0:
         raise ReachError("the box's first process has ended")
     children: list[int] = []
     for task in os.listdir(f"/proc/{ppid}/task"):
         with contextlib.suppress(OSError):
             children += [int(p) for p in Path(f"/proc/{ppid}/task/{task}/children").read_text().split()]
+    if not children:
+        return peer_pidfd
     if len(children) != 1:
         raise ReachError(f"the box's first process has {len(children)} children, not its one test process")
     fd = os.pidfd_open(children[0])
     try:
         # The pidfd is taken: check it names the child (a pid reused in between would not be).
         stat = Path(f"/proc/{children[0]}/stat").read_text()
-        if int(stat.rsplit(")", 1)[1].split()[1]) != ppid or _pidfd_pid(parent_pidfd) != ppid:
+        if int(stat.rsplit(")", 1)[1].split()[1]) != ppid or _pidfd_pid(peer_pidfd) != ppid:
             raise ReachError("the box's test process changed while it was looked up")
     except BaseException:
         os.close(fd)
@@ -474,10 +480,10 @@ def prepare_forked(
     box: str, conn: socket.socket, targets: Iterable[tuple[str, int]], *, agent: int | None
 ) -> list[Offer]:
     """:func:`prepare` for a box forked from a warm interpreter (in the box whose agent is
-    ``agent`` on this host), whose pid 1 connected ``conn`` (its stream to the host) and whose test
-    process, that pid 1's one child, waits for its first test: its pidfd is taken on the first
-    call, before the box ran any test code, and kept for the box's later tests (module scope)
-    until :func:`close_box`."""
+    ``agent`` on this host), whose test process (or its pid 1, see :func:`test_process_pidfd`)
+    connected ``conn`` (its stream to the host) and waits for its first test: the test process's
+    pidfd is taken on the first call, before the box ran any test code, and kept for the box's
+    later tests (module scope) until :func:`close_box`."""
     targets = list(targets)
     if not targets:
         return []
@@ -488,16 +494,17 @@ def prepare_forked(
     with _lock:
         pidfd = _pidfds.get(box)
     if pidfd is None:
-        init = peer_pidfd(conn)
+        peer = peer_pidfd(conn)
         try:
-            pid = _pidfd_pid(init)
-            # The peer is the forked box's pid 1, a descendant of the warm box's agent (not, say,
-            # a relay of the host's): else there is no box process to take the network of.
+            pid = _pidfd_pid(peer)
+            # The peer is a process of the forked box, a descendant of the warm box's agent (not,
+            # say, a relay of the host's): else there is no box process to take the network of.
             if pid <= 0 or not _descends(pid, agent):
                 raise ReachError(_NOT_HERE)
-            pidfd = only_child_pidfd(init)
+            pidfd = test_process_pidfd(peer)
         finally:
-            os.close(init)
+            if pidfd != peer:
+                os.close(peer)
         with _lock:
             _pidfds[box] = pidfd
     return prepare(box, pidfd, targets)

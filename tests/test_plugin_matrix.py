@@ -551,7 +551,8 @@ CORE_TESTS = """
     def test_own_threads():
         import threading
 
-        assert threading.enumerate() == [threading.main_thread()]
+        # Other plugins may start threads of their own (locally too); the box's are never listed.
+        assert [t.name for t in threading.enumerate() if "boxlite" in t.name] == []
 
     def test_orphan_is_reaped():
         import subprocess
@@ -704,8 +705,8 @@ def test_test_process_is_not_pid1(core_runs: dict[str, tuple[Run, Path]], mode: 
 
 @core_params()
 def test_boxed_test_sees_only_its_own_threads(core_runs: dict[str, tuple[Run, Path]], mode: str) -> None:
-    """``threading.enumerate()`` in a boxed test with a timeout is its main thread alone, as
-    locally: the thread that watches the timeout is none of the test's."""
+    """``threading.enumerate()`` in a boxed test with a timeout lists no thread of the box's (the
+    one that watches the timeout is none of the test's), as locally."""
     core_check(core_runs, mode, "test_own_threads")
 
 
