@@ -526,15 +526,12 @@ def test_tmp_path_when_host_temproot_is_under_tmp(
     assert result.parseoutcomes() == {"passed": 1}, result.stdout.str()
 
 
-def test_an_option_value_that_is_a_path_names_the_tests_as_on_the_host(
-    pytester: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """``--data DIR`` (a conftest's option, its value apart): pytest finds the rootdir before it
-    knows any plugin's or conftest's options, so on the host DIR counts as a path of the command
-    line and the rootdir is the common ancestor of it and the project, while in the box DIR does
-    not exist.  The box is given the host's rootdir: its tests have the host's node ids (else the
-    box could not find the test the host asked for, and it errored)."""
-    pytester.makeconftest("def pytest_addoption(parser):\n    parser.addoption('--data')\n")
+def test_an_option_value_that_is_a_path_names_the_tests_as_on_the_host(pytester: pytest.Pytester) -> None:
+    """``--boxlite-home DIR`` (the value apart): pytest finds the rootdir before it knows any
+    plugin's (or conftest's) options, so on the host DIR counts as a path of the command line and
+    the rootdir is the common ancestor of it and the project, while in the box DIR does not exist.
+    The box is given the host's rootdir: its tests have the host's node ids (else the box could
+    not find the test the host asked for, and it errored)."""
     pytester.makepyfile(
         test_named="""
         import pytest
@@ -546,21 +543,18 @@ def test_an_option_value_that_is_a_path_names_the_tests_as_on_the_host(
     )
     # Directly in /tmp: the rootdir is then /tmp itself, which the box does not see whole (its
     # /tmp is its own, with the project's directory in it).
-    data = Path("/tmp") / f"pbx-data-{uuid.uuid4().hex[:10]}"
-    data.mkdir()
-    home = tmp_path_factory.mktemp("home")
+    home = Path("/tmp") / f"pbx-home-{uuid.uuid4().hex[:10]}"
+    home.mkdir()
     try:
-        # A run of its own, as from a shell: in-process, options are known early.
-        # No cache: the rootdir is /tmp, where .pytest_cache may be another user's.
-        result = pytester.runpytest_subprocess(
-            "-p", "no:cacheprovider", "--data", str(data), f"--boxlite-home={home}", "."
-        )
+        # A run of its own, as from a shell (in-process, the options are known early); no cache:
+        # the rootdir is /tmp, where .pytest_cache may be another user's.
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--boxlite-home", str(home), ".")
+        no_leftovers(home)
     finally:
-        data.rmdir()
-    no_leftovers(home)
+        shutil.rmtree(home, ignore_errors=True)
     assert result.parseoutcomes() == {"passed": 1}, result.stdout.str()
     # The host's rootdir is the common ancestor (the situation this test is about).
-    result.stdout.fnmatch_lines([f"rootdir: {os.path.commonpath([pytester.path, data])}"])
+    result.stdout.fnmatch_lines([f"rootdir: {os.path.commonpath([pytester.path, home])}"])
 
 
 # --------------------------------------------------------------------------

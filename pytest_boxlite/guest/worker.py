@@ -396,8 +396,8 @@ def serve(channel):
     class GuestPlugin:
         def __init__(self):
             self.items = {}
-            #: The items of each module (its node id's file part), and the modules whose items
-            #: know their ``location`` already (see ``_locate``).
+            #: The selected items of each module (its node id's file part), and the modules whose
+            #: items know their ``location`` already (see ``_locate``).
             self.modules = {}
             self.located = set()
             self.collect_errors = {}
@@ -477,9 +477,13 @@ def serve(channel):
         @pytest.hookimpl(wrapper=True, tryfirst=True)
         def pytest_collection_modifyitems(self, session, config, items):
             for item in items:
-                if self.items.setdefault(item.nodeid, item) is item:
-                    self.modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-            return (yield)
+                self.items.setdefault(item.nodeid, item)
+            result = yield
+            # What is left selected (the host selected the same, or fewer): the items whose
+            # locations _locate works out (click's suite deselects 31,000 of its 33,459).
+            for item in items:
+                self.modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+            return result
 
         def pytest_collectreport(self, report):
             if report.failed:
