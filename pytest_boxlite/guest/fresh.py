@@ -567,16 +567,33 @@ def take_cell(cell, timeout=10.0):
     return got.pop(name)
 
 
+def _cell_fds(cell):
+    joins, err = cell
+    return [fd for fd in (*joins, err) if fd is not None]
+
+
 def _close_cell(cell):
     if cell is None:
         return
-    joins, err = cell
-    for fd in (*joins, err):
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    for fd in _cell_fds(cell):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def held_cell_fds(cell):
+    """Every descriptor of the host's cells this process holds: ``cell`` (a box's, from
+    :func:`take_cell`; ``None``: none), the cell connection and the cells dealt ahead.  What a
+    forked box's pid 1 closes (:class:`BareInit`), as :func:`_enter_cell` and :func:`_drop_cells`
+    close them in the process that enters the cell."""
+    fds = _cell_fds(cell) if cell is not None else []
+    conn = _CELLS["conn"]
+    if conn is not None:
+        fds.append(conn.fileno())
+    for other in _CELLS["got"].values():
+        fds.extend(_cell_fds(other))
+    return fds
 
 
 def _drop_cells():

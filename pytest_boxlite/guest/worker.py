@@ -396,10 +396,9 @@ def serve(channel):
     class GuestPlugin:
         def __init__(self):
             self.items = {}
-            #: The selected items of each module (its node id's file part), and the modules whose
-            #: items know their ``location`` already (see ``_locate``).
+            #: The selected items of each module (its node id's file part) whose ``location`` is
+            #: still to be worked out (see ``_locate``).
             self.modules = {}
-            self.located = set()
             self.collect_errors = {}
             self.session = None
             self.children = {}
@@ -731,11 +730,9 @@ def serve(channel):
             inherited by every box.  An item whose location raises is left to its box, which
             raises where pytest does, as locally.
             """
-            module = item.nodeid.split("::")[0]
-            if module in self.located:
-                return
-            self.located.add(module)
-            for other in self.modules.get(module, (item,)):
+            # Once: a module's items leave the index as they are located (an item collected
+            # later, alone, by _item is in no module's list: it is located by itself).
+            for other in self.modules.pop(item.nodeid.split("::")[0], (item,)):
                 try:
                     other.location  # noqa: B018 - a cached property: computed once, kept on the item
                 except Exception:  # noqa: BLE001, S110 - not swallowed: the box computes it again
@@ -912,16 +909,7 @@ def serve(channel):
             """The init a test's box runs as its pid 1 once it has forked its test process (see
             guest/fresh.py's BareInit): it closes what of the warm interpreter's it must not
             hold, and serves a root test's nested id maps (the same one-to-one maps as its own)."""
-            close = list(mapper.fds()) if mapper is not None else []
-            if dealt is not None:
-                close.extend(dealt[0])
-                close.append(dealt[1])
-            conn = _CELLS["conn"]  # noqa: F821 - guest/fresh.py: other boxes' cells, dealt ahead
-            if conn is not None:
-                close.append(conn.fileno())
-            for joins, err in _CELLS["got"].values():  # noqa: F821 - guest/fresh.py
-                close.extend(joins)
-                close.append(err)
+            close = [*(mapper.fds() if mapper is not None else ()), *held_cell_fds(dealt)]  # noqa: F821 - guest/fresh.py
             nested = maps = None
             if mapper is not None:
                 nested = IdMapper(proc=False)  # noqa: F821 - guest/fresh.py
