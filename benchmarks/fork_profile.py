@@ -78,8 +78,21 @@ _PBX_BOX = [0]  # the box a stamp belongs to: set in each box's pid 1, inherited
 
 
 def _pbx_mark(label):
-    line = "PBXPROF %d %s %.9f\n" % (_PBX_BOX[0], label, _pbx_time.monotonic())
+    # The process's own CPU beside the clock: a clone starts at zero, so a box's stamps say
+    # what each of its phases cost it (a wait for the host costs none).
+    ru = _pbx_resource.getrusage(_pbx_resource.RUSAGE_SELF)
+    line = "PBXPROF %d %s %.9f %.9f %d\n" % (
+        _PBX_BOX[0], label, _pbx_time.monotonic(), _pbx_time.process_time(), ru.ru_minflt
+    )
     _pbx_os.write(_PBX_FD, line.encode())
+    _PBX_KEPT.append(line)
+
+
+# A box's test process points every descriptor on the warm interpreter's stderr (this one's too) at
+# its own log, which the host keeps to itself: its stamps go back on its teardown report
+# (user_properties, see the conftest) from this list, which the conftest finds on the os module.
+_PBX_KEPT = []
+_pbx_os._pbx_kept = _PBX_KEPT
 
 
 def _pbx_wrap(name, label=None):
@@ -118,10 +131,22 @@ def clone_box(*a, **k):
     _PBX_BOX[0] += 1
     _pbx_mark("clone>")
     pid = _pbx_clone(*a, **k)
-    if pid == 0:
+    if pid <= 0:  # 0: the box's pid 1; IN_TEST (-1): its test process, forked by a bare init
         _pbx_os.environ["PBXPROF_BOX"] = str(_PBX_BOX[0])
-    _pbx_mark("clone<" + ("parent" if pid else "child"))
+        del _PBX_KEPT[:]  # the warm interpreter's, sent already
+    _pbx_mark("clone<" + ("parent" if pid > 0 else "child"))
     return pid
+
+
+_pbx_exit = _pbx_os._exit
+
+
+def _pbx_exit_marked(code):
+    _pbx_mark("exit")
+    _pbx_exit(code)
+
+
+_pbx_os._exit = _pbx_exit_marked
 
 
 _pbx_mount_inner = _mount
@@ -156,6 +181,7 @@ CONFTEST = r'''
 
 import json
 import os
+import resource
 import time
 
 import pytest
@@ -164,6 +190,7 @@ GUEST = bool(os.environ.get("PYTEST_BOXLITE_GUEST"))
 MARKS = []
 LOGS = {}
 CPU = []  # the host process's CPU seconds at each logstart
+KEPT = []  # the boxes' test processes' stamps, from their teardown reports
 
 
 def mark(label, nodeid=None):
@@ -173,7 +200,10 @@ def mark(label, nodeid=None):
         fd = os.environ.get("PBXPROF_FD")
         if fd:
             box = int(os.environ.get("PBXPROF_BOX", "0"))
-            os.write(int(fd), ("PBXPROF %d %s %.9f\n" % (box, label, time.monotonic())).encode())
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            line = "PBXPROF %d %s %.9f %.9f %d\n" % (box, label, time.monotonic(), time.process_time(), faults)
+            os.write(int(fd), line.encode())
+            getattr(os, "_pbx_kept", []).append(line)
     else:
         MARKS.append((label, time.monotonic(), nodeid))
 
@@ -243,6 +273,18 @@ def pytest_runtest_logfinish(nodeid, location):
 
 def pytest_runtest_logreport(report):
     mark("logreport." + report.when)
+    for key, lines in report.user_properties:
+        if key == "pbxprof" and not GUEST:
+            KEPT.extend(lines)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if GUEST and call.when == "teardown":
+        mark("makereport.teardown")
+        report.user_properties.append(("pbxprof", list(getattr(os, "_pbx_kept", []))))
+    return report
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -268,17 +310,19 @@ def pytest_sessionfinish(session):
         return
     guest = []
     box_cpu = []
+    lines = list(KEPT)
     for name, path in LOGS.items():
         try:
-            text = open(path).read()
+            lines += open(path).read().splitlines()
         except OSError as exc:
             raise RuntimeError(f"fork_profile: cannot read the log of {name}: {exc}") from exc
-        for line in text.splitlines():
+    if True:
+        for line in lines:
             f = line.split()
-            if len(f) == 4 and f[0] == "PBXPROF":
-                guest.append((f[2], float(f[3]), int(f[1])))
+            if len(f) == 6 and f[0] == "PBXPROF":
+                guest.append((f[2], float(f[3]), int(f[1]), float(f[4]), int(f[5])))
             elif len(f) == 4 and f[0] == "PBXMOUNTS":
-                guest.append(("mounts:%s" % f[2], float(f[3]), int(f[1])))
+                guest.append(("mounts:%s" % f[2], float(f[3]), int(f[1]), 0.0, 0))
             elif len(f) == 3 and f[0] == "PBXCPU":
                 box_cpu.append(float(f[2]))
     with open(os.environ["PBXPROF_OUT"], "w") as fh:
@@ -302,11 +346,13 @@ def timelines(data: dict[str, Any]) -> tuple[list[list[tuple[str, float]]], dict
     host_events = sorted(((label, t) for label, t, _ in host), key=lambda e: e[1])
     boxes: dict[int, list[tuple[str, float]]] = defaultdict(list)
     mounts: list[tuple[int, float]] = []
-    for label, t, box in data["guest"]:
+    cpu: dict[int, dict[str, tuple[float, int]]] = defaultdict(dict)
+    for label, t, box, used, faults in data["guest"]:
         if label.startswith("mounts:"):
             mounts.append((int(label.split(":")[1]), t))  # (count, seconds): not a stamp
         else:
             boxes[box].append(("box." + label, t))
+            cpu[box].setdefault("box." + label, (used, faults))
     for stamps in boxes.values():
         stamps.sort(key=lambda e: e[1])
     ran = {
@@ -323,6 +369,7 @@ def timelines(data: dict[str, Any]) -> tuple[list[list[tuple[str, float]]], dict
             events += [e for e in boxes[b] if start <= e[1] < end]
         out.append(sorted(events, key=lambda e: e[1]))
     data["_mounts"] = mounts
+    data["_cpu"] = cpu
     return out, boxes
 
 
@@ -348,6 +395,34 @@ BOX_PHASES: list[tuple[str, str, str]] = [
     ("test process: own user namespace (root)", "box.enter_test_namespaces>", "box.enter_test_namespaces<"),
     ("box made: clone -> test process waits for its RUN", "box.clone>", "box.enter_test_namespaces<"),
 ]
+
+#: The CPU of a box's test process by phase (its own clock, zero at its fork): (name, from, to).
+TEST_CPU_PHASES: list[tuple[str, str, str]] = [
+    ("fork -> it runs (faults of the return to Python)", "", "box.clone<child"),
+    ("connect to the host, cut the channel", "box.clone<child", "box.cut_channel<"),
+    ("fresh layers, masks, tmpfs, /proc, hostname", "box.fresh_box>", "box.fresh_box<"),
+    ("own user namespace (root)", "box.enter_test_namespaces>", "box.enter_test_namespaces<"),
+    ("TOKEN, RUN read, before the protocol", "box.enter_test_namespaces<", "box.guest.protocol>"),
+    ("  (of which: setup and its report)", "box.guest.protocol>", "box.test.call>"),
+    ("  (of which: the test, its report, teardown)", "box.test.call>", "box.makereport.teardown"),
+    ("the test process, fork to its teardown report", "", "box.makereport.teardown"),
+    ("its pid 1 (a bare init), clone to _exit", "", "box.exit"),
+]
+
+
+def cpu_phases(
+    cpu: dict[int, dict[str, tuple[float, int]]], skip: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each test-process phase's CPU seconds and page faults over the steady-state boxes."""
+    found: dict[str, list[float]] = defaultdict(list)
+    faults: dict[str, list[float]] = defaultdict(list)
+    for box in sorted(cpu)[skip:]:
+        at = {"": (0.0, 0), **cpu[box]}
+        for name, a, b in TEST_CPU_PHASES:
+            if a in at and b in at:
+                found[name].append(at[b][0] - at[a][0])
+                faults[name].append(at[b][1] - at[a][1])
+    return found, faults
 
 
 def _first(stamps: list[tuple[str, float]]) -> dict[str, float]:
@@ -385,6 +460,8 @@ def profile(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     write_suite(work, args.tests)
     merged: dict[str, list[float]] = defaultdict(list)
     merged_box: dict[str, list[float]] = defaultdict(list)
+    merged_cpu: dict[str, list[float]] = defaultdict(list)
+    merged_faults: dict[str, list[float]] = defaultdict(list)
     intervals: list[float] = []
     mounts: list[tuple[int, float]] = []
     walls = []
@@ -413,6 +490,11 @@ def profile(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             merged[k] += v
         for k, v in box_gaps.items():
             merged_box[k] += v
+        used, faulted = cpu_phases(data["_cpu"], args.skip)
+        for k, v in used.items():
+            merged_cpu[k] += v
+        for k, v in faulted.items():
+            merged_faults[k] += v
         log(f"  run {r + 1}/{args.runs}: {wall:.2f} s, median interval {statistics.median(iv) * 1e3:.2f} ms")
     n_tests = len(intervals)
 
@@ -437,6 +519,8 @@ def profile(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "box_cpu_p50": statistics.median(box_cpu) if box_cpu else None,
         "phases": table,
         "box_phases": box_table,
+        "test_cpu": rows(merged_cpu, [name for name, _, _ in TEST_CPU_PHASES]),
+        "test_faults": {k: statistics.median(v) for k, v in merged_faults.items() if v},
         "mounts": {
             "count": statistics.median(c for c, _ in mounts) if mounts else None,
             "p50": statistics.median(t for _, t in mounts) if mounts else None,
@@ -630,6 +714,14 @@ def render(res: dict[str, Any]) -> str:
                 f"  CPU per test: host process {p['host_cpu_p50'] * 1e3:.2f} ms, boxes "
                 f"{p['box_cpu_p50'] * 1e3:.2f} ms (p50; the boxes: rusage of the reaped forks)"
             )
+        if p.get("test_cpu"):
+            lines.append(f"  {'CPU of its test process (its own clock, zero at its fork)':<58}")
+            for row in p["test_cpu"]:
+                faults = p["test_faults"].get(row["phase"])
+                lines.append(
+                    f"  {row['phase']:<58} {row['p50'] * 1e3:8.2f}ms {row['mean'] * 1e3:8.2f}ms {row['n']:>5}"
+                    + (f"  {faults:6.0f} page faults (p50)" if faults is not None else "")
+                )
         m = p["mounts"]
         if m["count"] is not None:
             together = f"{m['p50'] * 1e3:.2f} ms together (p50)"
