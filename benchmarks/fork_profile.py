@@ -13,13 +13,17 @@ CLOCK_MONOTONIC) at fixed points:
   conftest wraps ``RemoteRunner.__init__``) with wrappers around ``clone_box`` (which also numbers
   the boxes, so every stamp says which box it is from), ``os.fork``, the fresh box's steps and the
   guest's runtest protocol; the warm interpreter's ``RUSAGE_CHILDREN`` at each clone gives the CPU
-  of the boxes it has reaped.  The box writes its stamps to a duplicate of its stderr (the box log,
-  which pytest's capture never redirects); the host reads the logs at the end.
+  of the boxes it has reaped.  Each stamp also carries the process's own CPU time and page faults
+  (a clone starts both at zero).  The warm interpreter and each box's pid 1 write their stamps to
+  a duplicate of the warm interpreter's stderr (its box log, which pytest's capture never
+  redirects), read by the host at the end; a box's test process points that descriptor at its
+  own log, so its stamps come back on its teardown report (``user_properties``).
 
-Two tables, medians over the steady-state tests (the first ``--skip`` of each run are left out:
+Three tables, medians over the steady-state tests (the first ``--skip`` of each run are left out:
 the fork parent's boot and its first boxes): the test's own path (the phases the host waits
 through, from its logstart to the next test's, with the box that ran it), and the making of a box
-(clone -> pid 1 -> the test process waiting for its RUN), which runs while the test before it runs.
+(clone -> pid 1 -> the test process waiting for its RUN), which runs while the test before it runs,
+and the CPU and page faults of the box's test process by step, beside its pid 1's.
 
 **Floor.**  The same steps alone, inside a pytest session of a module of ``N`` tests in this process
 (pytest imported, the module collected: as large as a box's warm interpreter): a fork and the
@@ -316,15 +320,14 @@ def pytest_sessionfinish(session):
             lines += open(path).read().splitlines()
         except OSError as exc:
             raise RuntimeError(f"fork_profile: cannot read the log of {name}: {exc}") from exc
-    if True:
-        for line in lines:
-            f = line.split()
-            if len(f) == 6 and f[0] == "PBXPROF":
-                guest.append((f[2], float(f[3]), int(f[1]), float(f[4]), int(f[5])))
-            elif len(f) == 4 and f[0] == "PBXMOUNTS":
-                guest.append(("mounts:%s" % f[2], float(f[3]), int(f[1]), 0.0, 0))
-            elif len(f) == 3 and f[0] == "PBXCPU":
-                box_cpu.append(float(f[2]))
+    for line in lines:
+        f = line.split()
+        if len(f) == 6 and f[0] == "PBXPROF":
+            guest.append((f[2], float(f[3]), int(f[1]), float(f[4]), int(f[5])))
+        elif len(f) == 4 and f[0] == "PBXMOUNTS":
+            guest.append(("mounts:%s" % f[2], float(f[3]), int(f[1]), 0.0, 0))
+        elif len(f) == 3 and f[0] == "PBXCPU":
+            box_cpu.append(float(f[2]))
     with open(os.environ["PBXPROF_OUT"], "w") as fh:
         json.dump({"host": MARKS, "guest": guest, "host_cpu": CPU, "box_cpu": box_cpu}, fh)
 '''

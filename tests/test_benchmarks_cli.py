@@ -5,6 +5,7 @@ No timing is asserted: the tables are measured by running them, not here."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,32 @@ def test_help_runs_as_a_module() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert all(t.name in out.stdout for t in TABLES)
+
+
+def test_profile_fork_sees_every_process_of_a_box(tmp_path: Path) -> None:
+    """A real run of ``profile-fork`` (one ``pytest --boxlite`` of 20 trivial tests): the stamps of
+    a box's pid 1 and of its test process reach the tables.  Its probe once took the bare init's
+    test process (``clone_box`` returns ``IN_TEST``, -1, there) for the warm interpreter, and lost
+    the test process's stamps to the box's own log: every row of the box was missing, silently."""
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "profile-fork", "--quick", "--no-floor", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    profile = json.loads(out.read_text())["profile"]
+    phases = {row["phase"]: row for row in profile["phases"]}
+    assert "box: the test itself" in phases, sorted(phases)
+    box = {row["phase"] for row in profile["box_phases"]}
+    assert "clone -> pid 1 runs, ids mapped" in box and "pid 1: fresh layers, masks, tmpfs, /proc, hostname" in box
+    cpu = {row["phase"]: row for row in profile["test_cpu"]}
+    whole = cpu["the test process, fork to its teardown report"]
+    assert whole["n"] >= 10 and whole["p50"] > 0
+    # The test process's phases add up to no more than the whole of it (one clock, zero at its fork).
+    parts = ("fork -> it runs (faults of the return to Python)", "fresh layers, masks, tmpfs, /proc, hostname")
+    assert sum(cpu[p]["p50"] for p in parts) < whole["p50"]
+    assert cpu["its pid 1 (a bare init), clone to _exit"]["p50"] > 0
+    assert profile["test_faults"]["the test process, fork to its teardown report"] > 0
