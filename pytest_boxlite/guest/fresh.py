@@ -419,16 +419,28 @@ class BareInit:
     interpreter's that pid 1 must not hold (the box's cell and id mapper, other boxes' cells).
     """
 
+    #: The signal sets made so far, by the signals in them: the same few for every box (a set
+    #: costs ten ctypes calls to make; a box's pid 1 only reads its own copy of it).
+    _masks = {}
+
     def __init__(self, signals, close, nested=None, maps=None):
         self.close = tuple(close)
         self.nested = nested
         self.maps = {k: v.encode() for k, v in (maps or {}).items()}
-        self.mask = ctypes.create_string_buffer(128)  # a sigset_t (glibc's is 128 bytes)
-        check_libc(_LIBC.sigemptyset(self.mask), "sigemptyset")  # noqa: F821 - caps.py
-        for signum in (*signals, _SIGCHLD):
-            check_libc(_LIBC.sigaddset(self.mask, int(signum)), "sigaddset")  # noqa: F821 - caps.py
+        self.mask = self._mask(tuple(sorted({*(int(s) for s in signals), _SIGCHLD})))
         self.status = ctypes.c_int()
         self.byte = ctypes.create_string_buffer(2)
+
+    @classmethod
+    def _mask(cls, signals):
+        mask = cls._masks.get(signals)
+        if mask is None:
+            mask = ctypes.create_string_buffer(128)  # a sigset_t (glibc's is 128 bytes)
+            check_libc(_LIBC.sigemptyset(mask), "sigemptyset")  # noqa: F821 - caps.py
+            for signum in signals:
+                check_libc(_LIBC.sigaddset(mask, signum), "sigaddset")  # noqa: F821 - caps.py
+            cls._masks[signals] = mask
+        return mask
 
     def discard(self):
         """In the warm interpreter, after the clone (or when it failed): the nested mapper's descriptors."""

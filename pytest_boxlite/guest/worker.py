@@ -429,6 +429,8 @@ def serve(channel):
             #: Messages of the host's that a booted box's debugger read while waiting for its
             #: answer (guest/debugger.py's ChannelAnswers): the serve loop takes them first.
             self.held = []
+            #: The debugger relay's hooks are registered here (``_prepare_debugger``, at the first FORK).
+            self.debugger_prepared = False
 
         def _locked(self, send):
             """``send`` made safe for the live-output threads (one message at a time)."""
@@ -814,7 +816,10 @@ def serve(channel):
                 return
             self._locate(item)
             stop = self._prepare(item) if shared else None
-            _prepare_debugger(item.config)  # here, once: not in every box (see guest/debugger.py _Hooks)
+            if not self.debugger_prepared:
+                # Here, once per warm interpreter: not in every box (see guest/debugger.py _Hooks).
+                _prepare_debugger(item.config)
+                self.debugger_prepared = True
             # Root's fresh box maps every id into its new user namespace: this process writes the maps.
             # On a VM (renew_all) root forks the box as root of the VM's kernel: no maps to write.
             real_root = bool(renew_all) and os.geteuid() == 0
