@@ -406,6 +406,7 @@ TEST_CPU_PHASES: list[tuple[str, str, str]] = [
     ("fresh layers, masks, tmpfs, /proc, hostname", "box.fresh_box>", "box.fresh_box<"),
     ("own user namespace (root)", "box.enter_test_namespaces>", "box.enter_test_namespaces<"),
     ("TOKEN, RUN read, before the protocol", "box.enter_test_namespaces<", "box.guest.protocol>"),
+    ("runtest protocol, to its teardown report", "box.guest.protocol>", "box.makereport.teardown"),
     ("  (of which: setup and its report)", "box.guest.protocol>", "box.test.call>"),
     ("  (of which: the test, its report, teardown)", "box.test.call>", "box.makereport.teardown"),
     ("the test process, fork to its teardown report", "", "box.makereport.teardown"),
@@ -688,6 +689,11 @@ def in_session(work: Path, fn: Any) -> Any:
     return done[0]
 
 
+def _phase_line(row: dict[str, Any]) -> str:
+    """One phase's row: its name, p50 and mean in milliseconds, and how many samples."""
+    return f"  {row['phase']:<58} {row['p50'] * 1e3:8.2f}ms {row['mean'] * 1e3:8.2f}ms {row['n']:>5}"
+
+
 def render(res: dict[str, Any]) -> str:
     lines = []
     p = res.get("profile")
@@ -703,7 +709,7 @@ def render(res: dict[str, Any]) -> str:
         for row in p["phases"]:
             if not row["phase"].startswith(" "):
                 total += row["p50"]
-            lines.append(f"  {row['phase']:<58} {row['p50'] * 1e3:8.2f}ms {row['mean'] * 1e3:8.2f}ms {row['n']:>5}")
+            lines.append(_phase_line(row))
         lines.append(f"  {'sum of the phase medians':<58} {total * 1e3:8.2f}ms")
         lines.append(
             f"  {'logstart -> next logstart (per test)':<58} {p['interval_p50'] * 1e3:8.2f}ms "
@@ -711,7 +717,7 @@ def render(res: dict[str, Any]) -> str:
         )
         lines.append(f"  {'its box, made while the test before it runs':<58}")
         for row in p["box_phases"]:
-            lines.append(f"  {row['phase']:<58} {row['p50'] * 1e3:8.2f}ms {row['mean'] * 1e3:8.2f}ms {row['n']:>5}")
+            lines.append(_phase_line(row))
         if p["host_cpu_p50"] is not None and p["box_cpu_p50"] is not None:
             lines.append(
                 f"  CPU per test: host process {p['host_cpu_p50'] * 1e3:.2f} ms, boxes "
@@ -721,10 +727,7 @@ def render(res: dict[str, Any]) -> str:
             lines.append(f"  {'CPU of its test process (its own clock, zero at its fork)':<58}")
             for row in p["test_cpu"]:
                 faults = p["test_faults"].get(row["phase"])
-                lines.append(
-                    f"  {row['phase']:<58} {row['p50'] * 1e3:8.2f}ms {row['mean'] * 1e3:8.2f}ms {row['n']:>5}"
-                    + (f"  {faults:6.0f} page faults (p50)" if faults is not None else "")
-                )
+                lines.append(_phase_line(row) + (f"  {faults:6.0f} page faults (p50)" if faults is not None else ""))
         m = p["mounts"]
         if m["count"] is not None:
             together = f"{m['p50'] * 1e3:.2f} ms together (p50)"
