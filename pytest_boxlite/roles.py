@@ -414,6 +414,16 @@ class HostPlugin(_SessionRole, NoLifecycle):
             item, plan, nextitem, next_plan, then=self._after(nextitem), teardown_host=self._teardown_host
         )
 
+    @pytest.hookimpl(wrapper=True, specname="pytest_runtest_protocol")
+    def pytest_runtest_protocol_on_host(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> Generator[None, Any, Any]:
+        """A test run on the host runs with the user's own thread switch interval (see _switch.py)."""
+        if item.stash.get(_PLAN_KEY, None) is not None:
+            return (yield)
+        with self.session.host_code():
+            return (yield)
+
     # -- fixtures around boxed tests: each side tears down what pytest would, when it would -------
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:

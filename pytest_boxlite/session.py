@@ -11,11 +11,12 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pytest_boxlite import ledger
+from pytest_boxlite._switch import SwitchInterval
 from pytest_boxlite.errors import BoxliteError, BoxStartError, ConfigError
 from pytest_boxlite.pool import BoxLifecycle, BoxPool, NoLifecycle, make_namer
 from pytest_boxlite.runtimes import BoxHandle, Choice, Runtime, choose, open_choice, remote_target
@@ -106,6 +107,8 @@ class BoxliteSession:
         self._owner_lock: ledger.OwnerLock | None = None
         self._starter: threading.Thread | None = None
         self._closed = False
+        #: The host's switch interval, short while boxes start and serve (see _switch.py).
+        self.switch = SwitchInterval()
         self._opener = opener
         self._lifecycle = _Provisioning(self, NoLifecycle() if lifecycle is None else lifecycle)
         self._wanted: set[BoxSpec] = set()
@@ -372,8 +375,23 @@ class BoxliteSession:
         with self._lock:
             if self._starter is not None or self._closed or self._ready.is_set():
                 return
+            # From here on the host's threads make and serve boxes beside the main thread.
+            self.switch.lower()
             self._starter = threading.Thread(target=self._start, name="boxlite-start", daemon=True)
             self._starter.start()
+
+    @contextlib.contextmanager
+    def host_code(self) -> Iterator[None]:
+        """Around a test that runs on the host: the user's own switch interval while it runs (the
+        plugin's short one is only for its threads, see _switch.py), the short one again after."""
+        lowered = self.switch.lowered
+        if lowered:
+            self.switch.restore()
+        try:
+            yield
+        finally:
+            if lowered and not self._closed:
+                self.switch.lower()
 
     def _start(self) -> None:
         try:
@@ -488,5 +506,6 @@ class BoxliteSession:
                         runtime.remove_box(name)
                 runtime.close()
         finally:
+            self.switch.restore()
             if self._owner_lock is not None:
                 self._owner_lock.release()

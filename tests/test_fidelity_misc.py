@@ -108,6 +108,53 @@ def test_boxlite_runs_tests_that_lease_sandboxes_on_the_host(tmp_path: Path, hom
     no_leftovers(home, out)
 
 
+SWITCH_CONFTEST = """
+import os, sys
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_BOXLITE_GUEST") != "1" and os.environ.get("USER_SWITCH"):
+        sys.setswitchinterval(float(os.environ["USER_SWITCH"]))
+
+def pytest_collection_finish(session):
+    if os.environ.get("PYTEST_BOXLITE_GUEST") != "1":
+        print("\\nSWITCH at collection %r" % sys.getswitchinterval())
+
+def pytest_unconfigure(config):
+    if os.environ.get("PYTEST_BOXLITE_GUEST") != "1":
+        print("\\nSWITCH at unconfigure %r" % sys.getswitchinterval())
+"""
+
+SWITCH_TESTS = """
+import os, sys
+
+EXPECTED = float(os.environ.get("USER_SWITCH") or 0.005)
+
+def test_boxed():
+    assert os.environ.get("PYTEST_BOXLITE_GUEST") == "1"
+    assert sys.getswitchinterval() == 0.005
+
+def test_sandbox_on_the_host(boxlite_sandbox):
+    assert sys.getswitchinterval() == EXPECTED
+    assert boxlite_sandbox.run(["true"]).ok
+"""
+
+
+@pytest.mark.parametrize("user", ["", "0.002"], ids=["default", "users-own"])
+def test_host_threads_switch_fast_but_host_tests_see_the_users_interval(tmp_path: Path, home: Path, user: str) -> None:
+    """While boxes are made (collection, the run) the host switches threads every 0.5 ms, so its
+    box threads are not held up by the main thread; a test run on the host sees the user's own
+    interval (the default, or one a conftest set), and the session leaves that value behind."""
+    write(tmp_path, "conftest.py", SWITCH_CONFTEST)
+    write(tmp_path, "test_switch.py", SWITCH_TESTS)
+    env = sub_env(USER_SWITCH=user)
+    rc, out = finished(SubRun(tmp_path, home, "switch", "--boxlite", "-s", "test_switch.py", env=env))
+    assert rc == 0, out
+    assert re.search(r"\b2 passed\b", out), out
+    assert "SWITCH at collection 0.0005" in out, out
+    assert f"SWITCH at unconfigure {float(user or 0.005)!r}" in out, out
+    no_leftovers(home, out)
+
+
 MARKED_SANDBOX = """
 import pytest
 
