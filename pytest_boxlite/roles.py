@@ -278,6 +278,9 @@ class HostPlugin(_SessionRole, NoLifecycle):
         workerinput = getattr(config, "workerinput", None)
         #: Where each item is in ``session.items`` (see ``_after``); an xdist worker does not know.
         self._order: dict[int, int] = {}
+        #: The stretch of ``session.items`` last walked by ``_next_module``: its module's node id,
+        #: where it starts and ends, and the first item after it, with its plan.
+        self._module_after: tuple[str, int, int, tuple[pytest.Item, BoxPlan | None] | None] | None = None
         self._order_unknown = workerinput is not None
         #: A worker on another host than its controller (it cleans up on its host itself).
         self.remote = bool(workerinput and workerinput.get(REMOTE_KEY))
@@ -410,8 +413,15 @@ class HostPlugin(_SessionRole, NoLifecycle):
         if plan is None:
             return None
         next_plan = nextitem.stash.get(_PLAN_KEY, None) if nextitem is not None else None
+        next_module = self._next_module(item) if self.session.settings.scope == "module" else None
         return self._executor().run_protocol(
-            item, plan, nextitem, next_plan, then=self._after(nextitem), teardown_host=self._teardown_host
+            item,
+            plan,
+            nextitem,
+            next_plan,
+            then=self._after(nextitem),
+            next_module=next_module,
+            teardown_host=self._teardown_host,
         )
 
     @pytest.hookimpl(wrapper=True, specname="pytest_runtest_protocol")
@@ -516,6 +526,26 @@ class HostPlugin(_SessionRole, NoLifecycle):
             return None
         after = items[at + 1]
         return after, after.stash.get(_PLAN_KEY, None)
+
+    def _next_module(self, item: pytest.Item) -> tuple[pytest.Item, BoxPlan | None] | None:
+        """The first item after ``item``'s module (and its plan), where this process knows the
+        run order (see ``_after``): module scope forks that module's box while this one runs.
+        Worked out once per module (the walk to the module's end is paid once)."""
+        module = item.nodeid.split("::", 1)[0]
+        if self._after(item) is None:  # the order is unknown, or item is the last
+            return None
+        items = item.session.items
+        at = self._order[id(item)]
+        known = self._module_after
+        # The same stretch of the module's items (a plugin may reorder a module's items apart).
+        if known is not None and known[0] == module and known[1] <= at < known[2]:
+            return known[3]
+        end = at + 1
+        while end < len(items) and items[end].nodeid.split("::", 1)[0] == module:
+            end += 1
+        found = (items[end], items[end].stash.get(_PLAN_KEY, None)) if end < len(items) else None
+        self._module_after = (module, at, end, found)
+        return found
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:

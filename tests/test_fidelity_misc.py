@@ -163,6 +163,56 @@ def test_host_threads_switch_fast_but_host_tests_see_the_users_interval(tmp_path
     no_leftovers(home, out)
 
 
+MODULE_A = """
+import os, time
+
+def test_a1():
+    open("/tmp/from-a", "w").write("a")  # the next module's box, made meanwhile, must not see it
+    time.sleep(0.6)
+
+def test_a2():
+    time.sleep(0.6)
+
+def test_a3(record_property):
+    record_property("a3_start", float(open("/proc/uptime").read().split()[0]))
+"""
+
+MODULE_B = """
+import os, time
+
+def test_b(record_property):
+    assert not os.path.exists("/tmp/from-a")
+    # When this box was made: its pid 1's start, in clock ticks after boot (as /proc/uptime counts).
+    ticks = int(open("/proc/1/stat").read().rsplit(")", 1)[1].split()[19])
+    record_property("b_born", ticks / os.sysconf("SC_CLK_TCK"))
+"""
+
+
+def test_module_scope_makes_the_next_modules_box_while_a_module_runs(tmp_path: Path, home: Path) -> None:
+    """In module scope the next module's box is forked early in the module before it (not during
+    its last test only, which is shorter than making a box), and is as pristine as ever."""
+    write(tmp_path, "test_a.py", MODULE_A)
+    write(tmp_path, "test_b.py", MODULE_B)
+    xml = tmp_path / "junit.xml"
+    args = (
+        "--boxlite",
+        "--boxlite-scope=module",
+        f"--junitxml={xml}",
+        "-o",
+        "junit_family=legacy",
+        "test_a.py",
+        "test_b.py",
+    )
+    rc, out = finished(SubRun(tmp_path, home, "ahead", *args))
+    assert rc == 0, out
+    assert re.search(r"\b4 passed\b", out), out
+    props = {
+        m[0]: float(m[1]) for m in re.findall(r'<property name="(a3_start|b_born)" value="([0-9.]+)"', xml.read_text())
+    }
+    assert props["b_born"] < props["a3_start"] - 0.3, (props, out)  # a2 sleeps 0.6 s
+    no_leftovers(home, out)
+
+
 MARKED_SANDBOX = """
 import pytest
 
