@@ -10,8 +10,9 @@ host's collection, 0.5 s with a 0.5 ms interval, and the module-scope run took 1
 So the host runs with a short interval while its boxes are being made and served, and with the
 user's own value while a test runs on the host (an unboxed test, a sandbox test under
 ``--boxlite``): such a test sees ``sys.getswitchinterval()`` and the thread timing it would see
-without the plugin.  A value set by someone else meanwhile is never overwritten: whoever changed
-the interval last keeps it.
+without the plugin (one that an earlier host-run test set included).  A value that someone else
+sets while the short one is in force (a conftest at collection) is kept from then on, and the
+session ends with whatever value a run without the plugin would end with.
 """
 
 from __future__ import annotations
