@@ -38,7 +38,6 @@ class SwitchInterval:
         #: The value :meth:`lower` set (as the interpreter rounds it), while lowered.
         self._set: float | None = None
 
-    @property
     def lowered(self) -> bool:
         """Whether the interval is this object's short one now."""
         with self._lock:

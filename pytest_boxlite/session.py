@@ -384,7 +384,7 @@ class BoxliteSession:
     def host_code(self) -> Iterator[None]:
         """Around a test that runs on the host: the user's own switch interval while it runs (the
         plugin's short one is only for its threads, see _switch.py), the short one again after."""
-        lowered = self.switch.lowered
+        lowered = self.switch.lowered()
         if lowered:
             self.switch.restore()
         try:

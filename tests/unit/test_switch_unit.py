@@ -24,11 +24,11 @@ def test_lower_then_restore_gives_the_found_value_back() -> None:
     s = SwitchInterval()
     s.lower()
     assert sys.getswitchinterval() == pytest.approx(FAST)
-    assert s.lowered
+    assert s.lowered()
     s.lower()  # twice: still the value found first is given back
     s.restore()
     assert sys.getswitchinterval() == 0.005
-    assert not s.lowered
+    assert not s.lowered()
     s.restore()  # nothing to give back: no change
     assert sys.getswitchinterval() == 0.005
 
@@ -37,7 +37,7 @@ def test_a_value_set_in_between_is_kept() -> None:
     s = SwitchInterval()
     s.lower()
     sys.setswitchinterval(0.002)  # a conftest, a test, another plugin
-    assert not s.lowered
+    assert not s.lowered()
     s.restore()
     assert sys.getswitchinterval() == 0.002
     s.lower()  # and lowered again, it is that value that comes back
@@ -50,6 +50,6 @@ def test_an_interval_already_shorter_is_left_alone() -> None:
     s = SwitchInterval()
     s.lower()
     assert sys.getswitchinterval() == pytest.approx(FAST / 5)
-    assert not s.lowered
+    assert not s.lowered()
     s.restore()
     assert sys.getswitchinterval() == pytest.approx(FAST / 5)
