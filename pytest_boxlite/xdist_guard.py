@@ -62,7 +62,12 @@ class WorkerGuard:
         self._send_all: Callable[[], None] = node.send_runtest_all
         self.ids: list[str] | None = None  # what the worker said it collected
         self.given: Counter[int] = Counter()  # indices sent and not yet completed
+        # The node ids of every index sent.  xdist may send a replacement worker its tests before
+        # that worker's collectionfinish arrives (another worker's collection reschedules them
+        # all), so an index sent then is named once the worker's ids are known.
         self.given_ids: set[str] = set()
+        self.sent: set[int] = set()
+        self.sent_all = False
         self.current: tuple[str, Any] | None = None  # (nodeid, location) of the last logstart
         self.complaints: list[str] = []
         self.dropped = 0
@@ -74,15 +79,24 @@ class WorkerGuard:
     def send_runtest_some(self, indices: Sequence[int]) -> None:
         for i in indices:
             self.given[i] += 1
-            if self.ids is not None and 0 <= i < len(self.ids):
-                self.given_ids.add(self.ids[i])
+        self.sent.update(indices)
+        self._name_given()
         self._send_some(indices)
 
     def send_runtest_all(self) -> None:
+        self.sent_all = True
         if self.ids is not None:
             self.given.update(range(len(self.ids)))
-            self.given_ids.update(self.ids)
+        self._name_given()
         self._send_all()
+
+    def _name_given(self) -> None:
+        """The node ids of the indices sent so far (none before the worker's collection)."""
+        if self.ids is None:
+            return
+        if self.sent_all:
+            self.given_ids.update(self.ids)
+        self.given_ids.update(self.ids[i] for i in self.sent if 0 <= i < len(self.ids))
 
     # -- what the worker sends --------------------------------------------------------------
     def process_from_remote(self, eventcall: Any) -> None:
@@ -122,6 +136,9 @@ class WorkerGuard:
             if not isinstance(ids, list) or len(ids) > COLLECTION_CAP or not all(isinstance(i, str) for i in ids):
                 return "a collectionfinish whose ids are not a list of node ids"
             self.ids = list(ids)
+            if self.sent_all:
+                self.given.update(range(len(self.ids)))
+            self._name_given()
         elif name in ("testreport", "teardownreport"):
             data = kwargs.get("data")
             if not isinstance(data, dict):
@@ -207,10 +224,19 @@ class WorkerGuard:
 
     def _flush_at_end(self) -> None:
         """Complaints no report carried (sent after the worker's last report): a failed teardown
-        report of the last test the worker started, so they are not lost."""
-        if not self.complaints or self.current is None:
+        report of the last test the worker started, so they are not lost.  A worker that started
+        none (every logstart refused) has them carried by a test it was given, else by a report
+        named after the worker: never dropped in silence."""
+        if not self.complaints:
             return
-        nodeid, location = self.current
+        if self.current is not None:
+            nodeid, location = self.current
+        elif self.given_ids:
+            nodeid = min(self.given_ids)
+            location = (nodeid.split("::", 1)[0], None, nodeid)
+        else:
+            nodeid = f"boxlite-worker-{self.node.gateway.id}"
+            location = (nodeid, None, nodeid)
         data = {
             "$report_type": "TestReport",
             "nodeid": nodeid,
