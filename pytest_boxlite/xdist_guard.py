@@ -49,6 +49,10 @@ KNOWN_EVENTS = frozenset(
 COMPLAINTS_CAP = 10
 #: Most node ids a worker may say it collected (xdist keeps them all).
 COLLECTION_CAP = 1_000_000
+#: The first collection a worker of this session reported: the one xdist's scheduler numbers its
+#: tests by (the first workers' collections must all be equal; a replacement's that differs is
+#: ignored by xdist, which still sends it indices of this one).
+_SCHEDULED = pytest.StashKey[list[str]]()
 
 
 class WorkerGuard:
@@ -91,12 +95,15 @@ class WorkerGuard:
         self._send_all()
 
     def _name_given(self) -> None:
-        """The node ids of the indices sent so far (none before the worker's collection)."""
+        """The node ids of the indices sent so far (none before the worker's collection), named
+        as the controller numbered them: a worker that reports a collection of its own choosing
+        cannot rename the tests it was given."""
         if self.ids is None:
             return
+        ids = self.config.stash.get(_SCHEDULED, self.ids)
         if self.sent_all:
-            self.given_ids.update(self.ids)
-        self.given_ids.update(self.ids[i] for i in self.sent if 0 <= i < len(self.ids))
+            self.given_ids.update(ids)
+        self.given_ids.update(ids[i] for i in self.sent if 0 <= i < len(ids))
 
     # -- what the worker sends --------------------------------------------------------------
     def process_from_remote(self, eventcall: Any) -> None:
@@ -136,6 +143,7 @@ class WorkerGuard:
             if not isinstance(ids, list) or len(ids) > COLLECTION_CAP or not all(isinstance(i, str) for i in ids):
                 return "a collectionfinish whose ids are not a list of node ids"
             self.ids = list(ids)
+            self.config.stash.setdefault(_SCHEDULED, self.ids)
             if self.sent_all:
                 self.given.update(range(len(self.ids)))
             self._name_given()
