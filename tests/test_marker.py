@@ -598,6 +598,51 @@ def test_exitfirst_keyword_and_last_failed(pytester: pytest.Pytester, home: Path
     again.stdout.fnmatch_lines(["*run-last-failure: rerun previous 1 failure*"])
 
 
+def test_boxes_keep_no_deselected_item_and_still_run_what_only_they_deselect(
+    pytester: pytest.Pytester, home: Path
+) -> None:
+    """Every box is a fork of its warm interpreter, which lets go of the items its collection
+    deselected (click's 31,000 were half its memory: each fork copied their page tables twice);
+    a test the host selects that the box's own collection deselects is collected alone and runs."""
+    pytester.makeconftest(
+        """
+        import os
+
+        def pytest_collection_modifyitems(config, items):
+            if os.environ.get("BOXLITE_BOX"):  # in the box only: the host selects it
+                dropped = [item for item in items if item.name == "test_only_the_host_selects"]
+                if dropped:
+                    config.hook.pytest_deselected(items=dropped)
+                    items[:] = [item for item in items if item not in dropped]
+        """
+    )
+    pytester.makepyfile(
+        test_sel="""
+        import gc
+
+        import pytest
+
+        @pytest.mark.parametrize("n", range(300))
+        def test_deselect_me(n):
+            pass
+
+        def test_items_in_the_box(record_property):
+            items = [o for o in gc.get_objects() if isinstance(o, pytest.Item)]
+            record_property("items", sorted({item.name for item in items}))
+
+        def test_only_the_host_selects():
+            pass
+        """
+    )
+    result, reports = run(pytester, "--boxlite", f"--boxlite-home={home}", "-k", "not deselect_me")
+    no_leftovers(home)
+    assert result.parseoutcomes() == {"passed": 2, "deselected": 300}
+    names = props(reports[("test_sel.py::test_items_in_the_box", "call")])["items"]
+    assert "test_items_in_the_box" in names
+    assert not [name for name in names if name.startswith("test_deselect_me")]
+    box_of(reports, "test_sel.py::test_only_the_host_selects")
+
+
 # --------------------------------------------------------------------------
 # 1. --boxlite-scope
 
