@@ -743,7 +743,28 @@ def render(res: dict[str, Any]) -> str:
                 lines.append(
                     f"  {s['step']:<58} {s['p50'] * 1e3:8.2f}ms  CPU {s['cpu_p50'] * 1e3:6.2f}ms  (n={s['n']})"
                 )
+        bound = isolation_floor(f["steps"])
+        if bound is not None:
+            lines.append(
+                f"  isolation floor: pytest-forked's fork + runtest, plus new namespaces and a pid 1 "
+                f"(no mount, no message): CPU {bound[0] * 1e3:.2f} ms, {bound[1]:.2f}x pytest-forked's"
+            )
     return "\n".join(lines)
+
+
+def isolation_floor(steps: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """The least CPU a boxed test can cost with its own namespaces, from the floor steps: what
+    pytest-forked pays (a fork and the runtest protocol) plus what a new pid namespace adds to a
+    bare fork (the unshare, and its pid 1: in pure Python, another fork of the interpreter),
+    before any mount or message; and that over pytest-forked's.  None where a step is missing."""
+    cpu = {s["step"].strip(): s["cpu_p50"] for s in steps if "cpu_p50" in s}
+    base = cpu.get("fork + _exit + wait (warm interpreter)")
+    pid1 = cpu.get("+ unshare, fork pid 1 and wait for it")
+    forked = cpu.get("fork + runtest protocol of a trivial test (pytest-forked)")
+    if base is None or pid1 is None or not forked:
+        return None
+    total = forked + max(pid1 - base, 0.0)
+    return total, total / forked
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

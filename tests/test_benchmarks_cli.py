@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,7 @@ from benchmarks import _rows  # noqa: E402
 from benchmarks.__main__ import TABLES, parser  # noqa: E402
 from benchmarks._bench import resolve_defaults  # noqa: E402
 from benchmarks._suites import Suite  # noqa: E402
+from benchmarks.fork_profile import isolation_floor  # noqa: E402
 
 
 def test_every_table_is_a_sub_command_with_help(capsys: pytest.CaptureFixture[str]) -> None:
@@ -110,3 +112,16 @@ def test_profile_fork_sees_every_process_of_a_box(tmp_path: Path) -> None:
     assert sum(cpu[p]["p50"] for p in parts) < whole["p50"]
     assert cpu["its pid 1 (a bare init), clone to _exit"]["p50"] > 0
     assert profile["test_faults"]["the test process, fork to its teardown report"] > 0
+
+
+def test_isolation_floor_is_pytest_forked_plus_what_a_pid_namespace_adds_to_a_fork() -> None:
+    steps: list[dict[str, Any]] = [
+        {"step": "fork + _exit + wait (warm interpreter)", "p50": 1.0, "cpu_p50": 0.003, "n": 50},
+        {"step": "  + id maps, make / private, a tmpfs and an overlay mount", "skipped": "needs root"},
+        {"step": "  + unshare, fork pid 1 and wait for it", "p50": 1.0, "cpu_p50": 0.0065, "n": 50},
+        {"step": "fork + runtest protocol of a trivial test (pytest-forked)", "p50": 1.0, "cpu_p50": 0.005, "n": 50},
+    ]
+    total, ratio = isolation_floor(steps) or (0.0, 0.0)
+    assert total == pytest.approx(0.0085)
+    assert ratio == pytest.approx(1.7)
+    assert isolation_floor([s for s in steps if "pid 1" not in s["step"]]) is None
