@@ -381,6 +381,51 @@ def _take_services(descriptions):
         services.receive(descriptions or {})
 
 
+class _Forked:
+    """The boxes this warm interpreter forked, and how each ended (its pid 1's exit code).
+
+    Each FORKED tells the host which boxes have ended since the last one (no round trip per box).
+    The host asks how one ended (WAIT, POLL, KILL) only when its test's stream ended early, and
+    by then later FORKs may have reaped it (on a busy machine the test can die before this
+    interpreter reads the next FORK): the codes of the last :data:`KEPT` reaped boxes stay known.
+    """
+
+    KEPT = 256
+
+    def __init__(self):
+        #: pid -> exit code, None while the box runs (in the order they were forked).
+        self.codes = {}
+
+    def add(self, pid):
+        self.codes[pid] = None
+
+    def reap(self):
+        """Reap the boxes that have ended: their pids (the host is told in FORKED)."""
+        ended = [pid for pid, code in list(self.codes.items()) if code is None and self.wait(pid, 0) is not None]
+        reaped = [pid for pid, code in self.codes.items() if code is not None]
+        for pid in reaped[: max(0, len(reaped) - self.KEPT)]:
+            del self.codes[pid]
+        return ended
+
+    def wait(self, pid, timeout=5.0):
+        """``pid``'s exit code, waiting up to ``timeout`` seconds; None if it still runs, or is unknown."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                return self.codes.get(pid)  # reaped already: its code was kept
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                self.codes[pid] = code
+                return code
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
+
+
 def serve(channel):
     cfg = channel.receive()
     os.chdir(cfg["cwd"])
@@ -414,7 +459,7 @@ def serve(channel):
             self.modules = {}
             self.collect_errors = {}
             self.session = None
-            self.children = {}
+            self.forked = _Forked()
             self.seq = None
             self.send = self._locked(lambda name, **fields: channel.send((name, fields)))
             self.cache_writes = {}
@@ -550,14 +595,14 @@ def serve(channel):
                 elif name == FORK:  # noqa: F821
                     self.fork(**fields)
                 elif name in (WAIT, POLL):  # noqa: F821
-                    code = self.wait(fields["pid"], timeout=0 if name == POLL else 5.0)  # noqa: F821
+                    code = self.forked.wait(fields["pid"], timeout=0 if name == POLL else 5.0)  # noqa: F821
                     channel.send((STATUS, {"code": code}))  # noqa: F821
                 elif name == KILL:  # noqa: F821
                     try:
                         os.kill(fields["pid"], 9)
                     except ProcessLookupError:
                         pass
-                    channel.send((STATUS, {"code": self.wait(fields["pid"])}))  # noqa: F821
+                    channel.send((STATUS, {"code": self.forked.wait(fields["pid"])}))  # noqa: F821
                 elif name == SHARED:  # noqa: F821
                     report = self._teardown_shared(fields.get("keep") or (), fields.get("nodeid"))
                     channel.send((TORNDOWN, {"report": report}))  # noqa: F821
@@ -841,13 +886,7 @@ def serve(channel):
             _take_services(services)
             # Reap boxes that have ended, and tell the host which (in FORKED): it then needs no
             # round trip per box to learn that a box it is done with has gone.
-            ended = []
-            for old, status in list(self.children.items()):
-                if status is None:
-                    if self.wait(old, timeout=0) is not None:
-                        ended.append(old)
-                else:
-                    del self.children[old]  # reaped and reported
+            ended = self.forked.reap()
             item, error = self._item(nodeid)
             if item is None:
                 channel.send((ERROR, {"text": error}))  # noqa: F821
@@ -879,7 +918,7 @@ def serve(channel):
             if pid > 0:
                 if init is not None:
                     init.discard()
-                self.children[pid] = None
+                self.forked.add(pid)
                 # The maps first: the box waits for them, while the host can wait for FORKED (with
                 # boxes made ahead it is not waiting on this box's test yet).
                 if mapper is not None:
@@ -958,23 +997,6 @@ def serve(channel):
                 nested = IdMapper(proc=False)  # noqa: F821 - guest/fresh.py
                 maps = mapper.id_maps()
             return BareInit([getattr(signal, name) for name in _FORWARDED], close, nested, maps)  # noqa: F821 - guest/fresh.py
-
-        def wait(self, pid, timeout=5.0):
-            import time
-
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    return self.children.get(pid)  # reaped already: its status was kept
-                if done:
-                    code = os.waitstatus_to_exitcode(status)
-                    self.children[pid] = code
-                    return code
-                if time.monotonic() > deadline:
-                    return None
-                time.sleep(0.005)
 
     pytest.main(cfg["args"], plugins=[GuestPlugin()])
 
