@@ -647,7 +647,15 @@ def test_worker_scope_kill9_of_the_controller_leaves_no_box_server_or_box(
     assert run.wait(30) == -signal.SIGKILL
     assert wait_until(lambda: all(process_gone(p) for p in servers), 30), "a box server outlived its controller"
     assert wait_until(lambda: not pids_with(tag), 30), "processes in the workers' boxes outlived the run"
-    no_leftovers(home, run.output)  # destroyed by their servers, not merely left for the next reconcile
+    # Destroyed by their servers, not merely left for the next reconcile.  A server whose destroy
+    # failed keeps its directory and log, which say why (CI once left one box behind, unexplained).
+    server_logs = "".join(
+        f"\n--- {log}\n{log.read_text(errors='replace')[-3000:]}"
+        for d in server_dirs
+        if d.is_dir()
+        for log in sorted(d.glob("*.log"))
+    )
+    no_leftovers(home, run.output + server_logs)
     assert wait_until(lambda: not any(d.exists() for d in server_dirs), 10), server_dirs
 
 
