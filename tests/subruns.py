@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pty
 import select
@@ -260,3 +261,31 @@ def run_in_pty(
         _, status = os.waitpid(pid, 0)
     assert not pending, f"never prompted for {pending}:\n{out.decode(errors='replace')[-4000:]}"
     return os.waitstatus_to_exitcode(status), bytes(out)
+
+
+@contextlib.contextmanager
+def host_netrc(secret: str) -> Iterator[Path]:
+    """``~/.netrc`` holding ``secret``, removed afterwards; skips where the user has one of its own.
+
+    The mask tests need that very name, so runs as the same user (CI's two ordinary-user jobs
+    share one home) take turns: an exclusive lock is held from the check to the removal, or one
+    run removes the file another is testing (CI: FileNotFoundError at the removal).
+    """
+    import pytest
+
+    home = Path.home()
+    netrc = home / ".netrc"
+    # Beside the plugin's own default home (~/.cache/pytest-boxlite), not loose in the user's.
+    locks = home / ".cache" / "pytest-boxlite"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / "test-netrc.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if netrc.exists():
+            pytest.skip("this host has a ~/.netrc of its own; not touching it")
+        try:
+            netrc.write_text(f"machine pbx-test.invalid login x password {secret}\n")
+            netrc.chmod(0o600)
+            yield netrc
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                netrc.unlink()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CREATE_TIMEOUT, new_box_name
+from subruns import host_netrc
 
 from pytest_boxlite import errors
 from pytest_boxlite.runtimes import Runtime, image_problem
@@ -126,11 +127,7 @@ def test_each_box_of_an_image_is_pristine(namespace_runtime: Runtime, busybox: I
 def test_masks_hold_in_a_box_of_an_image(namespace_runtime: Runtime, busybox: ImageRoot) -> None:
     """A host directory the box shows keeps its credentials hidden, as without an image."""
     home = Path.home()
-    netrc = home / ".netrc"
-    if netrc.exists():
-        pytest.skip("this host has a ~/.netrc of its own; not touching it")
-    netrc.write_text("machine pbx-test.invalid login x password SECRET-NETRC\n")
-    try:
+    with host_netrc("SECRET-NETRC") as netrc:
         spec = BoxSpec(image=busybox.reference, root=busybox, mounts=(str(home),))
         sb = boot(namespace_runtime, spec)
         try:
@@ -139,8 +136,6 @@ def test_masks_hold_in_a_box_of_an_image(namespace_runtime: Runtime, busybox: Im
             assert ".netrc" in r.stdout  # the file is there, empty: a mask, not a missing home
         finally:
             sb.handle.destroy()
-    finally:
-        netrc.unlink()
 
 
 @needs_busybox

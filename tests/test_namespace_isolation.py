@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from conftest import BoxFactory, new_box_name
-from subruns import TcpServer, host_cleanup, pids_with
+from subruns import TcpServer, host_cleanup, host_netrc, pids_with
 
 from pytest_boxlite import errors
 from pytest_boxlite.runtimes import Runtime, _cgroups
@@ -338,13 +338,13 @@ def test_ssh_directory_is_masked(namespace_runtime: Runtime) -> None:
 
 @pytest.mark.escape_row("home-secrets")
 def test_netrc_is_masked(namespace_runtime: Runtime) -> None:
-    netrc = Path.home() / ".netrc"
-    if netrc.exists():
-        pytest.skip("this host has a ~/.netrc of its own; not touching it")
+    with host_netrc("SECRET-NETRC") as netrc:
+        _netrc_is_masked(namespace_runtime, netrc)
+
+
+def _netrc_is_masked(namespace_runtime: Runtime, netrc: Path) -> None:
     handle = None
     try:
-        netrc.write_text("machine pbx-test.invalid login x password SECRET-NETRC\n")
-        netrc.chmod(0o600)
         handle = namespace_runtime.create_box(BoxSpec(), new_box_name(), timeout=30)
         sb = Sandbox(handle)
         try:
@@ -356,8 +356,6 @@ def test_netrc_is_masked(namespace_runtime: Runtime) -> None:
     finally:
         if handle is not None:
             handle.destroy()
-        with contextlib.suppress(OSError):
-            netrc.unlink()
 
 
 # --------------------------------------------------------------------------
