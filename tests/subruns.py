@@ -273,10 +273,11 @@ def host_netrc(secret: str) -> Iterator[Path]:
     """
     import pytest
 
-    home = Path.home()
-    netrc = home / ".netrc"
-    # Beside the plugin's own default home (~/.cache/pytest-boxlite), not loose in the user's.
-    locks = home / ".cache" / "pytest-boxlite"
+    from pytest_boxlite.settings import default_home
+
+    netrc = Path.home() / ".netrc"
+    # In the plugin's own default home (~/.cache/pytest-boxlite), not loose in the user's.
+    locks = Path(default_home())
     locks.mkdir(parents=True, exist_ok=True)
     with open(locks / "test-netrc.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
