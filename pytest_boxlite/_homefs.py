@@ -1,0 +1,569 @@
+"""The boxlite home as a trust boundary: the one module every caller uses for paths below a home.
+
+A home holds what the host later acts on (box records naming pids, directories it removes, image
+layers it unpacks).  Anyone who can write it, or who shipped it (a project's ini naming a home
+inside the checkout), could plant links and records there.  So:
+
+- a home is used only if :func:`check_home` accepts it: a directory owned by this uid, writable by
+  no one else, below directories that only root or this uid can change (sticky ones such as /tmp
+  excepted), as ssh's ``StrictModes`` holds ``~/.ssh``;
+- everything below it is opened relative to a directory descriptor, never through a link
+  (``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` where the kernel has it, a walk of
+  ``O_NOFOLLOW | O_DIRECTORY`` opens otherwise: :data:`OPENAT2` says which), and a directory or
+  record of another owner is refused (:class:`Refused`), never followed or removed;
+- a recursive removal (:func:`remove_tree_at`) works by descriptors and never leaves the directory
+  it started in.
+
+API (stable; other modules build on it):
+
+- ``check_home(path, *, source, create=False) -> Path``: the absolute home, checked (and made,
+  mode 0700, with ``create``); raises :class:`UnsafeHome` (a ``BoxliteError``) naming the path,
+  its owner and mode, the fix, and ``source`` (where the value came from).
+- ``HomeDir.open(home)`` / ``HomeDir.at(home, "namespace", create=True)``: an open directory (a
+  context manager).  Its methods take names relative to it (``"a/b"``, never ``..``):
+  ``sub(rel, create=False)`` (a directory of ours), ``entries()`` (:class:`Entry` per child,
+  links and other owners' entries flagged, nothing followed), ``read(rel, limit)`` (a regular file
+  of ours, bounded), ``write(rel, data)`` (atomic, mode 0600), ``unlink(rel)``, ``exists(rel)``,
+  ``remove(name)`` (a child removed by descriptors, a link unlinked not followed), ``stat(rel)``.
+- ``open_beneath(dirfd, rel, flags, mode=0) -> int``: the primitive.
+- ``remove_tree_at(dirfd, name)``, ``remove_path(path)``: recursive removal by descriptors.
+- ``limits() -> list[str]``: the rules this kernel cannot hold (for doctor and the report header).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import errno
+import os
+import platform
+import pwd
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pytest_boxlite.errors import BoxliteError
+
+__all__ = [
+    "OPENAT2",
+    "Entry",
+    "HomeDir",
+    "Refused",
+    "UnsafeHome",
+    "check_home",
+    "limits",
+    "open_beneath",
+    "remove_path",
+    "remove_tree_at",
+]
+
+
+class UnsafeHome(BoxliteError):
+    """A home (or a directory above it) that someone else could write: nothing in it is used."""
+
+
+class Refused(OSError):
+    """An entry below a home that is a link, of another owner, or of the wrong type: refused, not followed."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(errno.EPERM, f"refused {path}: {why} (pytest-boxlite never follows links in a home)")
+        self.path = path
+        self.why = why
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+# --- openat2 -------------------------------------------------------------------------------------
+
+_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "arm64": 437, "ppc64le": 437, "s390x": 437, "riscv64": 437}
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+_NR = _SYS_OPENAT2.get(platform.machine())
+
+
+def _openat2(dirfd: int, rel: str, flags: int, mode: int) -> int:
+    if _LIBC is None or _NR is None:
+        raise OSError(errno.ENOSYS, "openat2 unavailable")
+    how = _OpenHow(
+        flags, mode if flags & os.O_CREAT else 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+    )
+    fd = _LIBC.syscall(
+        ctypes.c_long(_NR),
+        ctypes.c_int(dirfd),
+        os.fsencode(rel),
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), rel)
+    return int(fd)
+
+
+def _probe() -> bool:
+    root = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = _openat2(root, ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0)
+    except OSError:
+        return False
+    finally:
+        os.close(root)
+    os.close(fd)
+    return True
+
+
+#: Whether this kernel has ``openat2`` (Linux 5.6+); otherwise paths are walked one
+#: ``O_NOFOLLOW`` component at a time (as sound for links, a little slower).
+OPENAT2: bool = _probe()
+
+
+def limits() -> list[str]:
+    """The home rules this host cannot hold as designed, one line each (empty: all hold)."""
+    out = []
+    if not OPENAT2:
+        out.append("no openat2 on this kernel: paths below a home are walked one O_NOFOLLOW component at a time")
+    if not hasattr(os, "pidfd_open"):
+        out.append("no pidfd_open: a box process is checked, then signalled by pid (a reuse in between is possible)")
+    return out
+
+
+def _parts(rel: str) -> list[str]:
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if rel.startswith("/") or ".." in parts:
+        raise Refused(rel, "not a path below the directory")
+    return parts
+
+
+def open_beneath(dirfd: int, rel: str, flags: int, mode: int = 0) -> int:
+    """Open ``rel`` below ``dirfd`` following no link on the way or at its end; a file descriptor.
+
+    A link anywhere raises :class:`Refused` (``ELOOP``); ``..`` and absolute paths are refused.
+    """
+    parts = _parts(rel)
+    flags |= os.O_CLOEXEC | os.O_NOFOLLOW
+    if not parts:
+        return os.open(".", flags & ~os.O_NOFOLLOW & ~os.O_CREAT, dir_fd=dirfd)
+    try:
+        if OPENAT2:
+            return _openat2(dirfd, "/".join(parts), flags, mode)
+        return _walk_open(dirfd, parts, flags, mode)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EXDEV) or (exc.errno == errno.ENOTDIR and flags & os.O_DIRECTORY):
+            raise Refused(rel, "a link or not a directory where a directory or file is expected") from None
+        raise
+
+
+def _walk_open(dirfd: int, parts: list[str], flags: int, mode: int) -> int:
+    cur = dirfd
+    try:
+        for name in parts[:-1]:
+            nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=cur)
+            if cur != dirfd:
+                os.close(cur)
+            cur = nxt
+        return os.open(parts[-1], flags, mode, dir_fd=cur)
+    finally:
+        if cur != dirfd:
+            os.close(cur)
+
+
+# --- the home itself -----------------------------------------------------------------------------
+
+
+def _who(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _unsafe(path: str, why: str, fix: str, source: str) -> UnsafeHome:
+    return UnsafeHome(
+        f"boxlite home {path} (from {source}) is not safe to use: {why}. "
+        f"Another user, or files shipped with a project, could plant links and records there that "
+        f"make pytest-boxlite remove or signal what is not its own. Fix: {fix}, or choose another "
+        "home with --boxlite-home / PYTEST_BOXLITE_HOME (python -m pytest_boxlite: --home)"
+    )
+
+
+def _check_parent(path: str, st: os.stat_result, home: str, source: str) -> None:
+    me = os.geteuid()
+    if st.st_uid not in (0, me):
+        raise _unsafe(
+            home,
+            f"the directory {path} above it belongs to {_who(st.st_uid)}, who could replace the home",
+            "move the home below a directory of your own or root's",
+            source,
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise _unsafe(
+            home,
+            f"the directory {path} above it is writable by others (mode {stat.filemode(st.st_mode)}) and not sticky",
+            f"chmod go-w {path}",
+            source,
+        )
+
+
+def check_home(path: str | os.PathLike[str], *, source: str, create: bool = False) -> Path:
+    """The absolute home ``path`` once it is safe to use; :class:`UnsafeHome` otherwise.
+
+    Safe: a real directory (reached through links only in directories above it that pass the
+    same rule) owned by this uid and writable by no group or other; every directory above it
+    owned by root or this uid and not writable by others unless sticky.  ``create`` makes a
+    missing home (mode 0700, parents as ``mkdir -p``).  ``source`` says where the value came from
+    (``command line --boxlite-home``, ``ini boxlite_home``...), for the message.
+    """
+    given = os.path.abspath(os.fspath(path))
+    if create:
+        try:
+            os.makedirs(given, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise UnsafeHome(
+                f"boxlite home {given} (from {source}) cannot be made: {exc.strerror or exc}; "
+                "point it at a directory you can write"
+            ) from None
+    # The path as given: each directory above, and any link on the way, is someone's to change.
+    for chain in (given, os.path.realpath(given)):
+        parts = chain.split("/")[1:]
+        cur = "/"
+        for name in parts[:-1]:
+            cur = os.path.join(cur, name)
+            try:
+                st = os.lstat(cur)
+            except OSError:
+                continue  # checked on the resolved chain (or the home is missing, said below)
+            if stat.S_ISLNK(st.st_mode):
+                if st.st_uid not in (0, os.geteuid()):
+                    raise _unsafe(
+                        given, f"the link {cur} on its path belongs to {_who(st.st_uid)}", f"remove {cur}", source
+                    )
+                continue
+            _check_parent(cur, st, given, source)
+    try:
+        fd = os.open(given, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return Path(given)  # nothing to trust yet: made (checked) by whoever uses it
+    except OSError as exc:
+        raise UnsafeHome(f"boxlite home {given} (from {source}) cannot be opened: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if st.st_uid != os.geteuid():
+        raise _unsafe(
+            given,
+            f"it belongs to {_who(st.st_uid)}, not to {_who(os.geteuid())} who runs this",
+            "use a home of your own (each user needs their own)",
+            source,
+        )
+    if st.st_mode & 0o022:
+        raise _unsafe(
+            given, f"it is writable by others (mode {stat.filemode(st.st_mode)})", f"chmod go-w {given}", source
+        )
+    return Path(given)
+
+
+# --- directories below a home --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One child of a :class:`HomeDir`, from ``lstat`` (nothing followed).
+
+    ``refused`` is why the entry is not to be used as a directory or record of ours (a link,
+    another owner's), else ``None``.
+    """
+
+    name: str
+    is_dir: bool
+    is_file: bool
+    is_link: bool
+    uid: int
+    refused: str | None
+
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY
+
+
+def _ours(st: os.stat_result) -> bool:
+    return st.st_uid == os.geteuid()
+
+
+class HomeDir:
+    """An open directory of a checked home (or below it): every path is opened relative to it."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd = fd
+        self.path = path
+
+    @classmethod
+    def open(cls, home: str | os.PathLike[str]) -> HomeDir:
+        """Open a home that :func:`check_home` accepted (a directory, not through a final link)."""
+        path = Path(home)
+        fd = os.open(path, _DIR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        if not _ours(st):
+            os.close(fd)
+            raise Refused(str(path), f"it belongs to {_who(st.st_uid)}")
+        return cls(fd, path)
+
+    @classmethod
+    def at(cls, home: str | os.PathLike[str], rel: str, *, create: bool = False) -> HomeDir:
+        """``HomeDir.open(home).sub(rel, create=create)``, closing the home's descriptor."""
+        with cls.open(home) as top:
+            return top.sub(rel, create=create)
+
+    def close(self) -> None:
+        """Close the descriptor (idempotent)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> HomeDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _name(self, rel: str) -> str:
+        return str(self.path / rel)
+
+    def sub(self, rel: str, *, create: bool = False, mode: int = 0o700) -> HomeDir:
+        """The directory ``rel`` (ours, reached through no link), made with ``create``."""
+        parts = _parts(rel)
+        cur = HomeDir(os.dup(self.fd), self.path)
+        try:
+            for name in parts:
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, mode, dir_fd=cur.fd)
+                try:
+                    fd = open_beneath(cur.fd, name, _DIR)
+                except Refused:
+                    raise Refused(cur._name(name), "a link where a directory is expected") from None
+                except NotADirectoryError:
+                    raise Refused(cur._name(name), "not a directory") from None
+                st = os.fstat(fd)
+                nxt = HomeDir(fd, cur.path / name)
+                cur.close()
+                cur = nxt
+                if not _ours(st):
+                    raise Refused(str(cur.path), f"it belongs to {_who(st.st_uid)}")
+            return cur
+        except BaseException:
+            cur.close()
+            raise
+
+    def entries(self) -> list[Entry]:
+        """Every child, sorted by name, each from ``lstat``; links and others' entries flagged."""
+        out = []
+        with os.scandir(self.fd) as it:
+            names = sorted(e.name for e in it)
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            link = stat.S_ISLNK(st.st_mode)
+            refused = None
+            if link:
+                refused = "a link"
+            elif not _ours(st):
+                refused = f"it belongs to {_who(st.st_uid)}"
+            out.append(Entry(name, stat.S_ISDIR(st.st_mode), stat.S_ISREG(st.st_mode), link, st.st_uid, refused))
+        return out
+
+    def stat(self, rel: str) -> os.stat_result:
+        """``lstat`` of ``rel`` (its parents reached through no link)."""
+        parent, name = self._split(rel)
+        with parent:
+            return os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
+
+    def exists(self, rel: str) -> bool:
+        """Whether ``rel`` exists (a link counts: it is there, even if refused)."""
+        try:
+            self.stat(rel)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except Refused:
+            return False
+        return True
+
+    def _split(self, rel: str) -> tuple[HomeDir, str]:
+        parts = _parts(rel)
+        if not parts:
+            raise Refused(self._name(rel), "not a name")
+        return self.sub("/".join(parts[:-1])), parts[-1]
+
+    def open_file(self, rel: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+        """A descriptor of the regular file ``rel`` of ours, reached through no link."""
+        try:
+            fd = open_beneath(self.fd, rel, flags | os.O_NONBLOCK, mode)
+        except Refused:
+            raise Refused(self._name(rel), "a link where a file is expected") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not _ours(st):
+            os.close(fd)
+            why = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"it belongs to {_who(st.st_uid)}"
+            raise Refused(self._name(rel), why)
+        return fd
+
+    def read(self, rel: str, limit: int) -> bytes:
+        """At most ``limit`` bytes of the regular file ``rel`` (ours, never through a link)."""
+        fd = self.open_file(rel)
+        try:
+            chunks: list[bytes] = []
+            left = limit
+            while left > 0:
+                chunk = os.read(fd, min(left, 1 << 16))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def write(self, rel: str, data: bytes, mode: int = 0o600) -> None:
+        """Create or replace the file ``rel`` atomically (a reader never sees half of it)."""
+        parent, name = self._split(rel)
+        with parent:
+            tmp = f".{name}.{os.getpid()}.tmp"
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent.fd
+            )
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=parent.fd)
+                raise
+            os.close(fd)
+            os.replace(tmp, name, src_dir_fd=parent.fd, dst_dir_fd=parent.fd)
+
+    def unlink(self, rel: str, *, missing_ok: bool = True) -> None:
+        """Remove the file or link ``rel`` (a link is removed, never followed)."""
+        parent, name = self._split(rel)
+        with parent:
+            try:
+                os.unlink(name, dir_fd=parent.fd)
+            except FileNotFoundError:
+                if not missing_ok:
+                    raise
+
+    def remove(self, name: str) -> None:
+        """Remove the child ``name`` whatever it is, by descriptors (see :func:`remove_tree_at`)."""
+        parent, last = self._split(name)
+        with parent:
+            remove_tree_at(parent.fd, last)
+
+
+# --- removal -------------------------------------------------------------------------------------
+
+
+def _make_ours(fd: int) -> None:
+    # Overlayfs leaves work directories at mode 000, a box's writes keep their modes: a directory
+    # we own is made listable and writable before it is emptied (another owner's: rmtree then
+    # says what it could not remove).
+    with contextlib.suppress(OSError):
+        st = os.fstat(fd)
+        if st.st_mode & 0o700 != 0o700:
+            os.fchmod(fd, 0o700)
+
+
+def _open_child_dir(dirfd: int, name: str, want: os.stat_result) -> int:
+    try:
+        fd = os.open(name, _DIR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    except PermissionError:
+        # Mode 000 (overlayfs work dirs): make it ours through an O_PATH descriptor, then open.
+        pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dirfd)
+        try:
+            pst = os.fstat(pfd)
+            if (pst.st_dev, pst.st_ino) != (want.st_dev, want.st_ino):
+                raise Refused(name, "replaced while it was being removed") from None
+            os.chmod(f"/proc/self/fd/{pfd}", 0o700)
+        finally:
+            os.close(pfd)
+        fd = os.open(name, _DIR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino):
+        os.close(fd)
+        raise Refused(name, "replaced while it was being removed")
+    return fd
+
+
+def remove_tree_at(dirfd: int, name: str) -> None:
+    """Remove ``name`` in ``dirfd`` and, if it is a directory, everything below it.
+
+    Every step is relative to an open directory descriptor: a link is unlinked, never followed,
+    and a directory swapped for another while it is being emptied is refused (``Refused``), so
+    the walk never leaves the tree it started in.  Missing is fine.  Raises ``OSError`` naming
+    what could not be removed.
+    """
+    try:
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dirfd)
+        return
+    # An explicit stack: a deep tree costs descriptors (one per level), not Python frames.
+    stack: list[tuple[int, str, Iterator[str]]] = []
+    try:
+        top = _open_child_dir(dirfd, name, st)
+        _make_ours(top)
+        stack.append((top, name, iter(sorted(os.listdir(top)))))
+        while stack:
+            fd, _, names = stack[-1]
+            child = next(names, None)
+            if child is None:
+                _, done, _ = stack.pop()
+                os.close(fd)
+                os.rmdir(done, dir_fd=stack[-1][0] if stack else dirfd)
+                continue
+            cst = os.stat(child, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(cst.st_mode):
+                sub = _open_child_dir(fd, child, cst)
+                _make_ours(sub)
+                stack.append((sub, child, iter(sorted(os.listdir(sub)))))
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
+
+
+def remove_path(path: str | os.PathLike[str]) -> None:
+    """Remove ``path`` (a directory tree of ours, or a file or link) by descriptors: its parent is
+    opened by path, everything below it never through a link (see :func:`remove_tree_at`)."""
+    p = Path(path)
+    parent = os.open(p.parent, _DIR | os.O_CLOEXEC)
+    try:
+        remove_tree_at(parent, p.name)
+    finally:
+        os.close(parent)
