@@ -57,7 +57,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime parts: protocol, host probe, private helpers", ("runtimes.base", "runtimes.probe", "runtimes._*")),
     ("images: references, the image store and its unpacker", ("images", "images.*")),
     ("shared vocabulary: box specs; guest scripts and their loader", ("spec", "guest", "guest.*")),
-    ("errors, the home as a trust boundary, removing the host's own directories, the host's switch interval, escaping printed text", ("errors", "_tidy", "_homefs", "_switch", "_shown")),
+    (
+        "errors, the home as a trust boundary, removing the host's own directories, the host's switch interval, "
+        "escaping printed text",
+        ("errors", "_tidy", "_homefs", "_switch", "_shown"),
+    ),
 ]
 
 #: Runtime kinds: naming one outside runtimes/ ties that code to a runtime.
