@@ -17,7 +17,9 @@ by a layer:
 - whiteouts (``.wh.NAME``) and opaque markers (``.wh..wh..opq``) remove lower layers' entries
   without following links;
 - directories keep ``u+rwx`` so the unpacking user can always remove the tree again;
-- sizes are bounded: bytes written, members, name lengths.
+- sizes are bounded: bytes written, members, name lengths, and the compression ratio (bytes of
+  tar stream out per byte of layer blob in, checked as the stream is read: a gzip of zeros is
+  stopped after at most its bound, not after it was written).
 
 Ownership is never changed: files belong to the unpacking user, which the box maps to its own ids.
 """
@@ -40,10 +42,28 @@ from typing import IO, Any
 
 from pytest_boxlite.images.reference import ImageError
 
-__all__ = ["DEFAULT_MAX_MEMBERS", "DEFAULT_MAX_UNPACKED", "Limits", "apply_layer", "open_layer_stream", "tree_size"]
+__all__ = [
+    "DEFAULT_MAX_MEMBERS",
+    "DEFAULT_MAX_RATIO",
+    "DEFAULT_MAX_UNPACKED",
+    "RATIO_FLOOR",
+    "Limits",
+    "apply_layer",
+    "open_layer_stream",
+    "tree_size",
+]
 
+#: Bytes of file data one image may unpack to, all layers together (the largest real images, CUDA
+#: and ML stacks, are some 5-8 GiB unpacked).
 DEFAULT_MAX_UNPACKED = 8 << 30
 DEFAULT_MAX_MEMBERS = 1_000_000
+#: Bytes of tar stream a layer (and an image, all layers together) may unpack to per byte of blob:
+#: real layers compress 2:1 to 10:1 (text, binaries), a gzip of zeros 1000:1.
+DEFAULT_MAX_RATIO = 100
+#: Below this many bytes of tar stream, a layer (or an image) passes whatever its ratio: a tiny
+#: layer (an empty directory, a few small files) is mostly tar headers and padding, which compress
+#: far better than 100:1.  So a blob of N bytes unpacks to at most max(100 N, 16 MiB).
+RATIO_FLOOR = 16 << 20
 _MAX_NAME = 4096
 #: How deep the tree may get, in directories and in bytes of real path (links resolved): a deeper
 #: tree would break the host's path-based tools (Python's recursive os.walk and shutil.rmtree raise
@@ -63,24 +83,57 @@ _DATA_FILTER = getattr(tarfile, "data_filter", None)
 
 
 class Limits:
-    """What one image may cost to unpack: bytes of file data and number of members, all layers together."""
+    """What one image may cost to unpack, all layers together: bytes of file data, members, and the
+    compression ratio (tar stream out per blob byte in, per layer and for the image).
 
-    def __init__(self, max_unpacked: int = DEFAULT_MAX_UNPACKED, max_members: int = DEFAULT_MAX_MEMBERS) -> None:
+    ``size_hint`` and ``ratio_hint`` end the refusals' messages: how to raise the bound (the
+    store's caller knows its option; here none).
+    """
+
+    def __init__(
+        self,
+        max_unpacked: int = DEFAULT_MAX_UNPACKED,
+        max_members: int = DEFAULT_MAX_MEMBERS,
+        *,
+        max_ratio: float = DEFAULT_MAX_RATIO,
+        ratio_floor: int = RATIO_FLOOR,
+        size_hint: str = "the image's size bound",
+        ratio_hint: str = "the compression ratio bound",
+    ) -> None:
         self.max_unpacked = max_unpacked
         self.max_members = max_members
+        self.max_ratio = max_ratio
+        self.ratio_floor = ratio_floor
+        self.size_hint = size_hint
+        self.ratio_hint = ratio_hint
         self.unpacked = 0
         self.members = 0
         self.skipped_special = 0
+        #: Blob bytes read and tar stream bytes out, of the layers done (the current one: its reader's).
+        self.blob_in = 0
+        self.stream_out = 0
+
+    def ratio_bound(self, blob_bytes: int) -> int:
+        """The most tar stream ``blob_bytes`` of layer blob may unpack to: max(ratio x in, floor)."""
+        return max(int(self.max_ratio * blob_bytes), self.ratio_floor)
 
 
 class _HashingReader(io.RawIOBase):
-    """Reads a (decompressed) layer stream, hashing it and refusing more than ``limit`` bytes."""
+    """Reads a (decompressed) layer stream, hashing it and refusing more than ``limit`` bytes, or
+    more than the compression ratio of ``limits`` allows for the blob bytes ``blob`` gave so far
+    (this layer's, and the image's with the layers before): checked on every read, so a
+    decompression bomb stops within one read buffer of its bound."""
 
-    def __init__(self, raw: IO[bytes], limit: int, what: str) -> None:
+    def __init__(
+        self, raw: IO[bytes], limit: int, what: str, blob: IO[bytes] | None = None, limits: Limits | None = None
+    ) -> None:
         self._raw = raw
         self._limit = limit
         self._what = what
+        self._blob = blob
+        self._limits = limits
         self.count = 0
+        self.blob_in = 0
         self.sha = hashlib.sha256()
 
     def readable(self) -> bool:
@@ -94,9 +147,31 @@ class _HashingReader(io.RawIOBase):
             raise ImageError(
                 f"{self._what}: the layer unpacks to more than {self._limit} bytes (the image's size bound)"
             )
+        if self._blob is not None and self._limits is not None:
+            self._check_ratio(self._limits)
         self.sha.update(data)
         b[:n] = data
         return n
+
+    def _check_ratio(self, limits: Limits) -> None:
+        assert self._blob is not None
+        # What the decompressor has taken from the blob so far (it reads ahead a buffer: generous).
+        self.blob_in = self._blob.tell()
+        bound = limits.ratio_bound(self.blob_in)
+        if self.count > bound:
+            raise ImageError(
+                f"{self._what}: the layer's {self.blob_in} compressed bytes unpack to more than {bound} bytes "
+                f"(more than {limits.max_ratio:g}:1, past the {limits.ratio_floor >> 20} MiB any layer may have): "
+                f"a decompression bomb, or {limits.ratio_hint}"
+            )
+        image_in = limits.blob_in + self.blob_in
+        image_bound = limits.ratio_bound(image_in)
+        if limits.stream_out + self.count > image_bound:
+            raise ImageError(
+                f"{self._what}: the image's {image_in} compressed bytes unpack to more than {image_bound} bytes "
+                f"(more than {limits.max_ratio:g}:1 all layers together, past the {limits.ratio_floor >> 20} MiB "
+                f"any image may have): a decompression bomb, or {limits.ratio_hint}"
+            )
 
     def drain(self) -> None:
         while self.read(_CHUNK):
@@ -151,8 +226,9 @@ def _compression(head: bytes) -> str:
 
 
 @contextlib.contextmanager
-def open_layer_stream(blob: Path, limit: int, what: str) -> Iterator[_HashingReader]:
-    """The decompressed bytes of layer ``blob`` (tar, gzip; zstd where the ``zstandard`` module is)."""
+def open_layer_stream(blob: Path, limit: int, what: str, limits: Limits | None = None) -> Iterator[_HashingReader]:
+    """The decompressed bytes of layer ``blob`` (tar, gzip; zstd where the ``zstandard`` module is),
+    bounded to ``limit`` bytes and, given ``limits``, to its compression ratio bound."""
     with open(blob, "rb") as raw:
         kind = _compression(raw.read(6))
         raw.seek(0)
@@ -173,7 +249,7 @@ def open_layer_stream(blob: Path, limit: int, what: str) -> Iterator[_HashingRea
             stream = zstandard.ZstdDecompressor().stream_reader(raw)
         else:
             raise ImageError(f"{what}: {kind}-compressed layers are not supported (use tar, gzip or zstd layers)")
-        yield _HashingReader(stream, limit, what)
+        yield _HashingReader(stream, limit, what, raw, limits)
 
 
 def _split(name: str) -> list[str]:
@@ -391,7 +467,7 @@ def apply_layer(root: Path, blob: Path, *, diff_id: str | None, limits: Limits, 
     dest = os.path.realpath(root)
     created: set[tuple[str, ...]] = set()
     try:
-        with open_layer_stream(blob, limits.max_unpacked + (64 << 20), what) as reader:
+        with open_layer_stream(blob, limits.max_unpacked + (64 << 20), what, limits) as reader:
             try:
                 with tarfile.open(fileobj=reader, mode="r|", tarinfo=_BoundedTarInfo) as tf:
                     # tf.next(), not iteration: tarfile keeps every TarInfo (PAX headers included)
@@ -409,6 +485,8 @@ def apply_layer(root: Path, blob: Path, *, diff_id: str | None, limits: Limits, 
                 if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise ImageError(f"{what}: no space left to unpack the image under {root}") from None
                 raise ImageError(f"{what}: cannot read the layer ({exc}); is the image truncated or corrupt?") from None
+            limits.blob_in += reader.blob_in
+            limits.stream_out += reader.count
             if diff_id is not None and f"sha256:{reader.sha.hexdigest()}" != diff_id:
                 raise ImageError(
                     f"{what}: the layer's content does not match the image config's diff_id {diff_id} "
@@ -513,7 +591,7 @@ def _write_member(
     else:
         limits.unpacked += checked.size
         if limits.unpacked > limits.max_unpacked:
-            raise ImageError(f"{what}: the image unpacks to more than {limits.max_unpacked} bytes (its size bound)")
+            raise ImageError(f"{what}: the image unpacks to more than {limits.max_unpacked} bytes ({limits.size_hint})")
         mode = checked.mode
         fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
         try:
