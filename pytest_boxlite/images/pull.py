@@ -203,7 +203,10 @@ def _pull_skopeo(ref: Reference, work: Path, timeout: float, why: str) -> Path:
         )
     dest = work / "pulled"
     _os, arch = host_platform()
+    # skopeo compresses a layer the registry serves uncompressed, which rewrites the manifest: the
+    # same image would get another digest than its archive's and be stored twice.  Keep it as served.
     argv = [skopeo, "--override-os", "linux", "--override-arch", arch, "copy", "--quiet"]
+    argv.append("--dest-oci-accept-uncompressed-layers")
     host = (ref.name or "").split("/", 1)[0]
     if host in _insecure():
         argv.append("--src-tls-verify=false")
