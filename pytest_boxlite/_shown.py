@@ -15,10 +15,17 @@ import re
 
 __all__ = ["shown"]
 
-#: C0 controls but tab and newline, DEL, C1 controls (8-bit CSI, OSC, ...), the line and
-#: paragraph separators, the bidi marks, embeddings, overrides and isolates, the BOM, and lone
-#: surrogates (a file name's undecodable bytes, which a terminal cannot be sent at all).
-_UNSAFE = r"\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff\ud800-\udfff"
+#: Every character of Unicode's Cc, Cf, Cs, Zl and Zp categories but tab and newline (Unicode
+#: 14, ``tests/unit/test_shown.py`` checks the list against the running Python's): C0 and C1
+#: controls (CSI, OSC, ...), DEL, the invisible format characters (zero-width ones, bidi marks,
+#: embeddings, overrides and isolates, the BOM, the tag characters that can hide text), the line
+#: and paragraph separators, and lone surrogates (a file name's undecodable bytes).  A regular
+#: expression rather than ``str.isprintable``: a box's output can be megabytes.
+_UNSAFE = (
+    r"\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890-\u0891\u08e2\u180e"
+    r"\u200b-\u200f\u2028-\u202e\u2060-\u206f\ud800-\udfff\ufeff\ufff9-\ufffb\U000110bd\U000110cd"
+    r"\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f"
+)
 _TEXT = re.compile(f"[{_UNSAFE}]")
 _LINE = re.compile(f"[{_UNSAFE}\\t\\n]")
 
@@ -27,11 +34,15 @@ def _escaped(match: re.Match[str]) -> str:
     return ascii(match.group())[1:-1]
 
 
-def shown(text: object, *, line: bool = False) -> str:
+def shown(text: object, *, line: bool = False, limit: int | None = None) -> str:
     """``text`` (``str()`` of it) with every character that could act on a terminal escaped.
 
     Newline and tab stay as they are unless ``line`` is true: a name, a reference or a title is
     one line, and a newline in it could forge a second line of output.  Carriage return is
     always escaped (it would let a line overwrite what was printed before it on that line).
+    With ``limit``, the result is cut to that many characters, ``...`` included.
     """
-    return (_LINE if line else _TEXT).sub(_escaped, str(text))
+    out = (_LINE if line else _TEXT).sub(_escaped, str(text))
+    if limit is not None and len(out) > limit:
+        out = out[: max(0, limit - 3)] + "..."
+    return out

@@ -34,6 +34,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import BoxDeadError, OutputTimeoutError, ProcessExitedError
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, RawProcess
 
@@ -64,8 +65,8 @@ class BoxProcessWarning(UserWarning):
 
 def _quote(line: bytes) -> str:
     """A line from the box as printable text: escaped, cut."""
-    text = line[: _QUOTE * 4].decode("utf-8", "backslashreplace")
-    text = "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in text)
+    # A line: no newline in it; a tab stays.
+    text = shown(line[: _QUOTE * 4].decode("utf-8", "backslashreplace"))
     return text if len(text) <= _QUOTE else text[:_QUOTE] + "..."
 
 

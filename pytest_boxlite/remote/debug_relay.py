@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import select
 import signal
 import termios
@@ -32,17 +31,15 @@ from typing import Any
 
 import pytest
 
+from pytest_boxlite._shown import shown
 from pytest_boxlite.guest import messages as msg
-
-#: What a box's debugger output may not carry to this terminal as is: every control character but
-#: newline, tab and carriage return (as ``worker_host.escape_controls``, which escapes CR too and
-#: which this module cannot import: worker_host imports the transport, which imports this).
-_CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def escape_controls(text: str) -> str:
-    """``text`` with every control character but newline, tab and CR written as ``\\xNN``."""
-    return _CONTROLS.sub(lambda m: ascii(m.group())[1:-1], text)
+    """A box's debugger output as this terminal may be sent it: a pty's CRLF line ends become
+    newlines, and every other character that could act on a terminal (a lone CR included) is
+    escaped (:func:`_shown.shown`)."""
+    return shown(text.replace("\r\n", "\n"))
 
 
 #: The tests whose box could relay a debugger to this terminal (they ran in a box that sends its

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import secrets
 import shlex
 import signal
@@ -38,6 +37,7 @@ import execnet
 import pytest
 
 from pytest_boxlite import guest, reach
+from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.guest import messages as msg
 from pytest_boxlite.pool import Lease
@@ -233,17 +233,14 @@ def how_it_died(status_file: Path, wait: float = 2.0) -> str:
             time.sleep(0.02)
 
 
-_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
-
-
 def _left(start: float, timeout: float) -> float:
     """The seconds left of a test's bound, for the box to send its last words when they pass."""
     return max(0.0, start + timeout - time.monotonic())
 
 
 def escape_controls(text: str) -> str:
-    """``text`` with every control character but newline and tab written as ``\\xNN`` (``\\uNNNN``)."""
-    return _CONTROLS.sub(lambda m: ascii(m.group())[1:-1], text)
+    """``text`` with every character that could act on a terminal escaped (:func:`_shown.shown`)."""
+    return shown(text)
 
 
 def guest_args(config: pytest.Config) -> list[str]:

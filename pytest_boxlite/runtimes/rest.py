@@ -59,6 +59,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import (
     BoxDeadError,
     BoxliteError,
@@ -206,8 +207,7 @@ def owner_of(name: str) -> str | None:
 
 def _printable(text: str, limit: int = 80) -> str:
     """``text`` safe for a terminal: control characters escaped, at most ``limit`` characters."""
-    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
-    return out if len(out) <= limit else out[: limit - 3] + "..."
+    return shown(text, line=True, limit=limit)
 
 
 def fingerprint(paths: Sequence[str]) -> str:
