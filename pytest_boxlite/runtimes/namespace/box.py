@@ -10,6 +10,7 @@ import os
 import selectors
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pytest_boxlite import guest
+from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import BoxDeadError, BoxliteError, BoxTimeoutError, ConfigError, file_error
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes._forkcell import ForkCell
@@ -51,6 +53,29 @@ def _connect(path: Path, timeout: float) -> socket.socket:
         if dirfd is not None:
             os.close(dirfd)
     return sock
+
+
+class PeerRefused(BoxliteError, OSError):
+    """The process behind a box's socket is not proven the box's: nothing was sent to it."""
+
+
+def check_peer(sock: socket.socket, box_dir: Path, listener_pid: int | None = None) -> None:
+    """Refuse (:class:`PeerRefused`) a connected Unix socket whose peer is not this user's, or
+    not the process that listened on it for the box where that is known (``SO_PEERCRED``: the
+    credentials the kernel recorded at ``listen()``, which the peer cannot forge)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    name = shown(box_dir.name, line=True)
+    if uid != os.geteuid():
+        raise PeerRefused(
+            f"refused box {name}: its agent socket is held by uid {uid} (pid {pid}), not by uid {os.geteuid()} "
+            "who runs this; nothing was sent to it. Someone else planted it in the home: use a home of your own"
+        )
+    if listener_pid is not None and pid != listener_pid:
+        raise PeerRefused(
+            f"refused box {name}: its agent socket is held by pid {pid}, not by pid {listener_pid} that made "
+            "the box; nothing was sent to it"
+        )
 
 
 class _Lines:
@@ -558,7 +583,7 @@ class NamespaceBox(BoxDefaults):
             self._cells.close()
         if self._proc.poll() is None:
             # The pid namespace's first process: its death takes every process of the box along.
-            kill_box_processes(self._info)
+            kill_box_processes(self._info, self.box_dir)
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -641,15 +666,20 @@ def attach(
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
     user: str | None = None,
+    listener_pid: int | None = None,
 ) -> int:
     """Run ``argv`` in an existing box with *this* process's stdin/stdout/stderr; return its exit code.
 
     The descriptors themselves are handed to the box, so the stream is
     binary-clean and nothing is copied through this process.  If this process
     dies, the agent kills the command.  It runs as ``user``, else as the box's identity.
+    The socket's peer is checked first (:func:`check_peer`; ``listener_pid``: the process that
+    listened on it, where the box's record says).
     """
     sock = _connect(ctl_dir(box_dir) / "agent.sock", 10.0)
     with sock:
+        # Nothing, least of all this process's stdio, goes to a listener not proven ours.
+        check_peer(sock, box_dir, listener_pid)
         req: dict[str, Any] = {"op": "exec", "argv": list(argv), "env": dict(env or {}), "cwd": cwd}
         if user is not None:
             req["user"] = str(user)

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import sys
 import termios
 from collections.abc import Sequence
 from pathlib import Path
 
 from pytest_boxlite import guest
+from pytest_boxlite._homefs import HomeDir
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes.base import Capabilities, Leftover, Owners
 from pytest_boxlite.runtimes.namespace import provision
 from pytest_boxlite.runtimes.namespace.box import attach
 from pytest_boxlite.runtimes.namespace.bwrap import find_bwrap
-from pytest_boxlite.runtimes.namespace.layout import ctl_dir, keep_marker
+from pytest_boxlite.runtimes.namespace.layout import _read_info, ctl_dir, keep_marker
 from pytest_boxlite.runtimes.namespace.leftovers import box_dirs, remove_box_state, running
 from pytest_boxlite.runtimes.namespace.mounts import mount_plan
 from pytest_boxlite.runtimes.namespace.privileges import (
@@ -101,6 +103,8 @@ class NamespaceKind:
 
     def remove_leftover(self, home: Path, leftover: Leftover) -> str | None:
         """Kill the box and remove its state (host-side facts only, see :func:`remove_box_state`)."""
+        if "/" in leftover.name or leftover.name in ("", ".", ".."):
+            return None
         remove_box_state(state_dir(home) / leftover.name)
         return leftover.name
 
@@ -120,10 +124,19 @@ class NamespaceKind:
         The terminal's mode is put back here too, should the box end before the script restores it.
         """
         box_dir = state_dir(home) / name
-        if "/" in name or name in ("", ".", "..") or not (ctl_dir(box_dir) / "agent.sock").exists():
+        if "/" in name or name in ("", ".", ".."):
             return None
+        try:
+            # The box's control directory, reached through no link and ours (else refused, raised).
+            with HomeDir.at(home, f"namespace/{ctl_dir(box_dir).name}") as ctl:
+                if not stat.S_ISSOCK(ctl.stat("agent.sock").st_mode):
+                    return None
+        except FileNotFoundError:
+            return None
+        recorded = _read_info(box_dir).get("listener_pid")
+        listener = recorded if isinstance(recorded, int) and recorded > 0 else None
         if not (os.isatty(0) and os.isatty(1)):
-            return attach(box_dir, argv)
+            return attach(box_dir, argv, listener_pid=listener)
         # The interpreter and this package are at the host's paths in every box (see mounts._own_dirs).
         wrapped = [sys.executable, "-I", "-S", str(guest.path("terminal")), "--", *argv]
         try:
@@ -131,7 +144,7 @@ class NamespaceKind:
         except termios.error:
             saved = None
         try:
-            return attach(box_dir, wrapped)
+            return attach(box_dir, wrapped, listener_pid=listener)
         finally:
             if saved is not None:
                 with contextlib.suppress(termios.error):

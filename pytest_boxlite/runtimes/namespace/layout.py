@@ -11,6 +11,7 @@ import stat as _stat
 from pathlib import Path
 from typing import Any
 
+from pytest_boxlite._homefs import HomeDir
 from pytest_boxlite.errors import BoxStartError
 
 GUEST_CTL = "/run/pytest-boxlite"
@@ -52,8 +53,11 @@ def read_private(path: Path, limit: int) -> bytes:
 
 def _read_info(box_dir: Path) -> dict[str, Any]:
     """The host's record of a box (pids and their start times), from its private directory."""
+    # Through the state directory's descriptor: a control directory, or a record, that is a link
+    # or another user's is refused, never followed.
     try:
-        info = json.loads(read_private(ctl_dir(box_dir) / "info.json", _MAX_INFO))
+        with HomeDir.open(box_dir.parent) as state:
+            info = json.loads(state.read(f"{ctl_dir(box_dir).name}/info.json", _MAX_INFO))
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import selectors
 import socket
 import subprocess
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from pytest_boxlite import guest
+from pytest_boxlite._homefs import HomeDir
+from pytest_boxlite._shown import shown as _shown
 from pytest_boxlite.errors import BoxStartError, BoxTimeoutError, RuntimeUnavailableError
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes.base import BoxRecord, RuntimeDefaults
@@ -104,7 +107,10 @@ class NamespaceRuntime(RuntimeDefaults):
         self.bwrap = bwrap
         self.home = Path(home)
         self.state_dir = self.home / "namespace"
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # The boxes' directory: a real directory of ours, made through the home's descriptor (a
+        # link planted as ``namespace`` is refused, never followed: boxes are made nowhere else).
+        HomeDir.at(self.home, "namespace", create=True).close()
         self._closed = False
         self._zygotes = Zygotes(self._boot_zygote)
 
@@ -253,8 +259,9 @@ class NamespaceRuntime(RuntimeDefaults):
         """The box's directories and cgroups, then ``start`` (a boot or a fork) in them."""
         box_dir = self.state_dir / name
         try:
-            box_dir.mkdir(mode=0o755)
-            ctl_dir(box_dir).mkdir(mode=0o700)
+            with HomeDir.at(self.home, "namespace") as state:
+                os.mkdir(name, 0o755, dir_fd=state.fd)
+                os.mkdir(ctl_dir(box_dir).name, 0o700, dir_fd=state.fd)
         except FileExistsError:
             raise BoxStartError(f"a box named {name!r} already exists in {self.state_dir}") from None
         identity = box_identity(spec)
@@ -303,6 +310,7 @@ class NamespaceRuntime(RuntimeDefaults):
         deadline = time.monotonic() + timeout
         ctl = ctl_dir(box_dir)
         root = _host_root()
+        token = secrets.token_hex(16)
         # The agent's socket is made here, in the private directory, and handed over as a descriptor.
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # Not bwrap's --die-with-parent: that fires when the *thread* that forked
@@ -324,6 +332,10 @@ class NamespaceRuntime(RuntimeDefaults):
                 "user": list(identity),
                 "nproc": limits.nproc,
                 "zygote": zygote,
+                # A secret of this box's: a process is proven the box's by holding it in its
+                # command line (the agent's, bubblewrap's) before the host ever signals a pid
+                # read back from info.json (see leftovers._proven).
+                "token": token,
             }
             if kit:
                 # The host's interpreter on the host's loader and libraries (see .image).
@@ -368,6 +380,9 @@ class NamespaceRuntime(RuntimeDefaults):
             "spec": spec.describe(),
             "identity": list(identity),
             "created": time.time(),
+            "token": token,
+            # The agent's socket was listened on by this process: what SO_PEERCRED names (shell).
+            "listener_pid": os.getpid(),
         }
         box = NamespaceBox(name, box_dir, proc, cg, watch_w, identity=identity, limits=limits, info=info)
         try:
@@ -429,6 +444,8 @@ class NamespaceRuntime(RuntimeDefaults):
         ]
 
     def remove_box(self, name: str) -> None:
+        if "/" in name or name in ("", ".", ".."):
+            raise BoxStartError(f"not a box name: {_shown(name, line=True)}")
         remove_box_state(self.state_dir / name)
 
     def provision(
