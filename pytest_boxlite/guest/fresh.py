@@ -57,7 +57,13 @@ def _mount(libc, src, target, fstype, flags, data):
 
 def _mounts():
     """``(mount point, fstype)`` of every mount this process sees, in mount order."""
-    return [(point, fstype) for point, fstype, _ in _mount_table()]
+    return [(point, fstype) for point, fstype, _, _ in _mount_table()]
+
+
+#: ``xino=on``: every file of an overlay reports the overlay's device, as its directory does (with
+#: its layers on two file systems and xino off, a file reports its layer's, and os.path.ismount()
+#: says True of it).  Emptied where the kernel does not know the option (before 4.17).
+_XINO = [",xino=on"]
 
 
 def _overlay(libc, lower, target, stage, n):
@@ -66,7 +72,21 @@ def _overlay(libc, lower, target, stage, n):
     os.mkdir(upper)
     os.mkdir(work)
     opts = "lowerdir=%s,upperdir=%s,workdir=%s,userxattr" % (lower, upper, work)
-    _mount(libc, "overlay", target, "overlay", 0, opts)
+    try:
+        _mount(libc, "overlay", target, "overlay", 0, opts + _XINO[0])
+    except OSError as exc:
+        if not _XINO[0] or exc.errno != 22:
+            raise
+        _mount(libc, "overlay", target, "overlay", 0, opts)  # raises if xino was not the reason
+        _XINO[0] = ""
+
+
+def _renewed_overlays(table):
+    """The writable overlays of ``table`` (:func:`_mount_table`): each gets a new upper layer in a
+    fresh box.  A read-only one (a host directory holding other mounts, shown as a snapshot with
+    its sub-directories as overlays of their own: see the runtime's mounts.py) is kept whole: no
+    box can write to it, and overlayfs refuses a lower directory with locked mounts beneath it."""
+    return [m for m, fs, _, sopts in table if fs == "overlay" and "ro" not in sopts]
 
 
 def _write(path, data, dir_fd=None):
@@ -862,10 +882,11 @@ def _fresh_box(hostname, network, renew_all=False, own_root=False):
     stage = "/run/.boxlite-fresh"
     os.makedirs(stage, exist_ok=True)
     _mount(libc, "tmpfs", stage, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700")
-    mounts = _mounts()
+    table = _mount_table()
+    mounts = [(m, fs) for m, fs, _, _ in table]
     # The warm box's top-level mount points: the stage above is no top-level one.
     tops = _top_level(mounts)
-    overlays = sorted({m for m, fs in mounts if fs == "overlay"}, key=lambda p: (p.count("/"), p))
+    overlays = sorted(set(_renewed_overlays(table)), key=lambda p: (p.count("/"), p))
     hidden = [m for m in overlays if _under(m, "/tmp")]
     masks = _masks_over(mounts, overlays)
     # Overlays under /tmp and bind masks vanish under what is mounted next: keep a handle on them.
@@ -979,13 +1000,15 @@ _FLAG_OF = {
 
 
 def _mount_table():
-    """``(mount point, fstype, per-mount options)`` of every mount this process sees, in mount order."""
+    """``(mount point, fstype, per-mount options, super options)`` of every mount this process sees, in
+    mount order."""
     out = []
     with open("/proc/self/mountinfo") as fh:
         for line in fh:
             f = line.split()
             point = f[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-            out.append((point, f[f.index("-") + 1], f[5].split(",")))
+            dash = f.index("-")
+            out.append((point, f[dash + 1], f[5].split(","), f[dash + 3].split(",") if len(f) > dash + 3 else []))
     return out
 
 
@@ -1008,7 +1031,7 @@ def _renew_plain(libc, stage, private, pivot=False):
     """
     table = _mount_table()
     top = {}
-    for m, fs, opts in table:
+    for m, fs, opts, _ in table:
         top[m] = (fs, opts)  # the last mount on a point is the one seen
     overlays = [m for m, (fs, _) in top.items() if fs == "overlay"]
 
@@ -1100,8 +1123,9 @@ def fork_blocked_by_mounts():
     no user xattrs where the layers live) sits over part of an overlay directory, and every fresh
     overlay over that directory would fail.  Such a box is booted per test instead.
     """
-    mounts = _mounts()
-    overlays = [m for m, fs in mounts if fs == "overlay"]
+    table = _mount_table()
+    mounts = [(m, fs) for m, fs, _, _ in table]
+    overlays = _renewed_overlays(table)
     masks = _masks_over(mounts, overlays)
     if not masks:
         return None

@@ -20,7 +20,7 @@ from pytest_boxlite.runtimes.namespace.box import attach
 from pytest_boxlite.runtimes.namespace.bwrap import find_bwrap
 from pytest_boxlite.runtimes.namespace.layout import _read_info, ctl_dir, keep_marker
 from pytest_boxlite.runtimes.namespace.leftovers import box_dirs, remove_box_state, running
-from pytest_boxlite.runtimes.namespace.mounts import mount_plan
+from pytest_boxlite.runtimes.namespace.mounts import device_note, plan_note
 from pytest_boxlite.runtimes.namespace.privileges import (
     DEFAULT_MEMORY_MIB,
     forked_box_sharing,
@@ -68,9 +68,8 @@ class NamespaceKind:
         if not (bwrap and problem is None):
             facts.append(("namespace", f"unavailable: {problem if bwrap else 'no usable bubblewrap'}"))
             return facts
-        _, read_only = mount_plan(bwrap)
-        ro = f"; read-only (cannot overlay): {', '.join(read_only)}" if read_only else ""
-        facts.append(("namespace", f"available: host filesystem copy-on-write{ro}"))
+        facts.append(("namespace", f"available: host filesystem copy-on-write{plan_note()}"))
+        facts.append(("devices", device_note()))
         pids = BoxSpec().pids_limit or 4096
         # A probe cgroup, made and removed at once: which caps a box would get here.
         cg = _cgroups.create(f"doctor-{os.getpid()}", memory_mib=DEFAULT_MEMORY_MIB, cpus=1, pids=pids)

@@ -8,10 +8,10 @@ import hashlib
 import json
 import os
 import pwd
+import re
 import secrets
 import shutil
 import stat
-import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -37,28 +37,202 @@ _SECRET_FILES = (
 _SKIP_TOP = {"proc", "dev", "sys", "tmp", "run", "lost+found"}
 
 
-def _mounts_below(top: str) -> bool:
+def _mount_points() -> tuple[str, ...]:
+    """Every mount point this process sees (``/proc/self/mountinfo``'s octal escapes undone)."""
     try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        text = Path("/proc/self/mountinfo").read_text(errors="surrogateescape")
     except OSError:
-        return False
+        return ()
+    points = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            points.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+    return tuple(points)
+
+
+def _mounts_below(top: str, points: Sequence[str] | None = None) -> bool:
     prefix = top.rstrip("/") + "/"
-    return any(line.split()[4].startswith(prefix) for line in lines if len(line.split()) > 4)
+    return any(p.startswith(prefix) for p in (_mount_points() if points is None else points))
+
+
+#: Bounds on what a directory holding other mounts costs (see :func:`_tree`): its sub-directories
+#: shown copy-on-write (one overlay each, per box), and the files copied into its snapshot.
+_TREE_OVERLAYS = 64
+_TREE_FILE_BYTES = 1 << 20
+_TREE_BYTES = 16 << 20
+_TREE_ENTRIES = 4096
+
+
+class _Tree:
+    """The read-only snapshot of directories that hold other mounts, being built (see :func:`_tree`)."""
+
+    def __init__(self, secret_files: frozenset[str], secret_dirs: frozenset[str]) -> None:
+        self.secret_files = secret_files
+        self.secret_dirs = secret_dirs
+        #: ``(kind, relative path, mode, uid, gid, data or link target)``, parents first.
+        self.items: list[tuple[str, str, int, int, int, bytes]] = []
+        #: The plan entries of what is shown in it copy-on-write (its sub-directories and mounts).
+        self.overlays: list[tuple[str, ...]] = []
+        #: What could not be shown within the bounds above: left out (directories shown empty).
+        self.left_out: list[str] = []
+        self.size = 0
+
+
+def _tree(top: str, path: str, points: Sequence[str], tree: _Tree, budget: list[int]) -> None:
+    """Record directory ``path`` (below ``top``), which has other mounts below it, into ``tree``.
+
+    Such a directory cannot be an overlay's lower layer in a user namespace (overlayfs refuses a
+    lower directory with locked mounts beneath it), and a read-only bind of it would show the
+    host's sockets and FIFOs themselves: a box could ``connect()`` to every daemon listening there.
+    So a box sees a read-only snapshot of it instead (its links, its regular files copied, empty
+    directories where its sub-directories go), with each sub-directory (and each mount) that has no
+    mount below it laid on top as an overlay of its own, as a top-level directory is.  Sockets,
+    FIFOs and devices are never shown from it; those in the overlays are the overlay's own inodes,
+    which no host process listens on.  Within the bounds of ``budget`` (overlays left) and
+    :data:`_TREE_BYTES`; what does not fit is left out and recorded.
+    """
+    rel = os.path.relpath(path, top)
+    try:
+        st = os.lstat(path)
+        names = sorted(os.listdir(path))
+    except OSError:
+        tree.left_out.append(path)
+        return
+    tree.items.append(("dir", rel, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, b""))
+    for name in names:
+        p = path.rstrip("/") + "/" + name
+        r = os.path.relpath(p, top)
+        if len(tree.items) >= _TREE_ENTRIES:
+            tree.left_out.append(p)
+            continue
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISLNK(st.st_mode):
+            with contextlib.suppress(OSError):
+                tree.items.append(("link", r, mode, st.st_uid, st.st_gid, os.fsencode(os.readlink(p))))
+        elif stat.S_ISDIR(st.st_mode):
+            if _mounts_below(p, points):
+                _tree(top, p, points, tree, budget)
+            elif p in tree.secret_dirs:
+                tree.items.append(("dir", r, 0o700, st.st_uid, st.st_gid, b""))  # a credential: empty
+            elif budget[0] > 0:
+                budget[0] -= 1
+                tree.items.append(("dir", r, mode, st.st_uid, st.st_gid, b""))
+                tree.overlays.append(("overlay", p))
+            else:
+                tree.items.append(("dir", r, mode, st.st_uid, st.st_gid, b""))
+                tree.left_out.append(p)
+        elif stat.S_ISREG(st.st_mode):
+            data = None if p in tree.secret_files else _small_file(p, st)
+            if data is None or tree.size + len(data) > _TREE_BYTES:
+                if p not in tree.secret_files:
+                    tree.left_out.append(p)
+                continue
+            tree.size += len(data)
+            tree.items.append(("file", r, mode, st.st_uid, st.st_gid, data))
+        # Sockets, FIFOs, devices: not shown (a bound one would be the host's own).
+
+
+def _small_file(path: str, st: os.stat_result) -> bytes | None:
+    """``path``'s content if it is a regular file of at most :data:`_TREE_FILE_BYTES` we can read."""
+    if st.st_size > _TREE_FILE_BYTES:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, _TREE_FILE_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) <= _TREE_FILE_BYTES else None
+
+
+def _write_tree(root: Path, items: Sequence[tuple[str, str, int, int, int, bytes]]) -> None:
+    """Make the snapshot ``items`` (see :class:`_Tree`) under ``root``, owners kept where we may."""
+    chown = os.geteuid() == 0
+    dirs: list[tuple[Path, int]] = []
+    for kind, rel, mode, uid, gid, data in items:
+        target = root if rel == "." else root / rel
+        if kind == "dir":
+            target.mkdir(exist_ok=True, mode=0o700)
+            dirs.append((target, mode))
+        elif kind == "link":
+            os.symlink(os.fsdecode(data), target)
+        else:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, data)
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+        if chown:
+            with contextlib.suppress(OSError):
+                os.lchown(target, uid, gid)
+    for d, mode in reversed(dirs):  # modes last: a read-only directory is filled first
+        os.chmod(d, mode)
+
+
+def _tree_snapshot(items: Sequence[tuple[str, str, int, int, int, bytes]]) -> str:
+    """The snapshot directory of ``items`` in this user's private /tmp, made once per content."""
+    key = hashlib.sha256(repr(list(items)).encode(errors="surrogateescape")).hexdigest()[:20]
+    base = private_tmp() / "trees"
+    base.mkdir(exist_ok=True, mode=0o700)
+    done = base / key
+    if not _is_dir(done):
+        tmp = base / f"{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        os.mkdir(tmp, 0o700)
+        try:
+            _write_tree(tmp / "t", items)
+            with contextlib.suppress(OSError):  # another session made the same one meanwhile: fine
+                os.rename(tmp, done)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(done / "t")
+
+
+def _is_dir(path: Path) -> bool:
+    return stat.S_ISDIR(_lstat_mode(path))
+
+
+def _empty_layer() -> str:
+    """An empty directory: bubblewrap's read-only overlay takes two lower layers."""
+    empty = private_tmp() / "empty"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(empty, 0o755)
+    if not _is_dir(empty) or any(os.scandir(empty)):
+        raise OSError(f"{empty} should be an empty directory: remove it")
+    return str(empty)
+
+
+def _credentials() -> tuple[frozenset[str], frozenset[str]]:
+    """The credential files and directories of every home we can list (never copied into a snapshot)."""
+    files: set[str] = set()
+    dirs: set[str] = set()
+    for h in _homes():
+        base = str(h).rstrip("/") + "/"
+        files.update(base + n for n in _SECRET_FILES)
+        dirs.update(base + n for n in _SECRET_DIRS)
+    return frozenset(files), frozenset(dirs)
 
 
 @lru_cache(maxsize=1)
-def mount_plan(bwrap: str) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
-    """How the host's top-level directories appear in a box.
-
-    Returns ``(entries, read_only)``; each entry is ``("overlay", path)``,
-    ``("symlink", target, path)`` or ``("ro", path)``.  A directory with other
-    filesystems mounted below it cannot be an overlay lower layer inside a
-    user namespace on some kernels; each such directory is tried once and, if
-    the overlay fails, bound read-only instead (writes there fail rather than
-    reach the host).
-    """
+def _plan() -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...], tuple[str, ...]]:
+    """``(entries, trees, left out)``: see :func:`mount_plan`."""
     entries: list[tuple[str, ...]] = []
-    read_only: list[str] = []
+    trees: list[str] = []
+    left_out: list[str] = []
+    points = _mount_points()
+    secret_files, secret_dirs = _credentials()
+    budget = [_TREE_OVERLAYS]
     for entry in sorted(os.scandir("/"), key=lambda e: e.name):
         if entry.name in _SKIP_TOP:
             continue
@@ -68,21 +242,48 @@ def mount_plan(bwrap: str) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]
             continue
         if not entry.is_dir(follow_symlinks=False):
             continue
-        if _mounts_below(path):
-            probe = [bwrap, "--unshare-user", "--uid", "0", "--gid", "0", "--overlay-src", path, "--tmp-overlay", path]
-            probe += ["--ro-bind", "/usr", "/usr"]
-            probe += [
-                a
-                for d in ("bin", "lib", "lib64")
-                if os.path.islink("/" + d)
-                for a in ("--symlink", os.readlink("/" + d), "/" + d)
-            ]
-            if subprocess.run([*probe, "true"], capture_output=True, timeout=10).returncode != 0:
-                entries.append(("ro", path))
-                read_only.append(path)
-                continue
-        entries.append(("overlay", path))
-    return tuple(entries), tuple(read_only)
+        if not _mounts_below(path, points):
+            entries.append(("overlay", path))
+            continue
+        tree = _Tree(secret_files, secret_dirs)
+        _tree(path, path, points, tree, budget)
+        if not tree.items:  # unreadable: an empty read-only directory
+            tree.items.append(("dir", ".", 0o755, os.getuid(), os.getgid(), b""))
+        entries.append(("tree", _tree_snapshot(tree.items), path))
+        entries += tree.overlays
+        trees.append(path)
+        left_out += tree.left_out
+    return tuple(entries), tuple(trees), tuple(left_out)
+
+
+def mount_plan(bwrap: str) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+    """How the host's top-level directories appear in a box.
+
+    Returns ``(entries, read_only)``, the entries in mount order; each is ``("overlay", path)``
+    (copy-on-write over the host's), ``("symlink", target, path)`` or ``("tree", snapshot,
+    path)``: a directory with other filesystems mounted below it, shown as a read-only snapshot
+    with its sub-directories as overlay entries of their own after it (see :func:`_tree`: a box
+    reaches no host socket or FIFO in it).  ``read_only`` lists those directories.  Worked out once
+    per process (``bwrap`` is kept for the callers' sake: no probe is run any more).
+    """
+    entries, trees, _ = _plan()
+    return entries, trees
+
+
+def plan_note() -> str:
+    """What ``doctor`` says of the host trees a box sees read-only (empty where there are none)."""
+    _, trees, left_out = _plan()
+    if not trees:
+        return ""
+    note = (
+        f"; read-only (other mounts below them): {', '.join(trees)}: a snapshot of their own files"
+        " and links, their sub-directories and mounts copy-on-write, no host socket or FIFO in them"
+        " reachable"
+    )
+    if left_out:
+        shown = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+        note += f"; left out (over the bounds of {_TREE_OVERLAYS} sub-directories, {_TREE_BYTES >> 20} MiB): {shown}"
+    return note
 
 
 def _layer_args(
@@ -104,8 +305,9 @@ def _layer_args(
         kind, path = entry[0], entry[-1]
         if kind == "symlink":
             args += ["--symlink", entry[1], path]
-        elif kind == "ro":
-            args += ["--ro-bind", path, path]
+        elif kind == "tree":
+            # Read-only: no upper layer, so nothing a box writes there reaches the next forked box.
+            args += ["--overlay-src", entry[1], "--overlay-src", _empty_layer(), "--ro-overlay", path]
         else:
             args += _overlay(path, template, persist, masks)
     return args
@@ -405,3 +607,26 @@ def _mask_plan(home: Path, tops: Sequence[str]) -> tuple[dict[str, str], list[st
         for path, kind in by_top.get(top, []):
             mounts += ["--tmpfs", str(path)] if kind == "dir" else ["--ro-bind", "/dev/null", str(path)]
     return dict(layers), mounts
+
+
+def _kernel_has_xino() -> bool:
+    """Whether this kernel's overlayfs knows ``xino`` (Linux 4.17 and later)."""
+    try:
+        major, minor = (int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (4, 17)
+
+
+def device_note() -> str:
+    """What ``doctor`` says of the devices files report in a box (``os.path.ismount``, ``st_dev``)."""
+    if not _kernel_has_xino():
+        return (
+            f"this kernel ({os.uname().release}) has no overlayfs xino: in every box a host file reports its"
+            " layer's device, not its directory's (os.path.ismount() says True of it)"
+        )
+    return (
+        "a boxed test's and a sandbox's (forked) box: a file reports its directory's device (overlays with"
+        " xino=on); a booted one (--boxlite-fresh=boot, a warm box): bubblewrap's overlays"
+        " take no xino, so a host file reports its layer's device and os.path.ismount() says True of it"
+    )

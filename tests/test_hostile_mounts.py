@@ -1,0 +1,198 @@
+"""Attacks on the mount plan: a host daemon's Unix socket below another mount, a file's device.
+
+Network off (the default) must mean no host socket is reachable from a box, whatever is mounted
+where: a directory holding other mounts (docker's and kubelet's under /var, snaps) used to be bound
+read-only, and a read-only bind still lets a box ``connect()`` to every socket in it.  The attack
+mounts a tmpfs below /var/tmp in a private mount namespace of the sub-run (nobody else's boxes see
+it), runs a listener there on the host, and has a boxed test and a sandbox command try it.
+
+A file in a box reports its directory's device (``st_dev``) and ``os.path.ismount()`` is False for
+it, as on the host: Send2Trash's ``find_mount_point()`` and ``shutil.move``, ``find -xdev`` rely on it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from subruns import QUIET, host_cleanup, sub_env
+
+pytestmark = pytest.mark.timeout(240)
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+#: What runs on the host inside the sub-run's private mount namespace (root: its own mount
+#: namespace; an ordinary user: a user namespace of its own, where it may mount, its id mapped to
+#: itself): a tmpfs below /var/tmp, a listener on a socket in it, one connect from the host (the
+#: control: the listener works), then the pytest sub-run, its capabilities dropped first.
+DRIVER = r"""
+import ctypes, os, socket, subprocess, sys, threading
+where, log, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.mount(b"pbx-attack", where.encode(), b"tmpfs", 0, b"mode=0777") != 0:
+    sys.exit("mount: " + os.strerror(ctypes.get_errno()))
+path = where + "/daemon.sock"
+srv = socket.socket(socket.AF_UNIX)
+srv.bind(path)
+os.chmod(path, 0o777)
+srv.listen(16)
+
+def serve():
+    while True:
+        conn, _ = srv.accept()
+        conn.settimeout(5)
+        try:
+            data = conn.recv(100)
+        except OSError:
+            data = b"?"
+        with open(log, "ab") as fh:
+            fh.write(b"connected: " + data + b"\n")
+        conn.close()
+
+threading.Thread(target=serve, daemon=True).start()
+c = socket.socket(socket.AF_UNIX)
+c.connect(path)
+c.sendall(b"host-control")
+c.close()
+# Drop what the user namespace gave (bubblewrap refuses to run with capabilities it did not get
+# from a setuid bit): children of a non-root id then start with none.
+libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+sys.exit(subprocess.run(argv, timeout=200).returncode)
+"""
+
+ATTACK = """
+import errno, os, socket, subprocess, sys
+
+import pytest
+
+SOCK = os.environ["PBX_ATTACK_SOCK"]
+PROBE = (
+    "import socket, sys\\n"
+    "s = socket.socket(socket.AF_UNIX)\\n"
+    "s.settimeout(5)\\n"
+    "try:\\n"
+    "    s.connect(sys.argv[1])\\n"
+    "except OSError as e:\\n"
+    "    print('refused', e.errno)\\n"
+    "else:\\n"
+    "    s.sendall(sys.argv[2].encode())\\n"
+    "    print('CONNECTED')\\n"
+)
+NO_DAEMON = {errno.ECONNREFUSED, errno.ENOENT}
+
+
+@pytest.mark.boxlite
+def test_boxed_test_cannot_reach_the_daemon():
+    out = subprocess.run([sys.executable, "-c", PROBE, SOCK, "boxed-test"], capture_output=True, text=True, timeout=30)
+    print(out.stdout, out.stderr)
+    assert out.stdout.startswith("refused"), out.stdout
+    assert int(out.stdout.split()[1]) in NO_DAEMON
+
+
+def test_sandbox_cannot_reach_the_daemon(boxlite_sandbox):
+    r = boxlite_sandbox.execute_command(
+        "%s -c %s %s sandbox" % (sys.executable, __import__("shlex").quote(PROBE), SOCK)
+    )
+    print(r.stdout, r.stderr)
+    assert r.stdout.startswith("refused"), r.stdout + r.stderr
+    assert int(r.stdout.split()[1]) in NO_DAEMON
+"""
+
+
+def _unshare(root: bool) -> list[str]:
+    if root:
+        return ["unshare", "--mount", "--propagation", "private", "--"]
+    return ["unshare", "--user", "--map-current-user", "--mount", "--propagation", "private", "--keep-caps", "--"]
+
+
+def test_a_host_socket_below_another_mount_is_unreachable_with_the_network_off(tmp_path: Path) -> None:
+    root = os.geteuid() == 0
+    where = Path("/var/tmp") / f"pbx-attack-{uuid.uuid4().hex[:10]}"
+    where.mkdir(mode=0o755)
+    log = tmp_path / "daemon.log"
+    (tmp_path / "test_attack.py").write_text(textwrap.dedent(ATTACK))
+    (tmp_path / "driver.py").write_text(DRIVER)
+    argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={tmp_path / 'bxh'}", "--boxlite", "-v", "-s"]
+    env = sub_env(PBX_ATTACK_SOCK=str(where / "daemon.sock"), PYTHONPATH=str(PROJECT))
+    try:
+        probe = subprocess.run([*_unshare(root), "true"], capture_output=True, text=True, timeout=30)
+        if probe.returncode != 0:
+            pytest.skip(
+                "cannot make a mount namespace here to mount below /var/tmp "
+                f"({probe.stderr.strip()[:200]}): an ordinary user needs unprivileged user namespaces"
+            )
+        out = subprocess.run(
+            [*_unshare(root), sys.executable, str(tmp_path / "driver.py"), str(where), str(log), *argv],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=220,
+        )
+    finally:
+        where.rmdir()  # the tmpfs went with the sub-run's mount namespace
+    text = out.stdout + out.stderr
+    seen = log.read_text() if log.exists() else ""
+    # The control connect proves the listener was there; nothing else may have reached it.
+    assert seen == "connected: host-control\n", f"the daemon was reached from a box:\n{seen}\n{text[-3000:]}"
+    assert "2 passed" in text, text[-3000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# a file's device, as on the host
+# --------------------------------------------------------------------------------------------------
+
+DEVICES = """
+import os, sys
+
+import pytest
+
+PLACES = [os.environ["PBX_PROJECT_DIR"], os.path.expanduser("~")]
+
+
+@pytest.mark.boxlite
+@pytest.mark.parametrize("where", PLACES)
+def test_a_host_file_is_on_its_directory_s_device(where):
+    # A host file (this test's own module, a file of the home), and one the box writes there.
+    files = [f for f in (os.path.join(where, n) for n in sorted(os.listdir(where))) if os.path.isfile(f)][:3]
+    new = os.path.join(where, "pbx-dev-new")
+    with open(new, "w") as fh:
+        fh.write("x")
+    for f in [*files, new]:
+        assert os.stat(f).st_dev == os.stat(where).st_dev, f
+        assert not os.path.ismount(f), f
+
+
+def test_a_sandbox_file_is_on_its_directory_s_device(boxlite_sandbox):
+    r = boxlite_sandbox.execute_command("touch /root/f && stat -c %d /root /root/f /etc /etc/passwd")
+    assert r.exit_code == 0, r.stderr
+    dev = r.stdout.split()
+    assert dev[0] == dev[1] and dev[2] == dev[3], r.stdout
+"""
+
+
+def test_a_file_reports_its_directory_s_device_in_a_boxed_test_and_a_sandbox(tmp_path: Path) -> None:
+    # The project under /tmp (a directory a box shows copy-on-write below its private /tmp), the
+    # home a top-level overlay: a host file in each, and one the box writes there.
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "test_devices.py").write_text(textwrap.dedent(DEVICES))
+    (project / "data.txt").write_text("a host file\n")
+    with host_cleanup(Path.home() / "pbx-dev-new"):
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={tmp_path / 'bxh'}", "--boxlite", "-v"],
+            cwd=project,
+            env=sub_env(PBX_PROJECT_DIR=str(project), PYTHONPATH=str(PROJECT)),
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
+        assert not (Path.home() / "pbx-dev-new").exists(), "a box's write reached the host"
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "3 passed" in text, text[-3000:]
+    assert not (project / "pbx-dev-new").exists(), "a box's write reached the host"
