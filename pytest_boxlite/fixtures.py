@@ -36,7 +36,7 @@ def get_session(config: pytest.Config) -> BoxliteSession:
             return promote()
         from pytest_boxlite.spec import in_guest
 
-        if in_guest():
+        if in_guest(config):
             # Tests that ask for the fixtures as arguments run on the host; this one got here some
             # other way (request.getfixturevalue) or the whole session runs in a box.
             raise pytest.UsageError(

@@ -53,6 +53,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """A box's own pytest takes its role out of the environment before any conftest or test runs,
+    so nothing they start inherits it (``spec.in_guest``)."""
+    in_guest(early_config)
+
+
 def _boots_nothing(config: pytest.Config) -> bool:
     """Runs that only list or collect (--collect-only, --fixtures, --markers, --help, ...)."""
     opt = config.option
@@ -75,7 +82,7 @@ def _is_controller(config: pytest.Config) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
     """``--boxlite-scope=worker`` without ``-n``: run the whole session again inside one box."""
-    if in_guest() or hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None):
+    if in_guest(config) or hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None):
         return None
     if _is_controller(config):
         return None  # -d/--dist with --tx: each worker is boxed by the controller (or refused, if remote)
@@ -92,7 +99,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
-    if in_guest():
+    if in_guest(config):
         settings = resolve(config)
         worker_scope = settings.scope == "worker" and not _boots_nothing(config)
         config.pluginmanager.register(GuestRole(terminal=worker_scope and _session_box(config)), "boxlite-guest")
@@ -104,6 +111,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if _boots_nothing(config):
         return
     settings = resolve(config)
+    if settings.sources["home"] != "default" and settings.url is None:
+        # A home named by the command line, the environment or a project's ini file is checked
+        # before anything looks into it (a checkout may ship one with links planted in it).
+        from pytest_boxlite._homefs import check_home
+
+        try:
+            check_home(Path(settings.home).expanduser(), source=settings.sources["home"])
+        except BoxliteError as exc:
+            raise pytest.UsageError(str(exc)) from None
     configured = any(source != "default" for source in settings.sources.values())
     if not settings.all and not configured and not _is_controller(config):
         # Nothing is boxed unless a test asks for it: the host role waits for the first one.  A run
@@ -169,7 +185,8 @@ BOX_NAME = re.compile(r"^pbx-(?P<owner>[a-z0-9]+(?:-[A-Za-z0-9_]+)?)-(?P<seq>\d+
 def _owner_alive(home: Path, owner: str) -> bool:
     """Whether ``owner``'s process holds its lock (``ledger.owner_alive``, without its imports)."""
     try:
-        fd = os.open(home / "sessions" / f"{owner}.lock", os.O_RDWR | os.O_CLOEXEC)
+        # Never through a link (a home's entries are not followed, see _homefs).
+        fd = os.open(home / "sessions" / f"{owner}.lock", os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:
@@ -190,10 +207,19 @@ def _has_state(home: Path) -> bool:
     nothing this process could reconcile either."""
     for kind in HOME_STATE_DIRS:
         try:
-            with os.scandir(home / kind) as entries:
+            # Never through a link: one planted as a state directory is the session's to refuse.
+            fd = os.open(home / kind, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return True  # a link or unreadable: the host role is made, and refuses it clearly
+        try:
+            with os.scandir(fd) as entries:
                 names = [e.name for e in entries]
         except OSError:
             continue
+        finally:
+            os.close(fd)
         for name in names:
             if kind == "sessions":
                 owner = name.removesuffix(".lock") if name.endswith(".lock") else None

@@ -488,7 +488,7 @@ def _provide(request: pytest.FixtureRequest, spec: ServiceSpec) -> Service:
     __tracebackhide__ = True
     from pytest_boxlite.spec import in_guest
 
-    if in_guest():
+    if in_guest(request.config):
         return _guest_service(spec, request)
     return manager(request.config).instance(spec, request.node.nodeid)
 

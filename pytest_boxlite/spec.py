@@ -8,16 +8,43 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from pytest_boxlite.errors import ConfigError
 
-#: Set in a box's test worker: the plugin there stays passive (the host does the boxing).
+if TYPE_CHECKING:
+    import pytest
+
+#: Set in a box's environment for the tests and what they start: "this process runs in a box".
+#: It gives no role: a pytest that a boxed test starts itself is an ordinary pytest.
 GUEST_ENV = "PYTEST_BOXLITE_GUEST"
+#: Set in a box's environment for the box's own pytest alone: the first pytest configuration of
+#: that process takes it out of ``os.environ`` (:func:`in_guest`), so neither a subprocess of a
+#: test nor a pytester run (in-process or not) inherits the box's role.
+ROLE_ENV = "PYTEST_BOXLITE_ROLE"
+#: The value of :data:`ROLE_ENV` that makes a pytest the box's own.
+GUEST_ROLE = "guest"
+
+# A pytest.StashKey, made at the first use: this module is imported where pytest is not (boxproc).
+_role_key: Any = None
 
 
-def in_guest() -> bool:
-    """True inside a box's test worker: the plugin then stays passive."""
-    return os.environ.get(GUEST_ENV) == "1"
+def in_guest(config: pytest.Config) -> bool:
+    """True for a box's own pytest (the plugin there stays passive: the host does the boxing).
+
+    Decided once per configuration: the first one to ask in a process takes :data:`ROLE_ENV` out of
+    the environment, so a pytest that the box's tests start (a subprocess, or pytester's in-process
+    runs, which make configurations of their own later) behaves as it would unboxed."""
+    global _role_key
+    if _role_key is None:
+        import pytest
+
+        _role_key = pytest.StashKey[bool]()
+    role = config.stash.get(_role_key, None)
+    if role is None:
+        role = os.environ.pop(ROLE_ENV, None) == GUEST_ROLE
+        config.stash[_role_key] = role
+    return bool(role)
 
 
 #: Host variables that describe the host process itself, not the environment tests expect.
@@ -220,4 +247,5 @@ def worker_env(spec: BoxSpec, deny: tuple[str, ...] = DEFAULT_ENV_DENY) -> dict[
     env = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV and not denied(k, deny)}
     env.update(dict(spec.env))
     env[GUEST_ENV] = "1"
+    env[ROLE_ENV] = GUEST_ROLE
     return env

@@ -617,3 +617,69 @@ def test_a_memory_request_that_cannot_hold_warns_per_test(tmp_path: Path, home: 
         assert "is not enforced here" not in out, out
         assert re.search(r"\b2 passed in\b", out), out
     no_leftovers(home, out)
+
+
+# --------------------------------------------------------------------------
+# issue 44, item 3b: a pytest that a boxed test starts is an ordinary pytest, not the box's own
+
+INNER_RUN_TESTS = '''
+import os
+
+pytest_plugins = ["pytester"]
+
+INNER = """
+import os
+import pdb
+
+
+def test_inner(request):
+    print("INNER-ROLE", os.environ.get("PYTEST_BOXLITE_ROLE"), request.config.pluginmanager.has_plugin("boxlite-guest"))
+    pdb.set_trace()  # what a debugger test does: unboxed, pytest says stdin is captured
+"""
+
+
+def check(result, debugger_said):
+    out = result.stdout.str()
+    assert "INNER-ROLE None False" in out, out
+    assert "a debugger was asked for" not in out, out
+    assert debugger_said in out, out
+    result.assert_outcomes(failed=1)
+
+
+def test_subprocess_pytest(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    # As unboxed: the inner pytest's stdin is at its end, pdb quits.
+    check(pytester.runpytest_subprocess("-p", "no:cacheprovider"), "bdb.BdbQuit")
+
+
+def test_in_process_pytest(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    check(pytester.runpytest_inprocess("-p", "no:cacheprovider"), "reading from stdin while output is captured")
+
+
+def test_the_outer_test_knows_where_it_runs():
+    # The public variable stays: it says where a process runs, and gives no pytest a role.
+    assert os.environ.get("PYTEST_BOXLITE_GUEST") == os.environ.get("OUTER_EXPECTS_GUEST")
+    assert "PYTEST_BOXLITE_ROLE" not in os.environ
+'''
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [(), ("--boxlite",), ("--boxlite", "-n", "2"), ("--boxlite", "--boxlite-scope=worker")],
+    ids=["unboxed", "boxed", "boxed-n2", "worker-scope"],
+)
+def test_a_pytest_started_by_a_boxed_test_acts_as_unboxed(tmp_path: Path, home: Path, mode: Sequence[str]) -> None:
+    """Issue 44 (3b): the box's environment marked every process in it as the box's own pytest,
+    so a pytest that a boxed test runs (pytester, in-process or as a subprocess) refused
+    ``pdb.set_trace()`` with the plugin's own message (or read end-of-file under ``-n 2``)
+    where unboxed it behaves as pytest does. Now the inner run is as unboxed, in every mode."""
+    write(tmp_path, "test_inner_runs.py", INNER_RUN_TESTS)
+    env = sub_env(OUTER_EXPECTS_GUEST="1" if mode else "")
+    if not mode:
+        env.pop("OUTER_EXPECTS_GUEST")
+    run = SubRun(tmp_path, home, "inner", *mode, "-p", "pytester", "test_inner_runs.py", env=env)
+    rc, out = finished(run)
+    assert rc == 0, out
+    assert re.search(r"\b3 passed\b", out), out
+    no_leftovers(home, out)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_boxlite.spec import GUEST_ENV
+from pytest_boxlite.spec import GUEST_ENV, GUEST_ROLE, ROLE_ENV
 
 HEAVY = (
     "pytest_boxlite.roles",
@@ -35,9 +35,10 @@ def test_the_plugin_module_imports_no_role() -> None:
 def test_a_box_s_pytest_registers_the_guest_role_without_the_roles(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In a box (the guest variable set), a whole pytest run loads the plugin but none of the roles
+    """In a box (the guest variables set), a whole pytest run loads the plugin but none of the roles
     (execnet aside: pytest-xdist's own plugin imports it, in a box as on the host)."""
     monkeypatch.setenv(GUEST_ENV, "1")
+    monkeypatch.setenv(ROLE_ENV, GUEST_ROLE)
     pytester.makeconftest(
         f"""
         import sys
