@@ -497,3 +497,47 @@ def test_an_image_with_more_directories_than_fds_unpacks(tmp_path: Path) -> None
     )
     assert out.returncode == 0, out.stderr[-500:]
     assert out.stdout.split()[-1] == "1000"
+
+
+def _zeros_layer(size: int) -> bytes:
+    return tar_of(("zeros", "file", b"\0" * size, None))
+
+
+@pytest.mark.escape_row("hostile-image", runtime="host")
+def test_a_layer_past_the_compression_ratio_is_stopped_while_it_streams(tmp_path: Path) -> None:
+    # 64 MiB of zeros gzip to ~64 KB (1000:1): past max(100 x in, 16 MiB), refused, and the
+    # unpacker stopped reading at about the bound (what it wrote is in the file: at most ~16 MiB).
+    with pytest.raises(
+        ImageError,
+        match=r"layer 1: the layer's \d+ compressed bytes unpack to more than 16777216 .*"
+        r"more than 100:1.*decompression bomb",
+    ):
+        unpack(tmp_path, _zeros_layer(64 << 20), compress=True)
+    written = (tmp_path / "root" / "zeros").stat().st_size
+    assert written <= (16 << 20) + (1 << 20), written
+
+
+@pytest.mark.escape_row("hostile-image", runtime="host")
+def test_the_ratio_holds_for_the_image_too_so_many_small_layers_cannot_each_use_the_floor(tmp_path: Path) -> None:
+    # Each layer alone is under the floor (1 MiB here) and passes; together they are past 100:1 of
+    # what all their blobs hold, which the image's own bound stops at the second layer.
+    limits = Limits(ratio_floor=1 << 20)
+    layers = [_zeros_layer(900_000 + i) for i in range(5)]
+    with pytest.raises(ImageError, match=r"layer 2: the image's \d+ compressed bytes unpack to more than 1048576"):
+        unpack(tmp_path, *layers, compress=True, limits=limits)
+    (tmp_path / "one").mkdir()
+    unpack(tmp_path / "one", layers[0], compress=True, limits=Limits(ratio_floor=1 << 20))  # one alone passes
+
+
+def test_real_and_tiny_layers_pass_the_ratio(tmp_path: Path) -> None:
+    # Tiny layers (tar headers and padding: thousands to one) pass by the floor; data that
+    # compresses as real files do passes by the ratio, well past the floor.
+    text = b"".join(b"line %d of a config file, as text compresses\n" % i for i in range(400_000))
+    root = unpack(
+        tmp_path,
+        tar_of(("etc", "dir", None, None), ("etc/empty", "file", b"", None)),
+        tar_of(("etc/big.txt", "file", text, None), ("bin", "file", os.urandom(1 << 20), 0o755)),
+        compress=True,
+        limits=Limits(ratio_floor=1 << 20),
+    )
+    assert (root / "etc/big.txt").stat().st_size == len(text) > 16 << 20

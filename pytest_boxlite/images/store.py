@@ -466,13 +466,16 @@ def _locked(st: _Store, timeout: float, what: str, *, wait: bool = True) -> Iter
 
 
 def _remove_in(d: HomeDir, name: str) -> None:
-    """Remove ``name`` of directory ``d`` (a tree of any depth too), by descriptors, following no link."""
+    """Remove ``name`` of directory ``d`` (a tree of any depth too), by descriptors, following no
+    link; an entry of another user in it stops the removal (``PermissionError``), left in place."""
     try:
         st = os.stat(name, dir_fd=d.fd, follow_symlinks=False)
     except FileNotFoundError:
         return
+    if st.st_uid != os.geteuid():
+        raise PermissionError(errno.EPERM, f"{name} belongs to uid {st.st_uid}: left in place, not ours to remove")
     if stat.S_ISDIR(st.st_mode):
-        _rmtree_at(d.fd, name)
+        _rmtree_at(d.fd, name, owner=os.geteuid())
     else:
         os.unlink(name, dir_fd=d.fd)
 
@@ -505,7 +508,13 @@ def _clear_tmp(st: _Store) -> None:
                     "follows nor removes what is not its own in a home. Remove it yourself if it is yours, or "
                     "name a home of your own with --boxlite-home"
                 )
-            _remove_in(tmp, entry.name)
+            try:
+                _remove_in(tmp, entry.name)
+            except PermissionError as exc:
+                raise ImageError(
+                    f"image store {st.path}: in tmp/, {exc.strerror}. Remove it yourself if it is yours, or name "
+                    "a home of your own with --boxlite-home"
+                ) from None
 
 
 # -- uses: who holds an image, and when it was last used -------------------------------------------
@@ -1013,7 +1022,10 @@ def drop_images(store: Path, *, timeout: float = 60.0) -> list[str]:
             if entry.refused is not None:
                 refused.append(f"{entry.name} ({entry.refused})")
                 continue
-            _remove_in(st.dir, entry.name)
+            try:
+                _remove_in(st.dir, entry.name)
+            except PermissionError as exc:
+                refused.append(exc.strerror or str(exc))
     if refused:
         raise ImageError(
             f"image store {store}: left in place, not pytest-boxlite's to remove: {', '.join(refused)}; the rest "

@@ -359,8 +359,11 @@ def _check_depth(real: list[str] | tuple[str, ...], what: str) -> None:
         )
 
 
-def _rmtree_at(dirfd: int, name: str) -> None:
+def _rmtree_at(dirfd: int, name: str, *, owner: int | None = None) -> None:
     """Remove directory ``name`` of ``dirfd`` and all below it, through fds, following no link.
+
+    With ``owner``, an entry of another uid stops the removal (:class:`PermissionError` naming
+    it), left in place: not ours to remove (the image store's trees are all the user's own).
 
     Without recursion and with two fds open at most, so any depth is removed (a tree too deep for
     paths, or for the fds a process may hold, too).  Going up is by ``..`` of the directory just
@@ -379,6 +382,13 @@ def _rmtree_at(dirfd: int, name: str) -> None:
             child = None
             with os.scandir(fd) as it:
                 for entry in it:
+                    if owner is not None and entry.stat(follow_symlinks=False).st_uid != owner:
+                        where = "/".join([name, *names, entry.name])
+                        raise PermissionError(
+                            errno.EPERM,
+                            f"{where} belongs to uid {entry.stat(follow_symlinks=False).st_uid}, not to uid {owner}: "
+                            "left in place, not pytest-boxlite's to remove",
+                        )
                     if entry.is_dir(follow_symlinks=False):
                         child = entry.name
                         break
