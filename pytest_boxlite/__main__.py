@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from pytest_boxlite import __version__, ledger
+from pytest_boxlite._homefs import Refused, check_home
+from pytest_boxlite._homefs import limits as homefs_limits
+from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.runtimes import choose, kinds, remote_boxes, remote_clean, remote_target
 from pytest_boxlite.settings import OPTIONS_BY_NAME, default_home
@@ -17,6 +20,18 @@ from pytest_boxlite.settings import OPTIONS_BY_NAME, default_home
 
 def _home(args: argparse.Namespace) -> Path:
     return Path(args.home or os.environ.get(OPTIONS_BY_NAME["home"].env) or default_home()).expanduser()
+
+
+def _home_source(args: argparse.Namespace) -> str:
+    if args.home:
+        return "--home"
+    env = OPTIONS_BY_NAME["home"].env
+    return f"env {env}" if os.environ.get(env) else "the default, ~/.cache/pytest-boxlite"
+
+
+def _checked_home(args: argparse.Namespace) -> Path:
+    """The home, once it is safe to use (ours, writable by no one else: see :mod:`._homefs`)."""
+    return check_home(_home(args), source=_home_source(args))
 
 
 def _home_state(home: Path) -> str:
@@ -66,8 +81,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"runtime:    {c.kind} (asked: {requested}; {c.reason})")
     except BoxliteError as exc:
         print(f"runtime:    ERROR: {exc}")
-    print(f"home:       {home} ({_home_state(home)})")
-    print(f"images:     {_image_store_line(home)}")
+    print(f"home:       {shown(home, line=True)} ({_home_state(home)})")
+    try:
+        check_home(home, source=_home_source(args))
+        trust = "owned by this user, writable by no one else"
+    except BoxliteError as exc:
+        trust = f"REFUSED: {exc}"
+    print(f"home trust: {trust}")
+    for limit in homefs_limits():
+        print(f"home trust: NOT held as designed: {limit}")
+    print(f"images:     {_s(_image_store_line(home))}")
     if getattr(args, "selftest", False):
         # Boots one micro-VM and runs the contract's essentials in it (a KVM host only).
         from pytest_boxlite.selftest import run_selftest
@@ -96,11 +119,16 @@ def _list_images(home: Path) -> int:
 
     store = store_dir(home)
     images = list_images(store)
-    print(f"image store {store}: {len(images)} image(s)")
+    print(f"image store {_s(store)}: {len(images)} image(s)")
     for im in images:
-        refs = ", ".join(im.references) or "(no reference)"
-        print(f"{im.digest[:19]}  {im.size / (1 << 20):8.1f} MiB  {refs}")
+        refs = ", ".join(_s(r) for r in im.references) or "(no reference)"
+        print(f"{_s(im.digest[:19])}  {im.size / (1 << 20):8.1f} MiB  {refs}")
     return 0
+
+
+def _s(text: object) -> str:
+    """``text`` as one line with every terminal control escaped (:func:`~._shown.shown`)."""
+    return shown(text, line=True)
 
 
 def _remote(args: argparse.Namespace) -> Any:
@@ -120,13 +148,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     target = _remote(args)
     if target is not None:
         boxes = remote_boxes(target, _home(args))
-        print(f"server {target.display}: {len(boxes)} box(es)")
+        print(f"server {_s(target.display)}: {len(boxes)} box(es)")
         for rec, owner in boxes:
-            print(f"{rec.name:32} {rec.state:10} owner={owner or '(not ours)'}")
+            print(f"{_s(rec.name):32} {_s(rec.state):10} owner={_s(owner or '(not ours)')}")
         return 0
     from pytest_boxlite.templates import list_templates
 
-    home = _home(args)
+    home = _checked_home(args)
     if getattr(args, "images", False):
         return _list_images(home)
     rows = ledger.scan(home)
@@ -136,15 +164,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     services = service_ledger.read_all(home)  # the services running in boxes (service fixtures)
     for r in rows:
-        owner = f"{r.owner} ({'alive' if r.owner_alive else 'dead'})" if r.owner else "(not ours)"
+        # Every name read from the home is shown escaped: another user, or a project, may have put it there.
+        owner = f"{_s(r.owner)} ({'alive' if r.owner_alive else 'dead'})" if r.owner else "(not ours)"
         flags = " kept" if r.kept else ""
         record = services.get(r.name)
         if record is not None and r.owner_alive:
-            flags += " " + service_ledger.describe(record)
-        print(f"{r.name:32} {r.runtime:10} {'running' if r.running else 'stopped':8} owner={owner}{flags}")
+            flags += " " + _s(service_ledger.describe(record))
+        print(f"{_s(r.name):32} {_s(r.runtime):10} {'running' if r.running else 'stopped':8} owner={owner}{flags}")
     # The provisioned templates (--boxlite-setup): `clean --templates` removes exactly these.
     for line in list_templates(home):
-        print(line)
+        print(_s(line))
     return 0
 
 
@@ -154,49 +183,51 @@ def cmd_clean(args: argparse.Namespace) -> int:
     target = _remote(args)
     if target is not None:
         removed = remote_clean(target, home, list(args.names))
-        print(f"removed {len(removed)} box(es) on {target.display}" + (": " + ", ".join(removed) if removed else ""))
+        names = ", ".join(_s(r) for r in removed)
+        print(f"removed {len(removed)} box(es) on {_s(target.display)}" + (": " + names if removed else ""))
         return 0
+    home = _checked_home(args)
     if args.templates:
         from pytest_boxlite.templates import drop_templates
 
         dropped = drop_templates(home)
-        print(f"dropped {len(dropped)} template(s)" + (": " + ", ".join(dropped) if dropped else ""))
+        print(f"dropped {len(dropped)} template(s)" + (": " + ", ".join(_s(d) for d in dropped) if dropped else ""))
     if getattr(args, "images", False):
         from pytest_boxlite.images import drop_images, store_dir
 
         gone = drop_images(store_dir(home))
         print(
             f"dropped {len(gone)} image(s) from {store_dir(home)}"
-            + (": " + ", ".join(d[:19] for d in gone) if gone else "")
+            + (": " + ", ".join(_s(d[:19]) for d in gone) if gone else "")
         )
     if args.names:
         for name in args.names:
             owner = ledger.owner_of(name)
             if owner is not None and ledger.owner_alive(home, owner):
-                print(f"refusing to remove {name}: its session (owner {owner}) is alive", file=sys.stderr)
+                print(f"refusing to remove {_s(name)}: its session (owner {_s(owner)}) is alive", file=sys.stderr)
                 return 1
             if not ledger.remove_named(home, name):
-                print(f"no box named {name} under {home}", file=sys.stderr)
+                print(f"no box named {_s(name)} under {_s(home)}", file=sys.stderr)
                 return 1
-            print(f"removed {name}")
+            print(f"removed {_s(name)}")
         return 0
     removed = ledger.reconcile(home, include_kept=args.kept)
     from pytest_boxlite import service_ledger
 
     service_ledger.prune(home)  # the records of services whose session is dead
-    print(f"removed {len(removed)} box(es)" + (": " + ", ".join(removed) if removed else ""))
+    print(f"removed {len(removed)} box(es)" + (": " + ", ".join(_s(r) for r in removed) if removed else ""))
     return 0
 
 
 def cmd_shell(args: argparse.Namespace) -> int:
     """Open a shell (or run a command) in a running box, e.g. one kept after a failure."""
-    home = _home(args)
+    home = _checked_home(args)
     argv = args.command or ["/bin/sh", "-i"]
     for k in kinds():
         code = k.attach_existing(home, args.name, argv)
         if code is not None:
             return code
-    print(f"no running box named {args.name} under {home} that a shell can reach", file=sys.stderr)
+    print(f"no running box named {_s(args.name)} under {_s(home)} that a shell can reach", file=sys.stderr)
     return 1
 
 
@@ -240,13 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except BoxliteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_s(exc)}", file=sys.stderr)
+        return 1
+    except Refused as exc:
+        print(f"error: {args.cmd}: {_s(exc)}; nothing was done through it", file=sys.stderr)
         return 1
     except OSError as exc:
         # Mostly a home this user may not read (another user's): say so, not a traceback.
         home = _home(args)
         if not (isinstance(exc.filename, str) and exc.filename.startswith(str(home))):
-            print(f"error: {args.cmd} failed: {_os_problem(exc)}", file=sys.stderr)
+            print(f"error: {args.cmd} failed: {_s(_os_problem(exc))}", file=sys.stderr)
             return 1
         hint = ""
         if isinstance(exc, PermissionError):
@@ -254,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"; uid {os.getuid()} may not use it: run this as the user who owns it, or name a home "
                 "of your own with --home (or PYTEST_BOXLITE_HOME)"
             )
-        print(f"error: {args.cmd} could not use the boxlite home {home}: {_os_problem(exc)}{hint}", file=sys.stderr)
+        print(
+            f"error: {args.cmd} could not use the boxlite home {_s(home)}: {_s(_os_problem(exc))}{hint}",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -33,16 +33,15 @@ API (stable; other modules build on it):
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import errno
+import functools
 import os
-import platform
 import pwd
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_boxlite.errors import BoxliteError
 
@@ -53,6 +52,7 @@ __all__ = [
     "Refused",
     "UnsafeHome",
     "check_home",
+    "has_openat2",
     "limits",
     "open_beneath",
     "remove_path",
@@ -84,41 +84,51 @@ _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
 
 
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+@functools.cache
+def _syscall() -> Any:
+    """libc's ``syscall`` and openat2's number here, or None (ctypes is loaded on first use only:
+    every pytest run imports this module, few of them open a home)."""
+    nr = _SYS_OPENAT2.get(os.uname().machine)
+    if nr is None:
+        return None
+    import ctypes
 
+    class OpenHow(ctypes.Structure):
+        _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
-def _libc() -> Any:
     try:
-        return ctypes.CDLL(None, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
 
+    def call(dirfd: int, rel: str, flags: int, mode: int) -> int:
+        how = OpenHow(flags, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+        fd = libc.syscall(
+            ctypes.c_long(nr),
+            ctypes.c_int(dirfd),
+            ctypes.c_char_p(os.fsencode(rel)),
+            ctypes.byref(how),
+            ctypes.c_size_t(ctypes.sizeof(how)),
+        )
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), rel)
+        return int(fd)
 
-_LIBC = _libc()
-_NR = _SYS_OPENAT2.get(platform.machine())
+    return call
 
 
 def _openat2(dirfd: int, rel: str, flags: int, mode: int) -> int:
-    if _LIBC is None or _NR is None:
+    call = _syscall()
+    if call is None:
         raise OSError(errno.ENOSYS, "openat2 unavailable")
-    how = _OpenHow(
-        flags, mode if flags & os.O_CREAT else 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
-    )
-    fd = _LIBC.syscall(
-        ctypes.c_long(_NR),
-        ctypes.c_int(dirfd),
-        os.fsencode(rel),
-        ctypes.byref(how),
-        ctypes.c_size_t(ctypes.sizeof(how)),
-    )
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), rel)
-    return int(fd)
+    return int(call(dirfd, rel, flags, mode if flags & os.O_CREAT else 0))
 
 
-def _probe() -> bool:
+@functools.cache
+def has_openat2() -> bool:
+    """Whether this kernel has ``openat2`` (Linux 5.6+); otherwise paths are walked one
+    ``O_NOFOLLOW`` component at a time (as sound for links, a little slower).  Also :data:`OPENAT2`."""
     root = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fd = _openat2(root, ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0)
@@ -130,15 +140,21 @@ def _probe() -> bool:
     return True
 
 
-#: Whether this kernel has ``openat2`` (Linux 5.6+); otherwise paths are walked one
-#: ``O_NOFOLLOW`` component at a time (as sound for links, a little slower).
-OPENAT2: bool = _probe()
+if TYPE_CHECKING:
+    #: Whether this kernel has ``openat2`` (:func:`has_openat2`, probed on first use).
+    OPENAT2: bool
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OPENAT2":
+        return has_openat2()
+    raise AttributeError(name)
 
 
 def limits() -> list[str]:
     """The home rules this host cannot hold as designed, one line each (empty: all hold)."""
     out = []
-    if not OPENAT2:
+    if not has_openat2():
         out.append("no openat2 on this kernel: paths below a home are walked one O_NOFOLLOW component at a time")
     if not hasattr(os, "pidfd_open"):
         out.append("no pidfd_open: a box process is checked, then signalled by pid (a reuse in between is possible)")
@@ -162,7 +178,7 @@ def open_beneath(dirfd: int, rel: str, flags: int, mode: int = 0) -> int:
     if not parts:
         return os.open(".", flags & ~os.O_NOFOLLOW & ~os.O_CREAT, dir_fd=dirfd)
     try:
-        if OPENAT2:
+        if has_openat2():
             return _openat2(dirfd, "/".join(parts), flags, mode)
         return _walk_open(dirfd, parts, flags, mode)
     except OSError as exc:
@@ -261,8 +277,7 @@ def check_home(path: str | os.PathLike[str], *, source: str, create: bool = Fals
         fd = os.open(given, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
         return Path(given)  # nothing to trust yet: made (checked) by whoever uses it
-    except OSError as exc:
-        raise UnsafeHome(f"boxlite home {given} (from {source}) cannot be opened: {exc.strerror or exc}") from None
+    # Any other OSError (not readable by this user...) is the caller's to word, as it always was.
     try:
         st = os.fstat(fd)
     finally:

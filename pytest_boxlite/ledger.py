@@ -23,6 +23,7 @@ import re
 import secrets
 from pathlib import Path
 
+from pytest_boxlite._homefs import HomeDir, Refused, check_home
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.runtimes import Leftover, kinds, kinds_with_state, register_home
 
@@ -40,6 +41,10 @@ __all__ = [
 
 PREFIX = "pbx-"
 _NAME = re.compile(r"^pbx-(?P<owner>[a-z0-9]+(?:-[A-Za-z0-9_]+)?)-(?P<seq>\d+)$")
+
+
+#: The home's source, for the ledger's own check (callers check first, naming where it came from).
+_ASKED = "the caller"
 
 
 def new_session_id() -> str:
@@ -67,8 +72,10 @@ class OwnerLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Through the home's descriptor: a ``sessions`` link or a planted lock link is refused.
+        with HomeDir.at(self.home, "sessions", create=True) as sessions:
+            fd = sessions.open_file(self.path.name, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -84,19 +91,23 @@ class OwnerLock:
     def release(self) -> None:
         if self._fd is None:
             return
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        with contextlib.suppress(OSError), HomeDir.at(self.home, "sessions") as sessions:
+            sessions.unlink(self.path.name)
         os.close(self._fd)
         self._fd = None
 
 
 def owner_alive(home: Path, owner: str) -> bool:
     """Whether ``owner``'s process still holds its lock (works across processes and in-process)."""
-    path = _lock_path(Path(home), owner)
+    if "/" in owner or owner in ("", ".", ".."):
+        return False
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        with HomeDir.at(home, "sessions") as sessions:
+            fd = sessions.open_file(f"{owner}.lock", os.O_RDWR)
     except FileNotFoundError:
         return False
+    except Refused:
+        return True  # a lock that is a link or another user's: nothing of its owner is touched
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -126,14 +137,14 @@ def scan(home: Path) -> list[Leftover]:
     The vm home of a live owner is locked by BoxLite and cannot be opened
     from here; its boxes are reported as one entry per home.
     """
-    home = Path(home)
+    home = check_home(home, source=_ASKED)
     owners = _Owners(home)
     return [lo for k in kinds() for lo in k.leftovers(home, owners, each_box=True)]
 
 
 def remove_named(home: Path, name: str) -> bool:
     """Remove the box ``name`` of a dead (or unknown) owner; ``False`` if no runtime has a box so named."""
-    home = Path(home)
+    home = check_home(home, source=_ASKED)
     owners = _Owners(home)
     for k in kinds():
         for lo in k.leftovers(home, owners, each_box=False):
@@ -160,7 +171,7 @@ def reconcile(
     Live owners' boxes are never touched: two concurrent sessions sharing a
     home do not interfere.  Kept boxes stay unless ``include_kept``.
     """
-    home = Path(home)
+    home = check_home(home, source=_ASKED)
     removed: list[str] = []
     lookup = _Owners(home)
     for k in kinds_with_state(home):
@@ -172,10 +183,17 @@ def reconcile(
             what = k.remove_leftover(home, lo)
             if what is not None:
                 removed.append(what)
-    sessions = home / "sessions"
-    if sessions.is_dir():
-        for lock in sessions.glob("*.lock"):
-            if not owner_alive(home, lock.stem):
+    try:
+        sessions = HomeDir.at(home, "sessions")
+    except FileNotFoundError:
+        return removed
+    with sessions:
+        # Only this user's own lock files: a link or another owner's entry is left (and never
+        # followed): unlinking through a planted ``sessions`` link once removed files elsewhere.
+        for entry in sessions.entries():
+            if not (entry.refused is None and entry.is_file and entry.name.endswith(".lock")):
+                continue
+            if not owner_alive(home, entry.name.removesuffix(".lock")):
                 with contextlib.suppress(OSError):
-                    lock.unlink()
+                    sessions.unlink(entry.name)
     return removed

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_boxlite import ledger
+from pytest_boxlite._homefs import check_home
 from pytest_boxlite._switch import SwitchInterval
 from pytest_boxlite.errors import BoxliteError, BoxStartError, ConfigError
 from pytest_boxlite.pool import BoxLifecycle, BoxPool, NoLifecycle, make_namer
@@ -61,6 +62,12 @@ class _Provisioning:
 
     def relieve(self, spec: BoxSpec) -> bool:
         return self.inner.relieve(spec)
+
+
+def home_source(settings: Settings) -> str:
+    """Where the home's value came from, for messages (``ini boxlite_home``, ``env ...``, ``default``)."""
+    source = settings.sources.get("home", "default")
+    return "the default, ~/.cache/pytest-boxlite" if source == "default" else source
 
 
 class BoxliteSession:
@@ -321,12 +328,15 @@ class BoxliteSession:
     # -- lifecycle ------------------------------------------------------------
     def prepare_home(self) -> None:
         """Create the home and take this process's owner lock; fails clearly if the home is unusable."""
+        # The home is a trust boundary: ours, writable by no one else, or nothing in it is used
+        # (UnsafeHome names the path, the fix and where the value came from).
+        check_home(self.home, source=home_source(self.settings), create=True)
         try:
-            self.home.mkdir(parents=True, exist_ok=True)
             probe = self.home / f".write-test-{self.owner}"
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 # Some real bytes: an empty file fits on a full disk, a box's state does not.
-                with open(probe, "wb") as fh:
+                with open(fd, "wb") as fh:
                     fh.write(b"\0" * (256 << 10))
                     fh.flush()
                     os.fsync(fh.fileno())
