@@ -480,3 +480,128 @@ def test_a_running_box_keeps_its_parametrized_fixture_while_the_next_param_is_se
     assert run.wait(200) == 0, run.output
     assert "9 passed" in run.output, run.output
     assert ledger.scan(home) == []
+
+
+THREAD_CONFTEST = """
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+
+class Hello(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"hello from the fixture's thread"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="session")
+def http_server():
+    # What pytest-httpserver and live_server fixtures do: a server on a thread of the session.
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+    thread = threading.Thread(target=server.serve_forever, name="fixture-http", daemon=True)
+    thread.start()
+    yield server.server_address
+    server.shutdown()
+    thread.join(10)
+    server.server_close()
+    print("HTTP SERVER STOPPED")
+
+
+@pytest.fixture(scope="module")
+def greeting(http_server):
+    # A wider fixture that depends on the threaded one: set up in the box with it.
+    return "hello", http_server
+
+
+@pytest.fixture(scope="module")
+def worker_queue():
+    import queue
+
+    jobs, done = queue.Queue(), queue.Queue()
+
+    def work():
+        while (job := jobs.get()) is not None:
+            done.put(job * 2)
+
+    thread = threading.Thread(target=work, name="fixture-queue", daemon=True)
+    thread.start()
+    yield jobs, done
+    jobs.put(None)
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return threading.active_count()
+"""
+
+THREAD_TESTS = """
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.boxlite
+
+
+def get(address):
+    with urllib.request.urlopen("http://%s:%d/" % address, timeout=10) as answer:
+        return answer.read().decode()
+
+
+def test_session_server(http_server):
+    assert get(http_server) == "hello from the fixture's thread"
+
+
+def test_dependent_fixture(greeting):
+    word, address = greeting
+    assert word in get(address)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_queue_worker(worker_queue, n):
+    jobs, done = worker_queue
+    jobs.put(n)
+    assert done.get(timeout=10) == 2 * n
+
+
+def test_plain_fixture_still_shared(plain):
+    assert plain >= 1
+"""
+
+
+def test_a_wider_fixtures_threads_are_alive_in_each_box(tmp_path: Path, home: Path) -> None:
+    """A session or module fixture that starts a thread (a server, a queue worker) is set up in
+    each test's box, where the thread is alive, instead of once in the warm interpreter, whose
+    forks would have no thread: the tests pass boxed as unboxed, and the summary names the
+    fixtures once.  (Issue 44, fidelity 3: the forked box refused connections, the queue hung.)"""
+    proj = tmp_path / "threads"
+    proj.mkdir()
+    (proj / "conftest.py").write_text(THREAD_CONFTEST)
+    (proj / "test_t.py").write_text(THREAD_TESTS)
+    local = subprocess.run(
+        [sys.executable, "-m", "pytest", *QUIET, "-p", "no:randomly", "-p", "no:boxlite"],
+        cwd=proj,
+        env=sub_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert local.returncode == 0, local.stdout + local.stderr
+    run = SubRun(proj, home, "boxed", "-rA", "-p", "no:randomly", "-W", "error")
+    assert run.wait(200) == 0, run.output
+    out = run.output
+    assert "5 passed" in out, out
+    assert ledger.scan(home) == []
+    # One note for all tests concerned, naming the fixtures; the plain fixture is not named.
+    notes = re.findall(r"pytest-boxlite: fixtures? ([\w, ]+) started threads", out)
+    assert notes and set(", ".join(notes).split(", ")) == {"http_server", "worker_queue"}, out
+    # Each box set the server up and stopped it itself (the warm interpreter's copy was ended).
+    assert out.count("HTTP SERVER STOPPED") >= 2, out

@@ -218,6 +218,23 @@ def _warning_fields(warning_message, nodeid):
     }
 
 
+def _threads_note(names, nodeid):
+    """The warning a box reports when fixtures of its test were set up in it, not once for all
+    boxes: they started threads, which a forked box would not have (``GuestPlugin._prepare``)."""
+    shown_names = ", ".join(names)
+    return {
+        "message": "pytest-boxlite: fixture%s %s started threads when set up once for every box; "
+        "a box is a fork, which keeps no thread, so each test's box sets %s up itself"
+        % ("s" if len(names) > 1 else "", shown_names, "them" if len(names) > 1 else "it"),
+        "category": "PytestWarning",
+        "module": "pytest",
+        "filename": "",
+        "lineno": 0,
+        "line": "",
+        "nodeid": nodeid,
+    }
+
+
 def _warning_line(warning_message):
     """The warning's source line as the box sees it ("" if it has none), bounded."""
     if warning_message.line is not None:
@@ -492,6 +509,12 @@ def serve(channel):
             #: The session's collection was indexed and its deselected items let go of (later
             #: collections, of one item each in ``_item``, keep all they find).
             self.pruned = False
+            #: Fixtures wider than a function's whose setup here left threads running, as
+            #: ``id(fixturedef) -> (fixture name, thread names)``: a fork keeps only the forking
+            #: thread, so each box sets these (and what depends on them) up itself.
+            self.threaded = {}
+            #: While ``_prepare`` sets up fixtures here: the wider ones set up, with their requests.
+            self.preparing = None
 
         def _locked(self, send):
             """``send`` made safe for the live-output threads (one message at a time)."""
@@ -648,10 +671,22 @@ def serve(channel):
         # -- fixtures wider than a function's: set up here, once, for every forked box --------
         @pytest.hookimpl(wrapper=True)
         def pytest_fixture_setup(self, fixturedef, request):
-            result = yield
-            if self.stop is not None and getattr(fixturedef, "scope", "function") != "function":
-                self.own_wide.append((fixturedef, request))
-            return result
+            wide = getattr(fixturedef, "scope", "function") != "function"
+            if self.preparing is None or not wide:
+                result = yield
+                if self.stop is not None and wide:
+                    self.own_wide.append((fixturedef, request))
+                return result
+            import threading
+
+            before = set(threading.enumerate())
+            try:
+                return (yield)
+            finally:
+                started = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+                if started:
+                    self.threaded[id(fixturedef)] = (fixturedef.argname, started)
+                    self.preparing.append((fixturedef, request))
 
         @pytest.hookimpl(wrapper=True)
         def pytest_runtest_teardown(self, item, nextitem):
@@ -703,6 +738,8 @@ def serve(channel):
             """
             names = _shared_names(item)
             chain = item.listchain()
+            if names is not None and self.threaded:
+                names = self._without_threaded(item, names)
             if names is None:
                 # Not a Python function: its setup runs in its box only; nothing of ours is torn down there.
                 kept = [n for n in self.shared if n in chain]
@@ -729,6 +766,7 @@ def serve(channel):
             with warnings.catch_warnings(record=True) as caught:
                 _apply_warning_filters(item)
                 item.fixturenames = names
+                self.preparing = []
                 try:
                     item.ihook.pytest_runtest_setup(item=item)
                 except (KeyboardInterrupt, SystemExit):
@@ -737,6 +775,14 @@ def serve(channel):
                     pass
                 finally:
                     item.fixturenames = full
+                    threaded, self.preparing = self.preparing, None
+                # Fixtures that started threads: ended here again (what depends on them ends first,
+                # by pytest's own finalizers), for each box to set up with its threads alive.
+                for fixturedef, request in reversed(threaded):
+                    try:
+                        fixturedef.finish(request)
+                    except Exception:  # noqa: BLE001,S110 - its teardown runs again in each box, and reports there
+                        pass
                 try:
                     # A collector, not an item, as the next one: its chain is what stays set up here.
                     item.ihook.pytest_runtest_teardown(item=item, nextitem=item.parent)
@@ -752,9 +798,36 @@ def serve(channel):
                     item._request = False
                     item.funcargs = None
             self.prepare_warnings = [_warning_fields(w, item.nodeid) for w in caught]
+            own = self._threaded_names(item)
+            if own:
+                self.prepare_warnings.append(_threads_note(own, item.nodeid))
             self.shared = chain[:-1]
-            self.prepared = key
+            self.prepared = None if threaded else key
             return item.parent
+
+        def _threaded_names(self, item):
+            """The fixtures of ``item`` that started threads here (:attr:`threaded`), sorted."""
+            defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", None) or {}
+            return sorted({self.threaded[id(d)][0] for fds in defs.values() for d in fds if id(d) in self.threaded})
+
+        def _without_threaded(self, item, names):
+            """``names`` less the fixtures that must be set up in ``item``'s own box: those that
+            started threads here, and every one that depends on one of them (directly or not)."""
+            defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", None) or {}
+            tainted = {}
+
+            def needs_box(name, seen):
+                if name not in tainted:
+                    fds = defs.get(name) or ()
+                    tainted[name] = any(id(d) in self.threaded for d in fds) or any(
+                        needs_box(arg, seen | {name})
+                        for d in fds
+                        for arg in getattr(d, "argnames", ())
+                        if arg not in seen and arg != name
+                    )
+                return tainted[name]
+
+            return [n for n in names if not needs_box(n, frozenset())]
 
         def _teardown_shared(self, keep, nodeid):
             """Tear down what this interpreter set up on the nodes whose ids are not in ``keep``
