@@ -6,18 +6,39 @@ box's network, so the box needs no network of its own: namespace boxes' agent co
 the socket over), then copies bytes both ways.  The relay never connects anywhere else, holds at
 most :data:`MAX_CONNECTIONS` connections and one buffer of bytes per direction of each, and ends
 with the box.
+
+Who may connect: the relay serves only its own user.  ``127.0.0.1`` is open to every local user,
+so before a byte is read or sent, each accepted connection's far end, the connecting socket, is
+looked up in the kernel's table of this network namespace's TCP sockets (``/proc/net/tcp``, or
+``tcp6`` for a dual-stack client) by its two addresses; a connection is served only when that
+socket is still held by a process (not a closed one's TIME-WAIT remnant, whose owner the kernel
+forgets) and its owner is this process's effective uid (:func:`peer_uid`).  Anything else
+(another user, root's processes when the session is an ordinary user's, a socket that cannot be
+found) is closed at once, counted in :attr:`Relay.strangers` and logged as a warning on the
+``pytest_boxlite.publish`` logger: the first :data:`LOGGED_REFUSALS` of each port, one line
+each, then one line saying that later ones are only counted (a flood cannot fill a log).  The
+session's boxed tests reach the port through :mod:`pytest_boxlite.reach`, whose host end is this
+process; a box with its network on shares the host's network and connects as the uid its user
+maps to (the session's own for the box's root).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import pwd
 import socket
+import sys
 import threading
 from collections.abc import Callable
 
+from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import BoxliteError
 
-__all__ = ["MAX_CONNECTIONS", "Relay"]
+__all__ = ["LOGGED_REFUSALS", "MAX_CONNECTIONS", "Relay", "peer_uid"]
+
+_log = logging.getLogger(__name__)
 
 #: Connections one published port relays at once; more are accepted and closed at once.
 MAX_CONNECTIONS = 64
@@ -26,6 +47,10 @@ CONNECT_TIMEOUT = 5.0
 #: The copy buffer of one direction of one connection: with :data:`MAX_CONNECTIONS`, a published
 #: port holds at most 2 x 64 x 512 KiB = 64 MiB of the box's bytes.
 _BUFFER = 512 << 10
+#: Connections of other users one published port logs, one line each; later ones are counted.
+LOGGED_REFUSALS = 8
+#: The kernel's socket tables, searched for a connection's far end (a dual-stack client is in tcp6).
+_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 
 Connect = Callable[[float], socket.socket]
 
@@ -50,6 +75,9 @@ class Relay:
         self._closed = False
         #: Connections refused because nothing listened in the box, or the relay was full.
         self.refused = 0
+        #: Connections closed unserved because another user's process made them (module docstring).
+        self.strangers = 0
+        self._uid = os.geteuid()
         self._thread = threading.Thread(target=self._accept, name=f"boxlite-relay-{box}-{port}", daemon=True)
         self._thread.start()
 
@@ -64,6 +92,12 @@ class Relay:
                 client, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            # Before any byte either way: only this user's processes are served.
+            owner = peer_uid(client)
+            if owner != self._uid:
+                client.close()
+                self._refuse_stranger(owner)
+                continue
             with self._lock:
                 if self._closed or len(self._open) >= 2 * MAX_CONNECTIONS:
                     self.refused += 1
@@ -71,6 +105,25 @@ class Relay:
                     continue
                 self._open.add(client)
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _refuse_stranger(self, owner: int | None) -> None:
+        with self._lock:
+            self.strangers += 1
+            count = self.strangers
+        if count > LOGGED_REFUSALS + 1:
+            return
+        where = f"published port {self.port} of box {shown(self.box, line=True)} (127.0.0.1:{self.host_port})"
+        if count > LOGGED_REFUSALS:
+            _log.warning("%s: more connections of other users refused; counted, no longer logged", where)
+            return
+        who = "a socket no process holds any more" if owner is None else f"uid {owner}{_user_name(owner)}"
+        _log.warning(
+            "%s: refused a connection from %s: only processes of uid %d%s, this session's user, may connect",
+            where,
+            who,
+            self._uid,
+            _user_name(self._uid),
+        )
 
     def _serve(self, client: socket.socket) -> None:
         inner: socket.socket | None = None
@@ -108,6 +161,51 @@ class Relay:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         self._thread.join(5.0)
+
+
+def _user_name(uid: int) -> str:
+    """`` (name)`` of ``uid``'s account, or nothing when it has none."""
+    try:
+        return f" ({shown(pwd.getpwuid(uid).pw_name, line=True)})"
+    except (KeyError, OSError):
+        return ""
+
+
+def _table_address(family: socket.AddressFamily, host: str, port: int) -> bytes:
+    """``host:port`` as the kernel's socket tables print it: each 32-bit word of the address in
+    this machine's byte order, in hex; an IPv4 address v4-mapped for ``tcp6``."""
+    raw = socket.inet_aton(host) if family == socket.AF_INET else socket.inet_pton(socket.AF_INET6, f"::ffff:{host}")
+    words = "".join(f"{int.from_bytes(raw[i : i + 4], sys.byteorder):08X}" for i in range(0, len(raw), 4))
+    return f"{words}:{port:04X}".encode()
+
+
+def peer_uid(conn: socket.socket) -> int | None:
+    """The effective uid (as this process sees uids) that made the socket at the far end of
+    ``conn``, a TCP connection accepted on this host's IPv4 loopback; ``None`` when no socket
+    held by a process is there: closed already (its TIME-WAIT entry keeps no owner), or none
+    found.  Read from the kernel's socket tables, where the far end is the one entry whose local
+    and remote addresses are ``conn``'s remote and local ones (see the module docstring)."""
+    try:
+        near_host, near_port = conn.getsockname()[:2]
+        far_host, far_port = conn.getpeername()[:2]
+    except OSError:
+        return None  # already reset
+    for family, table in zip((socket.AF_INET, socket.AF_INET6), _TABLES, strict=True):
+        local = _table_address(family, far_host, far_port)
+        remote = _table_address(family, near_host, near_port)
+        try:
+            with open(table, "rb") as lines:
+                next(lines, None)  # the header
+                for line in lines:
+                    fields = line.split()
+                    if len(fields) < 10 or fields[1] != local or fields[2] != remote:
+                        continue
+                    if fields[9] == b"0":
+                        return None  # no inode: closed (TIME-WAIT shows uid 0 for any owner)
+                    return int(fields[7])
+        except (OSError, ValueError):
+            continue  # no such table (IPv6 off): the other one decides
+    return None
 
 
 def _splice(a: socket.socket, b: socket.socket) -> None:
