@@ -86,7 +86,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         check_home(home, source=_home_source(args))
         trust = "owned by this user, writable by no one else"
     except BoxliteError as exc:
-        trust = f"REFUSED: {exc}"
+        trust = f"REFUSED: {_s(exc)}"
+    except OSError as exc:
+        trust = f"not checked: {_s(_os_problem(exc))}"
     print(f"home trust: {trust}")
     for limit in homefs_limits():
         print(f"home trust: NOT held as designed: {limit}")
