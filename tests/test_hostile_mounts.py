@@ -12,6 +12,7 @@ it, as on the host: Send2Trash's ``find_mount_point()`` and ``shutil.move``, ``f
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -62,7 +63,39 @@ c.close()
 # Drop what the user namespace gave (bubblewrap refuses to run with capabilities it did not get
 # from a setuid bit): children of a non-root id then start with none.
 libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
-sys.exit(subprocess.run(argv, timeout=200).returncode)
+if argv[0] != "runtime":
+    sys.exit(subprocess.run(argv, timeout=200).returncode)
+# The runtime itself: a booted box, then a box forked from its spec's zygote (a sandbox's).
+from pathlib import Path
+from pytest_boxlite.runtimes.namespace import NamespaceRuntime
+from pytest_boxlite.sandbox import Sandbox
+from pytest_boxlite.spec import BoxSpec
+for mode in ("booted", "forked"):
+    rt = NamespaceRuntime(Path(argv[1]) / mode)
+    rt.allow_forked_boxes(mode == "forked")
+    try:
+        h = rt.create_box(BoxSpec(), "pbx-attack-" + mode, timeout=60)
+        try:
+            r = Sandbox(h).run([sys.executable, "-c", argv[2], path, mode], timeout=30)
+            print(mode, r.stdout.strip(), r.stderr.strip()[-500:])
+        finally:
+            h.destroy()
+    finally:
+        rt.close()
+"""
+
+#: Run in a box: connect to the daemon's socket (argv 1), send argv 2; says ``refused ERRNO`` or ``CONNECTED``.
+PROBE = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(5)
+try:
+    s.connect(sys.argv[1])
+except OSError as e:
+    print("refused", e.errno)
+else:
+    s.sendall(sys.argv[2].encode())
+    print("CONNECTED")
 """
 
 ATTACK = """
@@ -71,18 +104,7 @@ import errno, os, socket, subprocess, sys
 import pytest
 
 SOCK = os.environ["PBX_ATTACK_SOCK"]
-PROBE = (
-    "import socket, sys\\n"
-    "s = socket.socket(socket.AF_UNIX)\\n"
-    "s.settimeout(5)\\n"
-    "try:\\n"
-    "    s.connect(sys.argv[1])\\n"
-    "except OSError as e:\\n"
-    "    print('refused', e.errno)\\n"
-    "else:\\n"
-    "    s.sendall(sys.argv[2].encode())\\n"
-    "    print('CONNECTED')\\n"
-)
+PROBE = os.environ["PBX_ATTACK_PROBE"]
 NO_DAEMON = {errno.ECONNREFUSED, errno.ENOENT}
 
 
@@ -110,15 +132,15 @@ def _unshare(root: bool) -> list[str]:
     return ["unshare", "--user", "--map-current-user", "--mount", "--propagation", "private", "--keep-caps", "--"]
 
 
-def test_a_host_socket_below_another_mount_is_unreachable_with_the_network_off(tmp_path: Path) -> None:
+def _attack(tmp_path: Path, *argv: str) -> tuple[str, str]:
+    """Run the driver (a tmpfs below /var/tmp with a listening daemon in it, then ``argv``) in a
+    private mount namespace: ``(what the daemon saw, the output)``."""
     root = os.geteuid() == 0
     where = Path("/var/tmp") / f"pbx-attack-{uuid.uuid4().hex[:10]}"
     where.mkdir(mode=0o755)
     log = tmp_path / "daemon.log"
-    (tmp_path / "test_attack.py").write_text(textwrap.dedent(ATTACK))
     (tmp_path / "driver.py").write_text(DRIVER)
-    argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={tmp_path / 'bxh'}", "--boxlite", "-v", "-s"]
-    env = sub_env(PBX_ATTACK_SOCK=str(where / "daemon.sock"), PYTHONPATH=str(PROJECT))
+    env = sub_env(PBX_ATTACK_SOCK=str(where / "daemon.sock"), PBX_ATTACK_PROBE=PROBE, PYTHONPATH=str(PROJECT))
     try:
         probe = subprocess.run([*_unshare(root), "true"], capture_output=True, text=True, timeout=30)
         if probe.returncode != 0:
@@ -135,12 +157,33 @@ def test_a_host_socket_below_another_mount_is_unreachable_with_the_network_off(t
             timeout=220,
         )
     finally:
-        where.rmdir()  # the tmpfs went with the sub-run's mount namespace
-    text = out.stdout + out.stderr
-    seen = log.read_text() if log.exists() else ""
+        where.rmdir()  # the tmpfs went with the driver's mount namespace
+    return (log.read_text() if log.exists() else ""), out.stdout + out.stderr
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="an ordinary user can mount below /var/tmp only in a user namespace of its own, where root's "
+    "directories (/tmp, /home) show as owned by nobody and a session refuses every boxlite home below "
+    "them; the runtime-level attack below checks the rule for that user",
+)
+def test_a_boxed_test_and_a_sandbox_cannot_reach_a_host_socket_below_another_mount(tmp_path: Path) -> None:
+    (tmp_path / "test_attack.py").write_text(textwrap.dedent(ATTACK))
+    argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={tmp_path / 'bxh'}", "--boxlite", "-v", "-s"]
+    seen, text = _attack(tmp_path, *argv)
     # The control connect proves the listener was there; nothing else may have reached it.
     assert seen == "connected: host-control\n", f"the daemon was reached from a box:\n{seen}\n{text[-3000:]}"
     assert "2 passed" in text, text[-3000:]
+
+
+def test_booted_and_forked_boxes_cannot_reach_a_host_socket_below_another_mount(tmp_path: Path) -> None:
+    """The same attack on the runtime itself, for an ordinary user too (whose own user namespace holds
+    the mount: locked beneath every box, as a machine's docker or snap mounts are)."""
+    seen, text = _attack(tmp_path, "runtime", str(tmp_path / "bxh"), PROBE)
+    assert seen == "connected: host-control\n", f"the daemon was reached from a box:\n{seen}\n{text[-3000:]}"
+    lines = [line for line in text.splitlines() if line.startswith(("booted ", "forked "))]
+    assert [line.split()[:2] for line in lines] == [["booted", "refused"], ["forked", "refused"]], text[-3000:]
+    assert all(int(line.split()[2]) in (errno.ECONNREFUSED, errno.ENOENT) for line in lines), text[-3000:]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,7 +212,7 @@ def test_a_host_file_is_on_its_directory_s_device(where):
 
 
 def test_a_sandbox_file_is_on_its_directory_s_device(boxlite_sandbox):
-    r = boxlite_sandbox.execute_command("touch /root/f && stat -c %d /root /root/f /etc /etc/passwd")
+    r = boxlite_sandbox.execute_command('touch "$HOME/f" && stat -c %d "$HOME" "$HOME/f" /etc /etc/passwd')
     assert r.exit_code == 0, r.stderr
     dev = r.stdout.split()
     assert dev[0] == dev[1] and dev[2] == dev[3], r.stdout
