@@ -758,7 +758,7 @@ class _BoxState:
                 continue
             if kind == "symlink":
                 argv += ["--symlink", entry[1], path]
-            elif kind == "ro":
+            elif kind in ("ro", "tree"):  # a directory holding other mounts: a VM's disk has none
                 argv += ["--ro-bind", path, path]
             else:
                 argv += self._disk_layer(path)
