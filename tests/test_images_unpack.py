@@ -541,3 +541,18 @@ def test_real_and_tiny_layers_pass_the_ratio(tmp_path: Path) -> None:
         limits=Limits(ratio_floor=1 << 20),
     )
     assert (root / "etc/big.txt").stat().st_size == len(text) > 16 << 20
+
+
+@pytest.mark.escape_row("hostile-image", runtime="host")
+def test_a_layer_listed_again_counts_its_blob_once_for_the_image(tmp_path: Path) -> None:
+    # A layer at ~70:1 (40 KB of noise, 3 MB of zeros) passes alone; a manifest listing the same
+    # blob again gets no second allowance for it: the image is at 140:1 of what the archive holds.
+    data = tar_of(("noise", "file", os.urandom(40_000), None), ("zeros", "file", bytes(3 << 20), None))
+    root = tmp_path / "root"
+    root.mkdir()
+    blob = tmp_path / "same"
+    blob.write_bytes(gzip.compress(data))
+    limits = Limits(ratio_floor=1 << 20)
+    apply_layer(root, blob, diff_id=None, limits=limits, what="test image: layer 1")
+    with pytest.raises(ImageError, match=r"layer 2: the image's \d+ compressed bytes unpack to more than"):
+        apply_layer(root, blob, diff_id=None, limits=limits, what="test image: layer 2")

@@ -17,6 +17,7 @@ from pytest_boxlite.images.reference import (
 )
 from pytest_boxlite.images.store import (
     STORE_NAME,
+    Bounds,
     Image,
     ImageConfig,
     StoredImage,
@@ -24,6 +25,7 @@ from pytest_boxlite.images.store import (
     ensure_image,
     list_images,
     parse_config,
+    release_images,
     store_dir,
     store_usage,
 )
@@ -33,6 +35,7 @@ __all__ = [
     "DEFAULT_MAX_UNPACKED",
     "LOCAL_TRANSPORTS",
     "STORE_NAME",
+    "Bounds",
     "Image",
     "ImageConfig",
     "ImageError",
@@ -45,6 +48,7 @@ __all__ = [
     "list_images",
     "parse_config",
     "parse_reference",
+    "release_images",
     "store_dir",
     "store_usage",
 ]

@@ -112,6 +112,9 @@ class Limits:
         #: Blob bytes read and tar stream bytes out, of the layers done (the current one: its reader's).
         self.blob_in = 0
         self.stream_out = 0
+        #: Layer blobs already applied: a blob a manifest lists again counts once in ``blob_in``
+        #: (else listing one 1 MB blob 1000 times would allow 1000 times its ratio bound).
+        self.blobs_seen: set[str] = set()
 
     def ratio_bound(self, blob_bytes: int) -> int:
         """The most tar stream ``blob_bytes`` of layer blob may unpack to: max(ratio x in, floor)."""
@@ -134,6 +137,8 @@ class _HashingReader(io.RawIOBase):
         self._limits = limits
         self.count = 0
         self.blob_in = 0
+        #: Whether this blob's bytes count for the image's ratio (not when applied before).
+        self.counts_in = True
         self.sha = hashlib.sha256()
 
     def readable(self) -> bool:
@@ -164,7 +169,7 @@ class _HashingReader(io.RawIOBase):
                 f"(more than {limits.max_ratio:g}:1, past the {limits.ratio_floor >> 20} MiB any layer may have): "
                 f"a decompression bomb, or {limits.ratio_hint}"
             )
-        image_in = limits.blob_in + self.blob_in
+        image_in = limits.blob_in + (self.blob_in if self.counts_in else 0)
         image_bound = limits.ratio_bound(image_in)
         if limits.stream_out + self.count > image_bound:
             raise ImageError(
@@ -478,6 +483,8 @@ def apply_layer(root: Path, blob: Path, *, diff_id: str | None, limits: Limits, 
     created: set[tuple[str, ...]] = set()
     try:
         with open_layer_stream(blob, limits.max_unpacked + (64 << 20), what, limits) as reader:
+            reader.counts_in = blob.name not in limits.blobs_seen
+            limits.blobs_seen.add(blob.name)
             try:
                 with tarfile.open(fileobj=reader, mode="r|", tarinfo=_BoundedTarInfo) as tf:
                     # tf.next(), not iteration: tarfile keeps every TarInfo (PAX headers included)
@@ -495,7 +502,7 @@ def apply_layer(root: Path, blob: Path, *, diff_id: str | None, limits: Limits, 
                 if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise ImageError(f"{what}: no space left to unpack the image under {root}") from None
                 raise ImageError(f"{what}: cannot read the layer ({exc}); is the image truncated or corrupt?") from None
-            limits.blob_in += reader.blob_in
+            limits.blob_in += reader.blob_in if reader.counts_in else 0
             limits.stream_out += reader.count
             if diff_id is not None and f"sha256:{reader.sha.hexdigest()}" != diff_id:
                 raise ImageError(
