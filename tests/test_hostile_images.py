@@ -73,7 +73,7 @@ def store(tmp_path: Path) -> Path:
 class _Hashing(io.RawIOBase):
     """A write-only file that hashes and counts what goes through it to ``out``."""
 
-    def __init__(self, out: IO[bytes] | None) -> None:
+    def __init__(self, out: IO[bytes] | gzip.GzipFile | None) -> None:
         self.out = out
         self.sha = hashlib.sha256()
         self.size = 0
@@ -104,7 +104,7 @@ def bomb_archive(dest: Path, zeros: int) -> Path:
     part = blobs / "layer.part"
     with open(part, "wb") as raw:
         packed = _Hashing(raw)
-        with gzip.GzipFile(fileobj=packed, mode="wb", compresslevel=9, mtime=0) as gz:  # type: ignore[arg-type]
+        with gzip.GzipFile(fileobj=packed, mode="wb", compresslevel=9, mtime=0) as gz:
             plain = _Hashing(gz)
             ti = tarfile.TarInfo("zeros")
             ti.size, ti.mode = zeros, 0o644
@@ -115,8 +115,11 @@ def bomb_archive(dest: Path, zeros: int) -> Path:
                 plain.write(chunk[: min(left, len(chunk))])
                 left -= min(left, len(chunk))
             plain.write(bytes(-zeros % 512 + 1024))  # the file's padding, then the end of the archive
-    layer = {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": f"sha256:{packed.sha.hexdigest()}"}
-    layer["size"] = packed.size
+    layer = {
+        "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+        "digest": f"sha256:{packed.sha.hexdigest()}",
+        "size": packed.size,
+    }
     part.rename(blobs / packed.sha.hexdigest())
     config = {
         "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine),
