@@ -410,9 +410,9 @@ def _open_store(store: Path, *, create: bool) -> _Store | None:
                 f"image store {store} is writable by others (mode {stat.filemode(mode)}): anyone could plant "
                 f"links or images in it. Fix: chmod go-w {store}, or clean --images and let it be made again"
             )
-        for sub in _SUBDIRS:
-            if create or top.exists(sub):
-                top.sub(sub, create=create).close()
+        for sub in (*_SUBDIRS, "vm-layouts"):  # vm-layouts: the vm runtime's, made on its first use
+            if (create and sub in _SUBDIRS) or top.exists(sub):
+                top.sub(sub, create=create and sub in _SUBDIRS).close()
     except Refused as exc:
         top.close()
         raise _refused(store, exc) from None
