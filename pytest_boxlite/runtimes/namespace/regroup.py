@@ -34,6 +34,16 @@ host's directory itself, so a box reads what the host has now, within overlayfs'
 A layer changed in place is never handed to a later box start by its key again (its ``ready``
 mark goes): that box gets a layer matching what it scanned.
 
+No link is followed on the way to an entry, on the host or in the layer: the host can swap a
+copied directory for a link at any moment (one ``renameat2(RENAME_EXCHANGE)``), and a path
+through that link names another directory.  Every read of the host and every change of a layer
+is made relative to a descriptor of the entry's directory, reached from the top (or the layer's
+root) one component at a time without following links (:func:`_dir_at`, through
+:func:`pytest_boxlite._homefs.open_beneath`); an entry whose way holds a link is gone as far as
+the layer is concerned.  A directory whose copy is dropped (gone on the host, or no longer a
+directory) takes every entry held below it along, and a removal goes through
+:func:`pytest_boxlite._homefs.remove_tree_at`, which never leaves the directory it started in.
+
 A root host maps every id one to one (see ``privileges._write_id_maps``): nothing to do there.
 """
 
@@ -48,7 +58,6 @@ import json
 import os
 import secrets
 import select
-import shutil
 import stat
 import struct
 import sys
@@ -58,6 +67,8 @@ import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pytest_boxlite._homefs import Refused, open_beneath, remove_tree_at
 
 #: Entries looked at per tree: a tree this large (a home directory as the working directory) is
 #: left as it is past this many, and said so.
@@ -143,76 +154,130 @@ def regroup_layer(top: str, trees: Iterable[str]) -> str | None:
 
 def scan(top: str, tree: str, uid: int, gid: int) -> dict[str, Entry]:
     """Entries of ``tree`` (inside ``top``) owned by ``uid`` with a group other than ``gid``, and
-    the directories above them up to ``top`` (none when there are no such entries).  Links are never followed;
-    a directory of another owner is not entered (the box cannot change it, nor can the user)."""
+    the directories above them up to ``top`` (none when there are no such entries).  Links are never followed,
+    on the way to an entry nor at its end; a directory of another owner is not entered (the box
+    cannot change it, nor can the user)."""
     found: dict[str, Entry] = {}
     rel_tree = os.path.relpath(tree, top)
     # The directories between top and tree must be the user's: a copy of one would show it as the
     # box's root's, which the host's is not.
     parts = [] if rel_tree == "." else rel_tree.split("/")
-    ancestors: list[tuple[str, os.stat_result]] = []
+    ancestors: list[Entry] = []
     for i in range(1, len(parts) + 1):
         rel = "/".join(parts[:i])
-        try:
-            st = os.lstat(os.path.join(top, rel))
-        except OSError:
+        got = _host_entry(top, rel)
+        if got is None or got[1].kind != "dir" or got[0].st_uid != uid:
             return {}
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
-            return {}
-        ancestors.append((rel, st))
+        ancestors.append(got[1])
     seen = 0
     hits: list[Entry] = []
     stack = [rel_tree]
     while stack:
         rel_dir = stack.pop()
         try:
-            it = os.scandir(os.path.join(top, rel_dir))
+            fd = _dir_at(top, "" if rel_dir == "." else rel_dir, listable=True)
         except OSError:
-            continue  # unreadable: its own entry (if any) is re-owned, its content is not visible
-        with it:
-            for de in it:
-                seen += 1
-                if seen > MAX_ENTRIES:
-                    _warn_once(tree, f"{tree} has more than {MAX_ENTRIES} entries; those past them were not looked at")
-                    stack.clear()
-                    break
-                try:
-                    st = de.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                rel = de.name if rel_dir == "." else f"{rel_dir}/{de.name}"
-                if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
-                    stack.append(rel)
-                if st.st_uid != uid or st.st_gid == gid:
-                    continue
-                entry = _entry(rel, st, os.path.join(top, rel))
-                if entry is not None:
-                    hits.append(entry)
+            continue  # unreadable, or swapped for a link: its own entry (if any) is re-owned, no more
+        try:
+            with os.scandir(fd) as it:
+                for de in it:
+                    seen += 1
+                    if seen > MAX_ENTRIES:
+                        _warn_once(
+                            tree, f"{tree} has more than {MAX_ENTRIES} entries; those past them were not looked at"
+                        )
+                        stack.clear()
+                        break
+                    try:
+                        st = de.stat(follow_symlinks=False)  # relative to fd
+                    except OSError:
+                        continue
+                    rel = de.name if rel_dir == "." else f"{rel_dir}/{de.name}"
+                    if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+                        stack.append(rel)
+                    if st.st_uid != uid or st.st_gid == gid:
+                        continue
+                    entry = _entry(rel, st, fd, de.name)
+                    if entry is not None:
+                        hits.append(entry)
+        finally:
+            os.close(fd)
     if not hits:
         return {}
-    for rel, st in ancestors:
-        e = _entry(rel, st, os.path.join(top, rel))
-        if e is not None:
-            found[rel] = e
+    for e in ancestors:
+        found[e.rel] = e
     for e in hits:
         found[e.rel] = e
     # Every directory above a re-owned entry must be in the layer (with its own look).
     for e in hits:
         parent = os.path.dirname(e.rel)
         while parent and parent not in found:
-            try:
-                st = os.lstat(os.path.join(top, parent))
-            except OSError:
+            got = _host_entry(top, parent)
+            if got is None:
                 break
-            pe = _entry(parent, st, os.path.join(top, parent))
-            if pe is None:
-                break
-            found[parent] = pe
+            found[parent] = got[1]
             parent = os.path.dirname(parent)
-    return found
+    # An entry below one that is no directory (swapped for a link meanwhile) is not in the layer.
+    return {r: e for r, e in found.items() if all(_is_dir(found, a) for a in _above(r))}
 
 
-def _entry(rel: str, st: os.stat_result, path: str) -> Entry | None:
+def _above(rel: str) -> Iterator[str]:
+    """The directories above ``rel``, nearest first (not the top itself)."""
+    parent = os.path.dirname(rel)
+    while parent:
+        yield parent
+        parent = os.path.dirname(parent)
+
+
+def _is_dir(entries: dict[str, Entry], rel: str) -> bool:
+    e = entries.get(rel)
+    return e is None or e.kind == "dir"  # one not listed is the host's own directory
+
+
+def _dir_at(root: str, rel_dir: str, *, listable: bool = False) -> int:
+    """A descriptor of the directory ``rel_dir`` below ``root`` (``""``: ``root`` itself), reached
+    one component at a time without following a link (``O_PATH``, or readable for
+    ``os.scandir`` with ``listable``).  ``OSError`` where a component is a link or no directory:
+    what lies below it is not reached through it."""
+    flags = (os.O_RDONLY if listable else os.O_PATH) | os.O_DIRECTORY
+    rfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # the top (or the layer's root)
+    try:
+        return open_beneath(rfd, rel_dir, flags)
+    finally:
+        os.close(rfd)
+
+
+@contextlib.contextmanager
+def _at(root: str, rel: str) -> Iterator[tuple[int, str]]:
+    """``(descriptor of rel's directory, rel's name)``, the directory reached as by :func:`_dir_at`."""
+    fd = _dir_at(root, os.path.dirname(rel))
+    try:
+        yield fd, os.path.basename(rel)
+    finally:
+        os.close(fd)
+
+
+def _gone(exc: OSError) -> bool:
+    """Whether ``exc`` says an entry is not there, or not reachable without following a link."""
+    return isinstance(exc, (FileNotFoundError, NotADirectoryError, Refused)) or exc.errno == errno.ELOOP
+
+
+def _host_entry(top: str, rel: str) -> tuple[os.stat_result, Entry] | None:
+    """``rel``'s status and entry on the host, reached without following a link; ``None`` when it
+    is gone (or a socket, a device)."""
+    try:
+        with _at(top, rel) as (fd, name):
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            e = _entry(rel, st, fd, name)
+    except OSError as exc:
+        if _gone(exc):
+            return None
+        raise
+    return (st, e) if e is not None else None
+
+
+def _entry(rel: str, st: os.stat_result, dirfd: int, name: str) -> Entry | None:
+    """The entry of ``name`` in the directory of ``dirfd`` (``rel`` in its tree), of status ``st``."""
     mode = st.st_mode
     if stat.S_ISDIR(mode):
         kind = "dir"
@@ -227,7 +292,7 @@ def _entry(rel: str, st: os.stat_result, path: str) -> Entry | None:
     target = ""
     if kind == "link":
         try:
-            target = os.readlink(path)
+            target = os.readlink(name, dir_fd=dirfd)
         except OSError:
             return None
     size, ino = st.st_size, st.st_ino
@@ -281,8 +346,7 @@ def _build(top: str, entries: Sequence[Entry]) -> _Built | None:
         (tmp / "ready").write_text(json.dumps({"copied_ns": copied_ns, "absent": sorted(absent)}))
         os.rename(tmp, layer)
     except OSError as exc:
-        _make_removable(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover is pruned with the stale layers
+        _remove(tmp)  # a leftover is pruned with the stale layers
         made = _ready(layer)
         if made is not None:
             return made  # another process built it meanwhile
@@ -307,53 +371,65 @@ def _ready(layer: Path) -> _Built | None:
 
 
 def _populate(top: str, root: Path, entries: Sequence[Entry]) -> tuple[set[str], int]:
-    """Make ``entries`` under ``root``; returns the files not copied (unreadable, changed meanwhile
-    or past the copy cap) and how many of them were left out for the cap."""
+    """Make ``entries`` under ``root``; returns the files not copied (unreadable, changed meanwhile,
+    past the copy cap, or no longer reached without following a link) and how many of them were
+    left out for the cap."""
     root.mkdir(parents=True, mode=0o700)
+    tree = str(root)
     budget = MAX_COPY_BYTES
     left = 0
     absent: set[str] = set()
     dirs: list[Entry] = []
     for e in entries:  # sorted: a directory comes before what is in it
-        dst = os.path.join(root, e.rel)
-        if e.kind == "dir":
-            os.mkdir(dst, 0o700)
-            dirs.append(e)
-        elif e.kind == "link":
-            os.symlink(e.target, dst)
-            os.utime(dst, ns=(e.atime_ns, e.mtime_ns), follow_symlinks=False)
-        elif e.kind == "fifo":
-            os.mkfifo(dst, 0o600)
-            os.chmod(dst, e.mode)
-            os.utime(dst, ns=(e.atime_ns, e.mtime_ns))
-        elif e.size > budget:
-            left += 1
-            absent.add(e.rel)
-        elif _copy_file(os.path.join(top, e.rel), dst, e):
-            budget -= e.size
-        else:
-            absent.add(e.rel)
+        with _at(tree, e.rel) as (lfd, name):
+            if e.kind == "dir":
+                os.mkdir(name, 0o700, dir_fd=lfd)
+                dirs.append(e)
+            elif e.kind == "link":
+                os.symlink(e.target, name, dir_fd=lfd)
+                os.utime(name, ns=(e.atime_ns, e.mtime_ns), dir_fd=lfd, follow_symlinks=False)
+            elif e.kind == "fifo":
+                os.mkfifo(name, 0o600, dir_fd=lfd)
+                os.chmod(name, e.mode, dir_fd=lfd, follow_symlinks=False)
+                os.utime(name, ns=(e.atime_ns, e.mtime_ns), dir_fd=lfd, follow_symlinks=False)
+            elif e.size > budget:
+                left += 1
+                absent.add(e.rel)
+            elif _copy_file(top, e, lfd, name):
+                budget -= e.size
+            else:
+                absent.add(e.rel)
     # Modes and times last, deepest first: a directory's own mode may forbid making what is in it,
     # and making it changes its time.
     for e in reversed(dirs):
-        dst = os.path.join(root, e.rel)
-        os.chmod(dst, e.mode & 0o7777)
-        os.utime(dst, ns=(e.atime_ns, e.mtime_ns))
+        with _at(tree, e.rel) as (lfd, name):
+            os.chmod(name, e.mode & 0o7777, dir_fd=lfd, follow_symlinks=False)
+            os.utime(name, ns=(e.atime_ns, e.mtime_ns), dir_fd=lfd, follow_symlinks=False)
     return absent, left
 
 
-def _copy_file(src: str, dst: str, e: Entry) -> bool:
-    """Copy one file's content (a reflink where the filesystem can), mode and times; ``False`` (and
-    nothing made) when it cannot be read or is no longer the file that was looked at."""
+def _open_host_file(top: str, rel: str) -> int | None:
+    """``rel`` of the host opened for reading, reached without following a link; ``None`` when it
+    cannot be (unreadable for the user, gone, a link on the way)."""
     try:
-        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        with _at(top, rel) as (hfd, name):
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=hfd)
     except OSError:
+        return None
+
+
+def _copy_file(top: str, e: Entry, lfd: int, name: str) -> bool:
+    """Copy one file's content (a reflink where the filesystem can), mode and times into ``name``
+    of the layer directory ``lfd``; ``False`` (and nothing made) when it cannot be read or is no
+    longer the file that was looked at."""
+    fd = _open_host_file(top, e.rel)
+    if fd is None:
         return False  # unreadable for the user: unreadable in the box too, and never written there
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_ino != e.ino:
             return False
-        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=lfd)
         try:
             _write_copy(fd, out, e)
         finally:
@@ -391,18 +467,19 @@ def _prune(base: Path, keep: Path) -> None:
                 ready = p / "ready"
                 stamp = ready.stat().st_mtime if ready.exists() else p.lstat().st_mtime
                 if now - stamp > _STALE_S:
-                    _make_removable(p)
-                    shutil.rmtree(p, ignore_errors=True)
+                    _remove(p)
 
 
-def _make_removable(p: Path) -> None:
-    """Give the user write and search on every directory of ``p`` (a copied mode may lack them)."""
-    for dirpath, dirnames, _ in os.walk(p):
-        for d in dirnames:
-            full = os.path.join(dirpath, d)
-            with contextlib.suppress(OSError):
-                if not os.path.islink(full):
-                    os.chmod(full, 0o700)
+def _remove(p: Path) -> None:
+    """Remove ``p`` (a layer's directory of this user's) and all below it, through descriptors
+    (a copied mode that lacks write or search is given them first); what cannot go is left to
+    the next prune."""
+    with contextlib.suppress(OSError):
+        fd = os.open(p.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            remove_tree_at(fd, p.name)
+        finally:
+            os.close(fd)
 
 
 # --- keeping the layers of live boxes current ---------------------------------------------------
@@ -417,6 +494,8 @@ _WATCH_MASK = (
     | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_ONLYDIR | _IN_DONT_FOLLOW | _IN_EXCL_UNLINK
 )  # fmt: skip
 _EVENT = struct.Struct("=iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
+#: Whether a descriptor can be watched through its ``/proc/self/fd`` entry.
+_PROC_FD = os.path.isdir("/proc/self/fd")
 #: Event bytes read per settle: past it, every layer is compared whole instead.
 _MAX_EVENT_BYTES = 4 << 20
 #: How long a settle waits for another process of this user changing the same layer.
@@ -472,10 +551,10 @@ class _Inotify:
             raise OSError(err, os.strerror(err))
         self.fd: int = fd
 
-    def add(self, path: str) -> int:
+    def add(self, path: str, mask: int) -> int:
         import ctypes
 
-        wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), _WATCH_MASK)
+        wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), mask)
         if wd < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), path)
@@ -538,14 +617,23 @@ def _go_live(top: str, built: _Built, entries: dict[str, Entry], trees: Iterable
 
 
 def _watch(live: _Live, rel: str) -> None:
+    """Watch the host directory ``rel``: the one reached without following a link (through its
+    descriptor's ``/proc/self/fd`` entry; by its path where ``/proc`` is not mounted)."""
     if _WATCHER is None:
         live.polled = True
         return
     try:
-        wd = _WATCHER.add(os.path.join(live.top, rel) if rel else live.top)
+        if _PROC_FD:
+            fd = _dir_at(live.top, rel)
+            try:
+                wd = _WATCHER.add(f"/proc/self/fd/{fd}", _WATCH_MASK & ~_IN_DONT_FOLLOW)
+            finally:
+                os.close(fd)
+        else:
+            wd = _WATCHER.add(os.path.join(live.top, rel) if rel else live.top, _WATCH_MASK)
     except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            live.dirty.add(rel)  # gone meanwhile: the sync removes its copy
+        if _gone(exc):
+            live.dirty.add(rel)  # gone meanwhile (or a link now): the sync removes its copy
         else:
             live.polled = True  # watches used up (ENOSPC): compared at each settle instead
         return
@@ -678,19 +766,23 @@ def _changing(live: _Live) -> None:
 
 
 def _sync_one(live: _Live, rel: str, forced: bool, uid: int, gid: int, fix: set[str]) -> set[str]:
-    """Bring the copy of ``rel`` up to date; returns entries to look at next (a new directory's)."""
-    host, dst = os.path.join(live.top, rel), os.path.join(live.tree, rel)
+    """Bring the copy of ``rel`` up to date; returns entries to look at next (a new directory's).
+
+    Both ends are reached without following a link (see the module docstring): on the host, an
+    entry whose way holds a link is gone; in the layer, nothing is ever below a copied link (a
+    directory dropped takes what was held below it along)."""
     parent = os.path.dirname(rel)
-    if parent and parent not in live.held:
+    if parent and (parent not in live.held or live.held[parent].kind != "dir"):
+        if parent in live.held:
+            _forget_below(live, parent)  # below a link (never so: a dropped directory takes them)
         return set()  # its directory is not in the layer: the host's shows as it is
     old = live.held.get(rel)
-    if old is None and rel not in live.absent and not any(host.startswith(t.rstrip("/") + "/") for t in live.trees):
+    if old is None and rel not in live.absent and not any(_rel_under(live, rel, t) for t in live.trees):
         return set()  # beside the trees its boxes are made for (in a directory above them): not looked at
-    try:
-        st: os.stat_result | None = os.lstat(host)
-    except (FileNotFoundError, NotADirectoryError):
-        st = None
-    new = _entry(rel, st, host) if st is not None and st.st_uid == uid else None
+    got = _host_entry(live.top, rel)
+    st, new = got if got is not None else (None, None)
+    if st is not None and st.st_uid != uid:
+        new = None
     if new is not None and st is not None and st.st_gid == gid and old is None:
         new = None  # of the user's own group: the host's shows as it is
     # A copy held already stays, brought up to date, even where the host's is now of the user's own
@@ -701,10 +793,13 @@ def _sync_one(live: _Live, rel: str, forced: bool, uid: int, gid: int, fix: set[
         if old is not None:
             _changing(live)
             _writable(live, parent, fix)
-            _drop(dst, old.kind)
+            with _at(live.tree, rel) as (lfd, name):
+                _drop(lfd, name, old.kind)
             del live.held[rel]
             if old.kind == "file":
                 live.used -= old.size
+            if old.kind == "dir":
+                _forget_below(live, rel)  # their copies went with it
         if new is None:
             return set()
         old = None
@@ -718,28 +813,31 @@ def _sync_one(live: _Live, rel: str, forced: bool, uid: int, gid: int, fix: set[
     more: set[str] = set()
     if new.kind == "dir":
         if old is None:
-            os.mkdir(dst, 0o700)
-            with os.scandir(host) as it:  # what it holds: looked at next
-                more = {f"{rel}/{de.name}" for de in it}
+            with _at(live.tree, rel) as (lfd, name):
+                os.mkdir(name, 0o700, dir_fd=lfd)
+            more = {f"{rel}/{n}" for n in _host_names(live.top, rel)}  # what it holds: looked at next
         live.held[rel] = new
         fix.add(rel)
         _watch(live, rel)
         return more
     if new.kind == "link":
-        tmp = f"{dst}.{secrets.token_hex(4)}.boxlite"
-        os.symlink(new.target, tmp)
-        os.utime(tmp, ns=(new.atime_ns, new.mtime_ns), follow_symlinks=False)
-        os.replace(tmp, dst)
+        with _at(live.tree, rel) as (lfd, name):
+            tmp = f"{name}.{secrets.token_hex(4)}.boxlite"
+            os.symlink(new.target, tmp, dir_fd=lfd)
+            os.utime(tmp, ns=(new.atime_ns, new.mtime_ns), dir_fd=lfd, follow_symlinks=False)
+            os.replace(tmp, name, src_dir_fd=lfd, dst_dir_fd=lfd)
     elif new.kind == "fifo":
-        if old is None:
-            os.mkfifo(dst, 0o600)
-        os.chmod(dst, new.mode)
-        os.utime(dst, ns=(new.atime_ns, new.mtime_ns))
+        with _at(live.tree, rel) as (lfd, name):
+            if old is None:
+                os.mkfifo(name, 0o600, dir_fd=lfd)
+            os.chmod(name, new.mode, dir_fd=lfd, follow_symlinks=False)
+            os.utime(name, ns=(new.atime_ns, new.mtime_ns), dir_fd=lfd, follow_symlinks=False)
     else:
-        copied = _refresh_file(live, host, dst, old.size if old is not None else 0)
+        copied = _refresh_file(live, rel, old.size if old is not None else 0)
         if copied is None:
             if old is not None:
-                _drop(dst, "file")  # the host's shows (its group unmapped): never an old content
+                with _at(live.tree, rel) as (lfd, name):
+                    _drop(lfd, name, "file")  # the host's shows (its group unmapped): never an old content
                 del live.held[rel]
                 live.used -= old.size
             live.absent[rel] = new
@@ -751,13 +849,49 @@ def _sync_one(live: _Live, rel: str, forced: bool, uid: int, gid: int, fix: set[
     return more
 
 
+def _rel_under(live: _Live, rel: str, tree: str) -> bool:
+    """Whether the host's ``rel`` lies inside ``tree``."""
+    return os.path.join(live.top, rel).startswith(tree.rstrip("/") + "/")
+
+
+def _forget_below(live: _Live, rel: str) -> None:
+    """Forget every entry held (or left out) below ``rel``: its copy is gone, or it is no directory."""
+    prefix = rel + "/"
+    for r in [r for r in live.held if r.startswith(prefix)]:
+        e = live.held.pop(r)
+        if e.kind == "file":
+            live.used -= e.size
+    for r in [r for r in live.absent if r.startswith(prefix)]:
+        del live.absent[r]
+
+
+def _host_names(top: str, rel: str) -> list[str]:
+    """The names in the host directory ``rel``, reached without following a link (none when it
+    cannot be listed)."""
+    try:
+        fd = _dir_at(top, rel, listable=True)
+    except OSError:
+        return []
+    try:
+        with os.scandir(fd) as it:
+            return [de.name for de in it]
+    finally:
+        os.close(fd)
+
+
 def _writable(live: _Live, rel_dir: str, fix: set[str]) -> None:
     """The copy of ``rel_dir`` (the layer's root for ``""``) writable by the user until _fix_dir."""
-    path = os.path.join(live.tree, rel_dir) if rel_dir else live.tree
-    if rel_dir:
-        fix.add(rel_dir)
-    if stat.S_IMODE(os.lstat(path).st_mode) & 0o700 != 0o700:
-        os.chmod(path, 0o700)
+    if not rel_dir:
+        if stat.S_IMODE(os.lstat(live.tree).st_mode) & 0o700 != 0o700:
+            os.chmod(live.tree, 0o700)
+        return
+    fix.add(rel_dir)
+    with _at(live.tree, rel_dir) as (lfd, name):
+        st = os.stat(name, dir_fd=lfd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "the layer's copy is not a directory", rel_dir)
+        if stat.S_IMODE(st.st_mode) & 0o700 != 0o700:
+            os.chmod(name, 0o700, dir_fd=lfd, follow_symlinks=False)
 
 
 def _fix_dir(live: _Live, rel: str) -> None:
@@ -765,35 +899,30 @@ def _fix_dir(live: _Live, rel: str) -> None:
     e = live.held.get(rel)
     if e is None or e.kind != "dir":
         return
-    try:
-        st = os.lstat(os.path.join(live.top, rel))
-    except OSError:
-        st = None
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        e = _entry(rel, st, os.path.join(live.top, rel)) or e
+    got = _host_entry(live.top, rel)
+    if got is not None and got[1].kind == "dir":
+        e = got[1]
         live.held[rel] = e
-    dst = os.path.join(live.tree, rel)
-    os.chmod(dst, e.mode & 0o7777)
-    os.utime(dst, ns=(e.atime_ns, e.mtime_ns))
+    with _at(live.tree, rel) as (lfd, name):
+        os.chmod(name, e.mode & 0o7777, dir_fd=lfd, follow_symlinks=False)
+        os.utime(name, ns=(e.atime_ns, e.mtime_ns), dir_fd=lfd, follow_symlinks=False)
 
 
-def _drop(dst: str, kind: str) -> None:
+def _drop(lfd: int, name: str, kind: str) -> None:
+    """Remove the copy ``name`` of the layer directory ``lfd`` (a directory with all below it)."""
     if kind == "dir":
-        _make_removable(Path(dst))
-        os.chmod(dst, 0o700)
-        shutil.rmtree(dst)
+        remove_tree_at(lfd, name)
     else:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(dst)
+            os.unlink(name, dir_fd=lfd)
 
 
-def _refresh_file(live: _Live, src: str, dst: str, old_size: int) -> Entry | None:
-    """Copy ``src`` into ``dst`` in place (the same inode: a box that has the copy open or cached
-    reads the new content); its entry as copied, or ``None`` where it cannot be (unreadable for the
-    user, past the copy cap: then the caller removes the copy)."""
-    try:
-        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+def _refresh_file(live: _Live, rel: str, old_size: int) -> Entry | None:
+    """Copy the host's ``rel`` into its copy in place (the same inode: a box that has the copy open
+    or cached reads the new content); its entry as copied, or ``None`` where it cannot be
+    (unreadable for the user, past the copy cap, a link on its way: then the caller removes the copy)."""
+    fd = _open_host_file(live.top, rel)
+    if fd is None:
         return None
     try:
         st = os.fstat(fd)
@@ -802,12 +931,13 @@ def _refresh_file(live: _Live, src: str, dst: str, old_size: int) -> Entry | Non
         if live.used - old_size + st.st_size > MAX_COPY_BYTES:
             _warn_once(live.top, f"files of {live.top} grew past the {MAX_COPY_BYTES >> 20} MiB copy cap")
             return None
-        e = _entry(os.path.relpath(src, live.top), st, src)
+        e = _entry(rel, st, fd, "")  # a file: nothing is read by name
         assert e is not None
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_IMODE(os.lstat(dst).st_mode) & 0o200 == 0:
-                os.chmod(dst, 0o600)  # a read-only file's copy: written by its owner all the same
-        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with _at(live.tree, rel) as (lfd, name):
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_IMODE(os.stat(name, dir_fd=lfd, follow_symlinks=False).st_mode) & 0o200 == 0:
+                    os.chmod(name, 0o600, dir_fd=lfd, follow_symlinks=False)  # a read-only file's copy
+            out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=lfd)
         try:
             _write_copy(fd, out, e)  # in place: a longer old content does not stay behind
         finally:
