@@ -348,8 +348,9 @@ class BoxliteSession:
             lock.acquire()
         except OSError as exc:
             raise ConfigError(
-                f"--boxlite-home {self.home} is not usable ({exc.strerror or exc}); "
-                "point --boxlite-home (or PYTEST_BOXLITE_HOME) at a writable directory with free space"
+                f"--boxlite-home {self.home} is not usable ({exc.strerror or exc}; the value is from "
+                f"{home_source(self.settings)}); point --boxlite-home (or PYTEST_BOXLITE_HOME) at a writable "
+                "directory with free space"
             ) from None
         self._owner_lock = lock
 
