@@ -705,6 +705,141 @@ def test_worker_scope_without_n_runs_the_session_in_one_box(tmp_path: Path, home
 
 
 # --------------------------------------------------------------------------
+# 4b. worker scope: a boxed worker's forged xdist events (issue 40, class 4)
+
+#: The worker's side: each attack is a test that speaks on xdist's own channel to the controller
+#: (``WorkerInteractor.sendevent``, found in the box's worker process).  The conftest forges a
+#: collection report while gw1 collects, before any test runs.
+FORGED_CONFTEST = """
+import gc, os
+
+
+def worker():
+    found = [o for o in gc.get_objects() if type(o).__name__ == "WorkerInteractor"]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER") == "gw1":
+        data = {"$report_type": "CollectReport", "nodeid": "test_forged.py", "outcome": "passed",
+                "longrepr": [1], "result": None, "sections": []}
+        worker().sendevent("collectreport", data=data)
+"""
+
+FORGED_EVENTS = """
+import os
+
+import pytest
+
+from conftest import worker
+
+ESCAPES = "\\x1b]0;PBX-TITLE\\x07\\x1b]52;c;cGJ4\\x07"
+
+
+def send(name, **kwargs):
+    worker().sendevent(name, **kwargs)
+
+
+def own_report(request):
+    rep = pytest.TestReport(request.node.nodeid, request.node.location, {}, "passed", None, "call")
+    return request.config.hook.pytest_report_to_serializable(config=request.config, report=rep)
+
+
+def finish(**output):
+    send("workerfinished", workeroutput={"exitstatus": 0, "shouldfail": False, "shouldstop": False, **output})
+
+
+ATTACKS = {
+    "logstart_location_none": lambda request: send("logstart", nodeid=request.node.nodeid, location=None),
+    "logfinish_location_pair": lambda request: send("logfinish", nodeid=request.node.nodeid, location=("x.py", 1)),
+    "unscheduled": lambda request: send("unscheduled", indices=[0, 1]),
+    "collectreport_passed": lambda request: send("collectreport", data={
+        "$report_type": "CollectReport", "nodeid": request.node.nodeid, "outcome": "passed", "longrepr": [1],
+        "result": None, "sections": []}),
+    "workerready_not_a_dict": lambda request: send("workerready", workerinfo="hostile"),
+    "teardownreport": lambda request: send("teardownreport", data=own_report(request)),
+    "internal_error": lambda request: send("internal_error", formatted_error=ESCAPES + "hostile internal error"),
+    "shouldstop": lambda request: finish(shouldstop="hostile stop"),
+    "interrupted": lambda request: finish(exitstatus=2, shouldfail="hostile fail"),
+    "shouldstop_then_exit": lambda request: (finish(shouldstop="hostile stop"), os._exit(0)),
+}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_attack(attack, request):
+    ATTACKS[attack](request)
+
+
+@pytest.mark.parametrize("i", range(8))
+def test_plain(i):
+    assert os.environ.get("PYTEST_BOXLITE_GUEST") == "1"
+"""
+
+#: attack -> what its failed report must say.
+FORGED_SAYS = {
+    "logstart_location_none": "a logstart whose location is not (path, line, domain): None",
+    "logfinish_location_pair": "a logfinish whose location is not (path, line, domain)",
+    "unscheduled": "an unscheduled event the controller did not ask for",
+    "collectreport_passed": "a collectreport outside the worker's collection",
+    "workerready_not_a_dict": "a second workerready",
+    "teardownreport": "an unknown event 'teardownreport'",
+    "internal_error": "\\x1b]0;PBX-TITLE\\x07\\x1b]52;c;cGJ4\\x07hostile internal error",
+    "shouldstop": "asking the session to stop (shouldstop='hostile stop')",
+    "interrupted": "interrupted (exit status 2)",
+    "shouldstop_then_exit": "crashed while running",
+}
+
+
+def junit_failures(path: Path) -> dict[str, tuple[str, str]]:
+    """Test name -> (outcome, failure text), every report of the run (a crashed test has two)."""
+    out: dict[str, tuple[str, str]] = {}
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        name = tc.get("name", "")
+        bad = [c for c in tc if c.tag in ("failure", "error")]
+        text = "\n".join((c.get("message") or "") + "\n" + (c.text or "") for c in bad)
+        outcome = "failed" if bad else "skipped" if tc.find("skipped") is not None else "passed"
+        if name in out and out[name][0] == "failed":
+            outcome, text = "failed", out[name][1] + "\n" + text
+        out[name] = (outcome, text)
+    return out
+
+
+@pytest.mark.escape_row("xdist-events")
+@pytest.mark.escape_row("xdist-stop")
+def test_worker_scope_forged_events_fail_their_test_only(tmp_path: Path, home: Path) -> None:
+    """--boxlite-scope=worker -n 2: each forged event fails the test that sent it, saying what
+    was refused (escaped), and the session and every other test go on.  Without the field checks
+    of pytest_boxlite.xdist_guard, the first four (and a collection report that passed) were an
+    INTERNALERROR with no test run, an internal_error printed its escapes raw and lost the test
+    that sent it, and a workerfinished with shouldstop ended the session after a few tests."""
+    pytest.importorskip("xdist")
+    proj = tmp_path / "proj"
+    write(proj, "conftest.py", FORGED_CONFTEST)
+    write(proj, "test_forged.py", FORGED_EVENTS)
+    junit = tmp_path / "junit.xml"
+    run = SubRun(proj, home, "forged", "-n", "2", "--boxlite-scope=worker", "-rA", f"--junitxml={junit}")
+    rc = run.wait()
+    out = run.output
+    assert "INTERNALERROR" not in out and "Interrupted" not in out, out[-6000:]
+    assert rc == pytest.ExitCode.TESTS_FAILED, out[-6000:]
+    cases = junit_failures(junit)
+    for attack, says in FORGED_SAYS.items():
+        outcome, text = cases.get(f"test_attack[{attack}]", ("missing", ""))
+        assert outcome == "failed" and says in text, f"{attack}: {outcome}\n{text}\n{out[-6000:]}"
+    # The escapes came out escaped, never raw (title, clipboard).
+    assert "\x1b]" not in out and "\\x1b]0;PBX-TITLE" in out, out[-6000:]
+    # The worker that ended mid-test was replaced; its crash report says what its box sent.
+    assert "replacing crashed worker" in out, out[-6000:]
+    assert "shouldstop='hostile stop'" in cases["test_attack[shouldstop_then_exit]"][1]
+    # The collection report forged before any test ran: a collection error named after gw1.
+    assert "boxlite-worker-gw1" in out and "whose outcome is 'passed'" in out, out[-6000:]
+    plain = {n: c for n, c in cases.items() if n.startswith("test_plain")}
+    assert len(plain) == 8 and all(c[0] == "passed" for c in plain.values()), plain
+    no_leftovers(home, out)
+
+
+# --------------------------------------------------------------------------
 # 5. images: every worker's vm home shares one image store
 
 
