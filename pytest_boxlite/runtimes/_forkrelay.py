@@ -14,21 +14,29 @@ resynchronised), frames for unknown connection ids are dropped, at most
 :data:`~pytest_boxlite.guest.relay.MAX_CONNS` connections are relayed at once, and nothing the
 guest sends is used as a host path (the guest's socket directory is chosen here).  Every wait is
 bounded, and :meth:`ForkRelay.close` ends the guest command, the threads and the sockets.
+
+The host socket's only clients are this relay's own connections, so both ends check their peer
+with ``SO_PEERCRED`` before a byte flows: the listener (:class:`_RelayListener`) hands the runner
+only connections made by this very process (another process, of any user, is closed unread and
+logged, a bounded number of lines), and each relayed connection carries bytes only once the
+socket it reached is this process's own listener.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import select
 import socket
+import struct
 import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import IO
+from typing import IO, Any
 
 from pytest_boxlite import guest
 from pytest_boxlite._tidy import remove_own_dir
@@ -41,6 +49,10 @@ START_TIMEOUT = 30.0
 SEND_TIMEOUT = 30.0
 #: Bound on each thread's end when the relay closes.
 JOIN_TIMEOUT = 5.0
+#: Connections of other processes one listener logs, one line each; later ones are counted.
+LOGGED_STRANGERS = 8
+
+_log = logging.getLogger(__name__)
 
 
 class RelayError(BoxliteError):
@@ -147,6 +159,8 @@ class ForkRelay:
         try:
             conn.settimeout(SEND_TIMEOUT)
             conn.connect(self._host_path)
+            if _peer(conn) != (os.getpid(), os.geteuid()):
+                raise ConnectionRefusedError("the fork socket is not this process's listener")
         except OSError:
             self._drop(cid, tell_guest=True)
             return
@@ -282,12 +296,43 @@ class _RelayListener(socket.socket):
     parent) ends its relay too."""
 
     relay: ForkRelay | None = None
+    #: Connections made by another process: closed unread (see the module docstring).
+    strangers = 0
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        """The next connection made by this process (a relayed one); any other is closed unread."""
+        while True:
+            conn, addr = super().accept()
+            try:
+                who = _peer(conn)
+            except OSError:
+                who = None
+            if who == (os.getpid(), os.geteuid()):
+                return conn, addr
+            conn.close()
+            self.strangers += 1
+            if self.strangers <= LOGGED_STRANGERS:
+                pid, uid = who if who is not None else (-1, -1)
+                _log.warning(
+                    "the VM fork relay's host socket refused a connection from pid %d (uid %d): only the relay "
+                    "itself (pid %d) may connect%s",
+                    pid,
+                    uid,
+                    os.getpid(),
+                    "; later ones are counted, not logged" if self.strangers == LOGGED_STRANGERS else "",
+                )
 
     def close(self) -> None:
         relay, self.relay = self.relay, None
         super().close()
         if relay is not None:
             relay.close()
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of the Unix socket ``conn`` (``SO_PEERCRED``)."""
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
 
 
 def _frame(kind: int, cid: int, payload: bytes = b"") -> bytes:

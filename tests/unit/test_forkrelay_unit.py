@@ -237,3 +237,57 @@ def test_a_guest_that_reads_nothing_is_ended_in_bounded_time(tmp_path: Path, mon
         start = time.monotonic()
         relay.close()
         assert time.monotonic() - start < 10
+
+
+#: Another process (this user's; root's or another user's would be refused alike) that connects
+#: straight to the relay's host socket, says a forked box's first words and waits for an answer.
+STRANGER = """
+import socket, sys
+c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+c.connect(sys.argv[1])
+c.sendall(b"forged first message")
+print("connected", flush=True)
+c.settimeout(20)
+try:
+    print(repr(c.recv(100)))
+except ConnectionResetError:
+    print(repr(b""))
+"""
+
+
+def test_the_host_socket_hands_the_runner_only_the_relays_own_connections(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process other than the relay that reaches the host socket (root, whatever the socket
+    directory's mode; or this user's) is closed unread and logged; the relayed connection behind
+    it is the one the runner accepts."""
+    import subprocess
+
+    guest_dir = tmp_path / "guest"
+
+    def local(argv: Sequence[str]) -> list[str]:
+        return [sys.executable, *argv[1:]]
+
+    relay = ForkRelay(local, "python3", guest_dir=str(guest_dir))
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        stranger = subprocess.Popen(
+            [sys.executable, "-c", STRANGER, relay.listener.getsockname()], stdout=subprocess.PIPE, text=True
+        )
+        # Queued first: the stranger's connection is the one accept() would return.
+        assert stranger.stdout is not None
+        assert stranger.stdout.readline().strip() == "connected"
+        c.connect(relay.guest_path)
+        c.sendall(b"from the box")
+        relay.listener.settimeout(10)
+        host, _ = relay.listener.accept()
+        with host:
+            host.settimeout(10)
+            assert host.recv(100) == b"from the box"
+        out, _ = stranger.communicate(timeout=30)
+        assert out.strip() == "b''", out
+        assert relay.listener.strangers == 1
+        assert any("refused a connection from pid" in r.getMessage() for r in caplog.records)
+    finally:
+        c.close()
+        relay.close()
