@@ -213,6 +213,7 @@ class FixturesDirective(SphinxDirective):
 
 def _extra_envvars() -> list[tuple[str, str]]:
     """Variables that are no option, each checked against the constant the code uses."""
+    from pytest_boxlite.images import store
     from pytest_boxlite.runtimes import rest
     from pytest_boxlite.spec import GUEST_ENV
 
@@ -228,6 +229,26 @@ def _extra_envvars() -> list[tuple[str, str]]:
             f"renewed by a live session; default {rest.DEFAULT_LEASE})",
         ),
         ("XDG_CACHE_HOME", "read: the default ``--boxlite-home`` is ``$XDG_CACHE_HOME/pytest-boxlite``"),
+        (
+            store.MAX_IMAGE_ENV,
+            f"read: bytes of file data one image may unpack to (default {store.DEFAULT_MAX_UNPACKED >> 30} GiB; "
+            "``16G``); see how-to/images",
+        ),
+        (
+            store.MAX_RATIO_ENV,
+            f"read: the compression ratio a layer and an image may unpack at (default {store.DEFAULT_MAX_RATIO}:1, "
+            f"never below {store.RATIO_FLOOR >> 20} MiB)",
+        ),
+        (
+            store.MAX_STORE_ENV,
+            f"read: bytes on disk the image store keeps (default {store.DEFAULT_MAX_STORE >> 30} GiB; least "
+            "recently used images no session holds are evicted)",
+        ),
+        (
+            store.EXPIRY_ENV,
+            f"read: days an unused image stays in the image store (default {store.DEFAULT_EXPIRY_DAYS:g}; 0: "
+            "until the store is full)",
+        ),
         (GUEST_ENV, "set to ``1`` in a box's own pytest: the plugin there stays passive (the host does the boxing)"),
         ("BOXLITE_BOX", "set in ``boxlite_sandbox`` commands on the namespace runtime: the box's name"),
         ("BOXLITE_RUNTIME", "set in ``boxlite_sandbox`` commands on the namespace runtime: ``namespace``"),
