@@ -65,11 +65,14 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pytest_boxlite import guest
+from pytest_boxlite._homefs import HomeDir
+from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import (
     BoxDeadError,
     BoxliteError,
@@ -785,9 +788,25 @@ class VmKind:
         as one entry per box record with ``each_box`` (opening the home), else one per home."""
         found: list[Leftover] = []
         base = vm_homes(home)
-        for vm_home in sorted(base.iterdir()) if base.is_dir() else []:
-            if not vm_home.is_dir():
+        try:
+            # Through the home's descriptor: a ``vm`` link, and entries that are links or another
+            # user's, are refused (never opened by BoxLite, never removed).
+            with HomeDir.at(home, "vm") as vm:
+                entries = vm.entries()
+        except FileNotFoundError:
+            entries = []
+        for entry in entries:
+            if entry.refused is not None:
+                warnings.warn(
+                    f"pytest-boxlite: refused {shown(base / entry.name, line=True)}: {entry.refused}; not a vm "
+                    "home of yours: it is not followed or removed (remove it by hand if you know what it is)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 continue
+            if not entry.is_dir:
+                continue
+            vm_home = base / entry.name
             owner = vm_home.name
             alive = owners.alive(owner)
             kept = (vm_home / "keep").exists()
@@ -813,7 +832,9 @@ class VmKind:
                 rt.close()
         except BoxliteError:
             return None  # BoxLite still holds the home, or refuses its records: left for a later clean
-        shutil.rmtree(vm_home, ignore_errors=True)
+        if "/" not in leftover.owner and leftover.owner not in ("", ".", ".."):
+            with contextlib.suppress(OSError), HomeDir.at(home, "vm") as vm:
+                vm.remove(leftover.owner)  # by descriptors: nothing below it is followed
         return f"{leftover.owner} (vm home, {len(names)} boxes)"
 
     def drop_templates(self, home: Path) -> list[str]:
