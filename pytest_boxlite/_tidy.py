@@ -6,19 +6,21 @@ never hidden either: a directory left behind is named, with the reason, as a ``R
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from pathlib import Path
+
+from pytest_boxlite._homefs import remove_path
 
 
 def remove_own_dir(path: str | Path, what: str) -> bool:
     """Remove ``path`` (a directory this process made); warn naming ``what`` if it cannot.
 
-    Returns whether the directory is gone.  Links inside are removed, never followed
-    (``shutil.rmtree``'s own rule).
+    Returns whether the directory is gone.  It is removed by directory descriptors
+    (:func:`pytest_boxlite._homefs.remove_path`): links inside are removed, never followed, the
+    walk never leaves the tree, and directories a box left at mode 000 are made removable first.
     """
     try:
-        shutil.rmtree(path)
+        remove_path(path)
     except FileNotFoundError:
         return True
     except OSError as exc:

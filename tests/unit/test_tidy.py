@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
+from pytest_boxlite import _tidy
 from pytest_boxlite._tidy import remove_own_dir
 
 
@@ -32,6 +32,16 @@ def test_a_failure_is_warned_naming_the_directory(tmp_path: Path, monkeypatch: p
     def refuse(path: object) -> None:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(shutil, "rmtree", refuse)
+    monkeypatch.setattr(_tidy, "remove_path", refuse)
     with pytest.warns(RuntimeWarning, match=r"could not remove the relay's directory .*stuck.*Permission denied"):
         assert not remove_own_dir(tmp_path / "stuck", "the relay's directory")
+
+
+def test_a_directory_left_at_mode_000_is_removed(tmp_path: Path) -> None:
+    own = tmp_path / "own"
+    (own / "work" / "work").mkdir(parents=True)
+    (own / "work" / "work" / "f").write_text("x")
+    (own / "work" / "work").chmod(0)
+    (own / "work").chmod(0o500)
+    assert remove_own_dir(own, "a test directory")
+    assert not own.exists()
