@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -17,7 +17,10 @@ if TYPE_CHECKING:
     from pytest_boxlite.session import BoxliteSession
     from pytest_boxlite.spec import BoxSpec
 
-ALLOWED = ("image", "cpus", "memory", "env", "network", "timeout", "user")
+ALLOWED = ("image", "cpus", "memory", "env", "network", "timeout", "user", "side_effects")
+#: A collection report's attribute: an xdist worker refused a test's marker (a usage error), which
+#: its controller turns into the usage error's exit status (``session_in_box.WorkerRefusals``).
+USAGE_ATTR = "boxlite_usage_error"
 #: This plugin's fixtures that lease boxes from the host's pool: a test that needs one (directly
 #: or through other fixtures) cannot run in a box, since a box starts no boxes of its own.
 BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
@@ -51,6 +54,8 @@ def _check(item: pytest.Item, kwargs: Mapping[str, Any]) -> None:
             raise _bad(item, f"env must be a dict of str to str, got {value!r}")
         if key == "user" and not (isinstance(value, str) and value.strip()):
             raise _bad(item, f"user must be a name or 'uid[:gid]' string, got {value!r}")
+        if key == "side_effects" and value not in ("off", "report", "fail"):
+            raise _bad(item, f"side_effects must be 'off', 'report' or 'fail', got {value!r}")
         if key == "timeout" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise _bad(item, f"timeout must be a positive number of seconds, got {value!r}")
 
@@ -102,13 +107,19 @@ def plan_for(item: pytest.Item, session: BoxliteSession) -> BoxPlan | None:
             "on the host, where its sandboxes are boxes (under --boxlite too).",
         )
     timeout = float(kwargs.pop("timeout", session.settings.timeout))
+    kwargs.pop("side_effects", None)  # read per test by side_effects.py: not part of the box's spec
     env = kwargs.pop("env", None)
+    if session.image_error is not None and "image" not in kwargs:
+        # The session's own image (option, ini or environment) is at fault, not this marker.
+        raise pytest.UsageError(session_image_error(session))
     try:
         spec = session.spec_for(
             **kwargs, env=tuple(env.items()) if env else None, worker=True, mounts=session.worker_mounts
         )
     except BoxliteError as exc:
         raise _bad(item, str(exc)) from None
+    if spec.user is not None:
+        _check_user(item, spec.user, session.choice.kind)
     if not item.stash.get(_WARNED_KEY, False):
         unheld = session.unheld_caps(spec)
         if unheld:
@@ -141,3 +152,66 @@ def warn_at(item: pytest.Item, message: str, gist: str) -> None:
             f"{exc} (a PytestWarning that the warning filters make an error; to let it pass, add "
             f"'default:.*{gist}:pytest.PytestWarning' to filterwarnings)"
         ) from None
+
+
+def session_image_error(session: BoxliteSession) -> str:
+    """The usage error of a session whose own image (``--boxlite-image``, its ini key or its
+    variable) cannot be used: it names the option and where the value came from."""
+    from pytest_boxlite.settings import source_text
+
+    source = source_text(session.settings.sources.get("image", "default"))
+    return (
+        f"--boxlite-image (from {source}): {session.image_error}. Give an image this machine has (a "
+        "registry reference, oci:DIR[:TAG], oci-archive:FILE or docker-archive:FILE), or leave the option out"
+    )
+
+
+def _check_user(item: pytest.Item, user: str | int, kind: str) -> None:
+    from pytest_boxlite.runtimes import user_problem
+
+    problem = user_problem(kind, user)
+    if problem is not None:
+        raise _bad(item, problem)
+
+
+class MarkerCheck:
+    """The host's check of each test's ``boxlite`` marker as it is collected, before its box is
+    asked for: a mistake (an unknown or ill-typed argument, a ``user=`` nobody is) stops the run
+    there, not after a box was made for it.
+
+    In an xdist worker a usage error raised at collection breaks the controller (an INTERNALERROR
+    naming no test): each mistake goes to it as a collection error (:data:`USAGE_ATTR`), the worker
+    runs nothing, and the controller ends the run as a usage error.
+    """
+
+    NAME = "boxlite-marker-check"
+
+    def __init__(self, config: pytest.Config, kind: Callable[[], str]) -> None:
+        self.config = config
+        #: The runtime kind of the session (made at the first ``user=``: it needs a box anyway).
+        self.kind = kind
+        self.refused: list[tuple[pytest.Item, str]] = []
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        if item.get_closest_marker("boxlite") is None:
+            return
+        try:
+            kwargs = marker_kwargs(item)
+            if kwargs.get("user") is not None:
+                _check_user(item, kwargs["user"], self.kind())
+        except pytest.UsageError as exc:
+            if not hasattr(self.config, "workerinput"):
+                raise
+            self.refused.append((item, str(exc)))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if not self.refused:
+            return
+        for item, why in self.refused:
+            report = pytest.CollectReport(item.nodeid, "failed", why, [])
+            setattr(report, USAGE_ATTR, True)
+            config.hook.pytest_collectreport(report=report)
+        config.hook.pytest_deselected(items=list(items))
+        items[:] = []

@@ -40,6 +40,7 @@ from pytest_boxlite.spec import in_guest
 if TYPE_CHECKING:
     from pytest_boxlite.roles import HostPlugin, _SessionRole
     from pytest_boxlite.session import BoxliteSession
+    from pytest_boxlite.settings import Settings
 
 # Only what every pytest process with this plugin needs is imported here: options, fixtures,
 # markers.  The roles (pool, runtimes, remote execution) are imported in pytest_configure where
@@ -128,8 +129,17 @@ def pytest_configure(config: pytest.Config) -> None:
         lazy = LazyHost(config)
         config.stash[PROMOTE_KEY] = lazy.promote
         config.pluginmanager.register(lazy, LazyHost.NAME)
-        return
-    _register_role(config)
+    else:
+        _register_role(config)
+    if not _is_controller(config):
+        from pytest_boxlite.markers import MarkerCheck
+
+        def kind() -> str:
+            from pytest_boxlite.fixtures import get_session
+
+            return get_session(config).choice.kind
+
+        config.pluginmanager.register(MarkerCheck(config, kind), MarkerCheck.NAME)
 
 
 def _register_role(config: pytest.Config) -> _SessionRole:
@@ -159,17 +169,35 @@ def _register_role(config: pytest.Config) -> _SessionRole:
             worker_id = workerinput.get("workerid") if workerinput else None
             role = HostPlugin(config, settings, session_id, worker_id)
     except BoxliteError as exc:
-        raise pytest.UsageError(str(exc)) from None
+        raise pytest.UsageError(_named(settings, str(exc))) from None
     config.stash[SESSION_KEY] = role.session
     config.stash[ROLE_KEY] = role
     config.pluginmanager.register(role, role.NAME)
+    if role.session.image_error is not None:
+        # The run's own image (option, ini or environment) cannot be had: every box would fail
+        # with it, so the run stops now, before any box, naming the option and its source.  (The
+        # role is registered: its unconfigure releases what the session holds.)
+        from pytest_boxlite.markers import session_image_error
+
+        raise pytest.UsageError(session_image_error(role.session))
     if config.option.usepdb and isinstance(role, HostPlugin):
         config.pluginmanager.register(PdbNotice(_boxed_on(role)), "boxlite-pdb")
-    if isinstance(role, ControllerPlugin) and settings.scope == "worker":
+    if isinstance(role, ControllerPlugin):
+        # A worker's marker refusals (any scope) end the run as a usage error.
         from pytest_boxlite.session_in_box import WorkerRefusals
 
         config.pluginmanager.register(WorkerRefusals(), "boxlite-worker-refusals")
     return role
+
+
+def _named(settings: Settings, message: str) -> str:
+    """``message`` with the option and its source in front where it is about the run's own image."""
+    source = settings.sources.get("image", "default")
+    if source == "default" or not message.startswith(f"image {settings.image!r}"):
+        return message
+    from pytest_boxlite.settings import source_text
+
+    return f"--boxlite-image (from {source_text(source)}): {message}"
 
 
 #: The fixtures whose sandboxes are boxes of the host's pool (``roles._BOX_FIXTURES``, the same set).
@@ -333,6 +361,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     where a conftest imported that module (a run without services imports nothing for them)."""
     import sys
 
+    from pytest_boxlite import side_effects
+
+    side_effects.note_markers(items)
     services = sys.modules.get("pytest_boxlite.services")
     if services is not None:
         promote = config.stash.get(PROMOTE_KEY, None)
@@ -342,7 +373,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """One line for the tests that ``--boxlite`` left on the host because they lease sandboxes."""
+    """One line for the tests that ``--boxlite`` left on the host because they lease sandboxes;
+    the side effects and usage of boxed tests (``--boxlite-side-effects``, ``--boxlite-usage``)."""
+    from pytest_boxlite import side_effects
+
+    side_effects.summary(terminalreporter)
     on_host: dict[str, str] = {}
     for reports in terminalreporter.stats.values():
         for rep in reports:

@@ -28,18 +28,23 @@ def header(session: BoxliteSession, *, controller: bool = False) -> list[str]:
         root = session.default_spec.root
         image = root.label() if root is not None else "host filesystem"
         if session.image_error is not None:
-            image = f"{s.image} (cannot be used, no box will start: {session.image_error})"
+            image = _unusable(s.image, session.image_error)
     elif s.image.startswith(("oci:", "oci-archive:", "docker-archive:")) and not s.url:
         # vm: the local image's digest (resolved at start), or why it cannot be used
         image = (
             session.image_root(s.image).label()
             if session.image_error is None
-            else f"{s.image} (cannot be used, no box will start: {session.image_error})"
+            else _unusable(s.image, session.image_error)
         )
     return [
         f"boxlite: runtime={c.kind} ({why})",
         f"boxlite: image={image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={session.home}",
     ]
+
+
+def _unusable(image: str, error: str) -> str:
+    """The header's image that cannot be used: said once, with why."""
+    return f"{image} (cannot be used, no box will start: {error.removeprefix(f'image {image!r} cannot be used: ')})"
 
 
 def remote_header(specs: list[str], *, local: bool) -> list[str]:
@@ -75,8 +80,10 @@ def summary_line(stats: dict[str, Any], leaked: int) -> str:
     mx = max(waits) * 1000 if waits else 0.0
     forked = ""
     if stats.get("forked"):
-        fw = stats.get("fork_waits") or [0.0]
-        forked = f"forked {stats['forked']} (overhead p50 {statistics.median(fw) * 1000:.1f} ms), "
+        # Tests that sat at the debugger's prompt are not in fork_waits (remote.worker_host).
+        fw = stats.get("fork_waits") or []
+        overhead = f"{statistics.median(fw) * 1000:.1f} ms" if fw else "n/a"
+        forked = f"forked {stats['forked']} (overhead p50 {overhead}), "
     return (
         f"boxes booted {stats.get('booted', 0)}, {forked}leased {leased}, reused {stats.get('reused', 0)}, "
         f"warm-lease hit rate {rate}, lease wait p50 {p50:.1f} ms max {mx:.1f} ms, leaked {leaked}"

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from pytest_boxlite.markers import USAGE_ATTR
 from pytest_boxlite.settings import Settings
 
 
@@ -54,8 +55,6 @@ def run_session_in_box(config: pytest.Config, settings: Settings) -> int:
         return proc.wait(timeout=60)
 
 
-#: A collection report's attribute: a worker box refused a test's marker argument (a usage error).
-USAGE_ATTR = "boxlite_usage_error"
 #: The signal the timeout watchdog sends to the test's (main) thread.  A real-time signal, not
 #: SIGALRM: tests that use ``signal.alarm``/``setitimer`` themselves keep them to themselves.
 _TIMEOUT_SIGNAL = signal.SIGRTMIN + 5
@@ -259,9 +258,9 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
 
 
 class WorkerRefusals:
-    """On the xdist controller of a ``--boxlite-scope=worker`` run: a test whose marker arguments a
-    worker's box refused (a collection error, see :class:`WorkerScopeGuest`) ends the session with
-    the usage error's exit status, as it does without xdist."""
+    """On an xdist controller: a test whose marker arguments a worker refused (a collection error,
+    see :class:`WorkerScopeGuest` and ``markers.MarkerCheck``) ends the session with the usage
+    error's exit status, as it does without xdist."""
 
     def __init__(self) -> None:
         self.refused = False

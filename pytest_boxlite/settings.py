@@ -89,6 +89,13 @@ def _patterns(v: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in v.replace("\n", ",").split(",") if p.strip())
 
 
+def _count(v: str) -> int:
+    n = int(v)
+    if n < 0:
+        raise ValueError("must be 0 or more")
+    return n
+
+
 def _nonempty(v: str) -> str:
     if not v.strip():
         raise ValueError("must not be empty")
@@ -121,7 +128,13 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option(
-        "image", _nonempty, default_image, "OCI image of the boxes (default: python:<host major.minor>-slim)", "IMAGE"
+        "image",
+        _nonempty,
+        default_image,
+        "OCI image of the boxes: a registry reference, oci:DIR[:TAG], oci-archive:FILE or docker-archive:FILE "
+        "(default: on the namespace runtime, none: boxes see the host's own files; on vm, "
+        "python:<host major.minor>-slim)",
+        "IMAGE",
     ),
     Option("replicas", _positive_int, lambda: 2, "cap on live boxes per pytest process; also the warm-pool size", "N"),
     Option(
@@ -211,6 +224,34 @@ OPTIONS: tuple[Option, ...] = (
         "SECONDS",
     ),
 )
+OPTIONS += (
+    Option(
+        "side_effects",
+        _choice("off", "report", "fail"),
+        lambda: "off",
+        "off (default), report or fail: list what each boxed test left behind (files outside its temporary "
+        "space, processes still running, environment, working directory or umask not restored) in the summary "
+        "and the junitxml property boxlite_side_effects; fail also fails each such test at teardown",
+        "off|report|fail",
+    ),
+    Option(
+        "side_effects_ignore",
+        _patterns,
+        lambda: (),
+        "paths a suite writes on purpose, left out of --boxlite-side-effects: comma-separated fnmatch patterns "
+        "matched against the path in the box, relative to the project or as ~/... in the home "
+        "(a directory's pattern covers what it holds)",
+        "PATTERNS",
+    ),
+    Option(
+        "usage",
+        _count,
+        lambda: 0,
+        "list the N boxed tests with the highest peak memory and CPU time (like --durations=N); junitxml gets "
+        "boxlite_cpu_s and boxlite_peak_memory_mb for every boxed test (default 0: off)",
+        "N",
+    ),
+)
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 
 
@@ -237,21 +278,80 @@ class Settings:
     credential_file: str | None = None
     env_deny: tuple[str, ...] = DEFAULT_ENV_DENY
     fresh: str = "fork"
+    side_effects: str = "off"
+    side_effects_ignore: tuple[str, ...] = ()
+    usage: int = 0
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
 
+def default_text(value: Any) -> str:
+    """A default value as ``--help`` and the reference show it."""
+    if value is False:
+        return "off"
+    if value is True:
+        return "on"
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def help_text(opt: Option) -> str:
+    """``opt``'s help with its default, where the help does not say it already."""
+    default = opt.default()
+    if opt.flag_only or default is None or "default" in opt.help:
+        return opt.help
+    return f"{opt.help} (default: {default_text(default)})"
+
+
+#: The ini type of each option's key (``pytest --help`` shows it): flags are booleans, the list
+#: of patterns is a line list (one or more per line, comma-separated), the rest strings.
+INI_TYPES = {"all": "bool", "keep": "bool", "env_deny": "linelist"}
+
+
 def add_options(parser: pytest.Parser) -> None:
-    """Register every option as a flag and an ini key."""
+    """Register every option as a flag and an ini key; ``--boxlite`` first (it is the one most runs need)."""
     group = parser.getgroup("boxlite", "run tests inside throw-away boxes (pytest-boxlite)")
-    for opt in OPTIONS:
-        text = f"{opt.help} [ini: {opt.ini}; env: {opt.env}]"
+    for opt in sorted(OPTIONS, key=lambda o: o.name != "all"):
+        text = f"{help_text(opt)} [ini: {opt.ini}; env: {opt.env}]"
         if opt.flag_only:
             group.addoption(
                 opt.flag, action="store_const", const="1", default=None, dest=f"boxlite_{opt.name}", help=text
             )
         else:
             group.addoption(opt.flag, default=None, dest=f"boxlite_{opt.name}", metavar=opt.metavar, help=text)
-        parser.addini(opt.ini, opt.help, default=None)
+        parser.addini(opt.ini, help_text(opt), type=INI_TYPES.get(opt.name, "string"), default=None)  # type: ignore[arg-type]
+
+
+def source_text(source: str) -> str:
+    """Where a value came from, as an error message says it (``Settings.sources`` holds the short form)."""
+    kind, _, name = source.partition(" ")
+    if kind == "command":
+        return "the command line"
+    if kind == "env":
+        return f"the environment variable {name}"
+    if kind == "ini":
+        return f"the ini key {name}"
+    return source
+
+
+def _ini(config: pytest.Config, opt: Option) -> str | None:
+    """The ini key's value as text for ``opt.parse`` (a typed key comes back as a bool or a list)."""
+    try:
+        ini = config.getini(opt.ini)
+    except ValueError as exc:  # a bool key pytest cannot read: "invalid truth value 'x'"
+        raw = str(exc).removeprefix("invalid truth value ")
+        raise pytest.UsageError(
+            f"{opt.flag}: bad value {raw} from ini key {opt.ini}: must be one of 1/0, true/false, yes/no, on/off"
+        ) from None
+    if ini is None or ini == "" or ini == []:
+        return None
+    if isinstance(ini, bool):
+        return "1" if ini else "0"
+    if isinstance(ini, list):
+        return "\n".join(str(v) for v in ini)
+    return str(ini)
 
 
 def _parse(opt: Option, raw: str, source: str) -> Any:
@@ -271,9 +371,8 @@ def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Set
     sources: dict[str, str] = {}
     for opt in OPTIONS:
         value, source = opt.default(), "default"
-        ini = config.getini(opt.ini)
-        if ini not in (None, "", []):
-            raw_ini = ini if isinstance(ini, str) else " ".join(ini)
+        raw_ini = _ini(config, opt)
+        if raw_ini is not None:
             value, source = _parse(opt, raw_ini, f"ini key {opt.ini}"), f"ini {opt.ini}"
         if opt.env in env:
             value, source = _parse(opt, env[opt.env], f"environment variable {opt.env}"), f"env {opt.env}"

@@ -73,7 +73,9 @@ _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def default_image() -> str:
-    """``python:<host major.minor>-slim``: the guest runs the host's Python version."""
+    """namespace: none (the host's own files); vm: ``python:<host major.minor>-slim``: the guest
+    runs the host's Python version.  The namespace runtime boxes on the host's files unless an
+    image is named (``runtimes.images_on_request``)."""
     return f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
 
 

@@ -30,6 +30,18 @@ def test_show(pytestconfig):
     print("\\nBOXLITE-SETTINGS " + json.dumps(shown))
 """
 
+# The settings alone, resolved at configure in a run that only collects (it makes no session): the
+# layers' images are names nobody has, which a session refuses at its start (a usage error).
+SHOW_RESOLVED = """
+import dataclasses, json
+from pytest_boxlite.settings import resolve
+
+def pytest_configure(config):
+    s = resolve(config)
+    values = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "sources"}
+    print("\\nBOXLITE-SETTINGS " + json.dumps({"values": values, "sources": s.sources}))
+"""
+
 # name -> (ini raw, env raw, cli args, parsed ini, parsed env, parsed cli)
 LAYERS: dict[str, tuple[str, str, list[str], Any, Any, Any]] = {
     "replicas": ("3", "4", ["--boxlite-replicas", "5"], 3, 4, 5),
@@ -65,8 +77,13 @@ def write_ini(pytester: pytest.Pytester, values: dict[str, str]) -> None:
     pytester.makeini("\n".join(lines) + "\n")
 
 
-def run_show(pytester: pytest.Pytester, *args: str) -> dict[str, Any]:
-    pytester.makepyfile(test_show=SHOW_SETTINGS)
+def run_show(pytester: pytest.Pytester, *args: str, session: bool = True) -> dict[str, Any]:
+    if session:
+        pytester.makepyfile(test_show=SHOW_SETTINGS)
+    else:
+        pytester.makeconftest(SHOW_RESOLVED)
+        pytester.makepyfile(test_show="def test_show():\n    pass\n")
+        args = ("--collect-only", *args)
     result = pytester.runpytest("-s", *QUIET, *args)
     assert result.ret == pytest.ExitCode.OK, "\n".join(result.outlines + result.errlines)
     for line in result.outlines:
@@ -115,7 +132,7 @@ def test_precedence(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, 
             args += layer[2]
         args += ["--boxlite-home", cli_home]
 
-    shown = run_show(pytester, *args)
+    shown = run_show(pytester, *args, session=False)
     values, sources = shown["values"], shown["sources"]
     idx = {"ini": 3, "ini+env": 4, "ini+env+cli": 5}[layers]
     for name, layer in LAYERS.items():
@@ -139,7 +156,7 @@ def test_env_beats_default_and_cli_beats_ini_without_the_middle_layer(
     write_ini(pytester, {"replicas": "3", "image": "ini/image:1", "home": str(tmp_path / "ini-home")})
     monkeypatch.setenv("PYTEST_BOXLITE_NETWORK", "on")
     monkeypatch.setenv("PYTEST_BOXLITE_IDLE_TIMEOUT", "7")
-    shown = run_show(pytester, "--boxlite-replicas=6", "--boxlite-timeout", "9")
+    shown = run_show(pytester, "--boxlite-replicas=6", "--boxlite-timeout", "9", session=False)
     values, sources = shown["values"], shown["sources"]
     assert (values["replicas"], sources["replicas"]) == (6, "command line --boxlite-replicas")
     assert (values["image"], sources["image"]) == ("ini/image:1", "ini boxlite_image")

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import execnet
 import pytest
 
+from pytest_boxlite import side_effects
 from pytest_boxlite.guest import messages as msg
 from pytest_boxlite.remote.debug_relay import DebugRelay
 
@@ -188,6 +189,11 @@ class Outcome:
     #: At a timeout: what the test had printed and logged in its running phase (``LASTWORDS``),
     #: as report sections.
     last_words: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    #: What the test left behind and used (``CHANGES``, checked: :mod:`pytest_boxlite.side_effects`).
+    changes: side_effects.Changes | None = None
+    #: Seconds the relayed debugger waited at its prompt for the user: the box's overhead cannot
+    #: be told from it (``--pdb``'s prompt lies outside every report's duration).
+    paused: float = 0.0
 
 
 #: Reports of one boxed test (subtests and reruns make many) and their total text the host keeps.
@@ -319,6 +325,7 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
         if isinstance(stream, (ForkStream, ChannelStream)):
             stream.idle = None
         relay.close()
+        out.paused = relay.paused
     dropped = out.warnings - WARNINGS_CAP
     if dropped > 0 or out.warning_bytes > msg.WRITE_BACK_BYTES:
         _relay_warning(
@@ -437,6 +444,13 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
             _store_coverage(config, fields, box)
         else:
             _store_files(config, fields.get("files"))
+    elif name == msg.CHANGES:
+        if out.changes is not None:
+            raise BoxSpoke("a second changes message for one test")
+        try:
+            out.changes = side_effects.take(fields)
+        except ValueError as exc:
+            raise BoxSpoke(f"a changes message the host refused: {exc}") from None
     elif name == msg.EXIT:
         code = fields.get("returncode")
         if code is None:

@@ -36,7 +36,7 @@ from typing import Any
 import execnet
 import pytest
 
-from pytest_boxlite import guest, reach
+from pytest_boxlite import guest, reach, side_effects
 from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.guest import messages as msg
@@ -339,7 +339,8 @@ class RemoteRunner:
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
         # The message vocabulary and the per-test fork's set-up travel with the worker: one remote_exec.
-        self._source = "\n".join(guest.source(n) for n in ("messages", "caps", "fresh", "lastwords", "worker"))
+        names = ("messages", "caps", "fresh", "lastwords", "changes", "worker")
+        self._source = "\n".join(guest.source(n) for n in names)
         self._args = guest_args(config)
         #: Per fork parent: the socket its forks connect to, and that socket's path in the box.
         self._listeners: dict[str, tuple[socket.socket, str]] = {}
@@ -495,6 +496,7 @@ class RemoteRunner:
         seq = self._seq
         try:
             fields = {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq, **_service_fields(self.config, item=item)}
+            fields.update(side_effects.run_fields(self.config, item))
             fields["timeout"] = _left(start, timeout)  # the box sends its last words when it passes
             worker.channel.send((msg.RUN, fields))
         except (EOFError, OSError, execnet.RemoteError) as exc:
@@ -596,6 +598,7 @@ class RemoteRunner:
         self._seq += 1
         run.seq = seq = self._seq
         fields = {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq, **_service_fields(self.config, item=item)}
+        fields.update(side_effects.run_fields(self.config, item))
         fields["timeout"] = _left(start, timeout)  # the box sends its last words when it passes
         line = json.dumps([msg.RUN, fields]) + "\n"
         run.started = True
@@ -690,6 +693,7 @@ class RemoteRunner:
         request = {"nodeid": nodeid, "token": token, "sock": fork_socket, "hostname": name[:63], "network": network}
         if handle.fork_renews_all:
             request["renew_all"] = True  # absent otherwise: namespace boxes are forked as they always were
+        request.update(side_effects.fork_fields(self.config))  # the box keeps its layers to list changes
         if self.share_fixtures:
             request["shared"] = True  # wider fixtures are set up in the warm interpreter (BoxedExecutor)
             request.update(_service_fields(self.config, nodeid=nodeid, wide_only=True))
@@ -850,7 +854,8 @@ class RemoteRunner:
             code = self._fork_status(box.worker, msg.WAIT, box.child)
             if box.handle.oom_kills() > box.oom_before or (box.cell is not None and box.cell.oom_kills() > 0):
                 out.hung_up = BoxSpoke(_OOM)
-        if out.done:
+        if out.done and not out.paused:
+            # A test that sat at the debugger's prompt tells nothing of the box's overhead.
             self.fork_waits.append(time.monotonic() - start - sum(r.duration for r in out.reports))
         if not box.alive and box.stream is not None:
             with contextlib.suppress(OSError):

@@ -210,6 +210,20 @@ def image_problem(kind: str, spec: BoxSpec) -> str | None:
     )
 
 
+def user_problem(kind: str, user: str | int) -> str | None:
+    """Why ``user=`` (a marker's or a sandbox's) names nobody a box of runtime ``kind`` can run as,
+    with the fix; else ``None``.  Asked before any box is made (a vm's guest resolves names itself)."""
+    if kind != "namespace":
+        return None
+    from pytest_boxlite.runtimes.namespace.privileges import parse_user
+
+    try:
+        parse_user(user, (0, 0))
+    except ConfigError as exc:
+        return f"{exc}: give a user or group listed there, or numeric ids ('uid[:gid]')"
+    return None
+
+
 def preflight(kind: str) -> str | None:
     """Why boxes of runtime ``kind`` cannot work on this host (with the fix), or ``None``.
 

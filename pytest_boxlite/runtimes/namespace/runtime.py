@@ -258,13 +258,14 @@ class NamespaceRuntime(RuntimeDefaults):
     ) -> NamespaceBox:
         """The box's directories and cgroups, then ``start`` (a boot or a fork) in them."""
         box_dir = self.state_dir / name
+        # Before the box's directory: a user= nobody is makes no box (none to count as leaked).
+        identity = box_identity(spec)
         try:
             with HomeDir.at(self.home, "namespace") as state:
                 os.mkdir(name, 0o755, dir_fd=state.fd)
                 os.mkdir(ctl_dir(box_dir).name, 0o700, dir_fd=state.fd)
         except FileExistsError:
             raise BoxStartError(f"a box named {name!r} already exists in {self.state_dir}") from None
-        identity = box_identity(spec)
         if spec.root is not None and spec.user is None and not spec.worker and spec.root.user and _host_root():
             # The image config's User, where the box maps every id (a root host): elsewhere only
             # the host user is mapped, and commands run as root in the box as without an image.
