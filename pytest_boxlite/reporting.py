@@ -36,9 +36,13 @@ def header(session: BoxliteSession, *, controller: bool = False) -> list[str]:
             if session.image_error is None
             else _unusable(s.image, session.image_error)
         )
+    from pytest_boxlite._homefs import limits as home_limits
+
     return [
         f"boxlite: runtime={c.kind} ({why})",
         f"boxlite: image={image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={session.home}",
+        # Where this host cannot hold a home rule as designed, the run says so (see _homefs).
+        *(f"boxlite: home rule not held as designed: {limit}" for limit in home_limits()),
     ]
 
 
