@@ -9,8 +9,9 @@ with the box.
 
 Who may connect: the relay serves only its own user.  ``127.0.0.1`` is open to every local user,
 so before a byte is read or sent, each accepted connection's far end, the connecting socket, is
-looked up in the kernel's table of this network namespace's TCP sockets (``/proc/net/tcp``, or
-``tcp6`` for a dual-stack client) by its two addresses; a connection is served only when that
+looked up in this network namespace's TCP sockets by its two addresses (an exact
+``NETLINK_SOCK_DIAG`` query, about 50 us, IPv4 then IPv6 for a dual-stack client; where the
+kernel has no ``tcp_diag``, a read of ``/proc/net/tcp`` and ``tcp6``); a connection is served only when that
 socket is still held by a process (not a closed one's TIME-WAIT remnant, whose owner the kernel
 forgets) and its owner is this process's effective uid (:func:`peer_uid`).  Anything else
 (another user, root's processes when the session is an ordinary user's, a socket that cannot be
@@ -25,10 +26,12 @@ maps to (the session's own for the box's root).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import pwd
 import socket
+import struct
 import sys
 import threading
 from collections.abc import Callable
@@ -171,28 +174,109 @@ def _user_name(uid: int) -> str:
         return ""
 
 
+def _words(family: socket.AddressFamily, host: str) -> bytes:
+    """The 16 address bytes of ``host`` as sockets of ``family`` hold them (IPv4 v4-mapped in IPv6)."""
+    if family == socket.AF_INET:
+        return socket.inet_aton(host) + bytes(12)
+    return socket.inet_pton(socket.AF_INET6, f"::ffff:{host}")
+
+
 def _table_address(family: socket.AddressFamily, host: str, port: int) -> bytes:
     """``host:port`` as the kernel's socket tables print it: each 32-bit word of the address in
     this machine's byte order, in hex; an IPv4 address v4-mapped for ``tcp6``."""
-    raw = socket.inet_aton(host) if family == socket.AF_INET else socket.inet_pton(socket.AF_INET6, f"::ffff:{host}")
+    raw = _words(family, host)[: 4 if family == socket.AF_INET else 16]
     words = "".join(f"{int.from_bytes(raw[i : i + 4], sys.byteorder):08X}" for i in range(0, len(raw), 4))
     return f"{words}:{port:04X}".encode()
+
+
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLMSG_ERROR = 2
+_NLM_F_REQUEST = 1
+_NLMSG = struct.Struct("=IHHII")  # struct nlmsghdr
+_DIAG_REQ = struct.Struct("=BBBBI")  # struct inet_diag_req_v2, up to its socket id
+_SOCKID_PORTS = struct.Struct("!HH")
+_NOCOOKIE = struct.pack("=III", 0, 0xFFFFFFFF, 0xFFFFFFFF)  # idiag_if, then INET_DIAG_NOCOOKIE
+_DIAG_OWNER = struct.Struct("=II")  # inet_diag_msg's idiag_uid and idiag_inode, at offset 64
+#: Whether this kernel answers sock_diag lookups (probed once: :func:`_sock_diag_works`).
+_sock_diag: bool | None = None
+
+
+def _diag(family: socket.AddressFamily, far: tuple[str, int], near: tuple[str, int]) -> tuple[int, int] | None:
+    """``(uid, inode)`` of the TCP socket whose local end is ``far`` and remote end ``near``, asked
+    of the kernel by its four addresses (``NETLINK_SOCK_DIAG``: one exact lookup, not a walk of
+    every socket); ``None`` when there is none.  ``OSError`` when the kernel cannot answer."""
+    sockid = _SOCKID_PORTS.pack(far[1], near[1]) + _words(family, far[0]) + _words(family, near[0])
+    body = _DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sockid + _NOCOOKIE
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(2.0)
+        nl.sendto(_NLMSG.pack(_NLMSG.size + len(body), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0) + body, (0, 0))
+        data = nl.recv(4096)
+    if len(data) < _NLMSG.size + 4:
+        raise OSError(errno.EPROTO, "a short answer from sock_diag")
+    _length, kind, _flags, seq, _pid = _NLMSG.unpack_from(data)
+    if kind == _NLMSG_ERROR:
+        code = -struct.unpack_from("=i", data, _NLMSG.size)[0]
+        if code == errno.ENOENT:
+            return None
+        raise OSError(code, os.strerror(code))
+    if kind != _SOCK_DIAG_BY_FAMILY or seq != 1 or len(data) < _NLMSG.size + 72:
+        raise OSError(errno.EPROTO, "an unexpected answer from sock_diag")
+    # The socket found must be the one asked for (the kernel falls back to a listener on far's
+    # address when no connection has those four addresses).
+    if data[_NLMSG.size + 4 : _NLMSG.size + 4 + len(sockid)] != sockid:
+        return None
+    uid, inode = _DIAG_OWNER.unpack_from(data, _NLMSG.size + 64)
+    return uid, inode
+
+
+def _sock_diag_works() -> bool:
+    """Whether :func:`_diag` finds a connection this process holds (the kernel's ``tcp_diag``
+    may be missing, or netlink refused, in a container): else the socket tables are read."""
+    global _sock_diag
+    if _sock_diag is None:
+        try:
+            with (
+                socket.create_server(("127.0.0.1", 0)) as srv,
+                socket.create_connection(srv.getsockname(), timeout=2.0) as client,
+            ):
+                found = _diag(socket.AF_INET, client.getsockname()[:2], client.getpeername()[:2])
+                _sock_diag = found is not None and found[1] != 0
+        except OSError:
+            _sock_diag = False
+    return _sock_diag
 
 
 def peer_uid(conn: socket.socket) -> int | None:
     """The effective uid (as this process sees uids) that made the socket at the far end of
     ``conn``, a TCP connection accepted on this host's IPv4 loopback; ``None`` when no socket
-    held by a process is there: closed already (its TIME-WAIT entry keeps no owner), or none
-    found.  Read from the kernel's socket tables, where the far end is the one entry whose local
-    and remote addresses are ``conn``'s remote and local ones (see the module docstring)."""
+    held by a process is there: closed already (a closed socket keeps no owner: its TIME-WAIT
+    entry says uid 0), or none found.  Asked of the kernel by the connection's four addresses
+    (``sock_diag``), else read from its socket tables, where the far end is the one entry whose
+    local and remote addresses are ``conn``'s remote and local ones (see the module docstring)."""
     try:
-        near_host, near_port = conn.getsockname()[:2]
-        far_host, far_port = conn.getpeername()[:2]
+        near = conn.getsockname()[:2]
+        far = conn.getpeername()[:2]
     except OSError:
         return None  # already reset
+    if _sock_diag_works():
+        for family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                found = _diag(family, far, near)
+            except OSError:
+                return None  # the kernel could not say: nobody proven
+            if found is not None:
+                uid, inode = found
+                return uid if inode else None  # no inode: closed
+        return None
+    return _table_uid(far, near)
+
+
+def _table_uid(far: tuple[str, int], near: tuple[str, int]) -> int | None:
+    """:func:`peer_uid` from ``/proc/net/tcp`` (and ``tcp6``): a walk of every socket's line."""
     for family, table in zip((socket.AF_INET, socket.AF_INET6), _TABLES, strict=True):
-        local = _table_address(family, far_host, far_port)
-        remote = _table_address(family, near_host, near_port)
+        local = _table_address(family, *far)
+        remote = _table_address(family, *near)
         try:
             with open(table, "rb") as lines:
                 next(lines, None)  # the header

@@ -173,9 +173,26 @@ def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "pytest_boxlite.publish"]
 
 
+def _lookup(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Use the lookup ``how`` names: ``sock_diag`` (skips where the kernel has none), or ``proc
+    tables``, the fallback, forced through a private switch (a kernel without ``tcp_diag`` is
+    the one fault no real part here produces)."""
+    if how == "sock_diag":
+        if not publish._sock_diag_works():
+            pytest.skip("this kernel answers no sock_diag lookup (no tcp_diag): the tables are read")
+    else:
+        monkeypatch.setattr(publish, "_sock_diag", False)
+
+
+@pytest.mark.parametrize("how", ["sock_diag", "proc tables"])
 def test_another_user_reads_nothing_from_a_published_port(
-    attacker: str, greeter: tuple[Sandbox, tuple[str, int]], caplog: pytest.LogCaptureFixture
+    how: str,
+    attacker: str,
+    greeter: tuple[Sandbox, tuple[str, int]],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    _lookup(how, monkeypatch)
     sb, (host, port) = greeter
     caplog.set_level(logging.WARNING, logger="pytest_boxlite.publish")
     [(got, how)] = steal(attacker, port)
@@ -340,11 +357,15 @@ def test_an_ordinary_users_session_refuses_root() -> None:
         shutil.rmtree(work.root, ignore_errors=True)
 
 
-def test_the_lookup_names_this_processes_own_connection_and_no_closed_one() -> None:
+@pytest.mark.parametrize("how", ["sock_diag", "proc tables"])
+def test_the_lookup_names_this_processes_own_connection_and_no_closed_one(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """:func:`publish.peer_uid` finds the connecting socket's owner (this process's uid, here
-    any user's); once the client has closed, no owner (TIME-WAIT keeps none)."""
+    any user's); once the client has closed, no owner (TIME-WAIT keeps none).  Both lookups."""
     import socket
 
+    _lookup(how, monkeypatch)
     srv = socket.create_server(("127.0.0.1", 0))
     with srv:
         client = socket.create_connection(srv.getsockname())
@@ -353,7 +374,7 @@ def test_the_lookup_names_this_processes_own_connection_and_no_closed_one() -> N
             assert publish.peer_uid(served) == os.geteuid()
             client.close()
             assert wait_until(lambda: publish.peer_uid(served) is None, timeout=10)
-        # A dual-stack client (an AF_INET6 socket, v4-mapped) is found in tcp6.
+        # A dual-stack client (an AF_INET6 socket, v4-mapped) is found too.
         try:
             six = socket.socket(socket.AF_INET6)
             six.connect(("::ffff:127.0.0.1", srv.getsockname()[1]))
