@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "pytest glue: fixtures, boxed-test execution, xdist, the terminal report",
-        ("fixtures", "services", "remote", "remote.*", "reporting", "xdist_support", "xdist_guard"),
+        ("fixtures", "services", "remote", "remote.*", "reporting", "side_effects", "xdist_support", "xdist_guard"),
     ),
     ("test plans: markers to box specs, and the marker's registration", ("markers", "marker_registration")),
     ("the per-process session", ("session",)),

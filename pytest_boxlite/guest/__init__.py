@@ -13,6 +13,7 @@ reaches these files only through :func:`path` and :func:`source`.
 - ``attach``: the host-side stdio bridge into a box (namespace agent or VM bridge).
 - ``relay``: the guest end of a VM's fork relay (forked boxes' connections over one command's stdio).
 - ``lastwords``: a boxed test's captured output, sent to the host when its timeout passes.
+- ``changes``: what a boxed test left behind in its box (files, processes, environment), and its usage.
 - ``terminal``: a command on a pty of the box's own (``shell`` from a terminal: job control, Ctrl-C).
 """
 
@@ -22,7 +23,7 @@ import functools
 from pathlib import Path
 
 _HERE = Path(__file__).parent
-NAMES = ("messages", "worker", "caps", "fresh", "files", "agent", "attach", "relay", "terminal", "lastwords")
+NAMES = ("messages", "worker", "caps", "fresh", "files", "agent", "attach", "relay", "terminal", "lastwords", "changes")
 
 
 def path(name: str) -> Path:

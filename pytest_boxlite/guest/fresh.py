@@ -66,11 +66,20 @@ def _mounts():
 _XINO = [",xino=on"]
 
 
+#: ``[True]`` when a fresh box must keep a handle on its upper layers (guest/changes.py reads what
+#: the test wrote there); each is then in :data:`LAYERS` as ``(target, lower, fd)``.  The stage that
+#: holds them is hidden by the box's new /run; the box's test holds only these descriptors.
+KEEP_LAYERS = [False]
+LAYERS = []
+
+
 def _overlay(libc, lower, target, stage, n):
     """A new overlay on ``target`` over ``lower``, with an empty upper layer in ``stage``."""
     upper, work = "%s/u%s" % (stage, n), "%s/w%s" % (stage, n)
     os.mkdir(upper)
     os.mkdir(work)
+    if KEEP_LAYERS[0]:
+        LAYERS.append((target, lower, os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)))
     opts = "lowerdir=%s,upperdir=%s,workdir=%s,userxattr" % (lower, upper, work)
     try:
         _mount(libc, "overlay", target, "overlay", 0, opts + _XINO[0])

@@ -34,6 +34,9 @@ guest -> host
                                       (file -> lines, or arcs as ``[a, b]`` pairs)
     ``FILES {files}``                 files the test wrote under :data:`WRITE_BACK` (relative path ->
                                       base64), e.g. the hypothesis example database
+    ``CHANGES {files, processes, env, cwd, umask, usage, notes}``
+                                      what the test left (RUN's ``changes`` asked): see
+                                      :mod:`pytest_boxlite.guest.changes`; sent once, before ``DONE``
     ``ERROR {text}``                  the item could not run in the box (not collected there, ...)
     ``LASTWORDS {when, out, err, log}``
                                       the test's timeout passed: what pytest captured so far of the
@@ -79,9 +82,10 @@ SHARED = "shared"
 TORNDOWN = "torndown"
 LASTWORDS = "lastwords"
 DEBUG = "debug"
+CHANGES = "changes"
 
 #: Messages a test may send while it runs (everything else ends or is foreign to a run).
-RUN_MESSAGES = (REPORT, WARNING, EXIT, OUTPUT, CACHE, COVERAGE, FILES, ERROR, DONE, LASTWORDS, DEBUG)
+RUN_MESSAGES = (REPORT, WARNING, EXIT, OUTPUT, CACHE, COVERAGE, FILES, ERROR, DONE, LASTWORDS, DEBUG, CHANGES)
 
 #: Longest text the guest puts in one report field (a section, the failure's text).
 FIELD_CAP = 1 << 20

@@ -478,6 +478,8 @@ def serve(channel):
             self.session = None
             self.forked = _Forked()
             self.seq = None
+            #: The ``changes`` field of the current RUN (side effects or usage asked for: guest/changes.py).
+            self.changes = None
             self.send = self._locked(lambda name, **fields: channel.send((name, fields)))
             self.cache_writes = {}
             self.coverage_sent = {}
@@ -612,6 +614,7 @@ def serve(channel):
                 name, fields = msg
                 if name == RUN:  # noqa: F821
                     self.seq = fields.get("seq")
+                    self.changes = fields.get("changes")
                     _take_services(fields.get("services"))
                     self.run(fields["nodeid"], fields.get("next"), fields.get("timeout"))
                     self.send(DONE)  # noqa: F821
@@ -931,6 +934,10 @@ def serve(channel):
             import time
 
             since = time.time() - 1.0  # file systems keep mtimes coarser than the clock
+            watch = None
+            if self.changes:
+                forked = KEEP_LAYERS[0]  # noqa: F821 - guest/fresh.py: this box keeps its layers
+                watch = Watch(LAYERS, self.changes, item.config, forked)  # noqa: F821 - guest/changes.py
             live = _LiveOutput(self.send) if item.config.option.capture in ("no", "tee-sys") else None
             last = LastWords(item, self.send, timeout)  # noqa: F821 - guest/lastwords.py
             debugger = _relay_debugger(item.config, self, last, channel)
@@ -946,8 +953,22 @@ def serve(channel):
                 if live is not None:
                     live.close()
             self._send_side_data(since)
+            if watch is not None:
+                self.send(CHANGES, **watch.finish())  # noqa: F821
 
-        def fork(self, nodeid, token, sock, hostname, network, renew_all=False, shared=False, cell=None, services=None):
+        def fork(
+            self,
+            nodeid,
+            token,
+            sock,
+            hostname,
+            network,
+            renew_all=False,
+            shared=False,
+            cell=None,
+            services=None,
+            changes=False,
+        ):
             """Fork a fresh box for ``nodeid`` (collected here first, so the box inherits it) that
             runs each ``RUN`` the host sends on its stream (one, or a module's), until the stream ends.
 
@@ -1010,6 +1031,7 @@ def serve(channel):
                 conn.connect(sock)
                 _cut_channel(channel)
                 # A root directory of its own too, but for a VM's box: it moves into an overlay of /.
+                KEEP_LAYERS[0] = bool(changes)  # noqa: F821 - guest/fresh.py: guest/changes.py reads them
                 _fresh_box(hostname, network, renew_all, own_root=not renew_all)  # noqa: F821 - from guest/fresh.py, sent in the same remote_exec
                 if pid == IN_TEST:  # noqa: F821 - guest/fresh.py
                     nested = init.nested
@@ -1047,6 +1069,7 @@ def serve(channel):
                     if name != RUN:  # noqa: F821
                         break
                     self.seq = fields.get("seq")
+                    self.changes = fields.get("changes")
                     _take_services(fields.get("services"))
                     self.run(fields["nodeid"], fields.get("next"), fields.get("timeout"))
                     send(DONE)  # noqa: F821

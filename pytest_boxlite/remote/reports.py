@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from pytest_boxlite import side_effects
+
 if TYPE_CHECKING:
     from pytest_boxlite.remote.transport import Outcome
     from pytest_boxlite.remote.worker_host import Ended
@@ -24,7 +26,7 @@ def finish(item: pytest.Item, out: Outcome, ended: Ended) -> list[pytest.TestRep
     if out.error is not None:
         return failed_phase(item, "setup", out.error, ended.log, ended.duration)
     if out.done or out.exit is not None:
-        return out.reports
+        return side_effects.apply(item, out.changes, out.reports)
     if out.timed_out:
         why = TIMED_OUT.format(ended.timeout)
     elif out.spoke is not None:

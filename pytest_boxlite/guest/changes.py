@@ -1,0 +1,421 @@
+"""What a boxed test left behind, seen from inside its box.  Standard library only.
+
+Shipped into the box with :mod:`pytest_boxlite.guest.worker` (the host sends both sources in one
+``remote_exec``); it imports nothing of the package.  The worker takes a :class:`Watch` before a
+test's protocol and calls :meth:`Watch.finish` after its teardown, which returns the fields of one
+``CHANGES`` message (see :mod:`pytest_boxlite.guest.messages`):
+
+- files: what the box's writable layers gained between the two points.  A forked box's overlays
+  each have an upper layer of their own (``guest/fresh.py`` keeps a descriptor of each when asked:
+  ``LAYERS``): a file there without an ``origin`` attribute was created, one with it was copied up
+  (modified), a whiteout marks a deletion, an opaque directory one that was replaced.  The box's
+  fresh tmpfs (``/``, ``/tmp``, ``/workspace``, ``/dev/shm``, ``/run``) are compared with what they
+  held at the start.  The test's own temporary space (pytest's base temporary directory, its cache
+  directory) and the ignore patterns are left out;
+- processes of the box still running (not zombies) that were not there at the start;
+- environment variables, working directory and umask that differ from the start.
+
+Every walk is bounded in entries and time and never follows a link (directories are opened with
+``O_NOFOLLOW`` relative to their parent's descriptor); what was cut is said in ``notes``.
+"""
+
+import os
+import stat
+import time
+
+#: Entries one walk of a box's layers and fresh directories looks at, and for how long.
+WALK_ENTRIES = 20000
+WALK_SECONDS = 0.5
+#: Changes, processes and variables one message lists (the host caps again).
+LISTED = 200
+#: Longest path or command line sent.
+TEXT_CAP = 1024
+#: Fresh tmpfs of a forked box, compared with what they held at the test's start.
+FRESH_DIRS = ("/", "/tmp", "/workspace", "/dev/shm", "/run")
+#: Ignored unless the user's patterns say otherwise: what Python writes as it imports.
+DEFAULT_IGNORE = ("*/__pycache__",)
+
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
+
+
+class _Budget:
+    def __init__(self):
+        self.left = WALK_ENTRIES
+        self.deadline = time.monotonic() + WALK_SECONDS
+        self.cut = False
+
+    def take(self):
+        self.left -= 1
+        if self.left < 0 or (self.left % 256 == 0 and time.monotonic() > self.deadline):
+            self.cut = True
+        return not self.cut
+
+
+def _kind(mode, rdev=None):
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISLNK(mode):
+        return "link"
+    if stat.S_ISCHR(mode) and rdev == 0:
+        return "whiteout"
+    return "other"
+
+
+def _xattrs(fd, name):
+    """The overlay attributes of ``name`` in directory ``fd`` (``origin``, ``opaque``), never
+    following a link (through the directory's /proc/self/fd entry: xattr calls take no dir_fd)."""
+    path = "/proc/self/fd/%d/%s" % (fd, name)
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return set()
+    out = set()
+    for n in names:
+        if n in ("user.overlay.origin", "trusted.overlay.origin"):
+            out.add("origin")
+        elif n in ("user.overlay.opaque", "trusted.overlay.opaque"):
+            try:
+                if os.getxattr(path, n, follow_symlinks=False) == b"y":
+                    out.add("opaque")
+            except OSError:
+                pass
+    return out
+
+
+def _walk(fd, top, dev, budget, state, skip, link_targets):
+    """Every entry beneath directory ``fd`` (shown at ``top``) into ``state``: path -> (kind, size,
+    mtime_ns, fd-of-parent, name); on the same device only when ``dev`` is not None (a tmpfs: the
+    mounts on it are walked on their own).  Iterative, bounded by ``budget``."""
+    todo = [(fd, top, False)]
+    opened = []
+    try:
+        while todo and not budget.cut:
+            dfd, here, _ = todo.pop()
+            try:
+                entries = list(os.scandir(dfd))
+            except OSError:
+                continue
+            for e in entries:
+                if not budget.take():
+                    break
+                path = (here.rstrip("/") + "/" + e.name) if here != "/" else "/" + e.name
+                if path in skip:
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if dev is not None and st.st_dev != dev:
+                    continue  # another mount (a layer of its own, or nothing of the test's)
+                kind = _kind(st.st_mode, st.st_rdev)
+                state[path] = (kind, st.st_size, st.st_mtime_ns, dfd, e.name)
+                if kind == "link" and len(link_targets) < LISTED:
+                    try:
+                        link_targets[path] = os.readlink(e.name, dir_fd=dfd)[:TEXT_CAP]
+                    except OSError:
+                        pass
+                if kind == "dir":
+                    try:
+                        sub = os.open(e.name, _OPEN_DIR, dir_fd=dfd)
+                    except OSError:
+                        continue
+                    opened.append(sub)
+                    todo.append((sub, path, True))
+        return opened
+    except BaseException:
+        for sub in opened:
+            os.close(sub)
+        raise
+
+
+def _ignored(path, patterns, aliases):
+    """Whether ``path`` or a directory above it matches one of ``patterns`` (fnmatch), as an
+    absolute path or in one of its ``aliases`` (``(prefix, shown as)``: relative to the project,
+    ``~/...`` in the home)."""
+    import fnmatch
+
+    forms = [path]
+    for prefix, alias in aliases:
+        top = prefix.rstrip("/")
+        if path.startswith(top + "/"):
+            forms.append(alias + path[len(top) + 1 :])
+    for form in forms:
+        parts = form.split("/")
+        for n in range(len(parts), 0, -1):
+            head = "/".join(parts[:n])
+            if head and any(fnmatch.fnmatchcase(head, p) for p in patterns):
+                return True
+    return False
+
+
+def _inside(path, dirs):
+    """The directory of ``dirs`` (a dict) that ``path`` lies beneath, or None."""
+    head = path
+    while True:
+        head = head.rsplit("/", 1)[0]
+        if not head:
+            return None
+        if head in dirs:
+            return head
+
+
+class _Area:
+    """One place compared: an upper layer (``layer``: shown at ``top``) or a fresh tmpfs."""
+
+    def __init__(self, top, fd, layer, dev=None, own_fd=False):
+        self.top, self.fd, self.layer, self.dev, self.own_fd = top, fd, layer, dev, own_fd
+
+    def snapshot(self, budget, skip):
+        state, links = {}, {}
+        opened = _walk(self.fd, self.top, self.dev, budget, state, skip, links)
+        return state, links, opened
+
+
+def _areas(layers):
+    """The places to compare: each kept upper layer (``layers``: ``(shown at, lower, fd)`` from
+    guest/fresh.py) and each fresh tmpfs the box has."""
+    out = []
+    for target, lower, fd in layers:
+        top = lower if target.startswith("/run/.boxlite-fresh/") else target
+        out.append(_Area(top, fd, True))
+    for d in FRESH_DIRS:
+        try:
+            fd = os.open(d, _OPEN_DIR)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            continue
+        out.append(_Area(d, fd, False, dev=st.st_dev, own_fd=True))
+    return out
+
+
+def _pids():
+    try:
+        return {int(p) for p in os.listdir("/proc") if p.isdigit()}
+    except OSError:
+        return set()
+
+
+def _running(pid):
+    """``pid``'s command line if it runs (not a zombie), else None."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as fh:
+            state = fh.read(4096).rsplit(b")", 1)[1].split()[0]
+        if state in (b"Z", b"X"):
+            return None
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            cmd = fh.read(TEXT_CAP)
+    except (OSError, IndexError):
+        return None
+    return cmd.replace(b"\0", b" ").strip().decode("utf-8", "replace")[:TEXT_CAP] or "[%d]" % pid
+
+
+def _umask():
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def own_temp(config):
+    """The test's own temporary space, left out: pytest's base temporary directory (``--basetemp``
+    or ``<tmp>/pytest-of-<user>``) and its cache directory."""
+    import getpass
+    import tempfile
+
+    out = []
+    base = getattr(config.option, "basetemp", None)
+    if base:
+        out.append(os.path.abspath(str(base)))
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError, ImportError):
+        user = None
+    if user:
+        out.append(os.path.join(os.path.realpath(tempfile.gettempdir()), "pytest-of-%s" % user))
+    try:
+        cache = config.getini("cache_dir")
+        out.append(os.path.abspath(os.path.join(str(config.rootpath), os.path.expanduser(str(cache)))))
+    except (ValueError, TypeError):
+        pass
+    return out
+
+
+class Watch:
+    """Taken at a test's start; :meth:`finish` after its teardown says what it left.
+
+    ``layers``: the box's kept upper layers (``guest/fresh.py``'s ``LAYERS``, empty where it keeps
+    none: a booted box, whose files are then not seen and ``notes`` says so); ``options``: the
+    ``changes`` field of the host's ``RUN`` (``ignore``: patterns); ``config``: the box's pytest
+    config (its temporary space is left out).
+    """
+
+    def __init__(self, layers, options, config, forked):
+        import resource
+
+        self.options = options if isinstance(options, dict) else {}
+        patterns = self.options.get("ignore")
+        self.ignore = tuple(p for p in patterns if isinstance(p, str)) if isinstance(patterns, list) else ()
+        self.ignore += DEFAULT_IGNORE
+        #: Side effects asked (else only the usage).
+        self.effects = bool(self.options.get("files", True))
+        self.forked = forked
+        self.layers = list(layers)
+        self.skip = set(own_temp(config))
+        home = os.environ.get("HOME") or ""
+        self.aliases = [(str(config.rootpath), "")] + ([(home, "~/")] if home.startswith("/") and home != "/" else [])
+        self.budget = _Budget()
+        self.areas = _areas(self.layers) if forked and self.effects else []
+        self.start = []
+        for area in self.areas:
+            state, _, opened = area.snapshot(self.budget, self.skip)
+            for sub in opened:
+                os.close(sub)
+            self.start.append({p: v[:3] for p, v in state.items()})
+        self.start_cut = self.budget.cut
+        self.pids = _pids()
+        self.env = dict(os.environ)
+        try:
+            self.cwd = os.getcwd()
+        except OSError:
+            self.cwd = None
+        self.umask = _umask()
+        self.usage = (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+
+    def close(self):
+        for area in self.areas:
+            if area.own_fd:
+                try:
+                    os.close(area.fd)
+                except OSError:
+                    pass
+        self.areas = []
+
+    def finish(self):
+        """The fields of the ``CHANGES`` message: ``files`` (``[change, kind, path, size, count,
+        link]``), ``processes`` (``[pid, command]``), ``env`` (``[name, change]``), ``cwd`` and
+        ``umask`` (``[before, after]`` or None), ``usage`` and ``notes``."""
+        notes = []
+        files = []
+        if not self.effects:
+            self.close()
+            return {"usage": self._usage()}
+        if self.forked:
+            budget = _Budget()
+            for i, area in enumerate(self.areas):
+                self._compare(area, self.start[i], budget, files)
+            if budget.cut or self.start_cut:
+                notes.append(
+                    "the walk of the box's files stopped after %d entries or %.1f s: the list is cut"
+                    % (WALK_ENTRIES, WALK_SECONDS)
+                )
+        else:
+            notes.append("files: not seen in a booted box (its writable layers lie outside it)")
+        self.close()
+        files.sort(key=lambda f: f[2])
+        if len(files) > LISTED:
+            notes.append("%d more changed files not listed" % (len(files) - LISTED))
+            files = files[:LISTED]
+        me = os.getpid()
+        processes = []
+        for pid in sorted(_pids() - self.pids - {1, me}):
+            cmd = _running(pid)
+            if cmd is not None:
+                processes.append([pid, cmd])
+        if len(processes) > LISTED:
+            processes = processes[:LISTED]
+            notes.append("more processes not listed")
+        env = []
+        now = dict(os.environ)
+        for name in sorted(set(now) | set(self.env)):
+            if name == "PYTEST_CURRENT_TEST":
+                continue
+            if name not in self.env:
+                env.append([name[:TEXT_CAP], "set"])
+            elif name not in now:
+                env.append([name[:TEXT_CAP], "removed"])
+            elif now[name] != self.env[name]:
+                env.append([name[:TEXT_CAP], "changed"])
+        env = env[:LISTED]
+        try:
+            cwd = os.getcwd()
+        except OSError:
+            cwd = "(deleted)"
+        umask = _umask()
+        return {
+            "files": files,
+            "processes": processes,
+            "env": env,
+            "cwd": [self.cwd[:TEXT_CAP], cwd[:TEXT_CAP]] if self.cwd is not None and cwd != self.cwd else None,
+            "umask": [self.umask, umask] if umask != self.umask else None,
+            "usage": self._usage(),
+            "notes": notes,
+        }
+
+    def _usage(self):
+        import resource
+
+        s0, c0 = self.usage
+        s1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (s1.ru_utime + s1.ru_stime - s0.ru_utime - s0.ru_stime) + (
+            c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+        )
+        return {"cpu_s": round(max(cpu, 0.0), 4), "peak_kib": max(s1.ru_maxrss, c1.ru_maxrss)}
+
+    def _compare(self, area, start, budget, files):
+        state, links, opened = area.snapshot(budget, self.skip)
+        try:
+            # Directories created (or replaced) by the test are listed once, with what they hold.
+            new_dirs = {}
+            for path in sorted(state):
+                kind, size, mtime, dfd, name = state[path]
+                before = start.get(path)
+                if before is not None and before[0] == kind and (kind == "dir" or before[1:] == (size, mtime)):
+                    continue
+                holder = _inside(path, new_dirs)
+                if holder is not None:
+                    if kind != "dir" and kind != "whiteout":
+                        new_dirs[holder][0] += 1
+                        new_dirs[holder][1] += size if kind == "file" else 0
+                    continue
+                if _ignored(path, self.ignore, self.aliases):
+                    continue
+                if area.layer:
+                    attrs = _xattrs(dfd, name) if before is None else set()
+                    if kind == "whiteout":
+                        change, kind, size = "deleted", "entry", 0
+                    elif kind == "dir":
+                        if "opaque" in attrs:
+                            change = "replaced"
+                        elif "origin" in attrs or before is not None:
+                            continue  # a directory copied up to hold what changed in it
+                        else:
+                            change = "created"
+                    else:
+                        change = "modified" if ("origin" in attrs or before is not None) else "created"
+                else:
+                    if kind == "dir" and before is not None:
+                        continue
+                    change = "modified" if before is not None else "created"
+                if kind == "dir":
+                    new_dirs[path] = [0, 0, change]
+                    continue
+                files.append([change, kind, path[:TEXT_CAP], size, 0, links.get(path)])
+            for path, (count, size, change) in new_dirs.items():
+                files.append([change, "dir", path[:TEXT_CAP], size, count, None])
+            for path, before in start.items():
+                if path not in state and not budget.cut:
+                    if before[0] == "whiteout" or _inside(path, new_dirs) is not None:
+                        continue
+                    gone = path.rsplit("/", 1)[0]
+                    if gone in start and gone not in state:
+                        continue  # its directory went too: listed once, as that directory
+                    if not _ignored(path, self.ignore, self.aliases):
+                        files.append(["deleted", before[0], path[:TEXT_CAP], before[1], 0, None])
+        finally:
+            for sub in opened:
+                os.close(sub)

@@ -1,0 +1,335 @@
+"""What each boxed test left behind (``--boxlite-side-effects``) and what it used (``--boxlite-usage``).
+
+The box computes the list itself (:mod:`pytest_boxlite.guest.changes`: it sees its own writable
+layers, process table and environment) and sends one ``CHANGES`` message at the test's end.  Here
+the host checks that message (:func:`take`: every field's type and bound, or ``ValueError``, which
+the transport turns into the test's failure), applies the ignore patterns again, and records the
+result on the test's teardown report: the ``boxlite_side_effects`` property (``none`` for a clean
+test; junitxml shows it), under ``fail`` a failed teardown naming what the test left, and the
+usage properties.  The terminal summary (:func:`summary`) is made from the reports alone, so it
+works the same on an xdist controller.  Every text that came from the box is escaped when shown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from typing import Any
+
+import pytest
+
+from pytest_boxlite._shown import shown
+
+MODES = ("off", "report", "fail")
+PROPERTY = "boxlite_side_effects"
+CPU_PROPERTY = "boxlite_cpu_s"
+MEMORY_PROPERTY = "boxlite_peak_memory_mb"
+PROCESSES_PROPERTY = "boxlite_max_processes"
+#: What the property says of a test that left nothing.
+CLEAN = "none"
+
+#: What the host keeps of one message (the box lists at most 200 of each; a hostile one may send more).
+FILES_CAP = 200
+PROCESSES_CAP = 200
+ENV_CAP = 200
+NOTES_CAP = 10
+TEXT_CAP = 1024
+#: Tests the terminal summary lists in full, and lines per test.
+SUMMARY_TESTS = 500
+SUMMARY_LINES = 30
+
+_CHANGES = ("created", "modified", "deleted", "replaced")
+_KINDS = ("file", "dir", "link", "other", "entry")
+_ENV_CHANGES = ("set", "changed", "removed")
+
+_MARKED_KEY = pytest.StashKey[bool]()
+
+
+@dataclasses.dataclass
+class Changes:
+    """One test's ``CHANGES`` message, checked."""
+
+    files: list[tuple[str, str, str, int, int, str | None]]
+    processes: list[tuple[int, str]]
+    env: list[tuple[str, str]]
+    cwd: tuple[str, str] | None
+    umask: tuple[int, int] | None
+    cpu_s: float | None
+    peak_kib: int | None
+    notes: list[str]
+
+    def lines(self) -> list[str]:
+        """What the test left, one escaped line per thing."""
+        out = []
+        for change, kind, path, size, count, link in self.files:
+            what = (
+                f"{change} {shown(path, line=True)}" if kind == "entry" else f"{change} {kind} {shown(path, line=True)}"
+            )
+            if kind == "dir" and change != "deleted":
+                what += f" ({count} file{'s' if count != 1 else ''}, {_size(size)})"
+            elif kind == "file" and change != "deleted":
+                what += f" ({_size(size)})"
+            if link is not None:
+                what += f" -> {shown(link, line=True)}"
+            out.append(what)
+        for pid, command in self.processes:
+            out.append(f"process left running (pid {pid} in the box): {shown(command, line=True)}")
+        for name, change in self.env:
+            out.append(f"environment variable {shown(name, line=True)} {change}")
+        if self.cwd is not None:
+            out.append(f"working directory changed: {shown(self.cwd[0], line=True)} -> {shown(self.cwd[1], line=True)}")
+        if self.umask is not None:
+            out.append(f"umask changed: {self.umask[0]:03o} -> {self.umask[1]:03o}")
+        return out
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _text(v: object, what: str) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{what} is not a string: {type(v).__name__}")
+    return v[:TEXT_CAP]
+
+
+def _count(v: object, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 1 << 62:
+        raise ValueError(f"{what} is not a count: {shown(repr(v), line=True, limit=50)}")
+    return v
+
+
+def _list(v: object, what: str, cap: int) -> list[Any]:
+    if not isinstance(v, list):
+        raise ValueError(f"{what} is not a list")
+    if len(v) > cap:
+        raise ValueError(f"{what} lists {len(v)} entries (at most {cap})")
+    return v
+
+
+def take(fields: object) -> Changes:
+    """A ``CHANGES`` message's fields, checked; ``ValueError`` naming what is wrong."""
+    if not isinstance(fields, dict):
+        raise ValueError("its fields are not a mapping")
+    files = []
+    for f in _list(fields.get("files", []), "files", FILES_CAP):
+        if not isinstance(f, list) or len(f) != 6:
+            raise ValueError("a file entry is not [change, kind, path, size, count, link]")
+        change, kind, path, size, count, link = f
+        if change not in _CHANGES or kind not in _KINDS:
+            raise ValueError(f"a file entry's change or kind is unknown: {shown(repr(f[:2]), line=True, limit=80)}")
+        files.append(
+            (
+                change,
+                kind,
+                _text(path, "a path"),
+                _count(size, "a size"),
+                _count(count, "a count"),
+                None if link is None else _text(link, "a link"),
+            )
+        )
+    processes = []
+    for p in _list(fields.get("processes", []), "processes", PROCESSES_CAP):
+        if not isinstance(p, list) or len(p) != 2:
+            raise ValueError("a process entry is not [pid, command]")
+        processes.append((_count(p[0], "a pid"), _text(p[1], "a command")))
+    env = []
+    for e in _list(fields.get("env", []), "env", ENV_CAP):
+        if not isinstance(e, list) or len(e) != 2 or e[1] not in _ENV_CHANGES:
+            raise ValueError("an env entry is not [name, set|changed|removed]")
+        env.append((_text(e[0], "a variable's name"), e[1]))
+    cwd = fields.get("cwd")
+    if cwd is not None:
+        if not isinstance(cwd, list) or len(cwd) != 2:
+            raise ValueError("cwd is not [before, after]")
+        cwd = (_text(cwd[0], "a directory"), _text(cwd[1], "a directory"))
+    umask = fields.get("umask")
+    if umask is not None:
+        if not isinstance(umask, list) or len(umask) != 2 or any(_count(u, "a umask") > 0o777 for u in umask):
+            raise ValueError("umask is not [before, after] (each at most 0o777)")
+        umask = (umask[0], umask[1])
+    usage = fields.get("usage")
+    cpu = peak = None
+    if usage is not None:
+        if not isinstance(usage, dict):
+            raise ValueError("usage is not a mapping")
+        raw_cpu = usage.get("cpu_s")
+        if (
+            not isinstance(raw_cpu, (int, float))
+            or isinstance(raw_cpu, bool)
+            or not math.isfinite(raw_cpu)
+            or raw_cpu < 0
+        ):
+            raise ValueError("usage's cpu_s is not a number of seconds")
+        cpu, peak = float(raw_cpu), _count(usage.get("peak_kib"), "usage's peak_kib")
+    notes = [_text(n, "a note")[:500] for n in _list(fields.get("notes", []), "notes", NOTES_CAP)]
+    return Changes(files, processes, env, cwd, umask, cpu, peak, notes)
+
+
+def mode_for(config: pytest.Config, item: pytest.Item) -> str:
+    """``item``'s mode: its marker's ``side_effects=``, else the session's option."""
+    marker = item.get_closest_marker("boxlite")
+    value = marker.kwargs.get("side_effects") if marker is not None else None
+    if value in MODES:
+        return str(value)
+    return str(_settings_value(config, "side_effects", "off"))
+
+
+def _settings_value(config: pytest.Config, name: str, default: Any) -> Any:
+    from pytest_boxlite.fixtures import SESSION_KEY
+
+    session = config.stash.get(SESSION_KEY, None)
+    value: Any = getattr(session.settings, name, default) if session is not None else default
+    return value
+
+
+def ignore_patterns(config: pytest.Config) -> tuple[str, ...]:
+    """The session's ``boxlite_side_effects_ignore`` patterns."""
+    return tuple(_settings_value(config, "side_effects_ignore", ()))
+
+
+def usage_count(config: pytest.Config) -> int:
+    """``--boxlite-usage=N``: how many tests the usage table lists (0: no table, no usage asked)."""
+    return int(_settings_value(config, "usage", 0) or 0)
+
+
+def note_markers(items: list[pytest.Item]) -> None:
+    """At collection: whether some test's marker asks for side effects (its box must keep its layers)."""
+    for item in items:
+        marker = item.get_closest_marker("boxlite")
+        if marker is not None and marker.kwargs.get("side_effects") in ("report", "fail"):
+            item.config.stash[_MARKED_KEY] = True
+            return
+
+
+def fork_fields(config: pytest.Config) -> dict[str, Any]:
+    """What a ``FORK`` request adds: ``changes`` when a forked box must keep its upper layers."""
+    if _settings_value(config, "side_effects", "off") != "off" or config.stash.get(_MARKED_KEY, False):
+        return {"changes": True}
+    return {}
+
+
+def run_fields(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """What a ``RUN`` adds for ``item``: nothing when neither side effects nor usage are asked."""
+    files = mode_for(config, item) != "off"
+    usage = usage_count(config) > 0
+    if not files and not usage:
+        return {}
+    return {"changes": {"files": files, "ignore": list(ignore_patterns(config)), "usage": usage}}
+
+
+def _ignored(path: str, patterns: tuple[str, ...], root: str) -> bool:
+    forms = [path]
+    top = root.rstrip("/")
+    if path.startswith(top + "/"):
+        forms.append(path[len(top) + 1 :])
+    for form in forms:
+        parts = form.split("/")
+        for n in range(len(parts), 0, -1):
+            head = "/".join(parts[:n])
+            if head and any(fnmatch.fnmatchcase(head, p) for p in patterns):
+                return True
+    return False
+
+
+def apply(item: pytest.Item, changes: Changes | None, reports: list[pytest.TestReport]) -> list[pytest.TestReport]:
+    """Record ``changes`` on ``item``'s teardown report (the last of ``reports``): properties, and
+    under ``fail`` a failed teardown naming what the test left."""
+    config = item.config
+    teardown = next((r for r in reversed(reports) if r.when == "teardown"), None)
+    if teardown is None:
+        return reports
+    mode = mode_for(config, item)
+    if mode != "off":
+        if changes is None:
+            teardown.user_properties.append((PROPERTY, "unknown: the box sent no list"))
+        else:
+            patterns = ignore_patterns(config)
+            root = str(config.rootpath)
+            changes.files = [f for f in changes.files if not _ignored(f[2], patterns, root)]
+            lines = changes.lines()
+            text = "\n".join(lines) if lines else CLEAN
+            if changes.notes:
+                text += "\n" + "\n".join(f"note: {shown(n, line=True)}" for n in changes.notes)
+            teardown.user_properties.append((PROPERTY, text))
+            if mode == "fail" and lines:
+                why = "[boxlite] this test left side effects (--boxlite-side-effects=fail):\n" + "\n".join(
+                    "  " + line for line in lines
+                )
+                if teardown.passed:
+                    teardown.outcome = "failed"
+                    teardown.longrepr = why
+                else:
+                    teardown.sections.append(("boxlite side effects", why))
+    if changes is not None and changes.cpu_s is not None and usage_count(config) > 0:
+        teardown.user_properties.append((CPU_PROPERTY, f"{changes.cpu_s:.3f}"))
+        if changes.peak_kib is not None:
+            teardown.user_properties.append((MEMORY_PROPERTY, f"{changes.peak_kib / 1024:.1f}"))
+    return reports
+
+
+def _props(rep: pytest.TestReport) -> dict[str, str]:
+    out = {}
+    for prop in getattr(rep, "user_properties", ()):
+        if isinstance(prop, tuple) and len(prop) == 2 and isinstance(prop[0], str):
+            out[prop[0]] = str(prop[1])
+    return out
+
+
+def summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The ``boxlite side effects`` section (each test that left something, sorted by test) and
+    the ``--boxlite-usage`` table, from the teardown reports' properties."""
+    seen: dict[str, dict[str, str]] = {}
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            if getattr(rep, "when", None) == "teardown":
+                props = _props(rep)
+                if PROPERTY in props or CPU_PROPERTY in props:
+                    seen[rep.nodeid] = props
+    _side_effects_section(terminalreporter, seen)
+    _usage_section(terminalreporter, seen)
+
+
+def _side_effects_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str, str]]) -> None:
+    checked = {n: p[PROPERTY] for n, p in seen.items() if PROPERTY in p}
+    if not checked:
+        return
+    dirty = sorted(n for n, text in checked.items() if text != CLEAN)
+    if not dirty:
+        tr.write_line(f"boxlite: no side effects in {len(checked)} boxed test{'s' if len(checked) != 1 else ''}")
+        return
+    tr.write_sep("=", "boxlite side effects")
+    for nodeid in dirty[:SUMMARY_TESTS]:
+        tr.write_line(shown(nodeid, line=True))
+        lines = checked[nodeid].split("\n")
+        for line in lines[:SUMMARY_LINES]:
+            tr.write_line(f"    {line}")
+        if len(lines) > SUMMARY_LINES:
+            tr.write_line(f"    ... {len(lines) - SUMMARY_LINES} more")
+    if len(dirty) > SUMMARY_TESTS:
+        tr.write_line(f"... {len(dirty) - SUMMARY_TESTS} more tests with side effects (see the junitxml property)")
+    tr.write_line(
+        f"boxlite: {len(dirty)} of {len(checked)} boxed test{'s' if len(checked) != 1 else ''} left side effects"
+    )
+
+
+def _usage_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str, str]]) -> None:
+    n = usage_count(tr.config)
+    rows = []
+    for nodeid, props in seen.items():
+        try:
+            rows.append((float(props.get(MEMORY_PROPERTY, "0")), float(props[CPU_PROPERTY]), nodeid))
+        except (KeyError, ValueError):
+            continue
+    if n <= 0 or not rows:
+        return
+    tr.write_sep("=", f"boxlite usage: top {min(n, len(rows))} boxed tests by peak memory")
+    tr.write_line("(from each test process's rusage, its children included: peak resident memory and CPU time)")
+    tr.write_line(f"{'peak MiB':>9} {'CPU s':>8}  test")
+    for mem, cpu, nodeid in sorted(rows, key=lambda r: (-r[0], -r[1], r[2]))[:n]:
+        tr.write_line(f"{mem:9.1f} {cpu:8.3f}  {shown(nodeid, line=True)}")
