@@ -40,7 +40,7 @@ import pytest
 from images.build import ImagesUnavailable, layer_tar, oci_layout, shared_cache, test_images
 from subruns import SubRun
 
-from pytest_boxlite.images import ImageError, drop_images, ensure_image, list_images, store_dir
+from pytest_boxlite.images import ImageError, drop_images, ensure_image, list_images, store_dir, store_usage
 from pytest_boxlite.images.store import (
     MAX_IMAGE_ENV,
     MAX_RATIO_ENV,
@@ -272,8 +272,6 @@ def test_over_its_bound_the_store_evicts_the_least_recently_used_image(store: Pa
     }
     layers = {n for n in os.listdir(store / "blobs/sha256") if (store / "blobs/sha256" / n).stat().st_size > MiB}
     assert layers == names
-    from pytest_boxlite.images import store_usage
-
     assert store_usage(store)[1] <= SMALL.max_store
 
 
@@ -407,7 +405,8 @@ def test_a_link_planted_in_the_store_is_refused_and_its_target_untouched(
         assert done.returncode == 1, (args, done.stdout, done.stderr)
         assert f"refused {home / where}" in done.stderr and "never follows links" in done.stderr, done.stderr
     assert sorted(os.listdir(victim)) == before
-    (victim / "stale-work").rmdir() if where != "image-store" else None
+    if where != "image-store":
+        (victim / "stale-work").rmdir()
     untouched(victim)
     assert (home / where).is_symlink()  # reported, not removed either
 
