@@ -305,6 +305,20 @@ ROWS: tuple[Row, ...] = (
         "same",
     ),
     Row(
+        "hostile-home",
+        "as another local user, or as a project shipping a home (`boxlite_home = .bl-home` in `pytest.ini`): plant "
+        "in the home a box record naming a host process, links (`namespace`, `sessions`, a box, a lock) to "
+        "directories elsewhere, entries of another owner, a listener behind a box's `agent.sock`, names holding "
+        "terminal escapes",
+        "n/a",
+        "a home another user owns or can write (or below a directory they can change) is refused with a usage "
+        "error naming the path, the fix and where the value came from; below the home nothing is followed "
+        "(`openat2` `RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS`, else an `O_NOFOLLOW` walk): a link or another owner's "
+        "entry is refused and reported, never removed; a recorded pid is signalled only when proven the box's "
+        "(our uid, its start time, the box's random token in its command line) through a pidfd; `shell` sends "
+        "nothing to a socket whose `SO_PEERCRED` is not ours; `ls` and `clean` print names escaped",
+    ),
+    Row(
         "keep-mark",
         'mark its own box "kept" to outlive a killed session',
         "impossible: the keep mark lives on the host, next to the box",
