@@ -175,9 +175,9 @@ def _check_user(item: pytest.Item, user: str | int, kind: str) -> None:
 
 
 class MarkerCheck:
-    """The host's check of each test's ``boxlite`` marker as it is collected, before its box is
-    asked for: a mistake (an unknown or ill-typed argument, a ``user=`` nobody is) stops the run
-    there, not after a box was made for it.
+    """The host's check of the ``boxlite`` markers of each module's tests as the module is
+    collected, before any of its tests asks for a box: a mistake (an unknown or ill-typed argument,
+    a ``user=`` nobody is) stops the run there, not after a box was made.
 
     In an xdist worker a usage error raised at collection breaks the controller (an INTERNALERROR
     naming no test): each mistake goes to it as a collection error (:data:`USAGE_ATTR`), the worker
@@ -190,12 +190,13 @@ class MarkerCheck:
         self.config = config
         #: The runtime kind of the session (made at the first ``user=``: it needs a box anyway).
         self.kind = kind
-        self.refused: list[tuple[pytest.Item, str]] = []
+        self.refused: dict[str, tuple[pytest.Item, str]] = {}
+        self._checked: set[str] = set()
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_itemcollected(self, item: pytest.Item) -> None:
-        if item.get_closest_marker("boxlite") is None:
+    def _check(self, item: pytest.Item) -> None:
+        if item.nodeid in self._checked or item.get_closest_marker("boxlite") is None:
             return
+        self._checked.add(item.nodeid)
         try:
             kwargs = marker_kwargs(item)
             if kwargs.get("user") is not None:
@@ -203,13 +204,24 @@ class MarkerCheck:
         except pytest.UsageError as exc:
             if not hasattr(self.config, "workerinput"):
                 raise
-            self.refused.append((item, str(exc)))
+            self.refused[item.nodeid] = (item, str(exc))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        # A module's (or class's) report comes before any of its items' pytest_itemcollected.
+        for node in report.result if report.passed else ():
+            if isinstance(node, pytest.Item):
+                self._check(node)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        self._check(item)  # an item some plugin collects otherwise
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         if not self.refused:
             return
-        for item, why in self.refused:
+        for item, why in self.refused.values():
             report = pytest.CollectReport(item.nodeid, "failed", why, [])
             setattr(report, USAGE_ATTR, True)
             config.hook.pytest_collectreport(report=report)
