@@ -390,7 +390,7 @@ def _populate(top: str, root: Path, entries: Sequence[Entry]) -> tuple[set[str],
                 os.utime(name, ns=(e.atime_ns, e.mtime_ns), dir_fd=lfd, follow_symlinks=False)
             elif e.kind == "fifo":
                 os.mkfifo(name, 0o600, dir_fd=lfd)
-                os.chmod(name, e.mode, dir_fd=lfd, follow_symlinks=False)
+                _chmod_at(lfd, name, e.mode)
                 os.utime(name, ns=(e.atime_ns, e.mtime_ns), dir_fd=lfd, follow_symlinks=False)
             elif e.size > budget:
                 left += 1
@@ -403,7 +403,7 @@ def _populate(top: str, root: Path, entries: Sequence[Entry]) -> tuple[set[str],
     # and making it changes its time.
     for e in reversed(dirs):
         with _at(tree, e.rel) as (lfd, name):
-            os.chmod(name, e.mode & 0o7777, dir_fd=lfd, follow_symlinks=False)
+            _chmod_at(lfd, name, e.mode & 0o7777)
             os.utime(name, ns=(e.atime_ns, e.mtime_ns), dir_fd=lfd, follow_symlinks=False)
     return absent, left
 
@@ -830,7 +830,7 @@ def _sync_one(live: _Live, rel: str, forced: bool, uid: int, gid: int, fix: set[
         with _at(live.tree, rel) as (lfd, name):
             if old is None:
                 os.mkfifo(name, 0o600, dir_fd=lfd)
-            os.chmod(name, new.mode, dir_fd=lfd, follow_symlinks=False)
+            _chmod_at(lfd, name, new.mode)
             os.utime(name, ns=(new.atime_ns, new.mtime_ns), dir_fd=lfd, follow_symlinks=False)
     else:
         copied = _refresh_file(live, rel, old.size if old is not None else 0)
@@ -891,7 +891,7 @@ def _writable(live: _Live, rel_dir: str, fix: set[str]) -> None:
         if not stat.S_ISDIR(st.st_mode):
             raise NotADirectoryError(errno.ENOTDIR, "the layer's copy is not a directory", rel_dir)
         if stat.S_IMODE(st.st_mode) & 0o700 != 0o700:
-            os.chmod(name, 0o700, dir_fd=lfd, follow_symlinks=False)
+            _chmod_at(lfd, name, 0o700)
 
 
 def _fix_dir(live: _Live, rel: str) -> None:
@@ -904,8 +904,16 @@ def _fix_dir(live: _Live, rel: str) -> None:
         e = got[1]
         live.held[rel] = e
     with _at(live.tree, rel) as (lfd, name):
-        os.chmod(name, e.mode & 0o7777, dir_fd=lfd, follow_symlinks=False)
+        _chmod_at(lfd, name, e.mode & 0o7777)
         os.utime(name, ns=(e.atime_ns, e.mtime_ns), dir_fd=lfd, follow_symlinks=False)
+
+
+def _chmod_at(lfd: int, name: str, mode: int) -> None:
+    """``chmod`` of ``name`` in the layer directory ``lfd``, a link left as it is.  The layer is
+    this user's private directory, changed only under its lock: a check, then a chmod by name
+    (``fchmodat``'s no-follow flag needs a recent C library)."""
+    if not stat.S_ISLNK(os.stat(name, dir_fd=lfd, follow_symlinks=False).st_mode):
+        os.chmod(name, mode, dir_fd=lfd)
 
 
 def _drop(lfd: int, name: str, kind: str) -> None:
@@ -936,7 +944,7 @@ def _refresh_file(live: _Live, rel: str, old_size: int) -> Entry | None:
         with _at(live.tree, rel) as (lfd, name):
             with contextlib.suppress(FileNotFoundError):
                 if stat.S_IMODE(os.stat(name, dir_fd=lfd, follow_symlinks=False).st_mode) & 0o200 == 0:
-                    os.chmod(name, 0o600, dir_fd=lfd, follow_symlinks=False)  # a read-only file's copy
+                    _chmod_at(lfd, name, 0o600)  # a read-only file's copy
             out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=lfd)
         try:
             _write_copy(fd, out, e)  # in place: a longer old content does not stay behind
