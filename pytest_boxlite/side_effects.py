@@ -299,23 +299,30 @@ def _side_effects_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str,
     checked = {n: p[PROPERTY] for n, p in seen.items() if PROPERTY in p}
     if not checked:
         return
-    dirty = sorted(n for n, text in checked.items() if text != CLEAN)
-    if not dirty:
-        tr.write_line(f"boxlite: no side effects in {len(checked)} boxed test{'s' if len(checked) != 1 else ''}")
-        return
-    tr.write_sep("=", "boxlite side effects")
-    for nodeid in dirty[:SUMMARY_TESTS]:
-        tr.write_line(shown(nodeid, line=True))
-        lines = checked[nodeid].split("\n")
-        for line in lines[:SUMMARY_LINES]:
-            tr.write_line(f"    {line}")
-        if len(lines) > SUMMARY_LINES:
-            tr.write_line(f"    ... {len(lines) - SUMMARY_LINES} more")
-    if len(dirty) > SUMMARY_TESTS:
-        tr.write_line(f"... {len(dirty) - SUMMARY_TESTS} more tests with side effects (see the junitxml property)")
-    tr.write_line(
-        f"boxlite: {len(dirty)} of {len(checked)} boxed test{'s' if len(checked) != 1 else ''} left side effects"
-    )
+    plural = "s" if len(checked) != 1 else ""
+    # A clean test's value is "none", then its notes (what could not be seen): counted, not listed.
+    dirty = sorted(n for n, text in checked.items() if text.split("\n", 1)[0] != CLEAN)
+    notes: dict[str, int] = {}
+    for nodeid, text in checked.items():
+        if nodeid not in dirty:
+            for line in text.split("\n")[1:]:
+                notes[line] = notes.get(line, 0) + 1
+    if dirty:
+        tr.write_sep("=", "boxlite side effects")
+        for nodeid in dirty[:SUMMARY_TESTS]:
+            tr.write_line(shown(nodeid, line=True))
+            lines = checked[nodeid].split("\n")
+            for line in lines[:SUMMARY_LINES]:
+                tr.write_line(f"    {line}")
+            if len(lines) > SUMMARY_LINES:
+                tr.write_line(f"    ... {len(lines) - SUMMARY_LINES} more")
+        if len(dirty) > SUMMARY_TESTS:
+            tr.write_line(f"... {len(dirty) - SUMMARY_TESTS} more tests with side effects (see the junitxml property)")
+        tr.write_line(f"boxlite: {len(dirty)} of {len(checked)} boxed test{plural} left side effects")
+    else:
+        tr.write_line(f"boxlite: no side effects in {len(checked)} boxed test{plural}")
+    for line, count in sorted(notes.items())[:NOTES_CAP]:
+        tr.write_line(f"boxlite: {line} ({count} clean test{'s' if count != 1 else ''})")
 
 
 def _usage_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str, str]]) -> None:

@@ -8,7 +8,7 @@ test's protocol and calls :meth:`Watch.finish` after its teardown, which returns
 - files: what the box's writable layers gained between the two points.  A forked box's overlays
   each have an upper layer of their own (``guest/fresh.py`` keeps a descriptor of each when asked:
   ``LAYERS``): a file there without an ``origin`` attribute was created, one with it was copied up
-  (modified), a whiteout marks a deletion, an opaque directory one that was replaced.  The box's
+  (modified), a whiteout marks a deletion, a directory without it was created (or replaced).  The box's
   fresh tmpfs (``/``, ``/tmp``, ``/workspace``, ``/dev/shm``, ``/run``) are compared with what they
   held at the start.  The test's own temporary space (pytest's base temporary directory, its cache
   directory) and the ignore patterns are left out;
@@ -101,7 +101,7 @@ def _walk(fd, top, dev, budget, state, skip, link_targets):
                 if not budget.take():
                     break
                 path = (here.rstrip("/") + "/" + e.name) if here != "/" else "/" + e.name
-                if path in skip:
+                if skip(path):
                     continue
                 try:
                     st = e.stat(follow_symlinks=False)
@@ -173,12 +173,24 @@ class _Area:
         return state, links, opened
 
 
-def _areas(layers):
+#: Where guest/fresh.py stages a fresh box's layers: a layer whose lower lies in ``tmp*`` there
+#: shows a directory of the warm box's /tmp (its fixtures' files), not one of the host's.
+_STAGE = "/run/.boxlite-fresh/"
+
+
+def _under(path, top):
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _areas(layers, temp_root):
     """The places to compare: each kept upper layer (``layers``: ``(shown at, lower, fd)`` from
-    guest/fresh.py) and each fresh tmpfs the box has."""
+    guest/fresh.py) and each fresh tmpfs the box has.  A copy of the warm box's pytest temporary
+    directory is the test's own temporary space: left out."""
     out = []
     for target, lower, fd in layers:
-        top = lower if target.startswith("/run/.boxlite-fresh/") else target
+        top = lower if target.startswith(_STAGE) else target
+        if temp_root and lower.startswith(_STAGE + "tmp") and _under(top, temp_root):
+            continue
         out.append(_Area(top, fd, True))
     for d in FRESH_DIRS:
         try:
@@ -222,8 +234,10 @@ def _umask():
 
 
 def own_temp(config):
-    """The test's own temporary space, left out: pytest's base temporary directory (``--basetemp``
-    or ``<tmp>/pytest-of-<user>``) and its cache directory."""
+    """The test's own temporary space, left out: ``(paths, temp_root)``: ``--basetemp`` and
+    pytest's cache directory (left out wherever they are), and ``<tmp>/pytest-of-<user>``, where
+    pytest makes its numbered base directories (left out but for the way to a mount beneath it:
+    a project that lies in an outer pytest's temporary directory is still the project)."""
     import getpass
     import tempfile
 
@@ -232,17 +246,16 @@ def own_temp(config):
     if base:
         out.append(os.path.abspath(str(base)))
     try:
-        user = getpass.getuser()
-    except (KeyError, OSError, ImportError):
-        user = None
-    if user:
-        out.append(os.path.join(os.path.realpath(tempfile.gettempdir()), "pytest-of-%s" % user))
-    try:
         cache = config.getini("cache_dir")
         out.append(os.path.abspath(os.path.join(str(config.rootpath), os.path.expanduser(str(cache)))))
     except (ValueError, TypeError):
         pass
-    return out
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError, ImportError):
+        user = None
+    root = os.path.join(os.path.realpath(tempfile.gettempdir()), "pytest-of-%s" % user) if user else None
+    return out, root
 
 
 class Watch:
@@ -265,14 +278,26 @@ class Watch:
         self.effects = bool(self.options.get("files", True))
         self.forked = forked
         self.layers = list(layers)
-        self.skip = set(own_temp(config))
+        paths, temp_root = own_temp(config)
         home = os.environ.get("HOME") or ""
         self.aliases = [(str(config.rootpath), "")] + ([(home, "~/")] if home.startswith("/") and home != "/" else [])
         self.budget = _Budget()
-        self.areas = _areas(self.layers) if forked and self.effects else []
+        self.areas = _areas(self.layers, temp_root) if forked and self.effects else []
+        tops = [a.top for a in self.areas if a.layer]
+
+        def skip_in_layer(path):
+            return any(_under(path, p) for p in paths)
+
+        def skip_in_tmpfs(path):
+            if skip_in_layer(path):
+                return True
+            # pytest's own numbered directories; not the way to a mount (a project) beneath them
+            return bool(temp_root) and _under(path, temp_root) and not any(_under(t, path) for t in tops)
+
+        self.skips = (skip_in_layer, skip_in_tmpfs)
         self.start = []
         for area in self.areas:
-            state, _, opened = area.snapshot(self.budget, self.skip)
+            state, _, opened = area.snapshot(self.budget, self.skips[0 if area.layer else 1])
             for sub in opened:
                 os.close(sub)
             self.start.append({p: v[:3] for p, v in state.items()})
@@ -367,7 +392,7 @@ class Watch:
         return {"cpu_s": round(max(cpu, 0.0), 4), "peak_kib": max(s1.ru_maxrss, c1.ru_maxrss)}
 
     def _compare(self, area, start, budget, files):
-        state, links, opened = area.snapshot(budget, self.skip)
+        state, links, opened = area.snapshot(budget, self.skips[0 if area.layer else 1])
         try:
             # Directories created (or replaced) by the test are listed once, with what they hold.
             new_dirs = {}
@@ -389,12 +414,11 @@ class Watch:
                     if kind == "whiteout":
                         change, kind, size = "deleted", "entry", 0
                     elif kind == "dir":
-                        if "opaque" in attrs:
-                            change = "replaced"
-                        elif "origin" in attrs or before is not None:
+                        # Opaque marks a directory made anew (overlayfs sets it on any directory
+                        # created in a merged one, a replaced one included: both are "created").
+                        if ("origin" in attrs and "opaque" not in attrs) or before is not None:
                             continue  # a directory copied up to hold what changed in it
-                        else:
-                            change = "created"
+                        change = "created"
                     else:
                         change = "modified" if ("origin" in attrs or before is not None) else "created"
                 else:

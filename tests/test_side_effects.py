@@ -1,0 +1,366 @@
+"""What each boxed test left behind (``--boxlite-side-effects``) and used (``--boxlite-usage``), issue 43.
+
+One project of real sub-runs with real namespace boxes (the user running this file: root, or an
+ordinary user), in test and module scope: tests that each leave one kind of state and tests that
+touch only ``tmp_path`` or use ``monkeypatch``.  ``report`` names exactly the dirty tests and what
+each left; ``fail`` fails exactly them; the host is untouched; ``off`` says nothing.  Then the
+hostile parts: a flood of files (a cut list and a note), a name with terminal escapes (escaped), a
+link (shown, not followed), and the host's checks of the message itself (a unit layer: a box's
+forged message is what a real box cannot be made to send on purpose).
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import subruns
+
+from pytest_boxlite import ledger, side_effects
+from pytest_boxlite.guest import changes
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class SubRun(subruns.SubRun):
+    base_args = ("--boxlite-runtime=namespace",)
+    wait_timeout = 200.0
+
+
+#: A per-run mark (the test's node id would do, but the host's home must never hold these names).
+TAG = f"bxse{os.getpid()}"
+
+SUITE = f"""
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.boxlite
+TAG = {TAG!r}
+
+
+def test_home_file():
+    pathlib.Path(os.path.expanduser("~/." + TAG + "-rc")).write_text("x=1")
+
+
+def test_project_file():
+    pathlib.Path("generated.txt").write_text("hello")
+
+
+def test_clean_tmp_path(tmp_path, tmp_path_factory):
+    (tmp_path / "ok.txt").write_text("fine")
+    (tmp_path_factory.mktemp("more") / "ok.txt").write_text("fine")
+
+
+def test_tmp_file():
+    pathlib.Path("/tmp/" + TAG + ".log").write_text("log")
+
+
+def test_deletes_project_file():
+    os.remove("data.txt")
+
+
+def test_clean_monkeypatch(monkeypatch, tmp_path):
+    monkeypatch.setenv("POLLUTED", "2")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "sep", os.sep)
+
+
+def test_detached_process():
+    subprocess.Popen(["sleep", "300"], start_new_session=True, stdout=subprocess.DEVNULL)
+
+
+def test_environ():
+    os.environ["POLLUTED"] = "1"
+
+
+def test_clean_reads_only():
+    assert pathlib.Path("data.txt").exists() or True
+    assert os.listdir(os.path.expanduser("~")) is not None
+
+
+def test_usage_300mb():
+    block = bytearray(300 << 20)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+"""
+
+#: What ``report`` must say of each dirty test (a line each), and the clean tests.
+DIRTY = {
+    "test_home_file": "created file {home}/.{tag}-rc (3 bytes)",
+    "test_project_file": "created file {project}/generated.txt (5 bytes)",
+    "test_tmp_file": "created file /tmp/{tag}.log (3 bytes)",
+    "test_deletes_project_file": "deleted {project}/data.txt",
+    "test_detached_process": "process left running (pid ",
+    "test_environ": "environment variable POLLUTED set",
+}
+CLEAN = ("test_clean_tmp_path", "test_clean_monkeypatch", "test_clean_reads_only", "test_usage_300mb")
+
+
+def _project(tmp_path: Path) -> Path:
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "test_suite.py").write_text(textwrap.dedent(SUITE))
+    (project / "data.txt").write_text("data")
+    return project
+
+
+def _run(project: Path, home: Path, subruns_: list[subruns.SubRun], tag: str, *args: str) -> tuple[int, str]:
+    run = SubRun(project, home, tag, "-p", "no:randomly", *args)
+    subruns_.append(run)
+    rc = run.wait()
+    assert ledger.scan(home) == [], f"boxes left behind\n{run.output[-3000:]}"
+    return rc, run.output
+
+
+def _host_untouched(project: Path) -> None:
+    assert (project / "data.txt").read_text() == "data"
+    assert not (project / "generated.txt").exists()
+    assert not Path(os.path.expanduser(f"~/.{TAG}-rc")).exists()
+    assert not Path(f"/tmp/{TAG}.log").exists()
+    assert "POLLUTED" not in os.environ
+
+
+def _section(output: str) -> dict[str, list[str]]:
+    """The ``boxlite side effects`` section: test name -> its lines."""
+    assert "= boxlite side effects =" in output, output[-3000:]
+    body = output.split("= boxlite side effects =", 1)[1]
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in body.splitlines()[1:]:
+        if line.startswith("boxlite: ") or line.startswith("="):
+            break
+        if line.startswith("    "):
+            assert current is not None
+            out[current].append(line.strip())
+        else:
+            current = line.split("::")[-1]
+            out[current] = []
+    return out
+
+
+def _expected(project: Path) -> dict[str, str]:
+    home = os.path.expanduser("~")
+    return {k: v.format(home=home, project=project, tag=TAG) for k, v in DIRTY.items()}
+
+
+def test_report_names_exactly_the_dirty_tests_and_what_each_left(
+    tmp_path: Path, home: Path, subruns: list[subruns.SubRun]
+) -> None:
+    project = _project(tmp_path)
+    junit = tmp_path / "junit.xml"
+    rc, out = _run(
+        project, home, subruns, "report", "--boxlite-side-effects=report", "--boxlite-usage=2", f"--junitxml={junit}"
+    )
+    assert rc == 0, out[-3000:]
+    section = _section(out)
+    expected = _expected(project)
+    assert sorted(section) == sorted(expected), out[-3000:]
+    for name, line in expected.items():
+        assert len(section[name]) == 1 and section[name][0].startswith(line), (name, section[name])
+    assert section["test_detached_process"][0].endswith(": sleep 300")
+    assert f"boxlite: {len(DIRTY)} of {len(DIRTY) + len(CLEAN)} boxed tests left side effects" in out
+    # The usage table names the test that allocated 300 MB first.
+    table = out.split("boxlite usage: top 2 boxed tests by peak memory", 1)[1].splitlines()
+    first = next(line for line in table if "::" in line)
+    assert first.endswith("test_suite.py::test_usage_300mb") and float(first.split()[0]) > 300, table[:6]
+    # junitxml: every checked test has the property ("none" when clean), and the usage ones.
+    props = {
+        tc.get("name"): {p.get("name"): p.get("value") for p in tc.iter("property")}
+        for tc in ET.parse(junit).iter("testcase")
+    }
+    for name in CLEAN:
+        assert props[name][side_effects.PROPERTY] == side_effects.CLEAN
+    for name, line in expected.items():
+        assert props[name][side_effects.PROPERTY].startswith(line)
+    assert float(props["test_usage_300mb"][side_effects.MEMORY_PROPERTY]) > 300
+    assert all(side_effects.CPU_PROPERTY in p for p in props.values())
+    _host_untouched(project)
+
+
+def test_fail_fails_exactly_the_dirty_tests_in_module_scope(
+    tmp_path: Path, home: Path, subruns: list[subruns.SubRun]
+) -> None:
+    """One box for the module: each test is blamed for what changed between its start and its end
+    (the file, process and variable an earlier test left are not the next one's)."""
+    project = _project(tmp_path)
+    rc, out = _run(project, home, subruns, "fail", "--boxlite-side-effects=fail", "--boxlite-scope=module", "-rA")
+    assert rc == 1, out[-3000:]
+    errors = {line.split("::")[-1].split(" ")[0] for line in out.splitlines() if line.startswith("ERROR test_suite")}
+    assert errors == set(DIRTY), out[-4000:]
+    passed = {line.split("::")[-1].split(" ")[0] for line in out.splitlines() if line.startswith("PASSED test_suite")}
+    assert passed == set(DIRTY) | set(CLEAN), out[-4000:]
+    for name, line in _expected(project).items():
+        block = out.split(f"ERROR at teardown of {name} ", 1)[1]
+        assert "this test left side effects (--boxlite-side-effects=fail)" in block[:500]
+        assert line in block[:1000], (name, block[:1000])
+    _host_untouched(project)
+
+
+def test_off_by_default_says_nothing(tmp_path: Path, home: Path, subruns: list[subruns.SubRun]) -> None:
+    project = _project(tmp_path)
+    junit = tmp_path / "junit.xml"
+    rc, out = _run(project, home, subruns, "off", f"--junitxml={junit}")
+    assert rc == 0, out[-3000:]
+    assert "side effects" not in out and "boxlite usage" not in out
+    assert side_effects.PROPERTY not in junit.read_text()
+    _host_untouched(project)
+
+
+HOSTILE = r"""
+import os
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.boxlite(side_effects="report")
+
+
+def test_flood():
+    d = pathlib.Path(os.path.expanduser("~/flood"))
+    d.mkdir()
+    for i in range({n}):
+        (d / str(i)).touch()
+    for i in range(3):
+        sub = pathlib.Path("spread%d" % i)
+        sub.mkdir()
+        for j in range({n} // 2):
+            (sub / str(j)).touch()
+
+
+def test_escape_in_a_name():
+    pathlib.Path("/tmp/evil\x1b]0;owned\x07\u202e.txt").write_text("x")
+
+
+def test_link_not_followed():
+    os.symlink("/etc", "etc-link")
+    os.makedirs("loop")
+    os.symlink("../loop", "loop/self")
+
+
+@pytest.mark.boxlite(side_effects="off")
+def test_marker_off():
+    pathlib.Path("ignored-by-marker").write_text("x")
+
+
+def test_ignored_by_pattern():
+    os.makedirs("build/out")
+    pathlib.Path("build/out/a.o").write_text("x")
+    pathlib.Path(os.path.expanduser("~/.cache-ignored")).write_text("x")
+"""
+
+
+def test_hostile_names_floods_and_links(tmp_path: Path, home: Path, subruns: list[subruns.SubRun]) -> None:
+    """The marker turns it on for its tests; the flood is walked within the bound and said to be
+    cut; escapes are escaped; links are shown, not followed (a loop is no trouble); the ignore
+    patterns (ini) leave out what they name, relative to the project and as ~/... in the home."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    n = changes.WALK_ENTRIES
+    (project / "test_hostile.py").write_text(textwrap.dedent(HOSTILE.replace("{n}", str(n))))
+    (project / "pytest.ini").write_text("[pytest]\nboxlite_side_effects_ignore = build, ~/.cache-ignored\n")
+    rc, out = _run(project, home, subruns, "hostile")
+    assert rc == 0, out[-3000:]
+    section = _section(out)
+    assert sorted(section) == ["test_escape_in_a_name", "test_flood", "test_link_not_followed"], out[-3000:]
+    flood = section["test_flood"]
+    assert any(line.startswith(f"created dir {os.path.expanduser('~')}/flood (") for line in flood), flood
+    assert any("the walk of the box's files stopped after" in line for line in flood), flood
+    assert len(flood) <= side_effects.FILES_CAP + side_effects.NOTES_CAP
+    assert section["test_escape_in_a_name"] == ["created file /tmp/evil\\x1b]0;owned\\x07\\u202e.txt (1 bytes)"]
+    assert "\x1b]0;owned" not in out and "\u202e" not in out
+    assert sorted(section["test_link_not_followed"]) == [
+        f"created dir {project}/loop (1 file, 0 bytes)",
+        f"created link {project}/etc-link -> /etc",
+    ], out[-3000:]
+
+
+# --- the host's checks of a CHANGES message (unit layer: forged fields a box could send) -----
+
+
+def _good() -> dict[str, object]:
+    return {
+        "files": [["created", "file", "/x", 1, 0, None]],
+        "processes": [[4, "sleep 1"]],
+        "env": [["A", "set"]],
+        "cwd": ["/a", "/b"],
+        "umask": [0o22, 0o77],
+        "usage": {"cpu_s": 0.5, "peak_kib": 1024},
+        "notes": ["n"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("files", "x", "files is not a list"),
+        ("files", [["created", "file", "/x", 1, 0, None]] * (side_effects.FILES_CAP + 1), "at most"),
+        ("files", [["exploded", "file", "/x", 1, 0, None]], "unknown"),
+        ("files", [["created", "file", "/x", -1, 0, None]], "a size is not a count"),
+        ("files", [["created", "file", 7, 1, 0, None]], "a path is not a string"),
+        ("files", [["created", "file", "/x", True, 0, None]], "a size is not a count"),
+        ("processes", [["4", "x"]], "a pid is not a count"),
+        ("env", [["A", "exploded"]], "an env entry"),
+        ("umask", [0o22, 0o1777], "umask"),
+        ("usage", {"cpu_s": float("nan"), "peak_kib": 1}, "cpu_s"),
+        ("usage", {"cpu_s": 1.0, "peak_kib": 2**70}, "peak_kib"),
+        ("notes", ["n"] * (side_effects.NOTES_CAP + 1), "at most"),
+    ],
+)
+def test_a_forged_message_is_refused_naming_what(field: str, value: object, why: str) -> None:
+    fields = _good()
+    fields[field] = value
+    with pytest.raises(ValueError, match=why):
+        side_effects.take(fields)
+
+
+def test_long_texts_are_cut_and_escaped() -> None:
+    fields = _good()
+    fields["files"] = [["created", "link", "/a\x1b[2J" + "x" * 5000, 3, 0, "\u202e" * 3000]]
+    got = side_effects.take(fields)
+    (line,) = [ln for ln in got.lines() if ln.startswith("created link")]
+    assert "\x1b" not in line and "\u202e" not in line
+    assert len(got.files[0][2]) == side_effects.TEXT_CAP and len(got.files[0][5] or "") == side_effects.TEXT_CAP
+
+
+# --- the box's walk (unit layer: a real directory tree, no box) ------------------------------
+
+
+def test_the_walk_never_follows_a_link_and_stops_at_its_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "d").mkdir()
+    for i in range(50):
+        (tmp_path / "d" / str(i)).touch()
+    (tmp_path / "out").symlink_to("/")
+    (tmp_path / "d" / "up").symlink_to("..")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        state: dict[str, tuple[object, ...]] = {}
+        opened = changes._walk(fd, "/top", None, changes._Budget(), state, lambda p: False, {})
+        for sub in opened:
+            os.close(sub)
+        assert state["/top/out"][0] == "link" and state["/top/d/up"][0] == "link"
+        assert not any(p.startswith(("/top/out/", "/top/d/up/")) for p in state)
+        assert len(state) == 53
+        monkeypatch.setattr(changes, "WALK_ENTRIES", 10)
+        budget = changes._Budget()
+        small: dict[str, tuple[object, ...]] = {}
+        for sub in changes._walk(fd, "/top", None, budget, small, lambda p: False, {}):
+            os.close(sub)
+        assert budget.cut and len(small) == 10
+    finally:
+        os.close(fd)
+
+
+def test_ignore_patterns_match_a_path_its_directories_and_its_aliases() -> None:
+    aliases = [("/proj", ""), ("/home/u", "~/")]
+    assert changes._ignored("/proj/build/out/a.o", ("build",), aliases)
+    assert changes._ignored("/home/u/.cache/x/y", ("~/.cache",), aliases)
+    assert changes._ignored("/srv/a/__pycache__/m.pyc", changes.DEFAULT_IGNORE, aliases)
+    assert changes._ignored("/tmp/x.log", ("/tmp/*.log",), aliases)
+    assert not changes._ignored("/proj/src/build.py", ("build",), aliases)
+    assert not changes._ignored("/elsewhere/build/a", ("build",), aliases)
