@@ -300,7 +300,7 @@ def default_text(value: Any) -> str:
 def help_text(opt: Option) -> str:
     """``opt``'s help with its default, where the help does not say it already."""
     default = opt.default()
-    if opt.flag_only or default is None or "default" in opt.help:
+    if opt.flag_only or default is None or "(default" in opt.help:
         return opt.help
     return f"{opt.help} (default: {default_text(default)})"
 

@@ -312,3 +312,115 @@ def test_fixtures_listing_shows_the_docstrings(pytester: pytest.Pytester, tmp_pa
         ["boxlite_pool*session scope*", "*Session-wide access to the warm pool of boxes.*"], consecutive=True
     )
     result.stdout.fnmatch_lines(["boxlite_sandbox*", "*A pristine box for this test*"], consecutive=True)
+
+
+# -- the run's own image, and pytest --help ------------------------------------------------------
+
+#: Loaded by a sub-run (and its xdist workers): every namespace box made is written to BOX_SPY.
+#: Observation only: the box is still made by the real runtime.
+BOX_SPY_CONFTEST = """
+import os
+
+from pytest_boxlite.runtimes.namespace import runtime
+
+_make = runtime.NamespaceRuntime._make
+
+
+def _spied(self, spec, name, *args, **kwargs):
+    with open(os.environ["BOX_SPY"], "a") as f:
+        f.write(name + "\\n")
+    return _make(self, spec, name, *args, **kwargs)
+
+
+runtime.NamespaceRuntime._make = _spied
+"""
+
+IMAGE_TESTS = """
+import pytest
+
+
+def test_sandbox(boxlite_sandbox):
+    assert boxlite_sandbox.run(["true"]).ok
+
+
+@pytest.mark.boxlite
+def test_marked_without_image():
+    pass
+
+
+def test_plain():
+    pass
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", [(), ("--boxlite",), ("-n", "2")], ids=["plain", "boxlite", "n2"])
+@pytest.mark.parametrize("source", ["cli", "env", "ini"])
+def test_an_unusable_run_image_is_one_usage_error_at_the_start(
+    tmp_path: Path, source: str, mode: tuple[str, ...]
+) -> None:
+    """``--boxlite-image=oci-archive:/nonexistent.tar`` (or its ini key or variable): one usage error
+    before any box, naming the option and where the value came from; never the marker of a test
+    that names no image, no traceback per test."""
+    import subprocess
+
+    from subruns import pytest_argv, sub_env
+
+    bad = "oci-archive:/nonexistent.tar"
+    (tmp_path / "conftest.py").write_text(BOX_SPY_CONFTEST)
+    (tmp_path / "test_image.py").write_text(IMAGE_TESTS)
+    spy = tmp_path / "boxes-made"
+    env = sub_env(BOX_SPY=str(spy))
+    args = ["--boxlite-runtime=namespace", *mode, "test_image.py"]
+    where = {
+        "cli": "the command line",
+        "env": "the environment variable PYTEST_BOXLITE_IMAGE",
+        "ini": "the ini key boxlite_image",
+    }
+    if source == "cli":
+        args.insert(0, f"--boxlite-image={bad}")
+    elif source == "env":
+        env["PYTEST_BOXLITE_IMAGE"] = bad
+    else:
+        (tmp_path / "pytest.ini").write_text(f"[pytest]\nboxlite_image = {bad}\n")
+    home = tmp_path / "bxh"
+    proc = subprocess.run(
+        pytest_argv(home, *args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150, check=False
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out
+    assert (
+        f"--boxlite-image (from {where[source]}): image {bad!r} cannot be used: archive /nonexistent.tar does not exist"
+        in out
+    ), out
+    assert "@pytest.mark.boxlite" not in out and "Traceback" not in out and "passed" not in out, out
+    assert out.count("cannot be used") == 1, out
+    assert len(out.splitlines()) < 15, out
+    assert not spy.exists(), f"boxes were made: {spy.read_text()}"
+
+
+def test_help_lists_boxlite_first_with_defaults_and_typed_ini_keys(pytester: pytest.Pytester) -> None:
+    """``pytest --help``: ``--boxlite`` heads the plugin's group, the counts and timeouts show their
+    defaults, the image's help says what boxes see without one, the ini keys have their types."""
+    result = pytester.runpytest_subprocess("--help", *QUIET)
+    assert result.ret == 0
+    out = result.stdout.str()
+    group = out.split("run tests inside throw-away boxes (pytest-boxlite):", 1)[1]
+    flags = [ln.split()[0].split("=")[0] for ln in group.splitlines() if ln.startswith("  --boxlite")]
+    assert flags[0] == "--boxlite", flags
+    text = " ".join(group.split())
+    for flag, default in (
+        ("--boxlite-replicas=N", "2"),
+        ("--boxlite-timeout=SECONDS", "300"),
+        ("--boxlite-idle-timeout=SECONDS", "600"),
+        ("--boxlite-boot-timeout=SECONDS", "120"),
+        ("--boxlite-lease-timeout=SECONDS", "300"),
+    ):
+        entry = text.split(flag, 1)[1].split("--boxlite", 1)[0]
+        assert f"(default: {default})" in entry, (flag, entry)
+    image = text.split("--boxlite-image=IMAGE", 1)[1].split("--boxlite", 1)[0]
+    assert "host's own files" in image, image
+    ini = " ".join(out.split("[pytest] configuration options", 1)[1].split())
+    for key, kind in (("boxlite_all", "bool"), ("boxlite_keep", "bool"), ("boxlite_env_deny", "linelist")):
+        assert f"{key} ({kind})" in ini, (key, ini[:3000])
+    assert "boxlite_replicas (string)" in ini
