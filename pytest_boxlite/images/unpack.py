@@ -234,7 +234,15 @@ def _compression(head: bytes) -> str:
 def open_layer_stream(blob: Path, limit: int, what: str, limits: Limits | None = None) -> Iterator[_HashingReader]:
     """The decompressed bytes of layer ``blob`` (tar, gzip; zstd where the ``zstandard`` module is),
     bounded to ``limit`` bytes and, given ``limits``, to its compression ratio bound."""
-    with open(blob, "rb") as raw:
+    try:
+        # A blob of the store, never a link planted in its place (the store is below a home).
+        fd = os.open(blob, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ImageError(f"{what}: cannot open the layer blob {blob.name}: {exc.strerror} (a link?)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ImageError(f"{what}: the layer blob {blob.name} is not a regular file")
+    with os.fdopen(fd, "rb") as raw:
         kind = _compression(raw.read(6))
         raw.seek(0)
         stream: Any
