@@ -883,7 +883,8 @@ def _check_layers(sizes: list[int], max_unpacked: int, what: str) -> None:
     if sum(sizes) > bound:
         raise ImageError(
             f"{what}: its layers are {sum(sizes)} bytes, more than an image bounded to {max_unpacked} bytes "
-            f"unpacked can need ({bound}): the image is too big or its descriptors lie"
+            f"unpacked can need ({bound}): the image is too big or its descriptors lie (raise the per-image "
+            f"bound with {MAX_IMAGE_ENV}=<size, e.g. 16G> if it is yours)"
         )
 
 
