@@ -20,11 +20,11 @@ import contextlib
 import json
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Any
 
 from pytest_boxlite import ledger
+from pytest_boxlite._homefs import HomeDir
 
 __all__ = ["describe", "prune", "read_all", "remove", "write"]
 
@@ -35,46 +35,28 @@ _MAX_RECORDS = 4096
 _BOX = re.compile(r"^pbx-[A-Za-z0-9_-]{1,200}$")
 
 
-def _dir(home: Path) -> Path:
-    return Path(home) / "services"
-
-
 def write(home: Path, box: str, record: dict[str, Any]) -> None:
     """Record that ``box`` runs the service ``record`` describes (atomically, never through a link)."""
     if not _BOX.match(box):
         return
-    where = _dir(home)
-    where.mkdir(parents=True, exist_ok=True)
     data = json.dumps(record, sort_keys=True).encode()[:_MAX_RECORD]
-    tmp = where / f".{box}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, where / f"{box}.json")
+    # Through the home's descriptor (see _homefs): a ``services`` link is refused, never written through.
+    with HomeDir.at(home, "services", create=True) as where:
+        where.write(f"{box}.json", data)
 
 
 def remove(home: Path, box: str) -> None:
     """Forget ``box``'s record (nothing if there is none)."""
     if _BOX.match(box):
-        with contextlib.suppress(OSError):
-            (_dir(home) / f"{box}.json").unlink()
+        with contextlib.suppress(OSError), HomeDir.at(home, "services") as where:
+            where.unlink(f"{box}.json")
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def _read(where: HomeDir, name: str) -> dict[str, Any] | None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        data = where.read(name, _MAX_RECORD + 1)  # a regular file of ours, never through a link
     except OSError:
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = os.read(fd, _MAX_RECORD + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     if len(data) > _MAX_RECORD:
         return None
     try:
@@ -86,18 +68,22 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 def read_all(home: Path) -> dict[str, dict[str, Any]]:
     """Every record under ``home``: box name -> record (malformed ones left out)."""
-    where = _dir(home)
     found: dict[str, dict[str, Any]] = {}
     try:
-        names = sorted(os.listdir(where))[:_MAX_RECORDS]
+        where = HomeDir.at(home, "services")
     except OSError:
-        return found
-    for name in names:
-        box = name.removesuffix(".json")
-        if name.endswith(".json") and _BOX.match(box):
-            record = _read(where / name)
-            if record is not None:
-                found[box] = record
+        return found  # none, or refused (a link, another user's): nothing in it is read
+    with where:
+        try:
+            names = sorted(os.listdir(where.fd))[:_MAX_RECORDS]
+        except OSError:
+            return found
+        for name in names:
+            box = name.removesuffix(".json")
+            if name.endswith(".json") and _BOX.match(box):
+                record = _read(where, name)
+                if record is not None:
+                    found[box] = record
     return found
 
 

@@ -468,3 +468,18 @@ def test_a_signal_goes_only_to_a_proven_box_process(tmp_path: Path, victim: subp
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         proc.wait(10)
+
+
+@pytest.mark.escape_row("hostile-home", runtime="host")
+def test_clean_unlinks_no_service_record_through_a_link(tmp_path: Path) -> None:
+    """``clean`` prunes the service records of dead boxes: through ``services -> elsewhere`` it
+    used to unlink any ``pbx-…-N.json`` there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "pbx-dead-1.json").write_text('{"service": "mine"}')
+    home = tmp_path / "bxh"
+    home.mkdir()
+    (home / "services").symlink_to(elsewhere)
+    r = _cli(home, "clean")
+    assert r.returncode == 0, r.stderr
+    assert (elsewhere / "pbx-dead-1.json").read_text() == '{"service": "mine"}'
