@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -206,12 +206,21 @@ class MarkerCheck:
                 raise
             self.refused[item.nodeid] = (item, str(exc))
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
-        # A module's (or class's) report comes before any of its items' pytest_itemcollected.
-        for node in report.result if report.passed else ():
-            if isinstance(node, pytest.Item):
-                self._check(node)
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(
+        self, collector: pytest.Collector
+    ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+        # A module's (or class's) collection, before any of its items is "collected" (and wanted).
+        report = yield
+        if report.passed:
+            for node in report.result:
+                if isinstance(node, pytest.Item):
+                    self._check(node)
+            if self.refused:
+                # An xdist worker that refused a test runs nothing: its items are not even collected
+                # (a collected marked test would ask for a box).
+                report.result = [n for n in report.result if not isinstance(n, pytest.Item)]
+        return report
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_itemcollected(self, item: pytest.Item) -> None:

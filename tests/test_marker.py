@@ -1153,3 +1153,70 @@ def test_box_failures_become_failed_reports(pytester: pytest.Pytester, home: Pat
     ]
     # The terminal shows the box log section of the crashed test.
     result.stdout.fnmatch_lines(["*boxlite log of pbx-*"])
+
+
+# --------------------------------------------------------------------------
+# marker mistakes before any box (issue 44, item 5)
+
+#: Loaded by a sub-run (and its xdist workers): every namespace box made is written to BOX_SPY.
+#: Observation only: the box is still made by the real runtime.
+BOX_SPY_CONFTEST = """
+import os
+
+from pytest_boxlite.runtimes.namespace import runtime
+
+_make = runtime.NamespaceRuntime._make
+
+
+def _spied(self, spec, name, *args, **kwargs):
+    with open(os.environ["BOX_SPY"], "a") as f:
+        f.write(name + "\\n")
+    return _make(self, spec, name, *args, **kwargs)
+
+
+runtime.NamespaceRuntime._make = _spied
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", [(), ("--boxlite",), ("-n", "2")], ids=["marked", "boxlite", "n2"])
+@pytest.mark.parametrize(
+    ("marker", "said"),
+    [
+        pytest.param("imgae='x'", "unknown argument(s) imgae", id="typo"),
+        pytest.param("user='nosuchuser'", "user='nosuchuser': no such user or group", id="nosuchuser"),
+    ],
+)
+def test_marker_mistakes_are_usage_errors_before_any_box(
+    tmp_path: Path, home: Path, mode: tuple[str, ...], marker: str, said: str
+) -> None:
+    """A marker mistake (an unknown argument, a ``user=`` nobody is) stops the run as a usage error
+    naming the test, in every mode (under ``-n 2`` too, not an INTERNALERROR), before any box of
+    the module is made (under ``--boxlite`` the default box boots at the session's start, before
+    anything is collected); nothing is reported leaked, since no box was made for it."""
+    import subprocess
+
+    from subruns import pytest_argv, sub_env
+
+    (tmp_path / "conftest.py").write_text(BOX_SPY_CONFTEST)
+    (tmp_path / "test_bad.py").write_text(
+        "import pytest\n\n\n@pytest.mark.boxlite\ndef test_good():\n    pass\n\n\n"
+        f"@pytest.mark.boxlite({marker})\ndef test_bad():\n    pass\n"
+    )
+    spy = tmp_path / "boxes-made"
+    proc = subprocess.run(
+        pytest_argv(home, "--boxlite-runtime=namespace", *mode, "test_bad.py"),
+        cwd=tmp_path,
+        env=sub_env(BOX_SPY=str(spy)),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out
+    assert re.search(rf"test_bad\.py::test_bad: @pytest\.mark\.boxlite: {re.escape(said)}", out), out
+    assert "INTERNALERROR" not in out and "LEAKED" not in out and "leaked 1" not in out, out
+    if "--boxlite" not in mode:
+        assert not spy.exists(), f"boxes were made before the usage error: {spy.read_text()}"
+    no_leftovers(home)
