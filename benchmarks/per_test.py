@@ -5,7 +5,8 @@ and as many tests that each take ``boxlite_sandbox`` and run one ``execute_comma
 
 Rows (interleaved rounds; see ``_rows``): plain pytest; plain with ``-p no:boxlite`` (what having
 the plugin installed costs a run that boxes nothing; these two run five times a round); ``--boxlite``; ``--boxlite
---boxlite-scope=module``; ``boxlite_sandbox`` + one command; pytest-forked ``--forked`` and
+--boxlite-scope=module``; ``boxlite_sandbox`` + one command; ``--boxlite --boxlite-side-effects=report``
+against ``--boxlite`` (what listing each test's side effects adds); pytest-forked ``--forked`` and
 pytest-isolate ``--isolate``, each against a plain run of their own pytest 8 environment (see
 ``_peers``); and, in ``per-test`` only, ``python -m pytest <nodeid>`` once per test (the
 subprocess-per-test baseline: the mean of ``--subprocess-tests`` invocations, scaled).
@@ -44,6 +45,7 @@ from benchmarks._rows import Row
 
 #: Targets, printed with ``holds`` / ``DOES NOT HOLD``.
 TARGET_CPU_VS_FORKED = 1.2  # CPU per boxed test <= 1.2x pytest-forked's
+TARGET_SIDE_EFFECTS = 0.001  # --boxlite-side-effects=report adds <= 1 ms of CPU per test that writes nothing
 TARGET_PLUGIN_OFF = 0.025  # the plugin installed costs a run that boxes nothing <= 25 ms
 TARGET_WALL_VS_FORKED = 2.0  # --boxlite wall overhead <= 2x pytest-forked's
 TARGET_MODULE = 0.005  # --boxlite-scope=module <= 5 ms per test
@@ -89,6 +91,15 @@ def rows(args: argparse.Namespace, python8: str | None, isolate_env: dict[str, s
             base="plain",
         ),
         Row("sandbox", "boxlite_sandbox + execute_command('true')", "sandbox", base="plain", boxed=True),
+        # Against --boxlite itself: what listing each test's side effects adds (issue 43).
+        Row(
+            "side-effects",
+            "--boxlite --boxlite-side-effects=report",
+            "trivial",
+            ("--boxlite", "--boxlite-side-effects=report"),
+            base="boxed",
+            compare=False,
+        ),
     ]
     if python8 is not None:
         out += [
@@ -188,6 +199,14 @@ def targets_cpu(res: dict[str, dict[str, Any]]) -> list[str]:
     iso = res.get("isolate")
     if iso is not None:
         lines.append(f"CPU per test, pytest-isolate: {fmt_delta(iso['overhead_cpu'])}")
+    se = res.get("side-effects")
+    if se is not None:
+        cost = se["overhead_cpu"]
+        ok = None if cost is None else cost <= TARGET_SIDE_EFFECTS
+        lines.append(
+            f"target: --boxlite-side-effects=report against off, CPU per test {fmt_delta(cost)} "
+            f"(<= +{TARGET_SIDE_EFFECTS * 1e3:.0f} ms: {_verdict(ok)})"
+        )
     lines.append(plugin_off_line(res))
     cores = res["boxed"]["cores"]
     if cores:

@@ -136,6 +136,10 @@ MARKER_ARGS = {
     "network": ("bool", "``True``: network inside the test's box (``--boxlite-network=on`` for this test)"),
     "timeout": ("float > 0", "bound on the whole boxed test in seconds (default ``--boxlite-timeout``)"),
     "user": ("str", "who runs the test in its box: a name or ``uid[:gid]`` (default: the host user's ids)"),
+    "side_effects": (
+        "'off', 'report', 'fail'",
+        "``--boxlite-side-effects`` for this test: list (or fail on) what it leaves behind",
+    ),
 }
 
 
