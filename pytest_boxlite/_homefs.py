@@ -330,10 +330,12 @@ class HomeDir:
         self.path = path
 
     @classmethod
-    def open(cls, home: str | os.PathLike[str]) -> HomeDir:
-        """Open a home that :func:`check_home` accepted (a directory, not through a final link)."""
+    def open(cls, home: str | os.PathLike[str], *, follow: bool = False) -> HomeDir:
+        """Open a directory of ours by path: a home that :func:`check_home` accepted (``follow``:
+        the home itself may be a link, checked there), or a directory of one whose own name is
+        not followed if it is a link (``ELOOP``)."""
         path = Path(home)
-        fd = os.open(path, _DIR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, _DIR | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
         st = os.fstat(fd)
         if not _ours(st):
             os.close(fd)
@@ -343,7 +345,7 @@ class HomeDir:
     @classmethod
     def at(cls, home: str | os.PathLike[str], rel: str, *, create: bool = False) -> HomeDir:
         """``HomeDir.open(home).sub(rel, create=create)``, closing the home's descriptor."""
-        with cls.open(home) as top:
+        with cls.open(home, follow=True) as top:
             return top.sub(rel, create=create)
 
     def close(self) -> None:
