@@ -650,7 +650,13 @@ def _try_evict(st: _Store, entry: _Entry) -> bool:
             return False  # in use by a live session: never evicted
         # The tree first: a reader finding the meta without it takes the slow path.
         with st.sub("rootfs") as d:
-            _remove_in(d, entry.hexd)
+            try:
+                _remove_in(d, entry.hexd)
+            except PermissionError as exc:
+                raise ImageError(
+                    f"image store {st.path}: evicting sha256:{entry.hexd[:12]}: in rootfs/, {exc.strerror}. Remove "
+                    "it yourself if it is yours, or name a home of your own with --boxlite-home"
+                ) from None
         with st.sub("meta") as d:
             _remove_in(d, f"{entry.hexd}.json")
         with st.sub("refs") as d:
