@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pytest_boxlite import guest
+from pytest_boxlite._homefs import HomeDir
 from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import BoxDeadError, BoxliteError, BoxTimeoutError, ConfigError, file_error
 from pytest_boxlite.runtimes import _cgroups
@@ -207,7 +208,10 @@ class NamespaceBox(BoxDefaults):
                 f"box {self.name} was forked from zygote {self.forked_from} and ends with it: "
                 "a box to keep must be booted (sessions with --boxlite-keep boot their boxes)"
             )
-        keep_marker(self.box_dir).write_text(str(time.time()))
+        # Through the state directory's descriptor: a link planted under the mark's name is
+        # replaced, never written through.
+        with HomeDir.open(self.box_dir.parent) as state:
+            state.write(keep_marker(self.box_dir).name, str(time.time()).encode(), mode=0o644)
         os.write(self._watchdog, b"k")
 
     # -- requests -------------------------------------------------------
