@@ -222,12 +222,11 @@ class WorkerGuard:
         if refused is not None:
             self._complain(refused)
             return
-        if name == "testreport":
-            if self.complaints:
-                kwargs = self._carry_complaints(kwargs)
-            if kwargs["data"].get("outcome") == "failed":
-                self.failed += 1
-        elif name == "workerfinished":
+        if name == "testreport" and self.complaints:
+            kwargs = self._carry_complaints(kwargs)
+        if name in ("testreport", "collectreport") and kwargs["data"].get("outcome") == "failed":
+            self.failed += 1
+        if name == "workerfinished":
             if self._hold_finish(kwargs):
                 return
             self._flush_at_end()

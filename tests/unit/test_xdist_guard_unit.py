@@ -433,6 +433,20 @@ def test_a_worker_stopping_for_the_controllers_own_maxfail_is_taken_at_its_word(
     assert not guard.complaints
 
 
+def test_a_collection_error_counts_for_maxfail(config: Any) -> None:
+    """-x with a module that fails to import: the worker stops for it, as the controller does."""
+    config.option.maxfail = 1
+    node = FakeNode(config)
+    guard = WorkerGuard(node)
+    guard.process_from_remote(("workerready", {"workerinfo": dict(INFO)}))
+    guard.process_from_remote(("collectreport", collect_report("failed", "ImportError: x")))
+    guard.process_from_remote(("collectionfinish", {"topdir": "/p", "ids": IDS}))
+    node.send_runtest_some([0, 1])
+    output = {"exitstatus": 1, "shouldfail": "stopping after 1 failures", "shouldstop": False}
+    guard.process_from_remote(("workerfinished", {"workeroutput": output}))
+    assert names(node)[-1] == "workerfinished" and not guard.complaints
+
+
 def test_a_worker_may_not_stop_before_the_maxfail_count(config: Any) -> None:
     config.option.maxfail = 2
     node, guard = started(config, [0, 1, 2])
