@@ -65,6 +65,9 @@ c.close()
 libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
 if argv[0] != "runtime":
     sys.exit(subprocess.run(argv, timeout=200).returncode)
+# What doctor says of this machine now (its namespace line names the read-only trees).
+doctor = subprocess.run([sys.executable, "-m", "pytest_boxlite", "doctor"], capture_output=True, text=True, timeout=120)
+print("\n".join(line for line in doctor.stdout.splitlines() if line.startswith(("namespace:", "devices:"))))
 # The runtime itself: a booted box, then a box forked from its spec's zygote (a sandbox's).
 from pathlib import Path
 from pytest_boxlite.runtimes.namespace import NamespaceRuntime
@@ -181,6 +184,11 @@ def test_booted_and_forked_boxes_cannot_reach_a_host_socket_below_another_mount(
     the mount: locked beneath every box, as a machine's docker or snap mounts are)."""
     seen, text = _attack(tmp_path, "runtime", str(tmp_path / "bxh"), PROBE)
     assert seen == "connected: host-control\n", f"the daemon was reached from a box:\n{seen}\n{text[-3000:]}"
+    # doctor names the directory a box sees read-only, and says its sockets are out of reach.
+    namespace = next((line for line in text.splitlines() if line.startswith("namespace:")), "")
+    trees = namespace.partition("read-only (other mounts below them): ")[2].split(": ")[0].split(", ")
+    assert "/var" in trees, text[-3000:]
+    assert "no host socket or FIFO in them reachable" in namespace, namespace
     lines = [line for line in text.splitlines() if line.startswith(("booted ", "forked "))]
     assert [line.split()[:2] for line in lines] == [["booted", "refused"], ["forked", "refused"]], text[-3000:]
     assert all(int(line.split()[2]) in (errno.ECONNREFUSED, errno.ENOENT) for line in lines), text[-3000:]
