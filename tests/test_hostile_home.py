@@ -483,3 +483,19 @@ def test_clean_unlinks_no_service_record_through_a_link(tmp_path: Path) -> None:
     r = _cli(home, "clean")
     assert r.returncode == 0, r.stderr
     assert (elsewhere / "pbx-dead-1.json").read_text() == '{"service": "mine"}'
+
+
+@pytest.mark.escape_row("hostile-home", runtime="host")
+def test_clean_opens_and_removes_no_vm_home_through_a_link(tmp_path: Path) -> None:
+    """``vm -> elsewhere``: each sub-directory there looked like a dead owner's vm home, opened by
+    BoxLite and then removed."""
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "deadowner").mkdir(parents=True)
+    (elsewhere / "deadowner" / "thesis.tex").write_text("mine")
+    home = tmp_path / "bxh"
+    home.mkdir()
+    (home / "vm").symlink_to(elsewhere)
+    before = _tree(elsewhere)
+    r = _cli(home, "clean")
+    assert _tree(elsewhere) == before, r.stdout + r.stderr
+    assert r.returncode == 1 and f"refused {home / 'vm'}" in r.stderr, r.stderr
