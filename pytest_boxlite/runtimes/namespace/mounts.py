@@ -127,10 +127,16 @@ def _tree(top: str, path: str, points: Sequence[str], tree: _Tree, budget: list[
                 tree.items.append(("dir", r, mode, st.st_uid, st.st_gid, b""))
                 tree.left_out.append(p)
         elif stat.S_ISREG(st.st_mode):
-            data = None if p in tree.secret_files else _small_file(p, st)
-            if data is None or tree.size + len(data) > _TREE_BYTES:
-                if p not in tree.secret_files:
-                    tree.left_out.append(p)
+            if p in tree.secret_files:
+                continue
+            if st.st_size > _TREE_FILE_BYTES or tree.size + st.st_size > _TREE_BYTES:
+                tree.left_out.append(p)
+                continue
+            data = _small_file(p, st)
+            if data is None:
+                continue  # not ours to read: a box of this user could not read it either
+            if tree.size + len(data) > _TREE_BYTES:
+                tree.left_out.append(p)
                 continue
             tree.size += len(data)
             tree.items.append(("file", r, mode, st.st_uid, st.st_gid, data))
@@ -208,9 +214,11 @@ def _empty_layer() -> str:
     empty = private_tmp() / "empty"
     with contextlib.suppress(FileExistsError):
         os.mkdir(empty, 0o755)
-    if not _is_dir(empty) or any(os.scandir(empty)):
-        raise OSError(f"{empty} should be an empty directory: remove it")
-    return str(empty)
+    if _is_dir(empty):
+        with os.scandir(empty) as found:
+            if next(found, None) is None:
+                return str(empty)
+    raise OSError(f"{empty} should be an empty directory: remove it")
 
 
 def _credentials() -> tuple[frozenset[str], frozenset[str]]:
