@@ -19,8 +19,14 @@ Every walk is bounded in entries and time and never follows a link (directories 
 ``O_NOFOLLOW`` relative to their parent's descriptor); what was cut is said in ``notes``.
 """
 
+# Imported here, once, in the warm interpreter: a forked box would pay each import (resource is an
+# extension module: a dlopen) at its first test.
+import fnmatch
+import getpass
 import os
+import resource
 import stat
+import tempfile
 import time
 
 #: Entries one walk of a box's layers and fresh directories looks at, and for how long.
@@ -134,8 +140,6 @@ def _ignored(path, patterns, aliases):
     """Whether ``path`` or a directory above it matches one of ``patterns`` (fnmatch), as an
     absolute path or in one of its ``aliases`` (``(prefix, shown as)``: relative to the project,
     ``~/...`` in the home)."""
-    import fnmatch
-
     forms = [path]
     for prefix, alias in aliases:
         top = prefix.rstrip("/")
@@ -238,9 +242,6 @@ def own_temp(config):
     pytest's cache directory (left out wherever they are), and ``<tmp>/pytest-of-<user>``, where
     pytest makes its numbered base directories (left out but for the way to a mount beneath it:
     a project that lies in an outer pytest's temporary directory is still the project)."""
-    import getpass
-    import tempfile
-
     out = []
     base = getattr(config.option, "basetemp", None)
     if base:
@@ -268,8 +269,6 @@ class Watch:
     """
 
     def __init__(self, layers, options, config, forked):
-        import resource
-
         self.options = options if isinstance(options, dict) else {}
         patterns = self.options.get("ignore")
         self.ignore = tuple(p for p in patterns if isinstance(p, str)) if isinstance(patterns, list) else ()
@@ -382,8 +381,6 @@ class Watch:
         }
 
     def _usage(self):
-        import resource
-
         s0, c0 = self.usage
         s1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (s1.ru_utime + s1.ru_stime - s0.ru_utime - s0.ru_stime) + (
