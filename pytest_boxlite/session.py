@@ -330,8 +330,8 @@ class BoxliteSession:
         """Create the home and take this process's owner lock; fails clearly if the home is unusable."""
         # The home is a trust boundary: ours, writable by no one else, or nothing in it is used
         # (UnsafeHome names the path, the fix and where the value came from).
-        check_home(self.home, source=home_source(self.settings), create=True)
         try:
+            check_home(self.home, source=home_source(self.settings), create=True)
             probe = self.home / f".write-test-{self.owner}"
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:

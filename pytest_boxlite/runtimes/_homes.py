@@ -135,7 +135,11 @@ def register_home(home: Path) -> None:
     for place in places:
         registry = Path(place)
         try:
-            registry.mkdir(parents=True, exist_ok=True, mode=0o755)
+            # The directory holding it is a home (the default one) or this user's own on /tmp:
+            # made private, as a session makes its home, so that it passes the home's check
+            # (_homefs.check_home) whatever the umask.
+            os.makedirs(registry.parent, mode=0o700, exist_ok=True)
+            registry.mkdir(exist_ok=True, mode=0o755)
             st = os.lstat(registry)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                 continue
