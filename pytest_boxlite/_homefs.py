@@ -19,15 +19,19 @@ API (stable; other modules build on it):
 - ``check_home(path, *, source, create=False) -> Path``: the absolute home, checked (and made,
   mode 0700, with ``create``); raises :class:`UnsafeHome` (a ``BoxliteError``) naming the path,
   its owner and mode, the fix, and ``source`` (where the value came from).
-- ``HomeDir.open(home)`` / ``HomeDir.at(home, "namespace", create=True)``: an open directory (a
-  context manager).  Its methods take names relative to it (``"a/b"``, never ``..``):
+- ``HomeDir.open(path, follow=False)`` (a directory of ours by path, its own name not followed)
+  / ``HomeDir.at(home, "namespace", create=True)`` (the checked home, then ``sub``): an open
+  directory (a context manager; ``.fd``, ``.path``).  Its methods take names relative to it (``"a/b"``, never ``..``):
   ``sub(rel, create=False)`` (a directory of ours), ``entries()`` (:class:`Entry` per child,
   links and other owners' entries flagged, nothing followed), ``read(rel, limit)`` (a regular file
   of ours, bounded), ``write(rel, data)`` (atomic, mode 0600), ``unlink(rel)``, ``exists(rel)``,
   ``remove(name)`` (a child removed by descriptors, a link unlinked not followed), ``stat(rel)``.
 - ``open_beneath(dirfd, rel, flags, mode=0) -> int``: the primitive.
 - ``remove_tree_at(dirfd, name)``, ``remove_path(path)``: recursive removal by descriptors.
-- ``limits() -> list[str]``: the rules this kernel cannot hold (for doctor and the report header).
+- ``limits() -> list[str]``: the rules this kernel cannot hold (for doctor and the report header);
+  ``has_openat2()`` / ``OPENAT2``: whether the kernel has ``openat2``.
+- :class:`Refused` is an ``OSError`` (``EPERM``): code that treats a failed open as "nothing
+  there" stays safe; :class:`UnsafeHome` is a ``BoxliteError`` (a usage error at a session's start).
 """
 
 from __future__ import annotations
