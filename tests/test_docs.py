@@ -9,9 +9,13 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -215,3 +219,107 @@ def test_readme_links_point_at_files_that_exist() -> None:
     assert local, "the README links into the docs"
     missing = [link for link in local if not (ROOT / link).exists()]
     assert not missing, missing
+
+
+# -- the built site reads right: every page has a title, no table shows as text -------------------
+
+#: What a table that reStructuredText or Markdown did not parse leaves in a page's text: a run of
+#: ``====`` column rules, or a Markdown ``|---|`` separator row (smart quotes make ``---`` a dash).
+_TABLE_AS_TEXT = re.compile(r"={4,}\s+={4,}|\|\s*:?(?:-{3,}|[\u2013\u2014]+):?\s*\||^\s*\+-{3,}\+", re.MULTILINE)
+
+
+class _Page(HTMLParser):
+    """The main article of a Sphinx page (furo: ``<article role="main">``): its h1s and its text,
+    code excluded (a literal block may show a table's source on purpose)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0  # inside the article
+        self.code = 0  # inside <pre> or <code>
+        self.h1 = 0
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "article" and (self.depth or ("role", "main") in attrs):
+            self.depth += 1
+        if self.depth and tag == "h1":
+            self.h1 += 1
+        if self.depth and tag in ("pre", "code"):
+            self.code += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if self.depth and tag in ("pre", "code"):
+            self.code = max(0, self.code - 1)
+        if self.depth and tag == "article":
+            self.depth -= 1
+
+    def handle_data(self, data: str) -> None:
+        if self.depth and not self.code:
+            self.text.append(data)
+
+
+def page_problems(html_dir: Path, sources: Path) -> list[str]:
+    """What is wrong with the built page of each source page under ``sources``: a page with no
+    title (its first table or paragraph then stands in for one, and its sections become top-level
+    entries of every page's sidebar), or a table rendered as text."""
+    problems = []
+    for src in sorted([*sources.rglob("*.md"), *sources.rglob("*.rst")]):
+        rel = src.relative_to(sources)
+        if rel.parts[0].startswith("_"):
+            continue
+        built = html_dir / rel.with_suffix(".html")
+        if not built.exists():
+            problems.append(f"{rel}: no page was built")
+            continue
+        page = _Page()
+        page.feed(built.read_text())
+        if page.h1 != 1:
+            problems.append(f"{rel}: {page.h1} titles (h1) in the page, not 1: is the title underlined?")
+        text = "".join(page.text)
+        m = _TABLE_AS_TEXT.search(text)
+        if m is not None:
+            problems.append(f"{rel}: a table rendered as text: {text[max(0, m.start() - 40) : m.end() + 40]!r}")
+    return problems
+
+
+def _sphinx(src: Path, out: Path) -> None:
+    for mod in ("sphinx", "myst_parser", "furo"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{mod} is not installed: python -m pip install -e '.[docs]' builds the site")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-q", "-b", "html", "-d", str(out / ".doctrees"), str(src), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(660)
+def test_every_built_page_has_a_title_and_real_tables(tmp_path: Path) -> None:
+    """The site as users read it (the HTML, not only ``sphinx -W``, which passed with the API page
+    opening on ``Python API ==== ====``): one title per page, every table a table."""
+    _sphinx(ROOT / "docs", tmp_path / "html")
+    assert page_problems(tmp_path / "html", ROOT / "docs") == []
+
+
+@pytest.mark.timeout(300)
+def test_the_page_check_finds_a_missing_title_and_a_table_as_text(tmp_path: Path) -> None:
+    """The check above is not vacuous: a page whose title has no underline before its table (the
+    API page's old shape) and a Markdown table whose separator row is short are both found."""
+    src = tmp_path / "src"
+    (src / "reference").mkdir(parents=True)
+    (src / "conf.py").write_text('extensions = ["myst_parser"]\nhtml_theme = "furo"\n')
+    (src / "index.md").write_text("# Home\n\n```{toctree}\nreference/api\nreference/table\n```\n")
+    (src / "reference" / "api.rst").write_text(
+        "Python API\n====  ====\ncall  does\n====  ====\n``a``   b\n====  ====\n\nSome text.\n"
+    )
+    # A separator row with fewer cells than the header: Markdown makes it a paragraph.
+    (src / "reference" / "table.md").write_text("# Table\n\n| a | b |\n|---|\n| 1 | 2 |\n")
+    _sphinx(src, tmp_path / "html")
+    problems = page_problems(tmp_path / "html", src)
+    assert any(p.startswith("reference/api.rst: 0 titles") for p in problems), problems
+    assert any(p.startswith("reference/table.md: a table rendered as text") for p in problems), problems
+    assert not any(p.startswith("index.md") for p in problems), problems
