@@ -37,13 +37,11 @@ where, log, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 libc = ctypes.CDLL(None, use_errno=True)
 if libc.mount(b"pbx-attack", where.encode(), b"tmpfs", 0, b"mode=0777") != 0:
     sys.exit("mount: " + os.strerror(ctypes.get_errno()))
-path = where + "/daemon.sock"
-srv = socket.socket(socket.AF_UNIX)
-srv.bind(path)
-os.chmod(path, 0o777)
-srv.listen(16)
+# One socket in the mount below /var/tmp, one beside it, directly in /var/tmp (removed at the end).
+paths = [where + "/daemon.sock", where + ".sock"]
 
-def serve():
+
+def serve(srv):
     while True:
         conn, _ = srv.accept()
         conn.settimeout(5)
@@ -55,11 +53,19 @@ def serve():
             fh.write(b"connected: " + data + b"\n")
         conn.close()
 
-threading.Thread(target=serve, daemon=True).start()
-c = socket.socket(socket.AF_UNIX)
-c.connect(path)
-c.sendall(b"host-control")
-c.close()
+
+for path in paths:
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    os.chmod(path, 0o777)
+    srv.listen(16)
+    threading.Thread(target=serve, args=(srv,), daemon=True).start()
+    c = socket.socket(socket.AF_UNIX)
+    c.connect(path)
+    c.sendall(b"host-control")
+    c.close()
+import atexit
+atexit.register(os.unlink, paths[1])
 # Drop what the user namespace gave (bubblewrap refuses to run with capabilities it did not get
 # from a setuid bit): children of a non-root id then start with none.
 libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
@@ -79,26 +85,29 @@ for mode in ("booted", "forked"):
     try:
         h = rt.create_box(BoxSpec(), "pbx-attack-" + mode, timeout=60)
         try:
-            r = Sandbox(h).run([sys.executable, "-c", argv[2], path, mode], timeout=30)
-            print(mode, r.stdout.strip(), r.stderr.strip()[-500:])
+            r = Sandbox(h).run([sys.executable, "-c", argv[2], ",".join(paths), mode], timeout=30)
+            for line in r.stdout.splitlines() or ["nothing " + r.stderr.strip()[-500:]]:
+                print(mode, line)
         finally:
             h.destroy()
     finally:
         rt.close()
 """
 
-#: Run in a box: connect to the daemon's socket (argv 1), send argv 2; says ``refused ERRNO`` or ``CONNECTED``.
+#: Run in a box: connect to each daemon socket (argv 1, comma-separated), send argv 2; says
+#: ``refused ERRNO`` or ``CONNECTED`` for each, one line each.
 PROBE = """
 import socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.settimeout(5)
-try:
-    s.connect(sys.argv[1])
-except OSError as e:
-    print("refused", e.errno)
-else:
-    s.sendall(sys.argv[2].encode())
-    print("CONNECTED")
+for path in sys.argv[1].split(","):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(5)
+    try:
+        s.connect(path)
+    except OSError as e:
+        print("refused", e.errno)
+    else:
+        s.sendall(sys.argv[2].encode())
+        print("CONNECTED")
 """
 
 ATTACK = """
@@ -115,8 +124,9 @@ NO_DAEMON = {errno.ECONNREFUSED, errno.ENOENT}
 def test_boxed_test_cannot_reach_the_daemon():
     out = subprocess.run([sys.executable, "-c", PROBE, SOCK, "boxed-test"], capture_output=True, text=True, timeout=30)
     print(out.stdout, out.stderr)
-    assert out.stdout.startswith("refused"), out.stdout
-    assert int(out.stdout.split()[1]) in NO_DAEMON
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and all(line.split()[0] == "refused" for line in lines), out.stdout
+    assert all(int(line.split()[1]) in NO_DAEMON for line in lines), out.stdout
 
 
 def test_sandbox_cannot_reach_the_daemon(boxlite_sandbox):
@@ -124,8 +134,9 @@ def test_sandbox_cannot_reach_the_daemon(boxlite_sandbox):
         "%s -c %s %s sandbox" % (sys.executable, __import__("shlex").quote(PROBE), SOCK)
     )
     print(r.stdout, r.stderr)
-    assert r.stdout.startswith("refused"), r.stdout + r.stderr
-    assert int(r.stdout.split()[1]) in NO_DAEMON
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and all(line.split()[0] == "refused" for line in lines), r.stdout + r.stderr
+    assert all(int(line.split()[1]) in NO_DAEMON for line in lines), r.stdout
 """
 
 
@@ -143,7 +154,7 @@ def _attack(tmp_path: Path, *argv: str) -> tuple[str, str]:
     where.mkdir(mode=0o755)
     log = tmp_path / "daemon.log"
     (tmp_path / "driver.py").write_text(DRIVER)
-    env = sub_env(PBX_ATTACK_SOCK=str(where / "daemon.sock"), PBX_ATTACK_PROBE=PROBE, PYTHONPATH=str(PROJECT))
+    env = sub_env(PBX_ATTACK_SOCK=f"{where}/daemon.sock,{where}.sock", PBX_ATTACK_PROBE=PROBE, PYTHONPATH=str(PROJECT))
     try:
         probe = subprocess.run([*_unshare(root), "true"], capture_output=True, text=True, timeout=30)
         if probe.returncode != 0:
@@ -175,7 +186,7 @@ def test_a_boxed_test_and_a_sandbox_cannot_reach_a_host_socket_below_another_mou
     argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={tmp_path / 'bxh'}", "--boxlite", "-v", "-s"]
     seen, text = _attack(tmp_path, *argv)
     # The control connect proves the listener was there; nothing else may have reached it.
-    assert seen == "connected: host-control\n", f"the daemon was reached from a box:\n{seen}\n{text[-3000:]}"
+    assert seen == "connected: host-control\n" * 2, f"the daemon was reached from a box:\n{seen}\n{text[-3000:]}"
     assert "2 passed" in text, text[-3000:]
 
 
@@ -183,14 +194,16 @@ def test_booted_and_forked_boxes_cannot_reach_a_host_socket_below_another_mount(
     """The same attack on the runtime itself, for an ordinary user too (whose own user namespace holds
     the mount: locked beneath every box, as a machine's docker or snap mounts are)."""
     seen, text = _attack(tmp_path, "runtime", str(tmp_path / "bxh"), PROBE)
-    assert seen == "connected: host-control\n", f"the daemon was reached from a box:\n{seen}\n{text[-3000:]}"
+    assert seen == "connected: host-control\n" * 2, f"the daemon was reached from a box:\n{seen}\n{text[-3000:]}"
     # doctor names the directory a box sees read-only, and says its sockets are out of reach.
     namespace = next((line for line in text.splitlines() if line.startswith("namespace:")), "")
     trees = namespace.partition("read-only (other mounts below them): ")[2].split(": ")[0].split(", ")
     assert "/var" in trees, text[-3000:]
     assert "no host socket or FIFO in them reachable" in namespace, namespace
     lines = [line for line in text.splitlines() if line.startswith(("booted ", "forked "))]
-    assert [line.split()[:2] for line in lines] == [["booted", "refused"], ["forked", "refused"]], text[-3000:]
+    assert [line.split()[:2] for line in lines] == [["booted", "refused"]] * 2 + [["forked", "refused"]] * 2, text[
+        -3000:
+    ]
     assert all(int(line.split()[2]) in (errno.ECONNREFUSED, errno.ENOENT) for line in lines), text[-3000:]
 
 
@@ -247,3 +260,42 @@ def test_a_file_reports_its_directory_s_device_in_a_boxed_test_and_a_sandbox(tmp
     text = out.stdout + out.stderr
     assert out.returncode == 0 and "3 passed" in text, text[-3000:]
     assert not (project / "pbx-dev-new").exists(), "a box's write reached the host"
+
+
+def test_a_tree_snapshot_holds_no_socket_fifo_or_credential_and_copies_past_its_overlay_budget(
+    tmp_path: Path,
+) -> None:
+    """The unit under the attacks above, on a real directory: ``points`` (the mount table) is given
+    rather than mounted, so that an ordinary user checks the bounds too."""
+    import socket
+
+    from pytest_boxlite.runtimes.namespace import mounts
+
+    top = tmp_path / "top"
+    (top / "held" / "mnt").mkdir(parents=True)
+    for name in ("a", "b", "c"):
+        (top / name / "deep").mkdir(parents=True)
+        (top / name / "deep" / "f").write_text(name)
+    (top / "plain.txt").write_text("plain")
+    (top / ".netrc").write_text("machine x password secret")
+    (top / "link").symlink_to("plain.txt")
+    os.mkfifo(top / "fifo")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(top / "held" / "daemon.sock"))
+    try:
+        tree = mounts._Tree(frozenset({str(top / ".netrc")}), frozenset())
+        budget = [2]  # two overlays: a and b; c is copied whole
+        mounts._tree(str(top), str(top), [str(top / "held" / "mnt")], tree, budget)
+    finally:
+        listener.close()
+    items = {rel: (kind, data) for kind, rel, _, _, _, data in tree.items}
+    # The budget went to a and b; c, and the mount point past it, are copied.
+    assert tree.overlays == [("overlay", str(top / "a")), ("overlay", str(top / "b"))]
+    assert items["c/deep/f"] == ("file", b"c") and "a/deep" not in items  # copied vs overlaid
+    assert items["plain.txt"] == ("file", b"plain") and items["link"] == ("link", b"plain.txt")
+    assert items[".netrc"] == ("file", b"")  # the mask's mount point, empty
+    assert "fifo" not in items and "held/daemon.sock" not in items
+    assert items["held/mnt"][0] == "dir" and tree.left_out == []
+    snapshot = Path(mounts._tree_snapshot(tree.items))
+    assert (snapshot / "c" / "deep" / "f").read_text() == "c"
+    assert not (snapshot / "fifo").exists() and not (snapshot / "held" / "daemon.sock").exists()

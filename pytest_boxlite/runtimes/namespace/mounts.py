@@ -57,11 +57,12 @@ def _mounts_below(top: str, points: Sequence[str] | None = None) -> bool:
 
 
 #: Bounds on what a directory holding other mounts costs (see :func:`_tree`): its sub-directories
-#: shown copy-on-write (one overlay each, per box), and the files copied into its snapshot.
+#: shown copy-on-write (one overlay each, per box; past that they are copied into the snapshot),
+#: and what the snapshot holds.
 _TREE_OVERLAYS = 64
 _TREE_FILE_BYTES = 1 << 20
 _TREE_BYTES = 16 << 20
-_TREE_ENTRIES = 4096
+_TREE_ENTRIES = 8192
 
 
 class _Tree:
@@ -87,60 +88,103 @@ def _tree(top: str, path: str, points: Sequence[str], tree: _Tree, budget: list[
     host's sockets and FIFOs themselves: a box could ``connect()`` to every daemon listening there.
     So a box sees a read-only snapshot of it instead (its links, its regular files copied, empty
     directories where its sub-directories go), with each sub-directory (and each mount) that has no
-    mount below it laid on top as an overlay of its own, as a top-level directory is.  Sockets,
-    FIFOs and devices are never shown from it; those in the overlays are the overlay's own inodes,
-    which no host process listens on.  Within the bounds of ``budget`` (overlays left) and
-    :data:`_TREE_BYTES`; what does not fit is left out and recorded.
+    mount below it laid on top as an overlay of its own, as a top-level directory is; past
+    ``budget`` (overlays left) such a sub-directory is copied into the snapshot whole instead.
+    Sockets, FIFOs and devices are never shown from it; those in the overlays are the overlay's own
+    inodes, which no host process listens on.  What does not fit the bounds is left out, recorded.
     """
-    rel = os.path.relpath(path, top)
+    if not _copy_dir(top, path, tree):
+        return
+    for name in _names(path):
+        p = path.rstrip("/") + "/" + name
+        st = _entry(p, tree)
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            continue
+        if _mounts_below(p, points):
+            _tree(top, p, points, tree, budget)
+        elif p in tree.secret_dirs:
+            tree.items.append(("dir", os.path.relpath(p, top), 0o700, st.st_uid, st.st_gid, b""))  # empty
+        elif budget[0] > 0:
+            budget[0] -= 1
+            tree.items.append(("dir", os.path.relpath(p, top), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, b""))
+            tree.overlays.append(("overlay", p))
+        else:
+            _copy_tree(top, p, tree)
+
+
+def _names(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def _entry(path: str, tree: _Tree) -> os.stat_result | None:
+    """``path``'s own status, or ``None`` (gone, or over the snapshot's bound on entries: recorded)."""
+    if len(tree.items) >= _TREE_ENTRIES:
+        tree.left_out.append(path)
+        return None
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
+
+
+def _copy_dir(top: str, path: str, tree: _Tree) -> bool:
+    """Record directory ``path`` and its links and regular files (not its sub-directories) into
+    ``tree``; ``False`` where it cannot be read (left out, recorded)."""
     try:
         st = os.lstat(path)
         names = sorted(os.listdir(path))
     except OSError:
         tree.left_out.append(path)
-        return
-    tree.items.append(("dir", rel, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, b""))
+        return False
+    tree.items.append(("dir", os.path.relpath(path, top), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, b""))
     for name in names:
         p = path.rstrip("/") + "/" + name
-        r = os.path.relpath(p, top)
-        if len(tree.items) >= _TREE_ENTRIES:
-            tree.left_out.append(p)
+        est = _entry(p, tree)
+        if est is None:
             continue
-        try:
-            st = os.lstat(p)
-        except OSError:
-            continue
-        mode = stat.S_IMODE(st.st_mode)
-        if stat.S_ISLNK(st.st_mode):
+        r, mode = os.path.relpath(p, top), stat.S_IMODE(est.st_mode)
+        if stat.S_ISLNK(est.st_mode):
             with contextlib.suppress(OSError):
-                tree.items.append(("link", r, mode, st.st_uid, st.st_gid, os.fsencode(os.readlink(p))))
-        elif stat.S_ISDIR(st.st_mode):
-            if _mounts_below(p, points):
-                _tree(top, p, points, tree, budget)
-            elif p in tree.secret_dirs:
-                tree.items.append(("dir", r, 0o700, st.st_uid, st.st_gid, b""))  # a credential: empty
-            elif budget[0] > 0:
-                budget[0] -= 1
-                tree.items.append(("dir", r, mode, st.st_uid, st.st_gid, b""))
-                tree.overlays.append(("overlay", p))
-            else:
-                tree.items.append(("dir", r, mode, st.st_uid, st.st_gid, b""))
-                tree.left_out.append(p)
-        elif stat.S_ISREG(st.st_mode):
+                tree.items.append(("link", r, mode, est.st_uid, est.st_gid, os.fsencode(os.readlink(p))))
+        elif stat.S_ISREG(est.st_mode):
             if p in tree.secret_files:
+                # Empty, where the mask of a credential is bound (a mount needs its point).
+                tree.items.append(("file", r, 0o600, est.st_uid, est.st_gid, b""))
                 continue
-            if st.st_size > _TREE_FILE_BYTES or tree.size + st.st_size > _TREE_BYTES:
+            if est.st_size > _TREE_FILE_BYTES or tree.size + est.st_size > _TREE_BYTES:
                 tree.left_out.append(p)
                 continue
-            data = _small_file(p, st)
+            data = _small_file(p, est)
             if data is None:
                 continue  # not ours to read: a box of this user could not read it either
             if tree.size + len(data) > _TREE_BYTES:
                 tree.left_out.append(p)
                 continue
             tree.size += len(data)
-            tree.items.append(("file", r, mode, st.st_uid, st.st_gid, data))
+            tree.items.append(("file", r, mode, est.st_uid, est.st_gid, data))
         # Sockets, FIFOs, devices: not shown (a bound one would be the host's own).
+    return True
+
+
+def _copy_tree(top: str, path: str, tree: _Tree) -> None:
+    """Record directory ``path`` whole (no mount below it) into ``tree``, as :func:`_copy_dir` does."""
+    todo = [path]
+    while todo:
+        here = todo.pop(0)
+        if here in tree.secret_dirs:
+            st = _entry(here, tree)
+            if st is not None:
+                tree.items.append(("dir", os.path.relpath(here, top), 0o700, st.st_uid, st.st_gid, b""))
+            continue
+        if _copy_dir(top, here, tree):
+            for name in _names(here):
+                p = here.rstrip("/") + "/" + name
+                with contextlib.suppress(OSError):
+                    if stat.S_ISDIR(os.lstat(p).st_mode):
+                        todo.append(p)
 
 
 def _small_file(path: str, st: os.stat_result) -> bytes | None:
@@ -290,7 +334,8 @@ def plan_note() -> str:
     )
     if left_out:
         shown = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
-        note += f"; left out (over the bounds of {_TREE_OVERLAYS} sub-directories, {_TREE_BYTES >> 20} MiB): {shown}"
+        bounds = f"{_TREE_FILE_BYTES >> 20} MiB a file, {_TREE_BYTES >> 20} MiB and {_TREE_ENTRIES} entries in all"
+        note += f"; left out of the snapshot (over its bounds: {bounds}): {shown}"
     return note
 
 
