@@ -26,6 +26,10 @@ PROPERTY = "boxlite_side_effects"
 CPU_PROPERTY = "boxlite_cpu_s"
 MEMORY_PROPERTY = "boxlite_peak_memory_mb"
 PROCESSES_PROPERTY = "boxlite_max_processes"
+#: Where the peak memory came from: ``cgroup`` (the box's own memory cgroup, what the test
+#: allocated) or ``rusage`` (the test process's, its children included, the warm interpreter's
+#: pages it was forked with included).
+SOURCE_PROPERTY = "boxlite_peak_memory_from"
 #: What the property says of a test that left nothing.
 CLEAN = "none"
 
@@ -237,9 +241,25 @@ def _ignored(path: str, patterns: tuple[str, ...], root: str) -> bool:
     return False
 
 
-def apply(item: pytest.Item, changes: Changes | None, reports: list[pytest.TestReport]) -> list[pytest.TestReport]:
+def memory_text(usage: dict[str, int]) -> str:
+    """``: its peak ..., its limit ...`` from a box's cgroup usage (``ForkCell.usage``), or ``""``."""
+    parts = [
+        f"its {what} {usage[key] / (1 << 20):.1f} MiB"
+        for key, what in (("peak_memory", "peak"), ("memory_limit", "limit"))
+        if key in usage
+    ]
+    return ": " + ", ".join(parts) if parts else ""
+
+
+def apply(
+    item: pytest.Item,
+    changes: Changes | None,
+    reports: list[pytest.TestReport],
+    box_usage: dict[str, int] | None = None,
+) -> list[pytest.TestReport]:
     """Record ``changes`` on ``item``'s teardown report (the last of ``reports``): properties, and
-    under ``fail`` a failed teardown naming what the test left."""
+    under ``fail`` a failed teardown naming what the test left.  ``box_usage``: what the box's own
+    cgroups counted (``ForkCell.usage``), preferred to the test process's rusage where present."""
     config = item.config
     teardown = next((r for r in reversed(reports) if r.when == "teardown"), None)
     if teardown is None:
@@ -267,9 +287,16 @@ def apply(item: pytest.Item, changes: Changes | None, reports: list[pytest.TestR
                 else:
                     teardown.sections.append(("boxlite side effects", why))
     if changes is not None and changes.cpu_s is not None and usage_count(config) > 0:
+        box_usage = box_usage or {}
         teardown.user_properties.append((CPU_PROPERTY, f"{changes.cpu_s:.3f}"))
-        if changes.peak_kib is not None:
+        if "peak_memory" in box_usage:
+            teardown.user_properties.append((MEMORY_PROPERTY, f"{box_usage['peak_memory'] / (1 << 20):.1f}"))
+            teardown.user_properties.append((SOURCE_PROPERTY, "cgroup"))
+        elif changes.peak_kib is not None:
             teardown.user_properties.append((MEMORY_PROPERTY, f"{changes.peak_kib / 1024:.1f}"))
+            teardown.user_properties.append((SOURCE_PROPERTY, "rusage"))
+        if "max_processes" in box_usage:
+            teardown.user_properties.append((PROCESSES_PROPERTY, str(box_usage["max_processes"])))
     return reports
 
 
@@ -328,15 +355,29 @@ def _side_effects_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str,
 def _usage_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str, str]]) -> None:
     n = usage_count(tr.config)
     rows = []
+    sources = set()
     for nodeid, props in seen.items():
         try:
-            rows.append((float(props.get(MEMORY_PROPERTY, "0")), float(props[CPU_PROPERTY]), nodeid))
+            row = (float(props.get(MEMORY_PROPERTY, "0")), float(props[CPU_PROPERTY]), nodeid)
         except (KeyError, ValueError):
             continue
+        rows.append((*row, props.get(PROCESSES_PROPERTY, "-")))
+        sources.add(props.get(SOURCE_PROPERTY, "rusage"))
     if n <= 0 or not rows:
         return
     tr.write_sep("=", f"boxlite usage: top {min(n, len(rows))} boxed tests by peak memory")
-    tr.write_line("(from each test process's rusage, its children included: peak resident memory and CPU time)")
-    tr.write_line(f"{'peak MiB':>9} {'CPU s':>8}  test")
-    for mem, cpu, nodeid in sorted(rows, key=lambda r: (-r[0], -r[1], r[2]))[:n]:
-        tr.write_line(f"{mem:9.1f} {cpu:8.3f}  {shown(nodeid, line=True)}")
+    whence = {
+        "cgroup": "peak memory from each box's own memory cgroup (what its test allocated)",
+        "rusage": "peak memory from the test process's rusage, its children included (the warm interpreter's "
+        "pages it was forked with counted)",
+    }
+    for source in sorted(sources):
+        tr.write_line(f"({whence.get(source, source)})")
+    has_procs = any(r[3] != "-" for r in rows)
+    tr.write_line(
+        "(CPU time from the test process's rusage, its children included"
+        + ("; processes: the most the box's pids cgroup held at once)" if has_procs else ")")
+    )
+    tr.write_line(f"{'peak MiB':>9} {'CPU s':>8} {'procs':>6}  test")
+    for mem, cpu, nodeid, procs in sorted(rows, key=lambda r: (-r[0], -r[1], r[2]))[:n]:
+        tr.write_line(f"{mem:9.1f} {cpu:8.3f} {shown(procs, line=True, limit=6):>6}  {shown(nodeid, line=True)}")

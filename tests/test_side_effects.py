@@ -15,12 +15,16 @@ import os
 import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 import subruns
 
 from pytest_boxlite import ledger, side_effects
-from pytest_boxlite.guest import changes
+from pytest_boxlite.guest import changes as _changes
+
+#: The guest module carries no annotations (it runs on the box's interpreter as it is).
+changes: Any = _changes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -171,7 +175,7 @@ def test_report_names_exactly_the_dirty_tests_and_what_each_left(
     assert first.endswith("test_suite.py::test_usage_300mb") and float(first.split()[0]) > 300, table[:6]
     # junitxml: every checked test has the property ("none" when clean), and the usage ones.
     props = {
-        tc.get("name"): {p.get("name"): p.get("value") for p in tc.iter("property")}
+        str(tc.get("name")): {str(p.get("name")): str(p.get("value")) for p in tc.iter("property")}
         for tc in ET.parse(junit).iter("testcase")
     }
     for name in CLEAN:
@@ -364,3 +368,25 @@ def test_ignore_patterns_match_a_path_its_directories_and_its_aliases() -> None:
     assert changes._ignored("/tmp/x.log", ("/tmp/*.log",), aliases)
     assert not changes._ignored("/proj/src/build.py", ("build",), aliases)
     assert not changes._ignored("/elsewhere/build/a", ("build",), aliases)
+
+
+OOM = """
+import pytest
+
+
+@pytest.mark.boxlite(memory=128)
+def test_oom():
+    data = bytearray(300 << 20)
+    for i in range(0, len(data), 4096):
+        data[i] = 1
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a box's memory cap needs cgroups, which an ordinary user has not here")
+def test_an_oom_killed_box_names_its_limit_and_peak(tmp_path: Path, home: Path, subruns: list[subruns.SubRun]) -> None:
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "test_oom.py").write_text(OOM)
+    rc, out = _run(project, home, subruns, "oom", "--boxlite-usage=1")
+    assert rc == 1, out[-3000:]
+    assert "killed by the kernel's OOM killer (the box's memory cap): its peak 128.0 MiB, its limit 128.0 MiB" in out

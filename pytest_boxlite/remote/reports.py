@@ -26,7 +26,7 @@ def finish(item: pytest.Item, out: Outcome, ended: Ended) -> list[pytest.TestRep
     if out.error is not None:
         return failed_phase(item, "setup", out.error, ended.log, ended.duration)
     if out.done or out.exit is not None:
-        return side_effects.apply(item, out.changes, out.reports)
+        return side_effects.apply(item, out.changes, out.reports, ended.usage)
     if out.timed_out:
         why = TIMED_OUT.format(ended.timeout)
     elif out.spoke is not None:

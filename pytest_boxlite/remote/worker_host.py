@@ -200,6 +200,8 @@ class Ended:
     worker_alive: bool
     #: ``pytest.exit``'s reason and return code, if the test called it.
     exit: tuple[str, int] | None
+    #: What the box used, from its own cgroups where it has them (``ForkCell.usage``).
+    usage: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def describe_status(code: int | None, *, forked: bool = False) -> str:
@@ -645,7 +647,8 @@ class RemoteRunner:
             else:
                 still_open = box
         alive = run.handle.name in self.live_workers()
-        return Ended(name, duration, run.timeout, run.failure, how, log, still_open, alive, out.exit)
+        usage = run.cell.usage() if run.cell is not None and side_effects.usage_count(self.config) else {}
+        return Ended(name, duration, run.timeout, run.failure, how, log, still_open, alive, out.exit, usage)
 
     def _settle_channel(self, handle: BoxHandle, worker: _Worker, out: Outcome) -> None:
         """A leased box whose test timed out or sent what the host refuses is killed; one whose
@@ -853,7 +856,7 @@ class RemoteRunner:
             box.alive = False
             code = self._fork_status(box.worker, msg.WAIT, box.child)
             if box.handle.oom_kills() > box.oom_before or (box.cell is not None and box.cell.oom_kills() > 0):
-                out.hung_up = BoxSpoke(_OOM)
+                out.hung_up = BoxSpoke(_OOM + side_effects.memory_text(box.cell.usage() if box.cell else {}))
         if out.done and not out.paused:
             # A test that sat at the debugger's prompt tells nothing of the box's overhead.
             self.fork_waits.append(time.monotonic() - start - sum(r.duration for r in out.reports))

@@ -84,6 +84,28 @@ class CgroupSet:
             raise
         return fds
 
+    def usage(self) -> dict[str, int]:
+        """What the box's processes used, where these cgroups count it: ``peak_memory`` and
+        ``memory_limit`` (bytes: v2 ``memory.peak``/``memory.max``, v1 ``memory.max_usage_in_bytes``/
+        ``memory.limit_in_bytes``) and ``max_processes`` (v2 ``pids.peak``); a missing file, a
+        controller not here or an unlimited limit leaves its key out."""
+        out: dict[str, int] = {}
+        files = (
+            ("peak_memory", ("memory.peak", "memory.max_usage_in_bytes")),
+            ("memory_limit", ("memory.max", "memory.limit_in_bytes")),
+            ("max_processes", ("pids.peak",)),
+        )
+        for key, names in files:
+            for d in self.dirs:
+                for name in names:
+                    try:
+                        text = (d / name).read_text()[:64].strip()
+                    except OSError:
+                        continue
+                    if text.isdigit() and int(text) < 1 << 62:  # "max", or v1's unlimited 2**63-4096
+                        out[key] = int(text)
+        return out
+
     def pids_max_reached(self) -> bool:
         """Whether the pids controller refused a fork in these cgroups (``pids.events``: ``max``)."""
         for d in self.dirs:

@@ -200,6 +200,10 @@ class ForkCell:
         """How many of the box's processes the OOM killer has killed (its own memory cgroup)."""
         return self.cgroups.oom_kills()
 
+    def usage(self) -> dict[str, int]:
+        """What the box used, from its own cgroups (see :meth:`CgroupSet.usage`); empty without them."""
+        return self.cgroups.usage()
+
     def kill(self) -> None:
         """Kill every process of the box now: the box is done (its test ended, or it was unused)."""
         self.cgroups.kill()
