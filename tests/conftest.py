@@ -243,3 +243,62 @@ def tcp_server() -> Iterator[TcpServer]:
         yield server
     finally:
         server.close()
+
+
+#: The test files that take most of the suite's time (on 2 cores the whole suite takes about half
+#: an hour): real pytest sub-runs of whole sessions (xdist, worker scope, fault injection, hostile
+#: boxes and channels, images, services, the VM code path on the SDK double, the plugin matrix).
+#: They get the ``slow`` marker, so ``python -m pytest -m "not slow"`` is the quick tier (under ten
+#: minutes on 2 cores); CI runs everything.
+SLOW_FILES = frozenset(
+    {
+        "test_all_homes_masked.py",
+        "test_benchmarks_cli.py",
+        "test_boxed_coverage.py",
+        "test_escapes.py",
+        "test_fidelity_misc.py",
+        "test_fixture_scopes.py",
+        "test_fork_deadlock.py",
+        "test_fresh_clone.py",
+        "test_home_full.py",
+        "test_hostile_boxes.py",
+        "test_hostile_channel.py",
+        "test_hostile_home.py",
+        "test_hostile_images.py",
+        "test_hostile_mounts.py",
+        "test_hostile_relay.py",
+        "test_images_marker.py",
+        "test_images_namespace.py",
+        "test_images_store.py",
+        "test_images_unpack.py",
+        "test_marker.py",
+        "test_nonroot.py",
+        "test_plugin_matrix.py",
+        "test_reliability.py",
+        "test_rest_session.py",
+        "test_services_fixtures.py",
+        "test_services_hostile.py",
+        "test_services_image.py",
+        "test_services_reach.py",
+        "test_session.py",
+        "test_side_effects.py",
+        "test_startup_cost.py",
+        "test_template_links.py",
+        "test_templates_keys.py",
+        "test_timeout_output.py",
+        "test_vm_fork.py",
+        "test_vm_images.py",
+        "test_vm_marker.py",
+        "test_vm_templates.py",
+        "test_xdist.py",
+        "test_xdist_remote.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The ``slow`` marker on every test of :data:`SLOW_FILES` (see the README's quick tier)."""
+    slow = pytest.mark.slow
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(slow)

@@ -121,6 +121,7 @@ def test_the_docs_hold_runnable_blocks() -> None:
     assert len(BLOCKS) >= 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
 def test_runnable_block(block: Block, pytester: pytest.Pytester, home: Path) -> None:
     for name, body in block.files.items():
