@@ -31,6 +31,7 @@ channel's callback.  The crash report gets the refusals through xdist's ``pytest
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import reprlib
@@ -485,10 +486,11 @@ class WorkerGuard:
             return False
         if self.pending == 0 and self.shutdown_asked:
             return False
+        said = f"a workerfinished (exit status {output['exitstatus']})"
         if self.pending:
-            self._complain(f"a workerfinished while {self.pending} of the tests it was given had not run")
+            self._complain(f"{said} while {self.pending} of the tests it was given had not run")
         else:
-            self._complain("a workerfinished the controller did not ask for")
+            self._complain(f"{said} the controller did not ask for")
         self.held_finish = True
         return True
 
@@ -496,6 +498,8 @@ class WorkerGuard:
         """The channel closed.  With tests pending, xdist's crash path fails the first (the one the
         worker was running) and gives the rest to other workers: the refusals go into that
         report.  Without, they come out as a report of their own."""
+        if self.held_finish:
+            self._let_go()
         if self.finished or not self.complaints:
             return
         if self.pending:
@@ -503,6 +507,18 @@ class WorkerGuard:
             self.complaints, self.dropped = [], 0
         else:
             self._flush_at_end()
+
+    def _let_go(self) -> None:
+        """End the worker's gateway process (the attach client: its box server then destroys the
+        box): after its workerfinished and its channel's end, xdist counts the worker as crashed
+        and starts a replacement in the same box slot, which waits until this worker is gone; a
+        worker whose pytest ended (``pytest.exit``) would otherwise live on in its box until the
+        session's end.  Best effort through execnet's own ``kill`` of a popen gateway's I/O."""
+        io = getattr(self.node.gateway, "_io", None)
+        kill = getattr(io, "kill", None)
+        if callable(kill):
+            with contextlib.suppress(Exception):
+                kill()
 
     def note_crash(self, report: pytest.TestReport) -> None:
         """Add the refusals that preceded this worker's crash to xdist's report of it."""

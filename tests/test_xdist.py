@@ -763,6 +763,8 @@ ATTACKS = {
     "shouldstop": lambda request: finish(shouldstop="hostile stop"),
     "interrupted": lambda request: finish(exitstatus=2, shouldfail="hostile fail"),
     "shouldstop_then_exit": lambda request: (finish(shouldstop="hostile stop"), os._exit(0)),
+    # Not hostile: the test ends its worker's pytest, which says it finished and leaves its channel.
+    "pytest_exit": lambda request: pytest.exit("a test's own exit", returncode=7),
 }
 
 
@@ -788,6 +790,7 @@ FORGED_SAYS = {
     "shouldstop": "asking the session to stop (shouldstop='hostile stop')",
     "interrupted": "interrupted (exit status 2)",
     "shouldstop_then_exit": "crashed while running",
+    "pytest_exit": "a workerfinished (exit status 7) while",
 }
 
 
@@ -812,7 +815,9 @@ def test_worker_scope_forged_events_fail_their_test_only(tmp_path: Path, home: P
     was refused (escaped), and the session and every other test go on.  Without the field checks
     of pytest_boxlite.xdist_guard, the first four (and a collection report that passed) were an
     INTERNALERROR with no test run, an internal_error printed its escapes raw and lost the test
-    that sent it, and a workerfinished with shouldstop ended the session after a few tests."""
+    that sent it, and a workerfinished with shouldstop ended the session after a few tests.  A
+    test's own ``pytest.exit`` in worker scope (an INTERNALERROR before) fails that test: the
+    worker's end is a crash, its other tests go to its replacement."""
     pytest.importorskip("xdist")
     proj = tmp_path / "proj"
     write(proj, "conftest.py", FORGED_CONFTEST)
@@ -830,7 +835,7 @@ def test_worker_scope_forged_events_fail_their_test_only(tmp_path: Path, home: P
     # The escapes came out escaped, never raw (title, clipboard).
     assert "\x1b]" not in out and "\\x1b]0;PBX-TITLE" in out, out[-6000:]
     # The worker that ended mid-test was replaced; its crash report says what its box sent.
-    assert "replacing crashed worker" in out, out[-6000:]
+    assert out.count("replacing crashed worker") == 2, out[-6000:]
     assert "shouldstop='hostile stop'" in cases["test_attack[shouldstop_then_exit]"][1]
     # The collection report forged before any test ran: a collection error named after gw1.
     assert "boxlite-worker-gw1" in out and "whose outcome is 'passed'" in out, out[-6000:]

@@ -411,10 +411,14 @@ def test_a_worker_that_ends_with_tests_pending_is_a_crash_whose_report_says_why(
     reports the running test failed and gives the others to other workers), and the refusals go
     into that crash report."""
     node, guard = started(config, [0, 1])
+    killed: list[bool] = []
+    node.gateway._io = SimpleNamespace(kill=lambda: killed.append(True))  # execnet's popen I/O
     begin(guard, 0)
     guard.process_from_remote(("workerfinished", {"workeroutput": {**OUTPUT, "shouldstop": "hostile"}}))
+    assert not killed
     guard.process_from_remote(Marker.END)
     assert node.passed[-1] is Marker.END and "workerfinished" not in names(node)
+    assert killed == [True]  # its process is let go: the replacement needs its box slot
     crash = pytest.TestReport(IDS[0], location(IDS[0]), {}, "failed", "worker 'gw3' crashed while running", "???")  # type: ignore[arg-type]
     guard.note_crash(crash)
     assert "crashed while running\npytest-boxlite:" in str(crash.longrepr)
