@@ -80,7 +80,7 @@ def test_3_a_box_forked_after_the_swap_runs():
 """
 
 
-def _plant(project: Path, other: Path, uid: int, foreign_gid: int) -> dict[str, tuple[int, int, bytes]]:
+def _plant(project: Path, other: Path, uid: int, foreign_gid: int) -> dict[str, tuple[int, int, int, int, int, str]]:
     """The project (``sub`` with two files, all of ``foreign_gid``; ``swap``, a link to ``other``)
     and, in ``other``, two files of the same names the sync must never touch: one of root's, one
     of the user's own that the user cannot read.  Returns what ``other`` holds."""
