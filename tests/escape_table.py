@@ -239,6 +239,29 @@ ROWS: tuple[Row, ...] = (
         "same",
     ),
     Row(
+        "xdist-events",
+        "in a boxed xdist worker (`--boxlite-scope=worker -n N`), send events xdist's controller would crash on: a "
+        "`logstart` or `logfinish` whose location is not `(path, line, domain)`, an `unscheduled` it never asked "
+        "for, a `collectreport` that passed, a second `workerready` or one whose info is no dict, a "
+        "`teardownreport` or any event the controller does not handle",
+        "n/a",
+        "each event is checked field by field against what xdist's controller assumes of it (one place: "
+        "`pytest_boxlite/xdist_guard.py`); a refused one is dropped and the test that sent it fails saying, "
+        "escaped, what was refused (during collection: a collection error named after the worker); the session "
+        "and later tests are unaffected",
+    ),
+    Row(
+        "xdist-stop",
+        "in a boxed xdist worker, stop the session or lose tests: a `workerfinished` carrying `shouldstop`, "
+        "`shouldfail` or exit status 2, an `internal_error` full of terminal escapes, a `workerfinished` and then "
+        "the worker's end in the middle of a test",
+        "n/a",
+        "a box never stops the session (only the controller's own `--maxfail` count does): those fields are "
+        "cleared and the test that sent them fails; an `internal_error` is shown escaped in that test's failure; a "
+        "worker that ends with tests pending fails the test it was running, saying why, and its other tests run "
+        "on its replacement: no test it was given goes without a report",
+    ),
+    Row(
         "inherited-descriptors",
         "write gigabytes to every descriptor it inherited (the host-side `box.log`) to fill the host's disk",
         "a forked box's stderr is a pipe the host drains into a capped log, never the host's file",
