@@ -12,8 +12,10 @@ it, as on the host: Send2Trash's ``find_mount_point()`` and ``shutil.move``, ``f
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -299,3 +301,84 @@ def test_a_tree_snapshot_holds_no_socket_fifo_or_credential_and_copies_past_its_
     snapshot = Path(mounts._tree_snapshot(tree.items))
     assert (snapshot / "c" / "deep" / "f").read_text() == "c"
     assert not (snapshot / "fifo").exists() and not (snapshot / "held" / "daemon.sock").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# a host directory shown in an image's box
+# --------------------------------------------------------------------------------------------------
+
+IMAGE_ATTACK = """
+import os, subprocess, sys
+
+import pytest
+
+
+@pytest.mark.boxlite(image={image!r})
+def test_in_the_image_the_project_s_daemon_is_out_of_reach():
+    out = subprocess.run([sys.executable, "-c", {probe!r}, {sock!r}, "image-box"], capture_output=True, text=True)
+    assert out.stdout.split()[:1] == ["refused"], out.stdout + out.stderr
+    assert os.path.exists(__file__)  # the project is there all the same
+"""
+
+
+@pytest.mark.parametrize("fresh", ["fork", "boot"])
+def test_an_image_box_cannot_reach_a_host_socket_in_the_project(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fresh: str
+) -> None:
+    """The project inside a directory the image has too (the home: /root, /home) used to be bound
+    read-only into the image's box, its sockets with it."""
+    import socket
+    import threading
+
+    from images.build import ImagesUnavailable, shared_cache, test_images
+
+    try:
+        image = test_images(shared_cache(tmp_path_factory))["glibc"]
+    except ImagesUnavailable as exc:
+        pytest.skip(str(exc))
+    project = Path.home() / f"pbx-proj-{uuid.uuid4().hex[:8]}"
+    project.mkdir()
+    sock = project / "daemon.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(sock))
+    listener.listen(8)
+    reached: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    reached.append(conn.recv(100))
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        (project / "test_image_attack.py").write_text(
+            textwrap.dedent(IMAGE_ATTACK.format(image=image, probe=PROBE, sock=str(sock)))
+        )
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                *QUIET,
+                f"--boxlite-home={tmp_path / 'bxh'}",
+                f"--boxlite-fresh={fresh}",
+                "-v",
+            ],
+            cwd=project,
+            env=sub_env(PYTHONPATH=str(PROJECT)),
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
+    finally:
+        listener.close()
+        shutil.rmtree(project, ignore_errors=True)
+    text = out.stdout + out.stderr
+    assert reached == [], f"the project's daemon was reached from an image's box: {reached}\n{text[-3000:]}"
+    assert out.returncode == 0 and "1 passed" in text, text[-3000:]

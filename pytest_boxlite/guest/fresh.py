@@ -133,6 +133,9 @@ class IdMapper:
         #: Set by clone_box: the child was born in its user namespace, so the maps can be written
         #: at once, without waiting for it to say it has unshared.
         self.born_in_namespace = False
+        #: Set by clone_box: the native helper (:func:`native_init`) wrote the maps already; only
+        #: the child's go-ahead is left to send.
+        self.written = False
 
     def close_parent_side(self):
         for fd in (self.ready_r, self.done_w, self.proc):
@@ -164,9 +167,10 @@ class IdMapper:
                 ready, _, _ = select.select([self.ready_r], [], [], self.TIMEOUT)
                 if not ready or os.read(self.ready_r, 2) != b"u\n":
                     return  # the child ended (or hung) before unsharing: it reports that itself
-            maps = self.id_maps()
-            for which in ("uid", "gid"):
-                _write("%d/%s_map" % (pid, which), maps[which], dir_fd=self.proc)
+            if not self.written:
+                maps = self.id_maps()
+                for which in ("uid", "gid"):
+                    _write("%d/%s_map" % (pid, which), maps[which], dir_fd=self.proc)
             os.write(self.done_w, b"m\n")
         except OSError:
             pass  # the child dies without its maps (its read ends empty) and says so
@@ -387,6 +391,9 @@ def clone_box(network, mapper=None, real_root=False, flags=None, cell=None, init
     if interval is None:
         return _clone_box_by_forks(flags, mapper, real_root, cell)
     api = ctypes.pythonapi
+    native = native_init() if init is not None and not real_root else None
+    if native is not None:
+        return _clone_box_native(native, flags, mapper, cell, init, interval, uid, gid)
     api.PyOS_BeforeFork()
     pid = _SYSCALL(number, flags | _SIGCHLD, 0, 0, 0, 0)
     err = ctypes.get_errno()
@@ -457,6 +464,8 @@ class BareInit:
         self.nested = nested
         self.maps = {k: v.encode() for k, v in (maps or {}).items()}
         self.mask = self._mask(tuple(sorted({*(int(s) for s in signals), _SIGCHLD})))
+        #: The same signals as a bit mask (bit N-1: signal N), for the native pid 1's boxinit.
+        self.signal_bits = sum(1 << (int(s) - 1) for s in set(signals))
         self.status = ctypes.c_int()
         self.byte = ctypes.create_string_buffer(2)
 
@@ -539,6 +548,123 @@ class BareInit:
                 libc.write(n.done_w, b"m\n", 2)
         libc.close(n.ready_r)
         libc.close(n.done_w)
+
+
+# --- the native pid 1: no copy of the warm interpreter (guest/_init/boxclone.c, boxinit.c) ---------
+# Where the package was built with a C compiler, a test's box is made by boxclone.c's box_clone: a
+# clone(CLONE_VM) into the box's namespaces whose child, pid 1, forks the test process and then
+# executes boxinit, which does BareInit's duties.  The test process is the box's only copy of this
+# interpreter (pytest-forked's one fork); the Python BareInit stays for where there is no helper,
+# for an interpreter whose clone(2) this file cannot make (see clone_box), and when switched off.
+
+#: The off switch: ``PYTEST_BOXLITE_NATIVE_INIT=0`` (the Python pid 1 runs).
+NATIVE_INIT_ENV = "PYTEST_BOXLITE_NATIVE_INIT"
+#: ``{"helper": (box_clone, boxinit's descriptor, args type) or None, "why": why none}``, found once.
+_NATIVE = {}
+
+
+def _native_files(package_dir):
+    """``(shared object, boxinit)`` of the native pid 1 in the package directory ``package_dir``,
+    or a string saying why there is none (the same rule as the host's ``guest.native_init``)."""
+    import glob
+
+    guest = os.path.join(package_dir, "guest")
+    found = sorted(glob.glob(os.path.join(glob.escape(guest), "_boxclone*.so")))
+    init = os.path.join(guest, "_boxinit")
+    if not found or not os.path.isfile(init):
+        return "not built (no C compiler when the package was installed)"
+    return found[0], init
+
+
+class _BoxArgs(ctypes.Structure):
+    _fields_ = [
+        ("flags", ctypes.c_long),
+        ("init_fd", ctypes.c_long),
+        ("proc_fd", ctypes.c_long),
+        ("uid_map", ctypes.c_char_p),
+        ("gid_map", ctypes.c_char_p),
+        ("mask", ctypes.c_ulong),
+        ("close_fds", ctypes.POINTER(ctypes.c_int)),
+        ("n_close", ctypes.c_long),
+        ("nested_ready", ctypes.c_long),
+        ("nested_done", ctypes.c_long),
+        ("nested_uid_map", ctypes.c_char_p),
+        ("nested_gid_map", ctypes.c_char_p),
+        ("stage", ctypes.c_long),
+    ]
+
+
+def native_init():
+    """``(box_clone, boxinit's descriptor)`` where the native pid 1 can run here, loaded once;
+    ``None`` elsewhere (:data:`_NATIVE` ``["why"]`` says why)."""
+    if "why" in _NATIVE:
+        return _NATIVE["helper"]
+    _NATIVE["helper"], _NATIVE["why"] = None, None
+    if os.environ.get(NATIVE_INIT_ENV, "1").strip() == "0":
+        _NATIVE["why"] = "switched off (%s=0)" % NATIVE_INIT_ENV
+        return None
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        _NATIVE["why"] = "no native pid 1 for %s" % os.uname().machine
+        return None
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("pytest_boxlite")
+        where = list(spec.submodule_search_locations or ()) if spec is not None else []
+        files = _native_files(where[0]) if where else "the package is not importable here"
+        if isinstance(files, str):
+            _NATIVE["why"] = files
+            return None
+        lib = ctypes.PyDLL(files[0])  # the GIL stays held across box_clone, as across clone(2)
+        fn = lib.box_clone
+        fn.restype = ctypes.c_long
+        fn.argtypes = [ctypes.POINTER(_BoxArgs)]
+        fd = os.open(files[1], os.O_RDONLY | os.O_CLOEXEC)
+        if not os.access(files[1], os.X_OK):
+            os.close(fd)
+            _NATIVE["why"] = "%s is not executable" % files[1]
+            return None
+        _NATIVE["helper"] = (fn, fd)
+    except (OSError, ImportError, ValueError, AttributeError) as exc:
+        _NATIVE["why"] = "cannot load: %s" % (exc,)
+    return _NATIVE["helper"]
+
+
+def _clone_box_native(native, flags, mapper, cell, init, interval, uid, gid):
+    """:func:`clone_box` for a test's box, with the native pid 1 (see above)."""
+    fn, init_fd = native
+    a = _BoxArgs()
+    a.flags = flags
+    a.init_fd = init_fd
+    a.proc_fd = -1
+    if mapper is not None:
+        maps = mapper.id_maps()
+        a.proc_fd = mapper.proc
+        a.uid_map, a.gid_map = maps["uid"].encode(), maps["gid"].encode()
+    a.mask = init.signal_bits
+    close = (ctypes.c_int * max(1, len(init.close)))(*init.close)
+    a.close_fds, a.n_close = close, len(init.close)
+    a.nested_ready = a.nested_done = -1
+    if init.nested is not None:
+        a.nested_ready, a.nested_done = init.nested.ready_r, init.nested.done_w
+        a.nested_uid_map, a.nested_gid_map = init.maps.get("uid", b""), init.maps.get("gid", b"")
+    api = ctypes.pythonapi
+    api.PyOS_BeforeFork()
+    pid = fn(ctypes.byref(a))
+    if pid != 0:
+        sys.setswitchinterval(interval)
+        api.PyOS_AfterFork_Parent()
+        _close_cell(cell)
+        if pid < 0:
+            raise OSError(-pid, "clone: %s%s" % (os.strerror(-pid), _why_no_process(-pid)))
+        if mapper is not None:
+            mapper.born_in_namespace = mapper.written = True
+        return pid
+    # The test process: a copy of this interpreter made by the box's pid 1 (boxinit by now).
+    api.PyOS_AfterFork_Child()
+    sys.setswitchinterval(interval)
+    _or_exit(_in_new_box, uid, gid, mapper, None, cell)
+    return IN_TEST
 
 
 # --- a forked box's cell: its own stderr and cgroups, from the host, before the fork ---------------
@@ -810,12 +936,16 @@ _PRIVATE = ("/tmp", "/run", "/proc", "/dev", "/sys")
 
 
 def _masks_over(mounts, overlays):
-    """The mounts other than overlays laid over part of one of ``overlays`` (outside
-    :data:`_PRIVATE`): the masks a fresh box must lay again on its new layers."""
+    """The mounts other than the renewed ``overlays`` laid over part of one of them (outside
+    :data:`_PRIVATE`): the masks a fresh box must lay again on its new layers (a read-only overlay,
+    a host directory shown in an image's, is one too)."""
+    renewed = set(overlays)
     return [
         (m, fs)
         for m, fs in mounts
-        if fs != "overlay" and any(_under(m, o) for o in overlays) and not any(m == p or _under(m, p) for p in _PRIVATE)
+        if m not in renewed
+        and any(_under(m, o) for o in overlays)
+        and not any(m == p or _under(m, p) for p in _PRIVATE)
     ]
 
 
@@ -1140,7 +1270,7 @@ def fork_blocked_by_mounts():
         return None
     m = masks[0][0]
     o = next(o for o in overlays if _under(m, o))
-    return "%s is mounted over part of %s (a credential masked by a mount, not a layer)" % (m, o)
+    return "%s is mounted over part of %s (a credential masked by a mount, or a host directory in an image's)" % (m, o)
 
 
 def fork_refused():

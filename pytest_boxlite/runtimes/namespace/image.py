@@ -244,10 +244,11 @@ def host_mount_args(
 
     A directory under /tmp or /run, or whose top-level directory the image lacks, is laid
     copy-on-write (an overlay; in a read-only tmpfs made for its top-level directory, which a
-    forked box keeps whole); one inside a directory of the image is bound read-only (an overlay
-    cannot be renewed per forked box beneath another one: a forked box lays the bind again).
+    forked box keeps whole); one inside a directory of the image is shown read-only (an overlay
+    with no upper layer: no host socket or FIFO in it is reachable; a writable one could not be
+    renewed per forked box beneath another one: a forked box lays this one again, as a mask).
     """
-    from pytest_boxlite.runtimes.namespace.mounts import _overlay
+    from pytest_boxlite.runtimes.namespace.mounts import _empty_layer, _overlay
 
     tops = {e.name: e for e in _entries(root.rootfs)}
     layers = layers_of(root, template)
@@ -276,9 +277,13 @@ def host_mount_args(
             args += _overlay(m, template, persist, masks)
             overlays.append(m)
         else:
-            args += ["--ro-bind", m, m]
+            # Read-only, and an overlay, not a bind: a bind would show the host's sockets and FIFOs
+            # themselves (a box could connect() to a daemon listening in the project).
+            args += ["--overlay-src", m, "--overlay-src", _empty_layer(), "--ro-overlay", m]
     for f in files:
-        args += ["--ro-bind", os.path.realpath(f), f]  # a link of the host's: its file there
+        real = os.path.realpath(f)  # a link of the host's: its file there
+        if _is_file(real):
+            args += ["--ro-bind", real, f]
     for top in made:
         args += ["--remount-ro", top]
     return args, overlays
@@ -288,6 +293,14 @@ def layers_of(root: ImageRoot, template: str | None = None) -> list[str]:
     """The trees a box of ``root`` stacks at the box's own paths, top first: a template's upper
     layer (what its ``--boxlite-setup`` wrote, the image's own shell included), then the image's."""
     return [str(Path(template) / "upper"), root.rootfs] if template is not None else [root.rootfs]
+
+
+def _is_file(path: str) -> bool:
+    """Whether ``path`` is a regular file (never a socket or a FIFO of the host's)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _is_dir(path: Path | str) -> bool:
