@@ -144,7 +144,9 @@ OPTIONS: tuple[Option, ...] = (
         "auto (vm when a VM can boot, else namespace), vm or namespace",
         "KIND",
     ),
-    Option("cpus", _positive_int, lambda: None, "vCPUs per box (default: runtime default, 1)", "N"),
+    Option(
+        "cpus", _positive_int, lambda: None, "vCPUs per box (default: the runtime's: 1 on vm, no cap on namespace)", "N"
+    ),
     Option("memory", _memory, lambda: None, "memory per box in MiB (default: runtime default, 1024)", "MIB"),
     Option(
         "idle_timeout",

@@ -304,6 +304,14 @@ def test_every_built_page_has_a_title_and_real_tables(tmp_path: Path) -> None:
     opening on ``Python API ==== ====``): one title per page, every table a table."""
     _sphinx(ROOT / "docs", tmp_path / "html")
     assert page_problems(tmp_path / "html", ROOT / "docs") == []
+    # The options reference is a list, one entry per option, not a five-column table whose default
+    # and meaning columns a browser hid behind a horizontal scroll.
+    from pytest_boxlite.settings import OPTIONS
+
+    options = (tmp_path / "html" / "reference" / "options.html").read_text()
+    assert '<dl class="boxlite-options">' in options and "<table" not in options
+    for opt in OPTIONS:
+        assert f'<dt><code class="docutils literal notranslate"><span class="pre">{opt.flag}' in options, opt.flag
 
 
 @pytest.mark.timeout(300)

@@ -107,19 +107,33 @@ def _value_text(value: Any) -> str:
 
 
 class OptionsDirective(SphinxDirective):
-    """Every option: flag, ini key, environment variable, default, meaning."""
+    """Every option: its flag as a term, then its meaning, ini key, environment variable and default.
+
+    A definition list, not a five-column table: a table that wide hid its default and meaning
+    columns behind a horizontal scroll and broke flags mid-word."""
 
     def run(self) -> list[nodes.Node]:
         from pytest_boxlite.settings import OPTIONS
 
-        rows = []
+        items = nodes.definition_list(classes=["boxlite-options"])
         for opt in OPTIONS:
-            flag = f"``{opt.flag}``" if opt.flag_only else f"``{opt.flag}={opt.metavar}``"
+            item = nodes.definition_list_item()
+            term = nodes.term()
+            flag = opt.flag if opt.flag_only else f"{opt.flag}={opt.metavar}"
+            term += nodes.literal(flag, flag)
+            item += term
+            body = nodes.definition()
             meaning = opt.help
             if opt.flag_only:
                 meaning += " (a flag; the ini key and the variable take 1/0, true/false, yes/no, on/off)"
-            rows.append([flag, f"``{opt.ini}``", f"``{opt.env}``", _default_text(opt.default), meaning])
-        return [_table(["flag", "ini key", "environment variable", "default", "meaning"], rows, [22, 16, 24, 14, 40])]
+            body += _para(meaning)
+            where = f"ini key ``{opt.ini}``; environment variable ``{opt.env}``"
+            if "(default" not in opt.help:  # else the meaning says it, better than a bare value
+                where += f"; default: {_default_text(opt.default)}"
+            body += _para(where)
+            item += body
+            items += item
+        return [items]
 
 
 # -- marker arguments ------------------------------------------------------------------------------
@@ -219,7 +233,7 @@ def _extra_envvars() -> list[tuple[str, str]]:
     """Variables that are no option, each checked against the constant the code uses."""
     from pytest_boxlite.images import store
     from pytest_boxlite.runtimes import rest
-    from pytest_boxlite.spec import GUEST_ENV
+    from pytest_boxlite.spec import GUEST_ENV, ROLE_ENV
 
     return [
         (
@@ -253,7 +267,16 @@ def _extra_envvars() -> list[tuple[str, str]]:
             f"read: days an unused image stays in the image store (default {store.DEFAULT_EXPIRY_DAYS:g}; 0: "
             "until the store is full)",
         ),
-        (GUEST_ENV, "set to ``1`` in a box's own pytest: the plugin there stays passive (the host does the boxing)"),
+        (
+            GUEST_ENV,
+            "set to ``1`` in a box, for its tests and what they start: they run in a box. It gives no "
+            "pytest a role: a pytest that a boxed test starts itself (a subprocess, pytester) runs as it would unboxed",
+        ),
+        (
+            ROLE_ENV,
+            "set for a box's own pytest alone, which takes it out of its environment at its start "
+            "(nothing it starts inherits it): that pytest stays passive, the host does the boxing",
+        ),
         ("BOXLITE_BOX", "set in ``boxlite_sandbox`` commands on the namespace runtime: the box's name"),
         ("BOXLITE_RUNTIME", "set in ``boxlite_sandbox`` commands on the namespace runtime: ``namespace``"),
     ]
