@@ -305,3 +305,34 @@ def test_box_ending_at_the_prompt_ends_cleanly(tmp_path: Path, home: Path, boxes
     assert re.search(r"\b1 failed, 1 passed\b", out), out
     assert "the test process in the box exited with status 3" in out, out
     no_leftovers(home, out)
+
+
+PROMPT_AND_PLAIN = """
+import pytest
+
+
+@pytest.mark.boxlite
+def test_a_fails():
+    failing_local = 1
+    assert failing_local == 2
+
+
+@pytest.mark.boxlite
+def test_b_passes():
+    pass
+"""
+
+
+def test_time_at_the_prompt_is_not_box_overhead(tmp_path: Path, home: Path) -> None:
+    """``--pdb`` and 5 s at the post-mortem's prompt (outside every report's duration): the
+    summary's fork "overhead p50" does not count them. Two forked tests, so the old median (the
+    mean of both, over 2.5 s) would show it."""
+    write(tmp_path, "test_two.py", PROMPT_AND_PLAIN)
+    rc, raw = run_in_pty(argv(home, "--pdb", "test_two.py"), tmp_path, [(PROMPT, b"c\n", 5.0)])
+    out = text(raw)
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert re.search(r"\b1 failed, 1 passed\b", out), out
+    m = re.search(r"forked (\d+) \(overhead p50 ([\d.]+) ms\)", out)
+    assert m is not None, out
+    assert m.group(1) == "2" and float(m.group(2)) < 2500, out
+    no_leftovers(home, out)
