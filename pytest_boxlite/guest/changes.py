@@ -182,7 +182,7 @@ class _Area:
 _STAGE = "/run/.boxlite-fresh/"
 
 
-def _under(path, top):
+def _within(path, top):
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
@@ -193,7 +193,7 @@ def _areas(layers, temp_root):
     out = []
     for target, lower, fd in layers:
         top = lower if target.startswith(_STAGE) else target
-        if temp_root and lower.startswith(_STAGE + "tmp") and _under(top, temp_root):
+        if temp_root and lower.startswith(_STAGE + "tmp") and _within(top, temp_root):
             continue
         out.append(_Area(top, fd, True))
     for d in FRESH_DIRS:
@@ -285,13 +285,13 @@ class Watch:
         tops = [a.top for a in self.areas if a.layer]
 
         def skip_in_layer(path):
-            return any(_under(path, p) for p in paths)
+            return any(_within(path, p) for p in paths)
 
         def skip_in_tmpfs(path):
             if skip_in_layer(path):
                 return True
             # pytest's own numbered directories; not the way to a mount (a project) beneath them
-            return bool(temp_root) and _under(path, temp_root) and not any(_under(t, path) for t in tops)
+            return bool(temp_root) and _within(path, temp_root) and not any(_within(t, path) for t in tops)
 
         self.skips = (skip_in_layer, skip_in_tmpfs)
         self.start = []
