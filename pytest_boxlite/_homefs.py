@@ -553,30 +553,63 @@ def remove_tree_at(dirfd: int, name: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(name, dir_fd=dirfd)
         return
-    # An explicit stack: a deep tree costs descriptors (one per level), not Python frames.
-    stack: list[tuple[int, str, Iterator[str]]] = []
+    # An explicit stack, not Python frames, holding at most _MAX_OPEN descriptors: a deeper
+    # level's far ancestors are closed, and opened again on the way back up as ``..`` of their
+    # child, checked to be the very directory the walk came down through (device and inode).
+    stack: list[_Level] = []
     try:
         top = _open_child_dir(dirfd, name, st)
         _make_ours(top)
-        stack.append((top, name, iter(sorted(os.listdir(top)))))
+        stack.append(_Level(top, name, st, iter(sorted(os.listdir(top)))))
         while stack:
-            fd, _, names = stack[-1]
-            child = next(names, None)
+            level = stack[-1]
+            child = next(level.names, None)
             if child is None:
-                _, done, _ = stack.pop()
-                os.close(fd)
-                os.rmdir(done, dir_fd=stack[-1][0] if stack else dirfd)
+                stack.pop()
+                if stack and stack[-1].fd < 0:
+                    stack[-1].fd = _parent_of(level.fd, stack[-1])
+                os.close(level.fd)
+                level.fd = -1
+                os.rmdir(level.name, dir_fd=stack[-1].fd if stack else dirfd)
                 continue
-            cst = os.stat(child, dir_fd=fd, follow_symlinks=False)
+            cst = os.stat(child, dir_fd=level.fd, follow_symlinks=False)
             if stat.S_ISDIR(cst.st_mode):
-                sub = _open_child_dir(fd, child, cst)
+                sub = _open_child_dir(level.fd, child, cst)
                 _make_ours(sub)
-                stack.append((sub, child, iter(sorted(os.listdir(sub)))))
+                stack.append(_Level(sub, child, cst, iter(sorted(os.listdir(sub)))))
+                if len(stack) > _MAX_OPEN:
+                    far = stack[-_MAX_OPEN - 1]
+                    if far.fd >= 0:
+                        os.close(far.fd)
+                        far.fd = -1
             else:
-                os.unlink(child, dir_fd=fd)
+                os.unlink(child, dir_fd=level.fd)
     finally:
-        for fd, _, _ in stack:
-            os.close(fd)
+        for level in stack:
+            if level.fd >= 0:
+                os.close(level.fd)
+
+
+#: Descriptors one removal holds at most (a guest can make a tree thousands of levels deep).
+_MAX_OPEN = 64
+
+
+@dataclasses.dataclass
+class _Level:
+    fd: int  # -1: closed, to be opened again from its child on the way up
+    name: str
+    st: os.stat_result
+    names: Iterator[str]
+
+
+def _parent_of(fd: int, parent: _Level) -> int:
+    """``..`` of the directory ``fd`` (never a link), if it is still ``parent``: else refused."""
+    up = os.open("..", _DIR | os.O_CLOEXEC, dir_fd=fd)
+    got = os.fstat(up)
+    if (got.st_dev, got.st_ino) != (parent.st.st_dev, parent.st.st_ino):
+        os.close(up)
+        raise Refused(parent.name, "moved while it was being removed")
+    return up
 
 
 def remove_path(path: str | os.PathLike[str]) -> None:

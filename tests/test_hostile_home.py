@@ -499,3 +499,35 @@ def test_clean_opens_and_removes_no_vm_home_through_a_link(tmp_path: Path) -> No
     r = _cli(home, "clean")
     assert _tree(elsewhere) == before, r.stdout + r.stderr
     assert r.returncode == 1 and f"refused {home / 'vm'}" in r.stderr, r.stderr
+
+
+DEEP = """
+import os, resource, sys
+from pytest_boxlite._homefs import remove_path
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+for i in range(1500):
+    os.mkdir("d", dir_fd=fd)
+    if i % 100 == 0:
+        os.symlink(sys.argv[2], "out", dir_fd=fd)
+    nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+    os.close(fd)
+    fd = nxt
+os.close(fd)
+remove_path(sys.argv[1])
+"""
+
+
+def test_a_tree_deeper_than_the_descriptor_limit_is_removed(tmp_path: Path) -> None:
+    """A guest can leave a tree thousands of levels deep in its box: removing it holds a bounded
+    number of descriptors (128 allowed here, 1,500 levels), follows none of its links."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    r = subprocess.run(
+        [sys.executable, "-c", DEEP, str(deep), str(outside)], capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not deep.exists() and (outside / "keep").read_text() == "x"
