@@ -335,29 +335,40 @@ def test_long_texts_are_cut_and_escaped() -> None:
 # --- the box's walk (unit layer: a real directory tree, no box) ------------------------------
 
 
-def test_the_walk_never_follows_a_link_and_stops_at_its_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_walk_never_follows_a_link_and_stops_at_its_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Links are entries, never followed (a loop is no trouble); the walk stops at its entry bound
+    and at its depth bound (one descriptor per level), saying it was cut."""
     (tmp_path / "d").mkdir()
     for i in range(50):
         (tmp_path / "d" / str(i)).touch()
     (tmp_path / "out").symlink_to("/")
     (tmp_path / "d" / "up").symlink_to("..")
-    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
+
+    def walk(top: Path, budget: Any) -> dict[str, tuple[object, ...]]:
         state: dict[str, tuple[object, ...]] = {}
-        opened = changes._walk(fd, "/top", None, changes._Budget(), state, lambda p: False, {})
-        for sub in opened:
-            os.close(sub)
-        assert state["/top/out"][0] == "link" and state["/top/d/up"][0] == "link"
-        assert not any(p.startswith(("/top/out/", "/top/d/up/")) for p in state)
-        assert len(state) == 53
-        monkeypatch.setattr(changes, "WALK_ENTRIES", 10)
-        budget = changes._Budget()
-        small: dict[str, tuple[object, ...]] = {}
-        for sub in changes._walk(fd, "/top", None, budget, small, lambda p: False, {}):
-            os.close(sub)
-        assert budget.cut and len(small) == 10
-    finally:
-        os.close(fd)
+        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            changes._walk(fd, "/top", None, budget, state, lambda p: False, {}, lambda p: False)
+        finally:
+            os.close(fd)
+        return state
+
+    state = walk(tmp_path, changes._Budget())
+    assert state["/top/out"][0] == "link" and state["/top/d/up"][0] == "link"
+    assert not any(p.startswith(("/top/out/", "/top/d/up/")) for p in state)
+    assert len(state) == 53
+    monkeypatch.setattr(changes, "WALK_ENTRIES", 10)
+    budget = changes._Budget()
+    assert len(walk(tmp_path, budget)) == 10 and budget.cut
+    monkeypatch.setattr(changes, "WALK_ENTRIES", 20000)
+    deep = tmp_path / "deep"
+    here = deep
+    for _ in range(changes.WALK_DEPTH + 5):
+        here = here / "x"
+    here.mkdir(parents=True)
+    budget = changes._Budget()
+    state = walk(deep, budget)
+    assert budget.cut and max(p.count("/") for p in state) == changes.WALK_DEPTH + 2
 
 
 def test_ignore_patterns_match_a_path_its_directories_and_its_aliases() -> None:

@@ -32,6 +32,8 @@ import time
 #: Entries one walk of a box's layers and fresh directories looks at, and for how long.
 WALK_ENTRIES = 20000
 WALK_SECONDS = 0.5
+#: Directories deep the walk goes (each level holds one descriptor open while it is walked).
+WALK_DEPTH = 64
 #: Changes, processes and variables one message lists (the host caps again).
 LISTED = 200
 #: Longest path or command line sent.
@@ -90,50 +92,54 @@ def _xattrs(fd, name):
     return out
 
 
-def _walk(fd, top, dev, budget, state, skip, link_targets):
+def _walk(fd, top, dev, budget, state, skip, link_targets, want_attrs, depth=0):
     """Every entry beneath directory ``fd`` (shown at ``top``) into ``state``: path -> (kind, size,
-    mtime_ns, fd-of-parent, name); on the same device only when ``dev`` is not None (a tmpfs: the
-    mounts on it are walked on their own).  Iterative, bounded by ``budget``."""
-    todo = [(fd, top, False)]
-    opened = []
+    mtime_ns, overlay attributes); on the same device only when ``dev`` is not None (a tmpfs: the
+    mounts on it are walked on their own).  ``want_attrs(path)``: whether to read an entry's overlay
+    attributes (those the start of the test had not).  Depth first, each directory opened relative
+    to its parent without following a link and closed once walked (at most :data:`WALK_DEPTH`
+    descriptors open), entries read as they come (a directory of a million names is not listed
+    whole first), bounded by ``budget``."""
     try:
-        while todo and not budget.cut:
-            dfd, here, _ = todo.pop()
+        it = os.scandir(fd)
+    except OSError:
+        return
+    with it:
+        for e in it:
+            if not budget.take():
+                return
+            path = (top.rstrip("/") + "/" + e.name) if top != "/" else "/" + e.name
+            if skip(path):
+                continue
             try:
-                entries = list(os.scandir(dfd))
+                st = e.stat(follow_symlinks=False)
             except OSError:
                 continue
-            for e in entries:
-                if not budget.take():
-                    break
-                path = (here.rstrip("/") + "/" + e.name) if here != "/" else "/" + e.name
-                if skip(path):
-                    continue
+            if dev is not None and st.st_dev != dev:
+                continue  # another mount (a layer of its own, or nothing of the test's)
+            kind = _kind(st.st_mode, st.st_rdev)
+            attrs = _xattrs(fd, e.name) if want_attrs(path) else ()
+            state[path] = (kind, st.st_size, st.st_mtime_ns, attrs)
+            if kind == "link" and len(link_targets) < LISTED:
                 try:
-                    st = e.stat(follow_symlinks=False)
+                    link_targets[path] = os.readlink(e.name, dir_fd=fd)[:TEXT_CAP]
                 except OSError:
-                    continue
-                if dev is not None and st.st_dev != dev:
-                    continue  # another mount (a layer of its own, or nothing of the test's)
-                kind = _kind(st.st_mode, st.st_rdev)
-                state[path] = (kind, st.st_size, st.st_mtime_ns, dfd, e.name)
-                if kind == "link" and len(link_targets) < LISTED:
-                    try:
-                        link_targets[path] = os.readlink(e.name, dir_fd=dfd)[:TEXT_CAP]
-                    except OSError:
-                        pass
-                if kind == "dir":
-                    try:
-                        sub = os.open(e.name, _OPEN_DIR, dir_fd=dfd)
-                    except OSError:
-                        continue
-                    opened.append(sub)
-                    todo.append((sub, path, True))
-        return opened
-    except BaseException:
-        for sub in opened:
-            os.close(sub)
-        raise
+                    pass
+            if kind != "dir":
+                continue
+            if depth >= WALK_DEPTH:
+                budget.cut = True
+                return
+            try:
+                sub = os.open(e.name, _OPEN_DIR, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                _walk(sub, path, dev, budget, state, skip, link_targets, want_attrs, depth + 1)
+            finally:
+                os.close(sub)
+            if budget.cut:
+                return
 
 
 def _ignored(path, patterns, aliases):
@@ -171,10 +177,14 @@ class _Area:
     def __init__(self, top, fd, layer, dev=None, own_fd=False):
         self.top, self.fd, self.layer, self.dev, self.own_fd = top, fd, layer, dev, own_fd
 
-    def snapshot(self, budget, skip):
+    def snapshot(self, budget, skip, want_attrs):
         state, links = {}, {}
-        opened = _walk(self.fd, self.top, self.dev, budget, state, skip, links)
-        return state, links, opened
+        _walk(self.fd, self.top, self.dev, budget, state, skip, links, want_attrs if self.layer else _no)
+        return state, links
+
+
+def _no(path):
+    return False
 
 
 #: Where guest/fresh.py stages a fresh box's layers: a layer whose lower lies in ``tmp*`` there
@@ -280,6 +290,7 @@ class Watch:
         paths, temp_root = own_temp(config)
         home = os.environ.get("HOME") or ""
         self.aliases = [(str(config.rootpath), "")] + ([(home, "~/")] if home.startswith("/") and home != "/" else [])
+        self.t0 = time.time_ns()
         self.budget = _Budget()
         self.areas = _areas(self.layers, temp_root) if forked and self.effects else []
         tops = [a.top for a in self.areas if a.layer]
@@ -296,9 +307,7 @@ class Watch:
         self.skips = (skip_in_layer, skip_in_tmpfs)
         self.start = []
         for area in self.areas:
-            state, _, opened = area.snapshot(self.budget, self.skips[0 if area.layer else 1])
-            for sub in opened:
-                os.close(sub)
+            state, _ = area.snapshot(self.budget, self.skips[0 if area.layer else 1], _no)
             self.start.append({p: v[:3] for p, v in state.items()})
         self.start_cut = self.budget.cut
         self.pids = _pids()
@@ -389,54 +398,51 @@ class Watch:
         return {"cpu_s": round(max(cpu, 0.0), 4), "peak_kib": max(s1.ru_maxrss, c1.ru_maxrss)}
 
     def _compare(self, area, start, budget, files):
-        state, links, opened = area.snapshot(budget, self.skips[0 if area.layer else 1])
-        try:
-            # Directories created (or replaced) by the test are listed once, with what they hold.
-            new_dirs = {}
-            for path in sorted(state):
-                kind, size, mtime, dfd, name = state[path]
-                before = start.get(path)
-                if before is not None and before[0] == kind and (kind == "dir" or before[1:] == (size, mtime)):
-                    continue
-                holder = _inside(path, new_dirs)
-                if holder is not None:
-                    if kind != "dir" and kind != "whiteout":
-                        new_dirs[holder][0] += 1
-                        new_dirs[holder][1] += size if kind == "file" else 0
-                    continue
-                if _ignored(path, self.ignore, self.aliases):
-                    continue
-                if area.layer:
-                    attrs = _xattrs(dfd, name) if before is None else set()
-                    if kind == "whiteout":
-                        change, kind, size = "deleted", "entry", 0
-                    elif kind == "dir":
-                        # Opaque marks a directory made anew (overlayfs sets it on any directory
-                        # created in a merged one, a replaced one included: both are "created").
-                        if ("origin" in attrs and "opaque" not in attrs) or before is not None:
-                            continue  # a directory copied up to hold what changed in it
-                        change = "created"
-                    else:
-                        change = "modified" if ("origin" in attrs or before is not None) else "created"
+        state, links = area.snapshot(budget, self.skips[0 if area.layer else 1], lambda p: p not in start)
+        # Directories created (or replaced) by the test are listed once, with what they hold.
+        new_dirs = {}
+        for path in sorted(state):
+            kind, size, mtime, attrs = state[path]
+            before = start.get(path)
+            if before is None and self.start_cut and mtime < self.t0 - 1_000_000_000:
+                continue  # older than the test: beyond the start's cut walk, not the test's
+            if before is not None and before[0] == kind and (kind == "dir" or before[1:] == (size, mtime)):
+                continue
+            holder = _inside(path, new_dirs)
+            if holder is not None:
+                if kind != "dir" and kind != "whiteout":
+                    new_dirs[holder][0] += 1
+                    new_dirs[holder][1] += size if kind == "file" else 0
+                continue
+            if _ignored(path, self.ignore, self.aliases):
+                continue
+            if area.layer:
+                if kind == "whiteout":
+                    change, kind, size = "deleted", "entry", 0
+                elif kind == "dir":
+                    # Opaque marks a directory made anew (overlayfs sets it on any directory
+                    # created in a merged one, a replaced one included: both are "created").
+                    if ("origin" in attrs and "opaque" not in attrs) or before is not None:
+                        continue  # a directory copied up to hold what changed in it
+                    change = "created"
                 else:
-                    if kind == "dir" and before is not None:
-                        continue
-                    change = "modified" if before is not None else "created"
-                if kind == "dir":
-                    new_dirs[path] = [0, 0, change]
+                    change = "modified" if ("origin" in attrs or before is not None) else "created"
+            else:
+                if kind == "dir" and before is not None:
                     continue
-                files.append([change, kind, path[:TEXT_CAP], size, 0, links.get(path)])
-            for path, (count, size, change) in new_dirs.items():
-                files.append([change, "dir", path[:TEXT_CAP], size, count, None])
-            for path, before in start.items():
-                if path not in state and not budget.cut:
-                    if before[0] == "whiteout" or _inside(path, new_dirs) is not None:
-                        continue
-                    gone = path.rsplit("/", 1)[0]
-                    if gone in start and gone not in state:
-                        continue  # its directory went too: listed once, as that directory
-                    if not _ignored(path, self.ignore, self.aliases):
-                        files.append(["deleted", before[0], path[:TEXT_CAP], before[1], 0, None])
-        finally:
-            for sub in opened:
-                os.close(sub)
+                change = "modified" if before is not None else "created"
+            if kind == "dir":
+                new_dirs[path] = [0, 0, change]
+                continue
+            files.append([change, kind, path[:TEXT_CAP], size, 0, links.get(path)])
+        for path, (count, size, change) in new_dirs.items():
+            files.append([change, "dir", path[:TEXT_CAP], size, count, None])
+        for path, before in start.items():
+            if path not in state and not budget.cut:
+                if before[0] == "whiteout" or _inside(path, new_dirs) is not None:
+                    continue
+                gone = path.rsplit("/", 1)[0]
+                if gone in start and gone not in state:
+                    continue  # its directory went too: listed once, as that directory
+                if not _ignored(path, self.ignore, self.aliases):
+                    files.append(["deleted", before[0], path[:TEXT_CAP], before[1], 0, None])
