@@ -531,3 +531,27 @@ def test_a_tree_deeper_than_the_descriptor_limit_is_removed(tmp_path: Path) -> N
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert not deep.exists() and (outside / "keep").read_text() == "x"
+
+
+@pytest.mark.escape_row("hostile-home", runtime="host")
+def test_ls_images_shows_references_escaped(tmp_path: Path) -> None:
+    """An image reference is whatever a project or a user named: printed raw, an OSC 52 in it set
+    the terminal's clipboard."""
+    from images.build import layer_tar, oci_layout
+
+    from pytest_boxlite.images import ensure_image, store_dir
+
+    layout = oci_layout(tmp_path / "img", [layer_tar([("etc/", "dir", None, 0o755)])])
+    home = tmp_path / "bxh"
+    ensure_image(f"oci:{layout}", store=store_dir(home), timeout=60)
+    # The store refuses such a reference when it is asked for one; a record planted in the home
+    # (or written by an older version) is what ``ls`` reads.
+    (meta,) = (store_dir(home) / "meta").glob("*.json")
+    record = json.loads(meta.read_text())
+    record["references"] = ["img\x1b]52;c;ZWNobyBwd25lZA==\x07\u202e"]
+    meta.write_text(json.dumps(record))
+    r = _cli(home, "ls", "--images")
+    assert r.returncode == 0, r.stderr
+    assert "1 image(s)" in r.stdout, r.stdout
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout and "\u202e" not in r.stdout, repr(r.stdout)
+    assert "img\\x1b]52;c;ZWNobyBwd25lZA==\\x07\\u202e" in r.stdout, r.stdout
