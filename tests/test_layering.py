@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("test plans: markers to box specs, and the marker's registration", ("markers", "marker_registration")),
     ("the per-process session", ("session",)),
     ("the warm pool, provisioning and leftover bookkeeping", ("pool", "templates", "ledger", "service_ledger")),
-    ("the box API and settings", ("sandbox", "settings", "process", "publish", "reach")),
+    ("the box API and settings", ("sandbox", "settings", "process", "publish", "reach", "box_changes")),
     ("runtime choice", ("runtimes",)),
     ("the runtimes", ("runtimes.namespace", "runtimes.namespace.*", "runtimes.vm", "runtimes.vm.*", "runtimes.rest")),
     ("runtime parts: protocol, host probe, private helpers", ("runtimes.base", "runtimes.probe", "runtimes._*")),
