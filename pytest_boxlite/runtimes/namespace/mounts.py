@@ -221,7 +221,7 @@ def _write_tree(root: Path, items: Sequence[tuple[str, str, int, int, int, bytes
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 os.write(fd, data)
-                os.fchmod(fd, mode)
+                os.fchmod(fd, mode & 0o1777)  # no set-id bit on a copy of ours
             finally:
                 os.close(fd)
         if chown:
