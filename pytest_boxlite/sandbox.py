@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, NamedTuple
 
+from pytest_boxlite.box_changes import take
 from pytest_boxlite.errors import (
     BoxTimeoutError,
     CommandError,
@@ -43,7 +44,7 @@ from pytest_boxlite.publish import Relay
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxHandle, RawResult, helper_argv
 from pytest_boxlite.spec import check_env
 
-__all__ = ["ExecResult", "GrepMatch", "Sandbox", "SearchResult"]
+__all__ = ["Change", "ChangeList", "ExecResult", "GrepMatch", "Sandbox", "SearchResult"]
 
 #: Default cap on the bytes one file transfer brings back (``Sandbox.max_transfer``): a file read,
 #: a downloaded file or a downloaded tree's tar stream.  Larger answers are refused when the
@@ -113,6 +114,26 @@ class SearchResult(NamedTuple):
 
     items: list[Any]
     truncated: bool
+
+
+class Change(NamedTuple):
+    """One change of a box's files (:meth:`Sandbox.changes`): ``change`` is ``created``,
+    ``modified`` or ``deleted``; ``kind`` ``file``, ``dir``, ``link``, ``other`` (``entry`` for a
+    deletion); a created directory is one change, ``files`` the files in it and ``size`` their
+    bytes; ``link`` a link's target (never followed)."""
+
+    change: str
+    kind: str
+    path: str
+    size: int
+    files: int
+    link: str | None
+
+
+class ChangeList(list[Change]):
+    """:meth:`Sandbox.changes`'s answer, sorted by path; ``notes`` says where it was cut."""
+
+    notes: list[str]
 
 
 PathLike = str | PurePosixPath
@@ -338,6 +359,26 @@ class Sandbox:
         for relay in relays:
             relay.close()
         return said
+
+    def changes(self, *, timeout: float | None = None) -> ChangeList:
+        """What the box's commands changed in its files since it started: each file or directory
+        created, modified or deleted, anywhere in the box (its ``/``, ``/tmp``, ``/workspace``, the
+        host's directories it shows copy-on-write), as a list of :class:`Change` sorted by path.
+
+        So an installer test can assert what ``make install`` wrote and nothing else.  Read from
+        the box's own writable layers, which only a sandbox forked from a warm box keeps a handle
+        on (the namespace runtime's default); elsewhere :class:`UnsupportedError` says so.  Bounded
+        like ``--boxlite-side-effects``: the list is cut (``notes`` says so) after 200 changes, 20,000
+        entries walked or half a second; Python's ``__pycache__`` directories are left out.
+        """
+        raw = self.handle.changes(timeout=self._timeout(timeout))
+        try:
+            checked = take({"files": raw.get("files", []), "notes": raw.get("notes", [])})
+        except ValueError as exc:
+            raise GuestToolError(f"box {self.name}: its list of changes was refused: {exc}") from None
+        out = ChangeList(Change(*f) for f in checked.files)
+        out.notes = checked.notes
+        return out
 
     def _timeout(self, timeout: float | None) -> float:
         t = self.default_timeout if timeout is None else timeout

@@ -429,3 +429,43 @@ def test_the_guest_modules_sent_together_define_no_name_twice() -> None:
                 owners.setdefault(n, []).append(name)
     twice = {n: m for n, m in owners.items() if len(set(m)) > 1}
     assert not twice, twice
+
+
+# --- Sandbox.changes(): what a sandbox's commands changed since it started -----------------------
+
+INSTALL = (
+    "mkdir -p /usr/local/share/mytool && printf 1 > /usr/local/share/mytool/a && printf 22 > /usr/local/share/mytool/b"
+    " && ln -s /usr/local/share/mytool/a /usr/local/bin/mytool-{tag} && echo x >> /etc/hostname && rm -f /etc/issue"
+    " && printf w > /workspace/w && printf t > /tmp/t && mkdir -p /var/cache/x/__pycache__"
+)
+
+
+def test_sandbox_changes_after_an_install(make_namespace_box: Any, namespace_mode: str) -> None:
+    """A sandbox forked from the warm box (the default) lists exactly what its commands wrote; a
+    booted one says it cannot (UnsupportedError), never an empty list."""
+    from pytest_boxlite.errors import UnsupportedError
+    from pytest_boxlite.sandbox import Change
+
+    sb = make_namespace_box()
+    sb.run(["sh", "-c", INSTALL.format(tag=TAG)]).check()
+    if namespace_mode == "booted":
+        with pytest.raises(UnsupportedError, match="keeps no handle on its layers"):
+            sb.changes()
+        return
+    got = sb.changes()
+    assert got.notes == []
+    assert list(got) == [
+        Change("modified", "file", "/etc/hostname", got[0].size, 0, None),
+        Change("deleted", "entry", "/etc/issue", 0, 0, None),
+        Change("created", "file", "/tmp/t", 1, 0, None),
+        Change("created", "link", f"/usr/local/bin/mytool-{TAG}", len("/usr/local/share/mytool/a"), 0,
+               "/usr/local/share/mytool/a"),
+        Change("created", "dir", "/usr/local/share/mytool", 3, 2, None),
+        Change("created", "dir", "/var/cache/x", 0, 0, None),
+        Change("created", "file", "/workspace/w", 1, 0, None),
+    ]  # fmt: skip
+    # Asked again, after more: the list grows, from the same start.
+    sb.run(["sh", "-c", "rm /usr/local/share/mytool/b"]).check()
+    again = {c.path: c for c in sb.changes()}
+    assert again["/usr/local/share/mytool"].files == 1
+    assert not Path(f"/usr/local/bin/mytool-{TAG}").exists()

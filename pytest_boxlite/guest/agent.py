@@ -14,6 +14,9 @@ which no guest can see.  One connection is one request:
 * ``{"op": "helper"}`` with three descriptors: like ``exec``, but the file
   helper (:mod:`pytest_boxlite.guest.files`) runs in a fork of this agent, which
   has it imported already: no interpreter start-up per file operation.
+* ``{"op": "changes"}`` -> ``{"files": [...], "notes": [...]}``: what the box's files gained since
+  it started (``Sandbox.changes()``; a box forked from a zygote only, which keeps a handle on its
+  fresh layers: :mod:`pytest_boxlite.guest.changes`), at most :data:`_CHANGES_ANSWER` bytes of it.
 * ``{"op": "connect", "port": n}`` -> ``{"connected": n}`` with one descriptor: a TCP socket
   connected to the box's own ``127.0.0.1:n`` (published ports), or ``{"error": ..., "errno": n}``.
 * ``{"op": "exec", "argv": [...], "env": {...}, "cwd": ..., "user": ...}`` sent
@@ -580,6 +583,9 @@ def _serve(conn, base_env, default_user):
         if op == "connect":
             _connect_port(conn, req)
             return
+        if op == "changes":
+            _send(conn, _changes_answer())
+            return
         if op not in ("exec", "helper"):
             _send(conn, {"error": "unknown op %r" % (op,), "errno": 22})
             return
@@ -700,6 +706,41 @@ def _serve_forever(srv, watchdog_fd, base_env, default_user):
 _ZYGOTE_REQUEST_TIMEOUT = 10.0
 
 
+#: The forked box's watch on its own files (``{"op": "changes"}``), taken as it starts; the zygote
+#: loads guest/changes.py once (``_CHANGES``), its boxes inherit it.
+_WATCH = []
+_CHANGES = []
+#: The longest answer to ``changes`` (the host reads agent lines up to 64 KiB).
+_CHANGES_ANSWER = 60 * 1024
+
+
+def _changes_answer():
+    if not _WATCH:
+        return {
+            "error": "this box keeps no handle on its layers (only a sandbox forked from a warm box does)",
+            "errno": 95,
+        }
+    out = _WATCH[0].listing()
+    dropped = 0
+    while out["files"] and len(json.dumps(out)) > _CHANGES_ANSWER:
+        cut = max(1, len(out["files"]) // 4)
+        dropped += cut
+        out["files"] = out["files"][:-cut]
+    if dropped:
+        out["notes"].append("%d more changed files not listed (the answer's size)" % dropped)
+    return out
+
+
+def _load_changes():
+    """guest/changes.py, run as a module of its own (it needs nothing of the others)."""
+    path = os.path.join(os.path.dirname(__file__), "changes.py")
+    with open(path) as fh:
+        code = compile(fh.read(), path, "exec")
+    names = {"__name__": "_boxlite_guest_changes"}
+    exec(code, names)  # noqa: S102 - our own guest module, by path, as _load_fresh loads fresh.py
+    return names
+
+
 def _load_fresh():
     """guest/fresh.py, run with guest/caps.py's names as its globals (as the host's remote_exec
     sends them ahead of it to a test worker): the fork code is shared, not copied."""
@@ -727,6 +768,7 @@ def _zygote(cfg, srv, watchdog_fd):
     import select
 
     fresh = _load_fresh()
+    _CHANGES.append(_load_changes())
     # Every object so far out of the collector's sight: a collection in a forked box would
     # otherwise touch (and so copy) every page of the zygote's heap.
     gc.freeze()
@@ -835,6 +877,7 @@ def _forked_box(conn, fds, req, cfg, fresh):
             oom_adj = fh.read().strip()
         network = bool(req.get("network"))
         warm_tops = fresh["top_mounts"]()
+        fresh["KEEP_LAYERS"][0] = True  # Sandbox.changes(): a handle on each fresh layer
         fresh["_fresh_box"](str(req["hostname"]), network)
         # The spare /proc goes into the new root before the old one (and the zygote's spare /proc
         # in it) is detached: the kernel mounts a new procfs only where a fully visible one exists.
@@ -844,6 +887,8 @@ def _forked_box(conn, fds, req, cfg, fresh):
             fh.write(oom_adj)
         if not network:
             fresh["_loopback_up"]()
+        # What the box holds as it starts: Sandbox.changes() says what its commands changed since.
+        _WATCH.append(_CHANGES[0]["Watch"](fresh["LAYERS"], {"files": True}, None, True))
         _harden(req)
         srv = socket.socket(fileno=listen_fd)
         _send(conn, {"ready": os.getpid()})

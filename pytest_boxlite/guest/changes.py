@@ -220,6 +220,15 @@ def _areas(layers, temp_root):
     return out
 
 
+def _unique(files):
+    """``files`` sorted by path, each path once (a directory may be seen by two walks: /workspace
+    as a layer of its own and as part of the root's tmpfs; the first walk, a layer's, says more)."""
+    seen = {}
+    for f in files:
+        seen.setdefault(f[2], f)
+    return [seen[p] for p in sorted(seen)]
+
+
 def _pids():
     try:
         return {int(p) for p in os.listdir("/proc") if p.isdigit()}
@@ -251,8 +260,11 @@ def own_temp(config):
     """The test's own temporary space, left out: ``(paths, temp_root)``: ``--basetemp`` and
     pytest's cache directory (left out wherever they are), and ``<tmp>/pytest-of-<user>``, where
     pytest makes its numbered base directories (left out but for the way to a mount beneath it:
-    a project that lies in an outer pytest's temporary directory is still the project)."""
+    a project that lies in an outer pytest's temporary directory is still the project).  No
+    ``config`` (a sandbox's agent): none."""
     out = []
+    if config is None:
+        return out, None
     base = getattr(config.option, "basetemp", None)
     if base:
         out.append(os.path.abspath(str(base)))
@@ -289,7 +301,8 @@ class Watch:
         self.layers = list(layers)
         paths, temp_root = own_temp(config)
         home = os.environ.get("HOME") or ""
-        self.aliases = [(str(config.rootpath), "")] + ([(home, "~/")] if home.startswith("/") and home != "/" else [])
+        root = [(str(config.rootpath), "")] if config is not None else []
+        self.aliases = root + ([(home, "~/")] if home.startswith("/") and home != "/" else [])
         self.t0 = time.time_ns()
         self.budget = _Budget()
         self.areas = _areas(self.layers, temp_root) if forked and self.effects else []
@@ -328,6 +341,25 @@ class Watch:
                     pass
         self.areas = []
 
+    def listing(self):
+        """What the box's files gained since the start, as ``finish`` lists them, the walk's
+        descriptors kept for the next call (``Sandbox.changes()``: the agent asks again and again):
+        ``{"files", "notes"}``."""
+        notes, files = [], []
+        budget = _Budget()
+        for i, area in enumerate(self.areas):
+            self._compare(area, self.start[i], budget, files)
+        if budget.cut or self.start_cut:
+            notes.append(
+                "the walk of the box's files stopped after %d entries or %.1f s: the list is cut"
+                % (WALK_ENTRIES, WALK_SECONDS)
+            )
+        files = _unique(files)
+        if len(files) > LISTED:
+            notes.append("%d more changed files not listed" % (len(files) - LISTED))
+            files = files[:LISTED]
+        return {"files": files, "notes": notes}
+
     def finish(self):
         """The fields of the ``CHANGES`` message: ``files`` (``[change, kind, path, size, count,
         link]``), ``processes`` (``[pid, command]``), ``env`` (``[name, change]``), ``cwd`` and
@@ -349,7 +381,7 @@ class Watch:
         else:
             notes.append("files: not seen in a booted box (its writable layers lie outside it)")
         self.close()
-        files.sort(key=lambda f: f[2])
+        files = _unique(files)
         if len(files) > LISTED:
             notes.append("%d more changed files not listed" % (len(files) - LISTED))
             files = files[:LISTED]

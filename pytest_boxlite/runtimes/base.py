@@ -18,7 +18,7 @@ import dataclasses
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pytest_boxlite import guest
 from pytest_boxlite.errors import BoxliteError, UnsupportedError
@@ -200,6 +200,10 @@ class BoxHandle(Protocol):
         (``Sandbox.publish``); :class:`ConnectionRefusedError` while nothing listens there."""
         ...
 
+    def changes(self, *, timeout: float) -> dict[str, Any]:
+        """What the box's files gained since it started, unchecked (``Sandbox.changes()`` checks it)."""
+        ...
+
 
 class BoxDefaults:
     """The defaults of :class:`BoxHandle`'s optional capabilities, for a box class to inherit."""
@@ -223,6 +227,13 @@ class BoxDefaults:
     def run_helper(self, payload: bytes, *, timeout: float, max_output: int, sink: HelperSink) -> RawResult | None:
         """``None``: the helper runs as a guest command (:func:`helper_argv`)."""
         return None
+
+    def changes(self, *, timeout: float) -> dict[str, Any]:
+        """Refused: the runtime's boxes keep no handle on what their files gained."""
+        raise UnsupportedError(
+            f"{self.runtime_name} boxes cannot list what changed in them: Sandbox.changes() needs a sandbox "
+            "forked from a warm box (the namespace runtime, --boxlite-fresh=fork, without --boxlite-keep)"
+        )
 
     def fork_listener(self) -> tuple[socket.socket, str]:
         """Refused: only :attr:`Capabilities.fork` runtimes fork, and callers check that first."""

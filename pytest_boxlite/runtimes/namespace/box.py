@@ -21,7 +21,14 @@ from typing import Any, Protocol
 from pytest_boxlite import guest
 from pytest_boxlite._homefs import HomeDir
 from pytest_boxlite._shown import shown
-from pytest_boxlite.errors import BoxDeadError, BoxliteError, BoxTimeoutError, ConfigError, file_error
+from pytest_boxlite.errors import (
+    BoxDeadError,
+    BoxliteError,
+    BoxTimeoutError,
+    ConfigError,
+    UnsupportedError,
+    file_error,
+)
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes._forkcell import ForkCell
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxDefaults, HelperSink, RawResult
@@ -493,6 +500,17 @@ class NamespaceBox(BoxDefaults):
             finally:
                 for fd in fds:
                     os.close(fd)
+
+    def changes(self, *, timeout: float) -> dict[str, Any]:
+        """What the box's files gained since it started, as its agent lists them (a box forked from
+        a zygote keeps a handle on its fresh layers: guest/changes.py), unchecked: the caller
+        checks it (``box_changes.take``).  A booted box's agent says it cannot."""
+        sock, lines = self._request({"op": "changes"}, [], timeout)
+        with sock:
+            answer = lines.read(time.monotonic() + timeout)  # one line, at most 64 KiB
+        if "error" in answer:
+            raise UnsupportedError(f"box {self.name}: {_text(answer['error'])}")
+        return answer
 
     def fork_listener(self) -> tuple[socket.socket, str]:
         """A listening socket in the box's guest-visible directory, for boxes forked from this one."""
