@@ -132,6 +132,7 @@ class WorkerGuard:
         self.running: str | None = None  # the test between its logstart and its logfinish
         self.current: tuple[str, Any] | None = None  # (nodeid, location) of the last logstart
         self.failed = 0  # failed reports let through (the controller's --maxfail counts them too)
+        self.collect_errors: set[str] = set()  # the texts of the collection errors counted
         self.held_finish = False  # a workerfinished kept back until the worker really ends
         self.finished = False  # a workerfinished went through: the worker is gone for xdist
         self.complaints: list[str] = []
@@ -226,13 +227,23 @@ class WorkerGuard:
         if name == "testreport" and self.complaints:
             kwargs = self._carry_complaints(kwargs)
         if name in ("testreport", "collectreport") and kwargs["data"].get("outcome") == "failed":
-            self.failed += 1
+            self._count_failure(name, kwargs["data"])
         if name == "workerfinished":
             if self._hold_finish(kwargs):
                 return
             self._flush_at_end()
             self.finished = True
         self._inner((name, kwargs))
+
+    def _count_failure(self, name: str, data: dict[str, Any]) -> None:
+        """Count a failure as the controller will: it counts a collection error whose text it
+        has seen before (from any worker) only once."""
+        longrepr = data.get("longrepr")
+        if name == "collectreport" and isinstance(longrepr, str):
+            if longrepr in self.collect_errors:
+                return
+            self.collect_errors.add(longrepr)
+        self.failed += 1
 
     def _check(self, name: object, kwargs: object) -> str | None:
         """Why the event ``name(**kwargs)`` is refused, or ``None`` when xdist may take it

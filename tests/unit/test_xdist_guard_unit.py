@@ -451,6 +451,20 @@ def test_a_collection_error_counts_for_maxfail(config: Any) -> None:
     assert names(node)[-1] == "workerfinished" and not guard.complaints
 
 
+def test_a_collection_error_sent_twice_counts_once_as_for_the_controller(config: Any) -> None:
+    config.option.maxfail = 2
+    node = FakeNode(config)
+    guard = WorkerGuard(node)
+    guard.process_from_remote(("workerready", {"workerinfo": dict(INFO)}))
+    for _ in range(2):
+        guard.process_from_remote(("collectreport", collect_report("failed", "ImportError: x")))
+    guard.process_from_remote(("collectionfinish", {"topdir": "/p", "ids": IDS}))
+    node.send_runtest_some([0, 1])
+    output = {"exitstatus": 1, "shouldfail": "stopping after 2 failures", "shouldstop": False}
+    guard.process_from_remote(("workerfinished", {"workeroutput": output}))
+    assert "workerfinished" not in names(node) and guard.failed == 1
+
+
 def test_a_worker_may_not_stop_before_the_maxfail_count(config: Any) -> None:
     config.option.maxfail = 2
     node, guard = started(config, [0, 1, 2])
