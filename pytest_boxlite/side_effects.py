@@ -191,6 +191,18 @@ def summary(terminalreporter: pytest.TerminalReporter) -> None:
 def _side_effects_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str, str]]) -> None:
     checked = {n: p[PROPERTY] for n, p in seen.items() if PROPERTY in p}
     if not checked:
+        from pytest_boxlite.settings import resolve
+
+        try:  # the session's settings, also where this process is the worker's box (no session of its own)
+            settings = resolve(tr.config)
+        except pytest.UsageError:
+            return
+        mode = settings.side_effects
+        if mode != "off" and settings.scope == "worker":
+            tr.write_line(
+                f"boxlite: --boxlite-side-effects={mode}: not checked in worker scope (one box runs every test "
+                "of a worker); use --boxlite-scope=test or module"
+            )
         return
     plural = "s" if len(checked) != 1 else ""
     # A clean test's value is "none", then its notes (what could not be seen): counted, not listed.
