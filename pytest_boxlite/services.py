@@ -113,6 +113,8 @@ __all__ = [
 
 #: Output lines of a service that :meth:`Service.logs` and failing reports show.
 LOG_LINES = 200
+#: The most lines one :meth:`Service.logs` call in a boxed test gets from the host.
+LOG_LINES_CAP = 1000
 SCOPES = ("session", "package", "module", "class", "function")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
 #: The report section's title for a service's output (``NAME`` is the fixture's name).
@@ -626,10 +628,28 @@ class Service:
         return f"{scheme}://{host}:{hport}{path}"
 
     def logs(self, lines: int = LOG_LINES) -> str:
-        """The service's last ``lines`` output lines (each ``stdout: ...``/``stderr: ...``, escaped)."""
-        if self.process is None:
-            return "(the service runs on the host: its output is in the report of a test that fails while using it)"
-        return "\n".join(self.process.last_lines(lines))
+        """The service's last ``lines`` output lines (each ``stdout: ...``/``stderr: ...``, escaped).
+
+        In a boxed test the service runs on the host: the lines are asked of the host (at most
+        :data:`LOG_LINES_CAP`), and :class:`~pytest_boxlite.errors.BoxliteError` is raised where
+        it cannot answer (the test's run is over, or its box runs no relay to the host).
+        """
+        if self.process is not None:
+            return "\n".join(self.process.last_lines(lines))
+        try:
+            from pytest_boxlite.guest import debugger
+        except ImportError as exc:
+            raise BoxliteError(f"service {self.name!r}: its output cannot be asked of the host here ({exc})") from None
+        relay = debugger.current()
+        if relay is None:
+            raise BoxliteError(
+                f"service {self.name!r} runs on the host, and this box has no way to ask it for the "
+                "output (only a running boxed test has one)"
+            )
+        try:
+            return relay.service_logs(self.name, lines)
+        except LookupError as exc:
+            raise BoxliteError(f"service {self.name!r}: the host gave no output: {exc}") from None
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able description (what a boxed test's fixture is built from)."""
@@ -960,6 +980,18 @@ def descriptions_for(config: pytest.Config, item: pytest.Item) -> dict[str, dict
     if not _DECLARED or not services_of(item):
         return {}
     return manager(config).descriptions_for(item)
+
+
+def logs_for(item: pytest.Item, name: str, lines: int) -> str | None:
+    """The last ``lines`` output lines of the service fixture ``name`` that ``item`` (a boxed
+    test) uses, running on the host; ``None`` where ``item`` uses no such running service."""
+    found = item.config.stash.get(_MANAGER_KEY, None)
+    if found is None:
+        return None
+    for fixture, inst in found.used_by(item):
+        if fixture == name:
+            return inst.service.logs(lines)
+    return None
 
 
 def box_fields(

@@ -497,6 +497,10 @@ def test_on_host(web, boxlite_pool):  # a pool fixture keeps it on the host unde
 def test_in_box(web):
     assert os.environ.get("PYTEST_BOXLITE_GUEST") == "1"
     print(f"SEEN web {web.box} {web.port} box")
+    urllib.request.urlopen(web.url(path="/"), timeout=30).close()
+    # The server's own output, asked of the host (it runs there), as an unboxed test gets it.
+    assert '"GET / HTTP/1.1" 200' in web.logs(lines=5), web.logs()
+    assert len(web.logs(lines=1).splitlines()) == 1
     urllib.request.urlopen(web.url(path="/from-the-box"), timeout=30).close()
 """
     project(tmp_path, conftest, {"test_mixed.py": tests})
@@ -522,8 +526,9 @@ import pytest
 @pytest.mark.parametrize("i", range(6))
 def test_get(i, web, worker_id):
     assert os.environ.get("PYTEST_BOXLITE_GUEST") == "1"
-    with urllib.request.urlopen(web.url(), timeout=30) as resp:
+    with urllib.request.urlopen(web.url(path=f"/?t{i}"), timeout=30) as resp:
         assert resp.status == 200
+    assert f"GET /?t{i} HTTP/1.1" in web.logs(), web.logs()  # asked of this worker's host
     print(f"SEEN {worker_id} {web.box} {web.port} t{i}")
 """
     project(tmp_path, conftest, {"test_x.py": tests})
@@ -604,3 +609,53 @@ def test_fails(web):
     assert res.returncode == 1 and "1 failed, 1 passed" in out, out + res.stderr
     assert "boxlite service web" in out and '"GET /missing HTTP/1.1" 404' in out, out
     assert ledger.scan(home) == []
+
+
+def test_a_box_gets_only_its_own_services_logs_and_cannot_flood_the_host(tmp_path: Path, home: Path) -> None:
+    """``Service.logs()`` in a boxed test asks the host: a box (root in it, our source read) that
+    asks for a service its test does not use gets a refusal, not that service's output; one that
+    asks without end fails its own test, and the next test runs."""
+    tag = uuid.uuid4().hex
+    conftest = (
+        HEAD
+        + '\nweb = service("web", server(), ports=[8000], ready=HttpReady(8000))\n'
+        + 'secret = service("secret", server(8001), ports=[8001], ready=HttpReady(8001))\n'
+    )
+    tests = """
+import urllib.request
+import pytest
+from pytest_boxlite.guest import debugger
+
+def test_uses_secret(secret):
+    urllib.request.urlopen(secret.url(path="/?SECRET-PATH"), timeout=30).close()
+
+@pytest.mark.boxlite
+def test_asks_for_another(web):
+    relay = debugger.current()
+    with pytest.raises(LookupError, match="no running service 'secret'"):
+        relay.service_logs("secret", 200)
+    with pytest.raises(LookupError):
+        relay.service_logs("x" * 5000, 200)  # not a fixture name: refused, the test's stream ends
+
+@pytest.mark.boxlite
+def test_floods(web):
+    relay = debugger.current()
+    for _ in range(5000):
+        relay.service_logs("web", 1)
+
+@pytest.mark.boxlite
+def test_after(web):
+    urllib.request.urlopen(web.url(path="/?after"), timeout=30).close()
+    assert "GET /?after HTTP/1.1" in web.logs()
+"""
+    project(tmp_path, conftest, {"test_logs.py": tests})
+    res = run(tmp_path, home, tag, "-rA")
+    out = res.stdout
+    assert res.returncode == 1, out + res.stderr
+    assert "GET /?SECRET-PATH HTTP/1.1" not in out, out  # the other service's output never reached a box
+    assert re.search(r"^FAILED test_logs.py::test_asks_for_another", out, re.M), out
+    assert "service-logs question that is not a fixture name" in out, out
+    assert re.search(r"^FAILED test_logs.py::test_floods", out, re.M), out
+    assert "more than 1000 service-logs questions" in out, out
+    assert re.search(r"^PASSED test_logs.py::test_after", out, re.M), out
+    no_leftovers(home, tag)

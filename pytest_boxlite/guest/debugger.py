@@ -219,6 +219,27 @@ class BoxDebugger:
                 return ""
             return line[: msg.DEBUG_TEXT_CAP]
 
+    def service_logs(self, name: str, lines: int) -> str:
+        """The last ``lines`` output lines of the host's service ``name`` (a fixture of this
+        test's), asked of the host on the debugger's answer path; raises ``LookupError`` with the
+        host's reason when it has none to give."""
+        with self.lock:
+            if self.broken:
+                raise LookupError("the host no longer answers this box (its test is over)")
+            self.frame("logs", service=name, lines=lines)
+            message = self.answers.next()
+            if not isinstance(message, (tuple, list)) or len(message) != 2:
+                self.broken = True
+                raise LookupError("the host did not answer")
+            kind, fields = message
+            if kind != msg.DEBUG or not isinstance(fields, dict):
+                self.broken = True
+                raise LookupError("the host answered out of turn")
+            text = fields.get("logs")
+            if not isinstance(text, str):
+                raise LookupError(str(fields.get("error", "the host has no output of this service"))[:2000])
+            return text
+
     # -- pytest hooks, in the box (called by :class:`_Hooks`) ------------------------------
     def pytest_enter_pdb(self, config: pytest.Config, pdb: Any) -> None:
         """Point the debugger pytest made at the host (or, under xdist, at end-of-file)."""

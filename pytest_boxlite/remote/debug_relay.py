@@ -139,6 +139,11 @@ def _ctrl_c_ends_the_line() -> list[Any] | None:
 #: channel): stdin is polled this long, then the channel looked at for as long again.
 CHANNEL_STEP = 0.1
 
+#: Service-logs questions one test may ask (each answer is at most ``services.LOG_LINES_CAP`` lines).
+LOGS_ASKS_CAP = 1000
+#: The most characters of one answer: its JSON line stays under the 1 MiB a box reads of a line.
+LOGS_TEXT_CAP = 256 << 10
+
 #: Sends one answer (``DEBUG`` fields) to the box that asked; a gone box is not an error here.
 Answer = Callable[[dict[str, Any]], None]
 
@@ -171,6 +176,7 @@ class DebugRelay:
         self.wanted = False  # the box waits for a line
         self.paused = 0.0  # seconds spent waiting for the user: not the test's
         self.printed = 0
+        self.logs_asked = 0
         self._suspended = False
         self._entered = False  # the host's pytest_enter_pdb hook was called
         if answer is not None:
@@ -189,7 +195,9 @@ class DebugRelay:
             # A box waiting for its line prints nothing (its pdb is blocked reading): a frame now
             # is foreign to the session.
             raise ValueError(f"a debugger {str(op)[:20]!r} frame while it waits for input")
-        if op == "enter":
+        if op == "logs":
+            self._logs(fields)
+        elif op == "enter":
             self._enter()
             if fields.get("title") is not None:
                 self._sep(fields.get("title"), newline=True)
@@ -261,6 +269,23 @@ class DebugRelay:
             return
         tw = self.config.get_terminal_writer()
         tw.write(escape_controls(text), flush=True)
+
+    def _logs(self, fields: dict[str, Any]) -> None:
+        """Answer a boxed test's ``Service.logs()``: the host's service of that fixture name, if
+        the test uses one (the name is only looked up, never followed)."""
+        name, lines = fields.get("service"), fields.get("lines")
+        if not isinstance(name, str) or len(name) > 100 or type(lines) is not int:
+            raise ValueError("a service-logs question that is not a fixture name and a line count")
+        self.logs_asked += 1
+        if self.logs_asked > LOGS_ASKS_CAP:
+            raise ValueError(f"more than {LOGS_ASKS_CAP} service-logs questions for one test")
+        from pytest_boxlite import services
+
+        text = services.logs_for(self.item, name, max(1, min(lines, services.LOG_LINES_CAP)))
+        if text is None:
+            self._answer({"error": f"this test uses no running service {name!r} on the host"})
+        else:
+            self._answer({"logs": text[-LOGS_TEXT_CAP:]})
 
     def _answer(self, fields: dict[str, Any]) -> None:
         if self.answer is not None:
