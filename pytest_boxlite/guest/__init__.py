@@ -15,11 +15,16 @@ reaches these files only through :func:`path` and :func:`source`.
 - ``lastwords``: a boxed test's captured output, sent to the host when its timeout passes.
 - ``changes``: what a boxed test left behind in its box (files, processes, environment), and its usage.
 - ``terminal``: a command on a pty of the box's own (``shell`` from a terminal: job control, Ctrl-C).
+
+And, where the package was built with a C compiler (``setup.py``), the native pid 1 of a test's box
+(sources in ``_init/``): ``_boxclone*.so`` and ``_boxinit`` (see :func:`native_init`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import platform
 from pathlib import Path
 
 _HERE = Path(__file__).parent
@@ -37,3 +42,31 @@ def path(name: str) -> Path:
 def source(name: str) -> str:
     """The source text of guest module ``name``, read once per process."""
     return path(name).read_text()
+
+
+#: The native pid 1's off switch (guest/fresh.py reads it in the box): ``PYTEST_BOXLITE_NATIVE_INIT=0``.
+NATIVE_INIT_ENV = "PYTEST_BOXLITE_NATIVE_INIT"
+
+
+def native_init() -> tuple[Path, Path] | str:
+    """The native pid 1's files built with the package, ``(_boxclone*.so, _boxinit)``; or why a
+    test's box runs the Python pid 1 (the rule guest/fresh.py's ``native_init`` applies in the box)."""
+    if os.environ.get(NATIVE_INIT_ENV, "1").strip() == "0":
+        return f"switched off ({NATIVE_INIT_ENV}=0)"
+    if platform.machine() not in ("x86_64", "aarch64") or platform.system() != "Linux":
+        return f"no native pid 1 for {platform.system()} {platform.machine()}"
+    shared = sorted(_HERE.glob("_boxclone*.so"))
+    init = _HERE / "_boxinit"
+    if not shared or not init.is_file():
+        return "not built (no C compiler when the package was installed)"
+    if not os.access(init, os.X_OK):
+        return f"{init} is not executable"
+    return shared[0], init
+
+
+def pid1_line() -> str:
+    """Which pid 1 a test's forked box runs, for ``doctor`` and the report header."""
+    found = native_init()
+    if isinstance(found, str):
+        return f"python (BareInit, a copy of the warm interpreter): {found}"
+    return "native (boxinit: the box's only copy of the warm interpreter is its test process)"

@@ -241,9 +241,10 @@ def header_notes(kind: str, spec: BoxSpec) -> list[str]:
     line only when one of ``spec``'s caps cannot hold."""
     if kind != "namespace":
         return []
+    from pytest_boxlite import guest
     from pytest_boxlite.runtimes import namespace
 
-    lines = [f"boxlite: seccomp: {namespace.seccomp_status()}"]
+    lines = [f"boxlite: seccomp: {namespace.seccomp_status()}", f"boxlite: pid 1: {guest.pid1_line()}"]
     limits = namespace.limits_for(spec).header_line()
     if limits:
         lines.append(limits)

@@ -69,6 +69,7 @@ class NamespaceKind:
             facts.append(("namespace", f"unavailable: {problem if bwrap else 'no usable bubblewrap'}"))
             return facts
         facts.append(("namespace", f"available: host filesystem copy-on-write{plan_note()}"))
+        facts.append(("pid 1", guest.pid1_line()))
         facts.append(("devices", device_note()))
         pids = BoxSpec().pids_limit or 4096
         # A probe cgroup, made and removed at once: which caps a box would get here.
