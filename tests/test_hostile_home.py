@@ -200,57 +200,50 @@ def test_entries_of_another_user_in_our_home_are_refused_never_removed(
 
 
 @pytest.mark.escape_row("hostile-home", runtime="host", users="root")
-def test_shell_hands_nothing_to_a_listener_of_another_user(shared: Path, attacker: pwd.struct_passwd) -> None:
-    """``shell NAME`` connects to ``NAME.ctl/agent.sock``: another user's listener there (a control
-    directory left writable) gets no byte and no descriptor, and the refusal says whose it is."""
-    python = next(
-        (
-            c
-            for c in (sys.executable, "/usr/bin/python3")
-            if os.path.exists(c)
-            and subprocess.run(
-                ["runuser", "-u", ATTACKER, "--", c, "-I", "-c", "pass"], capture_output=True, timeout=60
+def _attacker_python() -> str:
+    """An interpreter the attacker may run (skips where there is none)."""
+    for c in (sys.executable, "/usr/bin/python3"):
+        ok = (
+            os.path.exists(c)
+            and (
+                subprocess.run(
+                    ["runuser", "-u", ATTACKER, "--", c, "-I", "-c", "pass"], capture_output=True, timeout=60
+                )
             ).returncode
             == 0
-        ),
-        None,
-    )
-    if python is None:
-        pytest.skip(f"no Python interpreter that {ATTACKER} may run")
-    home = shared / "bxh"
-    ctl = home / "namespace" / "pbx-x-1.ctl"
-    (home / "namespace" / "pbx-x-1").mkdir(parents=True)
-    ctl.mkdir()
-    for d in (home, home / "namespace"):
-        d.chmod(0o711)
-    ctl.chmod(0o777)
-    got = shared / "got"
+        )
+        if ok:
+            return c
+    pytest.skip(f"no Python interpreter that {ATTACKER} may run")
+
+
+#: The attacker's listener: records what the first connection hands it (bytes, descriptors).
+_SPY = (
+    "import socket,sys,os\n"
+    "s=socket.socket(socket.AF_UNIX);s.bind(sys.argv[1]);s.listen(1);s.settimeout(60)\n"
+    "open(sys.argv[2]+'/ready','w').close()\n"
+    "try:\n"
+    "    c,_=s.accept()\n"
+    "except TimeoutError:\n"
+    "    sys.exit(0)\n"
+    "c.settimeout(10)\n"
+    "try:\n"
+    "    msg,fds,_,_=socket.recv_fds(c,65536,8)\n"
+    "except (TimeoutError,OSError):\n"
+    "    msg,fds=b'',[]\n"
+    "open(sys.argv[2]+'/stolen','w').write(repr((msg,len(fds))))\n"
+)
+
+
+@contextlib.contextmanager
+def _spy_on(sock: Path, got: Path) -> Iterator[None]:
+    """The attacker listening at ``sock``; afterwards, it must have got no byte and no descriptor."""
     got.mkdir()
     got.chmod(0o777)
-    listen = (
-        "import socket,sys,os\n"
-        "s=socket.socket(socket.AF_UNIX);s.bind(sys.argv[1]);s.listen(1);s.settimeout(60)\n"
-        "open(sys.argv[2]+'/ready','w').close()\n"
-        "try:\n"
-        "    c,_=s.accept()\n"
-        "except TimeoutError:\n"
-        "    sys.exit(0)\n"
-        "c.settimeout(10)\n"
-        "try:\n"
-        "    msg,fds,_,_=socket.recv_fds(c,65536,8)\n"
-        "except (TimeoutError,OSError):\n"
-        "    msg,fds=b'',[]\n"
-        "open(sys.argv[2]+'/stolen','w').write(repr((msg,len(fds))))\n"
-    )
-    spy = subprocess.Popen(
-        ["runuser", "-u", ATTACKER, "--", python, "-I", "-c", listen, str(ctl / "agent.sock"), str(got)]
-    )
+    spy = subprocess.Popen(["runuser", "-u", ATTACKER, "--", _attacker_python(), "-I", "-c", _SPY, str(sock), str(got)])
     try:
         assert wait_until(lambda: (got / "ready").exists(), 30), "the attacker's listener did not start"
-        r = _cli(home, "shell", "pbx-x-1", "--", "true", stdin=None)
-        assert r.returncode == 1, (r.stdout, r.stderr)
-        assert f"its agent socket is held by uid {attacker.pw_uid}" in r.stderr, r.stderr
-        assert "nothing was sent to it" in r.stderr
+        yield
         spy.wait(30)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -258,6 +251,45 @@ def test_shell_hands_nothing_to_a_listener_of_another_user(shared: Path, attacke
         spy.wait(10)
     stolen = (got / "stolen").read_text() if (got / "stolen").exists() else "(b'', 0)"
     assert stolen == "(b'', 0)", f"the other user's listener got {stolen}"
+
+
+def _planted_ctl(shared: Path) -> tuple[Path, Path]:
+    """A home whose box control directory another user can write: (home, that directory)."""
+    home = shared / "bxh"
+    ctl = home / "namespace" / "pbx-x-1.ctl"
+    (home / "namespace" / "pbx-x-1").mkdir(parents=True)
+    ctl.mkdir()
+    for d in (home, home / "namespace"):
+        d.chmod(0o711)
+    ctl.chmod(0o777)
+    return home, ctl
+
+
+def test_shell_hands_nothing_to_a_listener_of_another_user(shared: Path, attacker: pwd.struct_passwd) -> None:
+    """``shell NAME`` connects to ``NAME.ctl/agent.sock``: another user's listener there (a control
+    directory left writable) gets no byte and no descriptor, and the refusal says whose it is."""
+    home, ctl = _planted_ctl(shared)
+    with _spy_on(ctl / "agent.sock", shared / "got"):
+        r = _cli(home, "shell", "pbx-x-1", "--", "true", stdin=None)
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert f"its agent socket is held by uid {attacker.pw_uid}" in r.stderr, r.stderr
+        assert "nothing was sent to it" in r.stderr
+
+
+@pytest.mark.parametrize("via", [False, True], ids=["agent", "box-server"])
+def test_attach_hands_nothing_to_a_listener_of_another_user(
+    shared: Path, attacker: pwd.struct_passwd, via: bool
+) -> None:
+    """``guest/attach.py`` (what an xdist worker in a box, and a box server's client, run on the
+    host) hands the socket its stdin, stdout and stderr: never to another user's listener."""
+    _, ctl = _planted_ctl(shared)
+    script = Path(pytest_boxlite.__file__).parent / "guest" / "attach.py"
+    sock = ctl / "agent.sock"
+    with _spy_on(sock, shared / "got"):
+        args = ["--via", str(sock), "--", "true"] if via else [str(sock), "--", "true"]
+        r = subprocess.run([sys.executable, "-I", "-S", str(script), *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode in (3, 126), (r.returncode, r.stderr)
+        assert f"its listener is uid {attacker.pw_uid}" in r.stderr and "nothing was sent to it" in r.stderr, r.stderr
 
 
 # --- a home of ours that a project shipped (or that holds records it did not write) -------------

@@ -22,6 +22,7 @@ import os
 import selectors
 import signal
 import socket
+import struct
 import sys
 
 #: Bytes of the command's stderr written to the box log; the rest is counted, and its last
@@ -34,6 +35,9 @@ _CAP_NOTE = b"\n[pytest-boxlite: this log reached its cap of %d bytes; the rest 
 
 
 def _connect(path):
+    """A connection to the socket at ``path`` (an agent's or a box server's, in the home), once
+    its peer is proven this user's: this process hands it its stdin, stdout and stderr, which a
+    listener of another user (a socket planted in a shared home) must never get."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if len(path.encode()) > 100:
         dirfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
@@ -43,6 +47,14 @@ def _connect(path):
             os.close(dirfd)
     else:
         sock.connect(path)
+    # SO_PEERCRED: the credentials the kernel recorded when the peer listened (unforgeable).
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.geteuid():
+        sock.close()
+        raise PermissionError(
+            "refused %r: its listener is uid %d, not uid %d who runs this; nothing was sent to it"
+            % (path, uid, os.geteuid())
+        )
     return sock
 
 
@@ -127,7 +139,7 @@ def via_server(argv):
         # worker in the box: passed on, the server ends the worker's box, as it ends a plain worker.
         _hand_over(sock, {"argv": rest}, [0, 1, 2])
     except OSError as exc:
-        return fail("its box server is not there (%s)" % (exc.strerror or exc))
+        return fail("could not connect to its box server (%s)" % (exc.strerror or exc))
     for msg in _messages(sock):
         if isinstance(msg, dict) and isinstance(msg.get("exit"), int):
             code = msg["exit"]
@@ -164,7 +176,11 @@ def main(argv):
         rest = rest[2:]
     if rest[:1] == ["--"]:
         rest = rest[1:]
-    sock = _connect(path)
+    try:
+        sock = _connect(path)
+    except OSError as exc:
+        sys.stderr.write("boxlite attach: could not connect to the box's agent: %s\n" % (exc.strerror or exc))
+        return 126
     req = {"op": "exec", "argv": rest, "env": env, "cwd": cwd}
     if user is not None:
         req["user"] = user
