@@ -133,6 +133,7 @@ class WorkerGuard:
         self.current: tuple[str, Any] | None = None  # (nodeid, location) of the last logstart
         self.failed = 0  # failed reports let through (the controller's --maxfail counts them too)
         self.collect_errors: set[str] = set()  # the texts of the collection errors counted
+        self.reported: set[str] = set()  # tests with a report since their logstart, not completed
         self.held_finish = False  # a workerfinished kept back until the worker really ends
         self.finished = False  # a workerfinished went through: the worker is gone for xdist
         self.complaints: list[str] = []
@@ -224,8 +225,10 @@ class WorkerGuard:
         if refused is not None:
             self._complain(refused)
             return
-        if name == "testreport" and self.complaints:
-            kwargs = self._carry_complaints(kwargs)
+        if name == "testreport":
+            self.reported.add(kwargs["data"]["nodeid"])
+            if self.complaints:
+                kwargs = self._carry_complaints(kwargs)
         if name in ("testreport", "collectreport") and kwargs["data"].get("outcome") == "failed":
             self._count_failure(name, kwargs["data"])
         if name == "workerfinished":
@@ -320,6 +323,7 @@ class WorkerGuard:
             return f"a logstart whose location is not (path, line, domain): {reprlib.repr(kwargs['location'])}"
         kwargs["location"] = location
         self.running = nodeid
+        self.reported.discard(nodeid)
         self.current = (nodeid, location)
         return None
 
@@ -433,6 +437,13 @@ class WorkerGuard:
             return f"a runtest_protocol_complete whose duration is {reprlib.repr(duration)}"
         if not self._is_pending(index):
             return f"a runtest_protocol_complete for item index {reprlib.repr(index)}, which this worker was not given"
+        ids = self._scheduled()
+        name = ids[index] if 0 <= index < len(ids) else None
+        if name not in self.reported:
+            # The test would leave the controller's books with no report at all: it stays the
+            # worker's, and fails when the worker ends (xdist's crash report of it).
+            return f"a runtest_protocol_complete for {reprlib.repr(name)}, of which it sent no report"
+        self.reported.discard(name)
         self._complete(index)
         kwargs["duration"] = max(0.0, float(duration))
         return None

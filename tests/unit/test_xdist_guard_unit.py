@@ -347,6 +347,20 @@ def test_a_completion_of_no_duration_is_refused(config: Any, duration: object) -
     assert node.passed == [] and guard.pending == 1
 
 
+def test_a_test_completed_without_any_report_stays_pending(config: Any) -> None:
+    """A worker that marks a test done without reporting it (the running one, or the next it was
+    given) would leave it with no report at all: refused, the test stays the worker's."""
+    node, guard = started(config, [0, 1])
+    begin(guard, 0)
+    guard.process_from_remote(("logfinish", {"nodeid": IDS[0], "location": location(IDS[0])}))
+    guard.process_from_remote(("runtest_protocol_complete", {"item_index": 0, "duration": 0.1}))
+    guard.process_from_remote(("runtest_protocol_complete", {"item_index": 1, "duration": 0.1}))
+    assert names(node) == ["logstart", "logfinish"] and guard.pending == 2
+    assert all("of which it sent no report" in c for c in guard.complaints)
+    run_test(guard, 0)  # reported now: done
+    assert guard.pending == 1 and names(node)[-1] == "runtest_protocol_complete"
+
+
 def test_internal_error_fails_the_running_test_with_its_text_escaped(config: Any) -> None:
     """xdist would print the text raw as an INTERNALERROR and drop the worker with its tests."""
     node, guard = started(config, [0, 1])
