@@ -50,6 +50,28 @@ if TYPE_CHECKING:
 ROLE_KEY = pytest.StashKey["_SessionRole"]()
 
 
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    """The package's hookspecs (:mod:`pytest_boxlite.hooks`): how a feature joins a boxed test's path."""
+    from pytest_boxlite import hooks
+
+    pluginmanager.add_hookspecs(hooks)
+
+
+def pytest_plugin_registered(plugin: object, manager: pytest.PytestPluginManager) -> None:
+    """Features imported on demand (:func:`pytest_boxlite.hooks.join`: services, once a conftest
+    imports them) are registered with this run as the conftest that imported them is."""
+    from pytest_boxlite.hooks import enrol
+
+    enrol(manager)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """... and as a test module that imports one has been collected (its items come next)."""
+    from pytest_boxlite.hooks import enrol
+
+    enrol(item.config.pluginmanager)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
@@ -357,19 +379,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Service fixtures (``pytest_boxlite.service``): their manager joins before the first test, only
-    where a conftest imported that module (a run without services imports nothing for them)."""
-    import sys
-
+    """The markers of side-effect checks.  (Service fixtures join here through their own plugin:
+    see :mod:`pytest_boxlite.hooks`.)"""
     from pytest_boxlite import side_effects
 
     side_effects.note_markers(items)
-    services = sys.modules.get("pytest_boxlite.services")
-    if services is not None:
-        promote = config.stash.get(PROMOTE_KEY, None)
-        if promote is not None and getattr(services, "_DECLARED", None):
-            promote()  # service fixtures run sandboxes: the host role is needed
-        services.activate(config, items)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

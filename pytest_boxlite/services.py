@@ -47,13 +47,14 @@ A boxed test's wider fixtures are set up in its box's pytest, and boxes do not n
 is always realised **on the host**, and the box gets a description of it.  The design, worked out
 with the in-box relay (:mod:`pytest_boxlite.reach`):
 
-* Host: :func:`box_fields` (through ``remote.worker_host._service_fields``) starts, or reuses, the
+* Host: :func:`box_fields` (through the ``pytest_boxlite_box_fields`` hook, see
+  :mod:`pytest_boxlite.hooks`; :class:`ServiceHooks` implements them) starts, or reuses, the
   instances of the services in the item's fixture closure for the item's scopes, and describes
   each (:meth:`Service.describe`: ``{"name", "scope", "key", "box", "ports": {"8000":
   ["127.0.0.1", 40123]}}``, box port -> the host's published address).  The descriptions travel
   in the ``FORK`` request (only the services wider than a function: what the warm interpreter
   sets up ahead, ``guest/worker.py``'s ``_prepare``) and in each ``RUN`` (all of them).
-* Box: ``guest/worker.py``'s ``_take_services`` hands them to :func:`receive` before the item's
+* Box: the ``pytest_boxlite_box_received`` hook hands them to :func:`receive` before the item's
   fixtures are set up; they replace the last item's.  The service fixture, run in the box, returns
   a :class:`Service` built from them (no sandbox, no process: those are on the host).  A service
   the host did not start for the item (asked for with ``getfixturevalue`` in the box) fails,
@@ -87,6 +88,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_boxlite import hooks
 from pytest_boxlite.errors import BoxliteError, ConfigError, OutputWaitError
 from pytest_boxlite.process import _quote, quote_output
 
@@ -1010,6 +1012,72 @@ def box_fields(
         return {}
     descriptions = manager(config).descriptions_for(item, wide_only=wide_only)
     return {"services": descriptions} if descriptions else {}
+
+
+class ServiceHooks:
+    """Services' implementations of :mod:`pytest_boxlite.hooks`, registered with each run once a
+    conftest (or a test module) imports this module (:func:`pytest_boxlite.hooks.join`); each does
+    nothing until a service is declared."""
+
+    NAME = "boxlite-service-hooks"
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        """The manager joins before the first test; service fixtures run sandboxes, so a host role
+        that waits for the first boxed test is promoted now."""
+        from pytest_boxlite.fixtures import PROMOTE_KEY
+
+        promote = config.stash.get(PROMOTE_KEY, None)
+        if promote is not None and _DECLARED:
+            promote()
+        activate(config, items)
+
+    def pytest_boxlite_box_fields(
+        self, config: pytest.Config, item: pytest.Item | None, nodeid: str, wide_only: bool
+    ) -> dict[str, Any] | None:
+        return box_fields(config, item=item, nodeid=nodeid, wide_only=wide_only) or None
+
+    def pytest_boxlite_reach(
+        self, config: pytest.Config, box: hooks.BoxAccess, item: pytest.Item | None, nodeid: str, wide_only: bool
+    ) -> str | None:
+        """The services' host addresses, reachable at the same addresses in ``box``
+        (:mod:`pytest_boxlite.reach`'s relay)."""
+        from pytest_boxlite import reach
+
+        if item is not None and not wide_only:
+            described: object = descriptions_for(config, item)
+        else:
+            described = box_fields(config, item=item, nodeid=nodeid, wide_only=wide_only).get("services")
+        targets = reach.targets_of(described) if isinstance(described, dict) else []
+        if not targets:
+            return None
+        try:
+            if box.stream is not None:
+                reach.prepare_forked(box.name, box.stream, targets, agent=box.agent)
+            else:
+                reach.prepare_booted(box.name, box.agent, targets)
+        except reach.BoxGone:
+            return None  # a box that ended: its RUN (or FORK) finds it and says so, as for any test
+        except (BoxliteError, OSError) as exc:
+            where = "its warm box" if wide_only else "its box"
+            return f"could not make the test's services reachable in {where}: {exc}"
+        return None
+
+    def pytest_boxlite_box_done(self, config: pytest.Config, name: str) -> None:
+        from pytest_boxlite import reach
+
+        reach.close_box(name)
+
+    def pytest_boxlite_box_received(self, config: pytest.Config, fields: dict[str, Any]) -> None:
+        described = fields.get("services")
+        receive(described if isinstance(described, Mapping) else {})
+
+
+#: The one :class:`ServiceHooks` of this process (stateless: its state is each run's manager).
+HOOKS = ServiceHooks()
+# Joined as this module is imported (by a conftest that declares a service, or imports its names):
+# a run that never imports it registers nothing for services.
+hooks.join(HOOKS)
 
 
 # -- in a box -------------------------------------------------------------------------------------

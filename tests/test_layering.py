@@ -46,7 +46,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "pytest glue: fixtures, boxed-test execution, xdist, the terminal report",
-        ("fixtures", "services", "remote", "remote.*", "reporting", "side_effects", "xdist_support", "xdist_guard"),
+        (
+            "fixtures",
+            "services",
+            "remote",
+            "remote.*",
+            "reporting",
+            "side_effects",
+            "xdist_support",
+            "xdist_guard",
+            "hooks",
+        ),
     ),
     ("test plans: markers to box specs, and the marker's registration", ("markers", "marker_registration")),
     ("the per-process session", ("session",)),
@@ -401,3 +411,64 @@ def test_the_boundary_check_catches_each_kind_of_violation(
     found = boundary_violations()
     mine = collections.Counter({k: n for k, n in found.items() if k[1] == "mod"})
     assert mine == collections.Counter(expected)
+
+
+# -- features join through hookspecs (issue 41) ----------------------------------------------------
+
+#: Modules a feature reaches the boxed-test path through: only its hook implementations call them.
+HOOKED = {"reach"}
+
+
+def module_probes(tree: ast.Module) -> list[str]:
+    """``sys.modules.get("pytest_boxlite...")`` and ``sys.modules["pytest_boxlite..."]`` in a module:
+    asking whether a feature was imported, instead of a hook it implements."""
+    found = []
+    for node in ast.walk(tree):
+        target: ast.expr | None = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            if node.func.attr in ("get", "__contains__", "pop"):
+                owner, target = node.func.value, node.args[0]
+            else:
+                continue
+        elif isinstance(node, ast.Subscript):
+            owner, target = node.value, node.slice
+        elif isinstance(node, ast.Compare) and len(node.comparators) == 1 and isinstance(node.ops[0], ast.In):
+            owner, target = node.comparators[0], node.left
+        else:
+            continue
+        is_modules = isinstance(owner, ast.Attribute) and owner.attr == "modules"
+        if is_modules and isinstance(target, ast.Constant) and str(target.value).startswith(PACKAGE):
+            found.append(f"line {node.lineno}: {target.value!s}")
+    return found
+
+
+def test_no_module_probes_and_remote_reaches_no_feature_directly() -> None:
+    """Services join a boxed test's path through ``pytest_boxlite.hooks`` (its hookspecs), not by
+    asking ``sys.modules`` whether a conftest imported them; ``remote/`` calls ``reach`` only
+    through the hook services implement."""
+    probes = [f"{shown(m)} {p}" for m, tree in TREES.items() for p in module_probes(tree)]
+    direct = [
+        f"{shown(i.source)} line {i.line} imports {shown(i.target)}"
+        for i in IMPORTS
+        if (i.source == "remote" or i.source.startswith("remote.")) and i.target in HOOKED
+    ]
+    assert probes == [], "sys.modules probes of the package (implement a pytest_boxlite_ hook instead):\n" + "\n".join(
+        probes
+    )
+    assert direct == [], "remote/ imports a feature's module (call it through a pytest_boxlite_ hook):\n" + "\n".join(
+        direct
+    )
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'import sys\ns = sys.modules.get("pytest_boxlite.services")',
+        'import sys\ns = sys.modules["pytest_boxlite.services"]',
+        'import sys\nok = "pytest_boxlite.services" in sys.modules',
+    ],
+)
+def test_the_probe_check_catches_each_form(source: str) -> None:
+    """The probe detector on made-up modules, so a broken one cannot pass silently."""
+    assert module_probes(ast.parse(source)) == ["line 2: pytest_boxlite.services"]
+    assert module_probes(ast.parse('import sys\nc = sys.modules.get("coverage")')) == []

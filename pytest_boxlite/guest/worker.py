@@ -389,13 +389,14 @@ def _relay_debugger(config, plugin, clock, channel):
     return debugger, answers
 
 
-def _take_services(descriptions):
-    """The host's descriptions of the services (``pytest_boxlite.service`` fixtures) of the item
-    about to be set up: where the box's service fixtures find their addresses.  Where no conftest
-    imported that module, no fixture here is a service."""
-    services = sys.modules.get("pytest_boxlite.services")
-    if services is not None:
-        services.receive(descriptions or {})
+def _take_fields(config, fields):
+    """The fields of the ``RUN`` or ``FORK`` about to be set up, handed to the box's plugins
+    (``pytest_boxlite_box_received``: the services' descriptions, where their fixtures find their
+    addresses) before the item's fixtures are.  A box whose pytest runs without the plugin
+    declares no such hook."""
+    hook = getattr(config.hook, "pytest_boxlite_box_received", None)
+    if hook is not None:
+        hook(config=config, fields=fields)
 
 
 class _Forked:
@@ -615,7 +616,7 @@ def serve(channel):
                 if name == RUN:  # noqa: F821
                     self.seq = fields.get("seq")
                     self.changes = fields.get("changes")
-                    _take_services(fields.get("services"))
+                    _take_fields(self.session.config, fields)
                     self.run(fields["nodeid"], fields.get("next"), fields.get("timeout"))
                     self.send(DONE)  # noqa: F821
                 elif name == FORK:  # noqa: F821
@@ -976,8 +977,8 @@ def serve(channel):
             ``_fresh_box``).  ``shared``: the fixtures wider than a function's are set up here
             first (see ``_prepare``), so the box inherits them.  ``cell``: where the host hands the
             box its own cgroups and stderr (``take_cell``).  ``services``: the services the item
-            uses, for its wider fixtures set up here (``_take_services``)."""
-            _take_services(services)
+            uses, for its wider fixtures set up here (``_take_fields``)."""
+            _take_fields(self.session.config, {"services": services})
             # Reap boxes that have ended, and tell the host which (in FORKED): it then needs no
             # round trip per box to learn that a box it is done with has gone.
             ended = self.forked.reap()
@@ -1070,7 +1071,7 @@ def serve(channel):
                         break
                     self.seq = fields.get("seq")
                     self.changes = fields.get("changes")
-                    _take_services(fields.get("services"))
+                    _take_fields(self.session.config, fields)
                     self.run(fields["nodeid"], fields.get("next"), fields.get("timeout"))
                     send(DONE)  # noqa: F821
                 out.close()

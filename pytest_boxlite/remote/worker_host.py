@@ -36,10 +36,11 @@ from typing import Any
 import execnet
 import pytest
 
-from pytest_boxlite import guest, reach, side_effects
+from pytest_boxlite import guest, side_effects
 from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.guest import messages as msg
+from pytest_boxlite.hooks import BoxAccess
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.remote.transport import BoxSpoke, ChannelStream, ForkStream, Outcome, Stream
 from pytest_boxlite.runtimes.base import BoxHandle, ForkCell
@@ -315,11 +316,26 @@ def xdist_identity(config: pytest.Config) -> dict[str, str] | None:
     return {"workerid": str(workerinput.get("workerid", "")), "testrunuid": str(workerinput.get("testrunuid", ""))}
 
 
-def _service_fields(config: pytest.Config, **which: Any) -> dict[str, Any]:
-    """The services (``pytest_boxlite.service`` fixtures) an item uses, described for its box's
-    message; nothing where no conftest imported that module."""
-    services = sys.modules.get("pytest_boxlite.services")
-    return services.box_fields(config, **which) if services is not None else {}
+def _service_fields(
+    config: pytest.Config, *, item: pytest.Item | None = None, nodeid: str = "", wide_only: bool = False
+) -> dict[str, Any]:
+    """What plugins add to an item's ``RUN`` or ``FORK`` (``pytest_boxlite_box_fields``: the
+    services it uses, described)."""
+    fields: dict[str, Any] = {}
+    nodeid = nodeid or (item.nodeid if item is not None else "")
+    for found in config.hook.pytest_boxlite_box_fields(config=config, item=item, nodeid=nodeid, wide_only=wide_only):
+        fields.update(found)
+    return fields
+
+
+def _first_problem(
+    config: pytest.Config, box: BoxAccess, item: pytest.Item | None, nodeid: str, *, wide_only: bool
+) -> str | None:
+    """Why what the item needs cannot be made reachable in ``box`` (``pytest_boxlite_reach``), if so."""
+    for why in config.hook.pytest_boxlite_reach(config=config, box=box, item=item, nodeid=nodeid, wide_only=wide_only):
+        if why:
+            return str(why)
+    return None
 
 
 def startup_env(env: dict[str, str]) -> list[str]:
@@ -663,22 +679,13 @@ class RemoteRunner:
     def _reach(self, handle: BoxHandle, item: pytest.Item, box: ForkedBox | None = None) -> str | None:
         """Make the services ``item`` uses reachable in its box (``box``, forked from ``handle``'s
         warm interpreter, or ``handle``'s own) at their host addresses, before it runs
-        (:mod:`pytest_boxlite.reach`); why not, if they cannot be."""
-        services = sys.modules.get("pytest_boxlite.services")  # imported by a conftest that declares one
-        targets = reach.targets_of(services.descriptions_for(self.config, item)) if services is not None else []
-        if not targets:
-            return None
-        why = "could not make the test's services reachable in its box"
-        try:
-            if box is not None and box.stream is not None:
-                reach.prepare_forked(box.name, box.stream.conn, targets, agent=getattr(handle, "agent_pid", None))
-            else:
-                reach.prepare_booted(handle.name, getattr(handle, "agent_pid", None), targets)
-        except reach.BoxGone:
-            return None  # a box that ended: its RUN finds it and says so, as for any test
-        except (BoxliteError, OSError) as exc:
-            return f"{why}: {exc}"
-        return None
+        (the ``pytest_boxlite_reach`` hook, which services implement); why not, if they cannot be."""
+        agent = getattr(handle, "agent_pid", None)
+        if box is not None and box.stream is not None:
+            where = BoxAccess(box.name, agent, box.stream.conn)
+        else:
+            where = BoxAccess(handle.name, agent)
+        return _first_problem(self.config, where, item, item.nodeid, wide_only=False)
 
     def _send_fork(self, handle: BoxHandle, nodeid: str, network: bool) -> ForkedBox | str:
         """Ask ``handle``'s warm interpreter for a fresh box for ``nodeid``: the box (its pid known
@@ -701,14 +708,10 @@ class RemoteRunner:
             request["shared"] = True  # wider fixtures are set up in the warm interpreter (BoxedExecutor)
             request.update(_service_fields(self.config, nodeid=nodeid, wide_only=True))
             # The warm interpreter sets those fixtures up in its own box: they reach the services there.
-            described = request.get("services")
-            targets = reach.targets_of(described) if isinstance(described, dict) else []
-            try:
-                reach.prepare_booted(handle.name, getattr(handle, "agent_pid", None), targets)
-            except reach.BoxGone:
-                pass  # a box that ended: the FORK below finds it and says so, as for any test
-            except (BoxliteError, OSError) as exc:
-                return f"could not make the test's services reachable in its warm box: {exc}"
+            warm = BoxAccess(handle.name, getattr(handle, "agent_pid", None))
+            why = _first_problem(self.config, warm, None, nodeid, wide_only=True)
+            if why is not None:
+                return why
         try:
             # Cgroups and a stderr of the box's own (namespace runtime): a test that leaves
             # processes, memory or output behind leaves them in its own box, not the next one's.
@@ -1005,7 +1008,7 @@ class RemoteRunner:
     def _retire(self, box: ForkedBox) -> None:
         """A forked box is done: every process in its cgroups is killed now (no grace: nothing of
         it may run on beside the next test), its cgroups removed once empty (:meth:`_release_cells`)."""
-        reach.close_box(box.name)
+        self.config.hook.pytest_boxlite_box_done(config=self.config, name=box.name)
         cell = box.cell
         if cell is not None and all(c is not cell for c in self._done_cells):
             cell.kill()
