@@ -17,6 +17,15 @@ from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.runtimes import choose, kinds, remote_boxes, remote_clean, remote_target
 from pytest_boxlite.settings import OPTIONS_BY_NAME, default_home
 
+#: What ``python -m pytest_boxlite --help`` says before its sub-commands (plain text: argparse
+#: prints it as it is).
+DESCRIPTION = "Look after pytest-boxlite's boxes on this machine (or on a --url server)."
+EPILOG = """examples:
+  python -m pytest_boxlite doctor          what this machine can run, and why
+  python -m pytest_boxlite ls              boxes under the home, their owners, alive or dead
+  python -m pytest_boxlite clean           remove what dead sessions left behind
+  python -m pytest_boxlite shell NAME      a shell in a box kept by --boxlite-keep"""
+
 
 def _home(args: argparse.Namespace) -> Path:
     return Path(args.home or os.environ.get(OPTIONS_BY_NAME["home"].env) or default_home()).expanduser()
@@ -95,7 +104,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"images:     {_s(_image_store_line(home))}")
     if getattr(args, "selftest", False):
         # Boots one micro-VM and runs the contract's essentials in it (a KVM host only).
+        from pytest_boxlite.runtimes import probe, vm_unavailable
         from pytest_boxlite.selftest import run_selftest
+
+        found = probe()
+        if not found.vm_ok:
+            print(f"selftest:   not run: {_s(vm_unavailable(found.reason, 'the selftest boots one micro-VM'))}")
+            return 1
 
         print("selftest:   booting one micro-VM ...")
         return run_selftest()
@@ -156,6 +171,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     from pytest_boxlite.templates import list_templates
 
+    home = _home(args)
+    if not home.exists() and (args.home or os.environ.get(OPTIONS_BY_NAME["home"].env)):
+        # A home named on purpose that is not there is a typo far more often than a clean machine.
+        print(
+            f"error: no boxlite home at {_s(home)} ({_home_source(args)}): nothing ever ran with it; check the path",
+            file=sys.stderr,
+        )
+        return 2
+    if not home.exists():
+        print(f"no boxes (the home {_s(home)} does not exist yet: nothing has run with it)")
+        return 0
     home = _checked_home(args)
     if getattr(args, "images", False):
         return _list_images(home)
@@ -223,6 +249,13 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
 def cmd_shell(args: argparse.Namespace) -> int:
     """Open a shell (or run a command) in a running box, e.g. one kept after a failure."""
+    if not args.name:
+        print(
+            "error: shell needs the name of a running box: python -m pytest_boxlite shell NAME [COMMAND ...] "
+            "(python -m pytest_boxlite ls lists them; --boxlite-keep keeps a failed test's box)",
+            file=sys.stderr,
+        )
+        return 2
     home = _checked_home(args)
     argv = args.command or ["/bin/sh", "-i"]
     for k in kinds():
@@ -245,7 +278,12 @@ def _where_options(parser: argparse.ArgumentParser, *, default: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pytest_boxlite", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m pytest_boxlite",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _where_options(parser, default=None)
     # The same options after the sub-command: SUPPRESS keeps a value given before it.
     where = argparse.ArgumentParser(add_help=False)
@@ -266,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     clean.add_argument("--images", action="store_true", help="also empty the image store (images are unpacked again)")
     clean.set_defaults(fn=cmd_clean)
     shell = sub.add_parser("shell", help=cmd_shell.__doc__, parents=[where])
-    shell.add_argument("name")
-    shell.add_argument("command", nargs=argparse.REMAINDER)
+    shell.add_argument("name", nargs="?", help="the box (python -m pytest_boxlite ls lists them)")
+    shell.add_argument("command", nargs=argparse.REMAINDER, help="what to run (default: an interactive /bin/sh)")
     shell.set_defaults(fn=cmd_shell)
     args = parser.parse_args(argv)
     try:

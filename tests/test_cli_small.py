@@ -149,6 +149,7 @@ def test_home_after_the_sub_command(tmp_path: Path) -> None:
         r = _cli(*args)
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"home:       {shown} (" in r.stdout, (args, r.stdout)
+    first.mkdir(mode=0o700)
     r = _cli("ls", "--home", str(first))
     assert r.returncode == 0 and r.stdout.strip() == "no boxes", r.stdout + r.stderr
 
@@ -237,3 +238,45 @@ def test_shell_from_a_terminal_has_job_control_and_ctrl_c(kept: tuple[Path, str]
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
             os.kill(term.pid, signal.SIGKILL)
             os.waitpid(term.pid, 0)
+
+
+def test_help_is_plain_text_with_examples() -> None:
+    """``--help`` printed the module's reST docstring (double backquotes) and no example."""
+    r = _cli("--help")
+    assert r.returncode == 0, r.stderr
+    assert "``" not in r.stdout, r.stdout
+    assert "python -m pytest_boxlite shell NAME" in r.stdout and "examples:" in r.stdout, r.stdout
+
+
+def test_shell_without_a_name_says_what_it_needs(tmp_path: Path) -> None:
+    """``shell`` alone claimed that ``command`` was required too (it never is)."""
+    r = _cli("shell", "--home", str(tmp_path))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "shell needs the name of a running box" in r.stderr and "ls lists them" in r.stderr, r.stderr
+    assert "command" not in r.stderr.split("NAME", 1)[0], r.stderr
+
+
+def test_ls_of_a_home_that_is_not_there_is_an_error_not_a_clean_machine(tmp_path: Path) -> None:
+    """A typo in ``--home`` (or the environment's home) printed "no boxes", as for a clean machine."""
+    missing = tmp_path / "typo"
+    r = _cli("ls", "--home", str(missing))
+    assert r.returncode == 2 and f"no boxlite home at {missing} (--home)" in r.stderr, (r.stdout, r.stderr)
+    r = _cli("ls", env=sub_env(PYTEST_BOXLITE_HOME=str(missing)))
+    assert r.returncode == 2 and "PYTEST_BOXLITE_HOME" in r.stderr, (r.stdout, r.stderr)
+    # The default home before any run is a clean machine, and says so.
+    r = _cli("ls", env=sub_env(XDG_CACHE_HOME=str(tmp_path / "cache"), HOME=str(tmp_path / "h")))
+    assert r.returncode == 0 and "no boxes" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_selftest_where_no_vm_boots_says_why_and_how_on() -> None:
+    """``doctor --selftest`` tried to boot a VM here anyway and blamed the image registry."""
+    from pytest_boxlite.runtimes import probe
+
+    if probe().vm_ok:
+        pytest.skip("this host boots micro-VMs: the selftest runs for real (tests/test_vm_selftest.py)")
+    r = _cli("doctor", "--selftest")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("selftest:"))
+    assert "not run" in line and "cannot boot a micro-VM" in line and "--boxlite-url" in line, line
+    assert "registry" not in r.stdout.lower(), r.stdout
+    assert line.count("cannot boot") == 1, line

@@ -54,6 +54,7 @@ __all__ = [
     "remote_boxes",
     "remote_clean",
     "remote_target",
+    "vm_unavailable",
 ]
 
 RUNTIME_CHOICES = ("auto", "vm", "namespace")
@@ -159,11 +160,23 @@ def choose(requested: str, remote: RemoteTarget | None = None) -> Choice:
         return Choice("namespace", "requested")
     if requested == "vm":
         if not p.vm_ok:
-            raise RuntimeUnavailableError(f"runtime=vm was requested but micro-VMs cannot boot here: {p.reason}")
+            raise RuntimeUnavailableError(vm_unavailable(p.reason))
         return Choice("vm", p.reason)
     if p.vm_ok:
         return Choice("vm", p.reason, fallback="namespace")
     return Choice("namespace", p.reason)
+
+
+def vm_unavailable(reason: str, asked: str = "runtime=vm was requested") -> str:
+    """Why a micro-VM (``asked`` for) cannot run here, and the ways forward."""
+    why = reason.removesuffix("; micro-VMs cannot boot here")
+    return (
+        f"{asked}, but this host cannot boot a micro-VM ({why}). Ways forward: run on a "
+        "host with working KVM (bare metal, or nested virtualization that boots guests: `python -m "
+        "pytest_boxlite doctor` says what this one lacks); or --boxlite-url to run the boxes on a remote "
+        "BoxLite server; or --boxlite-runtime=auto (the default) or namespace for Linux namespace boxes "
+        "here, which share the host's kernel"
+    )
 
 
 def kind_notes(kind: str) -> tuple[str | None, str | None]:
