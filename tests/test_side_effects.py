@@ -433,39 +433,43 @@ def test_the_guest_modules_sent_together_define_no_name_twice() -> None:
 
 # --- Sandbox.changes(): what a sandbox's commands changed since it started -----------------------
 
+#: The checkout: the box shows it copy-on-write at the same path, writable by whoever runs this.
+REPO = Path(__file__).resolve().parent.parent
 INSTALL = (
-    "mkdir -p /usr/local/share/mytool && printf 1 > /usr/local/share/mytool/a && printf 22 > /usr/local/share/mytool/b"
-    " && ln -s /usr/local/share/mytool/a /usr/local/bin/mytool-{tag} && echo x >> /etc/hostname && rm -f /etc/issue"
-    " && printf w > /workspace/w && printf t > /tmp/t && mkdir -p /var/cache/x/__pycache__"
+    "mkdir -p {repo}/.bx-{tag}/share/mytool/__pycache__ && printf 1 > {repo}/.bx-{tag}/share/mytool/a"
+    " && printf 22 > {repo}/.bx-{tag}/share/mytool/b && ln -s {repo}/.bx-{tag}/share/mytool/a {repo}/.bx-{tag}-link"
+    " && echo x >> {repo}/README.md && rm {repo}/docs/index.md && printf w > /workspace/w && printf t > /tmp/t"
 )
 
 
 def test_sandbox_changes_after_an_install(make_namespace_box: Any, namespace_mode: str) -> None:
     """A sandbox forked from the warm box (the default) lists exactly what its commands wrote; a
-    booted one says it cannot (UnsupportedError), never an empty list."""
+    booted one says it cannot (UnsupportedError), never an empty list.  The host is untouched."""
     from pytest_boxlite.errors import UnsupportedError
     from pytest_boxlite.sandbox import Change
 
+    readme = (REPO / "README.md").read_bytes()
     sb = make_namespace_box()
-    sb.run(["sh", "-c", INSTALL.format(tag=TAG)]).check()
+    sb.run(["sh", "-c", INSTALL.format(repo=REPO, tag=TAG)]).check()
+    assert (REPO / "README.md").read_bytes() == readme and (REPO / "docs" / "index.md").exists()
+    assert not (REPO / f".bx-{TAG}").exists()
     if namespace_mode == "booted":
         with pytest.raises(UnsupportedError, match="keeps no handle on its layers"):
             sb.changes()
         return
     got = sb.changes()
     assert got.notes == []
-    assert list(got) == [
-        Change("modified", "file", "/etc/hostname", got[0].size, 0, None),
-        Change("deleted", "entry", "/etc/issue", 0, 0, None),
+    target = f"{REPO}/.bx-{TAG}/share/mytool/a"
+    expected = [
+        Change("modified", "file", f"{REPO}/README.md", len(readme) + 2, 0, None),
+        Change("created", "dir", f"{REPO}/.bx-{TAG}", 3, 2, None),
+        Change("created", "link", f"{REPO}/.bx-{TAG}-link", len(target), 0, target),
+        Change("deleted", "entry", f"{REPO}/docs/index.md", 0, 0, None),
         Change("created", "file", "/tmp/t", 1, 0, None),
-        Change("created", "link", f"/usr/local/bin/mytool-{TAG}", len("/usr/local/share/mytool/a"), 0,
-               "/usr/local/share/mytool/a"),
-        Change("created", "dir", "/usr/local/share/mytool", 3, 2, None),
-        Change("created", "dir", "/var/cache/x", 0, 0, None),
         Change("created", "file", "/workspace/w", 1, 0, None),
-    ]  # fmt: skip
+    ]
+    assert list(got) == sorted(expected, key=lambda c: c.path)
     # Asked again, after more: the list grows, from the same start.
-    sb.run(["sh", "-c", "rm /usr/local/share/mytool/b"]).check()
+    sb.run(["sh", "-c", f"rm {REPO}/.bx-{TAG}/share/mytool/b"]).check()
     again = {c.path: c for c in sb.changes()}
-    assert again["/usr/local/share/mytool"].files == 1
-    assert not Path(f"/usr/local/bin/mytool-{TAG}").exists()
+    assert again[f"{REPO}/.bx-{TAG}"].files == 1

@@ -888,7 +888,8 @@ def _forked_box(conn, fds, req, cfg, fresh):
         if not network:
             fresh["_loopback_up"]()
         # What the box holds as it starts: Sandbox.changes() says what its commands changed since.
-        _WATCH.append(_CHANGES[0]["Watch"](fresh["LAYERS"], {"files": True}, None, True))
+        containers = [_PRIVATE_HOMES, _PRIVATE_HOMES + "/*"]  # made by home_for(), not by a command
+        _WATCH.append(_CHANGES[0]["Watch"](fresh["LAYERS"], {"files": True, "containers": containers}, None, True))
         _harden(req)
         srv = socket.socket(fileno=listen_fd)
         _send(conn, {"ready": os.getpid()})

@@ -295,6 +295,10 @@ class Watch:
         patterns = self.options.get("ignore")
         self.ignore = tuple(p for p in patterns if isinstance(p, str)) if isinstance(patterns, list) else ()
         self.ignore += DEFAULT_IGNORE
+        #: Directories the box's own machinery makes (a sandbox agent's private homes): never listed
+        #: as created themselves, what is made in them is.
+        containers = self.options.get("containers")
+        self.containers = tuple(p for p in containers if isinstance(p, str)) if isinstance(containers, list) else ()
         #: Side effects asked (else only the usage).
         self.effects = bool(self.options.get("files", True))
         self.forked = forked
@@ -447,6 +451,8 @@ class Watch:
                     new_dirs[holder][1] += size if kind == "file" else 0
                 continue
             if _ignored(path, self.ignore, self.aliases):
+                continue
+            if kind == "dir" and before is None and any(fnmatch.fnmatchcase(path, p) for p in self.containers):
                 continue
             if area.layer:
                 if kind == "whiteout":
