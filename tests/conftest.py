@@ -247,7 +247,8 @@ def tcp_server() -> Iterator[TcpServer]:
 
 #: The test files that take most of the suite's time (on 2 cores the whole suite takes about half
 #: an hour): real pytest sub-runs of whole sessions (xdist, worker scope, fault injection, hostile
-#: boxes and channels, images, services, the VM code path on the SDK double, the plugin matrix).
+#: boxes and channels, images, services, debuggers on a pty, the pool's stress test, the VM code
+#: path on the SDK double, the plugin matrix).
 #: They get the ``slow`` marker, so ``python -m pytest -m "not slow"`` is the quick tier (under ten
 #: minutes on 2 cores); CI runs everything.
 SLOW_FILES = frozenset(
@@ -255,7 +256,10 @@ SLOW_FILES = frozenset(
         "test_all_homes_masked.py",
         "test_benchmarks_cli.py",
         "test_boxed_coverage.py",
+        "test_env_deny.py",
+        "test_escape_table.py",
         "test_escapes.py",
+        "test_examples_safety.py",
         "test_fidelity_misc.py",
         "test_fixture_scopes.py",
         "test_fork_deadlock.py",
@@ -267,15 +271,21 @@ SLOW_FILES = frozenset(
         "test_hostile_images.py",
         "test_hostile_mounts.py",
         "test_hostile_relay.py",
+        "test_hostile_reports.py",
         "test_images_marker.py",
         "test_images_namespace.py",
         "test_images_store.py",
         "test_images_unpack.py",
+        "test_item_path.py",
         "test_marker.py",
         "test_nonroot.py",
+        "test_pdb_relay.py",
         "test_plugin_matrix.py",
+        "test_pool.py",
         "test_reliability.py",
+        "test_rest_runtime.py",
         "test_rest_session.py",
+        "test_sandbox_project.py",
         "test_services_fixtures.py",
         "test_services_hostile.py",
         "test_services_image.py",
@@ -289,6 +299,7 @@ SLOW_FILES = frozenset(
         "test_vm_fork.py",
         "test_vm_images.py",
         "test_vm_marker.py",
+        "test_vm_selftest.py",
         "test_vm_templates.py",
         "test_xdist.py",
         "test_xdist_remote.py",
