@@ -526,35 +526,52 @@ def test_atomic_write_leaves_no_temp_files(sandbox: Sandbox) -> None:
     assert sandbox.read_bytes("atomic/g.bin") == b"".join(bytes([i]) * 1000 for i in range(5))
 
 
+#: Writes the torn-write test makes, and reads its reader makes at least: counted work, not a time
+#: window (a window that a loaded machine fills with two writes, or none that overlap a read).
+TORN_WRITES = 12
+TORN_READS = 12
+
+
 def test_concurrent_readers_never_see_a_torn_write(sandbox: Sandbox) -> None:
+    """A reader in the box reads the file over and over while the host rewrites it whole: every
+    read sees one complete version.  The reader starts before the first write and reads on until
+    after the last one (it says so in ``torn.ready``; the host, in ``torn.done``), so the reads
+    overlap every write however slow the machine is."""
     size = 1 << 20
     sandbox.write_bytes("torn.bin", b"A" * size)
     reader = (
-        "import time, sys\n"
-        "end = time.monotonic() + 0.8\n"
+        "import os, time\n"
+        "open('torn.ready', 'w').close()\n"
+        "end = time.monotonic() + 90\n"
         "reads = torn = 0\n"
         "while time.monotonic() < end:\n"
+        "    done = os.path.exists('torn.done')  # before the read: that read follows the last write\n"
         "    d = open('torn.bin', 'rb').read()\n"
         "    reads += 1\n"
         f"    if len(d) != {size} or len(set(d)) != 1:\n"
         "        torn += 1\n"
-        "print(reads, torn)\n"
+        f"    if done and reads >= {TORN_READS}:\n"
+        "        break\n"
+        "print(reads, torn, done)\n"
     )
     out: list[str] = []
     t = threading.Thread(
-        target=lambda: out.append(sandbox.run([sandbox.handle.guest_python, "-c", reader], timeout=20).stdout)
+        target=lambda: out.append(sandbox.run([sandbox.handle.guest_python, "-c", reader], timeout=120).stdout)
     )
     t.start()
-    deadline = time.monotonic() + 0.6
-    writes = 0
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    while not sandbox.exists("torn.ready") and t.is_alive():
+        assert time.monotonic() < deadline, "the reader in the box did not start within 60 s"
+        time.sleep(0.02)
+    for writes in range(TORN_WRITES):
         sandbox.write_bytes("torn.bin", (b"B" if writes % 2 == 0 else b"A") * size)
-        writes += 1
-    t.join(30)
-    reads, torn = map(int, out[0].split())
-    assert writes >= 2
-    assert reads > 0
-    assert torn == 0, f"{torn} of {reads} reads saw a partly written file"
+    sandbox.write_file("torn.done", "")
+    t.join(150)
+    assert out, "the reader in the box did not answer"
+    reads, torn, done = out[0].split()
+    assert done == "True", f"the reader stopped before the host's last write: {out[0]!r}"
+    assert int(reads) >= TORN_READS
+    assert int(torn) == 0, f"{torn} of {reads} reads saw a partly written file"
 
 
 def test_write_creates_parent_directories(sandbox: Sandbox) -> None:
