@@ -2,7 +2,11 @@
 process loads must not import the pool, the runtimes or remote execution: a box's own pytest (and
 a run that only collects) never uses them, and their import was about 0.1 s of every box's
 start-up (see the issue-15 benchmark's module row).  A session's start imports only the runtime
-kinds its home has state of."""
+kinds its home has state of.
+
+Each test starts a fresh interpreter (what it checks is what a new process imports), and the
+runner cases run real boxes: so they live here, not in ``tests/unit`` (a layer of in-process tests
+that must stay fast on a loaded machine: issue 41)."""
 
 from __future__ import annotations
 
