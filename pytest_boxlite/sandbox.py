@@ -369,7 +369,7 @@ class Sandbox:
         the box's own writable layers, which only a sandbox forked from a warm box keeps a handle
         on (the namespace runtime's default); elsewhere :class:`UnsupportedError` says so.  Bounded
         like ``--boxlite-side-effects``: the list is cut (``notes`` says so) after 200 changes, 20,000
-        entries walked or half a second; Python's ``__pycache__`` directories are left out.
+        entries walked or half a second; ``__pycache__`` and ``.hypothesis`` directories are left out.
         """
         raw = self.handle.changes(timeout=self._timeout(timeout))
         try:

@@ -40,8 +40,9 @@ LISTED = 200
 TEXT_CAP = 1024
 #: Fresh tmpfs of a forked box, compared with what they held at the test's start.
 FRESH_DIRS = ("/", "/tmp", "/workspace", "/dev/shm", "/run")
-#: Ignored unless the user's patterns say otherwise: what Python writes as it imports.
-DEFAULT_IGNORE = ("*/__pycache__",)
+#: Always left out: what Python writes as it imports, and hypothesis's database (pytest-boxlite
+#: hands its examples back to the host; the rest is that tool's cache, as .pytest_cache is pytest's).
+DEFAULT_IGNORE = ("*/__pycache__", "*/.hypothesis")
 
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
 
