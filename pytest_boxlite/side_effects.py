@@ -39,6 +39,25 @@ SUMMARY_TESTS = 500
 SUMMARY_LINES = 30
 
 _MARKED_KEY = pytest.StashKey[bool]()
+_ALL_OFF_KEY = pytest.StashKey[bool]()
+
+
+def _all_off(config: pytest.Config) -> bool:
+    """Neither side effects (option or any marker) nor usage asked: the default, which then costs
+    one stash lookup per call (decided once the session is there, after collection)."""
+    off = config.stash.get(_ALL_OFF_KEY, None)
+    if off is None:
+        from pytest_boxlite.fixtures import SESSION_KEY
+
+        if SESSION_KEY not in config.stash:
+            return False  # not decided yet: ask the slow way
+        off = (
+            _settings_value(config, "side_effects", "off") == "off"
+            and not _settings_value(config, "usage", 0)
+            and not config.stash.get(_MARKED_KEY, False)
+        )
+        config.stash[_ALL_OFF_KEY] = off
+    return off
 
 
 def mode_for(config: pytest.Config, item: pytest.Item) -> str:
@@ -74,11 +93,14 @@ def note_markers(items: list[pytest.Item]) -> None:
         marker = item.get_closest_marker("boxlite")
         if marker is not None and marker.kwargs.get("side_effects") in ("report", "fail"):
             item.config.stash[_MARKED_KEY] = True
+            item.config.stash[_ALL_OFF_KEY] = False
             return
 
 
 def fork_fields(config: pytest.Config) -> dict[str, Any]:
     """What a ``FORK`` request adds: ``changes`` when a forked box must keep its upper layers."""
+    if _all_off(config):
+        return {}
     if _settings_value(config, "side_effects", "off") != "off" or config.stash.get(_MARKED_KEY, False):
         return {"changes": True}
     return {}
@@ -86,6 +108,8 @@ def fork_fields(config: pytest.Config) -> dict[str, Any]:
 
 def run_fields(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """What a ``RUN`` adds for ``item``: nothing when neither side effects nor usage are asked."""
+    if _all_off(config):
+        return {}
     files = mode_for(config, item) != "off"
     usage = usage_count(config) > 0
     if not files and not usage:
@@ -127,6 +151,8 @@ def apply(
     under ``fail`` a failed teardown naming what the test left.  ``box_usage``: what the box's own
     cgroups counted (``ForkCell.usage``), preferred to the test process's rusage where present."""
     config = item.config
+    if changes is None and _all_off(config):
+        return reports
     teardown = next((r for r in reversed(reports) if r.when == "teardown"), None)
     if teardown is None:
         return reports
