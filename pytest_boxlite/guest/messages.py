@@ -11,8 +11,10 @@ host -> guest (execnet channel)
                                       (see ``RemoteRunner.start_worker`` in pytest_boxlite.remote)
     ``RUN {nodeid, next, timeout}``   run one collected item; ``next`` is the item that follows in
                                       the same box (module fixtures stay up) or ``None``; ``timeout``:
-                                      the seconds left of its bound (``LASTWORDS`` when they pass)
-    ``FORK {nodeid, token, sock, hostname, network}``
+                                      the seconds left of its bound (``LASTWORDS`` when they pass);
+                                      ``changes`` (when asked): ``{files, ignore, usage}``, answered
+                                      by ``CHANGES``
+    ``FORK {nodeid, token, sock, hostname, network, changes}``
                                       fork a fresh box for ``nodeid`` that connects to ``sock``
                                       and runs each ``RUN`` sent on that stream (the first included)
     ``WAIT/POLL/KILL {pid}``          a forked box's exit status (``POLL`` does not wait)

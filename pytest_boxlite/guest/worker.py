@@ -977,7 +977,8 @@ def serve(channel):
             ``_fresh_box``).  ``shared``: the fixtures wider than a function's are set up here
             first (see ``_prepare``), so the box inherits them.  ``cell``: where the host hands the
             box its own cgroups and stderr (``take_cell``).  ``services``: the services the item
-            uses, for its wider fixtures set up here (``_take_fields``)."""
+            uses, for its wider fixtures set up here (``_take_fields``).  ``changes``: the box keeps
+            a handle on each of its fresh layers, for ``RUN``'s ``changes`` (guest/changes.py)."""
             _take_fields(self.session.config, {"services": services})
             # Reap boxes that have ended, and tell the host which (in FORKED): it then needs no
             # round trip per box to learn that a box it is done with has gone.
