@@ -342,6 +342,39 @@ ROWS: tuple[Row, ...] = (
         "nothing to a socket whose `SO_PEERCRED` is not ours; `ls` and `clean` print names escaped",
     ),
     Row(
+        "image-costs",
+        "ship a small image that costs the host much: a layer that is a gzip of zeros, many images, one kept forever; "
+        "plant links in the image store (`image-store`, `image-store/tmp`)",
+        "refused while unpacking past 100:1 (per layer and per image, 16 MiB floor) or the per-image bound, nothing "
+        "kept; the store stays within its bound by evicting the least recently used image no live session holds, "
+        "and expires unused ones; the store is opened through no link and of no other owner",
+        "same",
+    ),
+    Row(
+        "unix-sockets-off",
+        "with the network off, `connect()` to a host daemon's Unix socket in a directory that has other mounts below "
+        "it (docker's or kubelet's under `/var`), or in the project inside an image box",
+        "refused: no host socket or FIFO is ever bound into a box; a directory holding other mounts is a read-only "
+        "snapshot with its sub-directories overlaid one by one (a socket seen through an overlay is not the "
+        "listening one)",
+        "same",
+    ),
+    Row(
+        "published-port-users",
+        "as another local user, find a published port or service relay in `/proc/net/tcp` and read the service",
+        "the relay serves only the session's own uid (the connecting socket's owner, asked of the kernel); others "
+        "are closed before a byte flows, and logged, bounded",
+        "same",
+    ),
+    Row(
+        "project-link-swap",
+        "while an ordinary user's boxed test runs, swap a project directory for a link to another directory of "
+        "the user's (`renameat2(RENAME_EXCHANGE)`)",
+        "n/a",
+        "the live project sync goes through directory descriptors and follows no link: nothing outside the project "
+        "is read or removed",
+    ),
+    Row(
         "keep-mark",
         'mark its own box "kept" to outlive a killed session',
         "impossible: the keep mark lives on the host, next to the box",

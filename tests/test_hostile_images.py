@@ -154,6 +154,7 @@ def _written() -> int:
     raise AssertionError("no wchar in /proc/self/io")
 
 
+@pytest.mark.escape_row("image-costs", runtime="host")
 @pytest.mark.reliability
 @pytest.mark.escape_row("hostile-image", runtime="host")
 def test_a_gzip_of_zeros_is_refused_while_it_streams_and_nothing_stays(store: Path, tmp_path: Path) -> None:
@@ -256,6 +257,7 @@ def _ends(proc: subprocess.Popen[str]) -> None:
     proc.communicate(timeout=30)
 
 
+@pytest.mark.escape_row("image-costs", runtime="host")
 def test_over_its_bound_the_store_evicts_the_least_recently_used_image(store: Path, tmp_path: Path) -> None:
     a, b, c = (_image(tmp_path, n) for n in ("a", "b", "c"))
     for ref in (a, b):
@@ -304,6 +306,7 @@ def test_an_image_a_live_session_uses_is_never_evicted(store: Path, tmp_path: Pa
     assert "a" not in _kept(store) and "d" in _kept(store)
 
 
+@pytest.mark.escape_row("image-costs", runtime="host")
 def test_images_unused_past_their_expiry_are_evicted(store: Path, tmp_path: Path) -> None:
     a, b, c = (_image(tmp_path, n) for n in ("a", "b", "c"))
     first = ensure_image(a, store=store)
@@ -411,7 +414,7 @@ def test_a_link_planted_in_the_store_is_refused_and_its_target_untouched(
     assert (home / where).is_symlink()  # reported, not removed either
 
 
-@pytest.mark.escape_row("hostile-image", runtime="host")
+@pytest.mark.escape_row("hostile-image", "image-costs", runtime="host")
 def test_a_link_in_the_stores_tmp_is_refused_not_followed(tmp_path: Path, victim: Path, images: dict[str, str]) -> None:
     store = store_dir(tmp_path / "home")
     ensure_image(images["busybox"], store=store)

@@ -183,6 +183,7 @@ def _attack(tmp_path: Path, *argv: str) -> tuple[str, str]:
     "directories (/tmp, /home) show as owned by nobody and a session refuses every boxlite home below "
     "them; the runtime-level attack below checks the rule for that user",
 )
+@pytest.mark.escape_row("unix-sockets-off")
 def test_a_boxed_test_and_a_sandbox_cannot_reach_a_host_socket_below_another_mount(tmp_path: Path) -> None:
     (tmp_path / "test_attack.py").write_text(textwrap.dedent(ATTACK))
     argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={tmp_path / 'bxh'}", "--boxlite", "-v", "-s"]
@@ -192,6 +193,7 @@ def test_a_boxed_test_and_a_sandbox_cannot_reach_a_host_socket_below_another_mou
     assert "2 passed" in text, text[-3000:]
 
 
+@pytest.mark.escape_row("unix-sockets-off")
 def test_booted_and_forked_boxes_cannot_reach_a_host_socket_below_another_mount(tmp_path: Path) -> None:
     """The same attack on the runtime itself, for an ordinary user too (whose own user namespace holds
     the mount: locked beneath every box, as a machine's docker or snap mounts are)."""
@@ -321,6 +323,7 @@ def test_in_the_image_the_project_s_daemon_is_out_of_reach():
 """
 
 
+@pytest.mark.escape_row("unix-sockets-off")
 @pytest.mark.parametrize("fresh", ["fork", "boot"])
 def test_an_image_box_cannot_reach_a_host_socket_in_the_project(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fresh: str

@@ -114,6 +114,7 @@ def _contents(d: Path) -> dict[str, tuple[int, int, int, int, int, str]]:
     return out
 
 
+@pytest.mark.escape_row("project-link-swap", users="user")
 def test_a_swap_for_a_link_during_an_ordinary_users_session_removes_nothing_outside() -> None:
     """As ``boxuser``, run by root (which gives the project root's group, as ``tar -x`` as root
     then ``chown -R user`` does)."""
@@ -180,6 +181,7 @@ def live(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
         regroup._LIVE.pop(layer, None)
 
 
+@pytest.mark.escape_row("project-link-swap", runtime="host", users="root")
 def test_the_live_sync_reaches_nothing_through_a_swapped_in_link(live: tuple[Path, Path]) -> None:
     top, layer = live
     other = top / "other"

@@ -184,6 +184,7 @@ def _lookup(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(publish, "_sock_diag", False)
 
 
+@pytest.mark.escape_row("published-port-users", runtime="host", users="root")
 @pytest.mark.parametrize("how", ["sock_diag", "proc tables"])
 def test_another_user_reads_nothing_from_a_published_port(
     how: str,
@@ -265,6 +266,7 @@ def test_2_the_sessions_boxed_test_reaches_it(web):
 """
 
 
+@pytest.mark.escape_row("published-port-users", runtime="host", users="root")
 def test_a_service_of_a_root_session_refuses_another_user_and_serves_its_boxed_test(
     attacker: str, tmp_path: Path
 ) -> None:
@@ -306,6 +308,7 @@ def test_publish_and_wait_for_root(boxlite_sandbox):
 """
 
 
+@pytest.mark.escape_row("published-port-users", runtime="host", users="root")
 def test_an_ordinary_users_session_refuses_root() -> None:
     """Chosen: the rule is the session's uid, so root's processes are refused too (root could
     read the session's memory anyway; the relay does not serve it on that account)."""
