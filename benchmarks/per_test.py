@@ -83,6 +83,16 @@ def rows(args: argparse.Namespace, python8: str | None, isolate_env: dict[str, s
         Row("plain", "plain", "trivial", base="plain-off", compare=False, repeat=5),
         Row("plain-off", "plain, plugin off (-p no:boxlite)", "trivial", ("-p", "no:boxlite"), repeat=5),
         Row("boxed", "--boxlite", "trivial", ("--boxlite",), base="plain"),
+        # The same with the Python pid 1 (a second copy of the warm interpreter per box), against
+        # the native one that --boxlite runs where the package was built with a C compiler.
+        Row(
+            "boxed-py",
+            "--boxlite, Python pid 1 (PYTEST_BOXLITE_NATIVE_INIT=0)",
+            "trivial",
+            ("--boxlite",),
+            env={"PYTEST_BOXLITE_NATIVE_INIT": "0"},
+            base="plain",
+        ),
         Row(
             "module",
             "--boxlite --boxlite-scope=module",
@@ -186,7 +196,7 @@ def targets_per_test(res: dict[str, dict[str, Any]]) -> list[str]:
 def targets_cpu(res: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     forked = res.get("forked")
-    for key in ("boxed", "module", "sandbox"):
+    for key in ("boxed", "boxed-py", "module", "sandbox"):
         r = res[key]
         ratio = div(r["overhead_cpu"], forked["overhead_cpu"]) if forked is not None else None
         line = f"CPU per test, {r['label']}: {fmt_delta(r['overhead_cpu'])}"
@@ -196,6 +206,13 @@ def targets_cpu(res: dict[str, dict[str, Any]]) -> list[str]:
             ok = None if ratio is None else ratio <= TARGET_CPU_VS_FORKED
             line += f" (target <= {TARGET_CPU_VS_FORKED}x: {_verdict(ok)})"
         lines.append(line)
+    native, python = res["boxed"]["overhead_cpu"], res.get("boxed-py", {}).get("overhead_cpu")
+    if native is not None and python is not None:
+        from pytest_boxlite import guest
+
+        lines.append(
+            f"pid 1: {guest.pid1_line()}; the Python pid 1 costs {fmt_delta(python - native)} of CPU per test more"
+        )
     iso = res.get("isolate")
     if iso is not None:
         lines.append(f"CPU per test, pytest-isolate: {fmt_delta(iso['overhead_cpu'])}")
