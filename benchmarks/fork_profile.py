@@ -640,6 +640,27 @@ def floor_steps(args: argparse.Namespace, root: Path, work: Path, items: list[An
         pid = fresh["clone_box"](False, mapper)
         return pid, (mapper.serve if mapper is not None and pid else None)
 
+    import signal
+
+    def boxed_init(native: bool) -> Any:
+        """clone_box as a test's box is made: pid 1 (native boxinit, or the Python BareInit) forks
+        the test process, which here only exits; the box exits with it."""
+
+        def make() -> tuple[int, Any]:
+            if native:
+                fresh["_NATIVE"].clear()
+            else:
+                fresh["_NATIVE"].update(helper=None, why="the Python pid 1's step")
+            mapper = fresh["IdMapper"]() if os.geteuid() == 0 else None
+            init = fresh["BareInit"]([signal.SIGTERM], list(mapper.fds()) if mapper else [])
+            pid = fresh["clone_box"](False, mapper, init=init)
+            if pid == fresh["IN_TEST"]:
+                return 0, None
+            init.discard()
+            return pid, (mapper.serve if mapper is not None else None)
+
+        return make
+
     def run_test() -> None:
         item = items[0]
         item.ihook.pytest_runtest_protocol(item=item, nextitem=None)
@@ -651,6 +672,8 @@ def floor_steps(args: argparse.Namespace, root: Path, work: Path, items: list[An
         ("  + unshare, fork pid 1 and wait for it", pid1, False, None),
         ("  + posix_spawn /bin/sh -c true and wait", spawn_sh, False, None),
         ("fresh.clone_box (new namespaces, ids mapped) + _exit", lambda: None, False, clone_box),
+        ("  + pid 1 (Python BareInit) forks the test process", lambda: None, False, boxed_init(False)),
+        ("  + pid 1 (native boxinit) forks the test process", lambda: None, False, boxed_init(True)),
         ("fork + runtest protocol of a trivial test (pytest-forked)", run_test, False, None),
     ]
     rss = 0
@@ -662,6 +685,9 @@ def floor_steps(args: argparse.Namespace, root: Path, work: Path, items: list[An
     for label, body, needs_root, make in steps:
         if needs_root and os.geteuid() != 0:
             out["steps"].append({"step": label, "skipped": "needs root"})
+            continue
+        if "native boxinit" in label and (fresh["_NATIVE"].clear() or fresh["native_init"]() is None):
+            out["steps"].append({"step": label, "skipped": str(fresh["_NATIVE"]["why"])})
             continue
         times, cpu = _timed_child(body, args.floor_reps, make)
         out["steps"].append(
@@ -759,7 +785,11 @@ def isolation_floor(steps: list[dict[str, Any]]) -> tuple[float, float] | None:
     before any mount or message; and that over pytest-forked's.  None where a step is missing."""
     cpu = {s["step"].strip(): s["cpu_p50"] for s in steps if "cpu_p50" in s}
     base = cpu.get("fork + _exit + wait (warm interpreter)")
-    pid1 = cpu.get("+ unshare, fork pid 1 and wait for it")
+    # The native pid 1 where it runs (a box as --boxlite makes it, no copy of the interpreter for
+    # pid 1), else pure Python's.
+    pid1 = cpu.get("+ pid 1 (native boxinit) forks the test process") or cpu.get(
+        "+ unshare, fork pid 1 and wait for it"
+    )
     forked = cpu.get("fork + runtest protocol of a trivial test (pytest-forked)")
     if base is None or pid1 is None or not forked:
         return None

@@ -82,6 +82,25 @@ def rows(args: argparse.Namespace, python8: str | None, isolate_env: dict[str, s
         # Five runs a round each: the difference is tens of ms of a run's few hundred, on a shared machine.
         Row("plain", "plain", "trivial", base="plain-off", compare=False, repeat=5),
         Row("plain-off", "plain, plugin off (-p no:boxlite)", "trivial", ("-p", "no:boxlite"), repeat=5),
+        # The same pair where no bytecode cache is written (a shell with PYTHONDONTWRITEBYTECODE=1, or
+        # a checkout the user cannot write): every module of the plugin is compiled at each start.
+        Row(
+            "plain-nobc",
+            "plain, PYTHONDONTWRITEBYTECODE=1",
+            "trivial",
+            env=NO_BYTECODE,
+            base="plain-off-nobc",
+            compare=False,
+            repeat=5,
+        ),
+        Row(
+            "plain-off-nobc",
+            "plain, plugin off, PYTHONDONTWRITEBYTECODE=1",
+            "trivial",
+            ("-p", "no:boxlite"),
+            env=NO_BYTECODE,
+            repeat=5,
+        ),
         Row("boxed", "--boxlite", "trivial", ("--boxlite",), base="plain"),
         # The same with the Python pid 1 (a second copy of the warm interpreter per box), against
         # the native one that --boxlite runs where the package was built with a C compiler.
@@ -149,15 +168,24 @@ def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("holds" if ok else "DOES NOT HOLD")
 
 
-def plugin_off_line(res: dict[str, dict[str, Any]]) -> str:
-    cost = res["plain"]["wall"] - res["plain-off"]["wall"]
-    cpu = (
-        res["plain"]["cpu"] - res["plain-off"]["cpu"]
-        if res["plain"]["cpu"] is not None and res["plain-off"]["cpu"] is not None
-        else None
-    )
+#: A run that writes no bytecode cache (``clean_env`` drops the caller's setting; a row sets it).
+NO_BYTECODE = {"PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def plugin_off_lines(res: dict[str, dict[str, Any]]) -> list[str]:
+    """The plugin-off target, with bytecode caches and (where measured) without."""
+    lines = [plugin_off_line(res)]
+    if "plain-nobc" in res and "plain-off-nobc" in res:
+        lines.append(plugin_off_line(res, "-nobc", ", no bytecode cache (PYTHONDONTWRITEBYTECODE=1)"))
+    return lines
+
+
+def plugin_off_line(res: dict[str, dict[str, Any]], suffix: str = "", what: str = "") -> str:
+    on, off = res["plain" + suffix], res["plain-off" + suffix]
+    cost = on["wall"] - off["wall"]
+    cpu = on["cpu"] - off["cpu"] if on["cpu"] is not None and off["cpu"] is not None else None
     return (
-        f"target: the plugin installed costs a run that boxes nothing {fmt_delta(cost)} of wall"
+        f"target: the plugin installed costs a run that boxes nothing{what} {fmt_delta(cost)} of wall"
         + (f" ({fmt_delta(cpu)} of CPU)" if cpu is not None else "")
         + f", plain against -p no:boxlite (<= +{TARGET_PLUGIN_OFF * 1e3:.0f} ms: {_verdict(cost <= TARGET_PLUGIN_OFF)})"
     )
@@ -189,7 +217,7 @@ def targets_per_test(res: dict[str, dict[str, Any]]) -> list[str]:
             f"target: python -m pytest <nodeid> per test / --boxlite, wall overhead {fmt_ratio(r)} "
             f"(>= {TARGET_VS_SUBPROCESS:.0f}x: {_verdict(None if r is None else r >= TARGET_VS_SUBPROCESS)})"
         )
-    lines.append(plugin_off_line(res))
+    lines += plugin_off_lines(res)
     return lines
 
 
@@ -224,7 +252,7 @@ def targets_cpu(res: dict[str, dict[str, Any]]) -> list[str]:
             f"target: --boxlite-side-effects=report against off, CPU per test {fmt_delta(cost)} "
             f"(<= +{TARGET_SIDE_EFFECTS * 1e3:.0f} ms: {_verdict(ok)})"
         )
-    lines.append(plugin_off_line(res))
+    lines += plugin_off_lines(res)
     cores = res["boxed"]["cores"]
     if cores:
         import os
