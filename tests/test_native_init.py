@@ -224,3 +224,37 @@ def test_boxed_test_sees_its_pid1(mode: str, tmp_path: Path, home: Path, subruns
     assert "PPID=1 PID=2" in out, out
     assert ("PID1=boxinit" in out) == (mode == "native"), out
     assert f"boxlite: pid 1: {mode}" in out, out
+
+
+NOEXEC = r"""
+set -e
+mount -t tmpfs -o noexec tmpfs "$1"
+mkdir -p "$1/pytest_boxlite/guest"
+: > "$1/pytest_boxlite/__init__.py"
+cp "$2" "$3" "$1/pytest_boxlite/guest/"
+cd "$1"
+PYTHONPATH="$1" "$4" -c '
+import runpy, sys
+ns = runpy.run_path(sys.argv[1], init_globals=runpy.run_path(sys.argv[2]))
+print("helper", ns["native_init"](), ns["_NATIVE"]["why"])
+' "$5" "$6"
+"""
+
+
+@needs_native
+def test_boxinit_on_a_noexec_mount_means_the_python_pid1(tmp_path: Path) -> None:
+    """A package on a noexec mount: the warm interpreter must not hand pid 1 a boxinit it cannot
+    execute (every box would end at once); it runs the Python pid 1 and says why."""
+    assert not isinstance(NATIVE, str)
+    where = tmp_path / "noexec"
+    where.mkdir()
+    argv = ["unshare", "-r", "-m", "sh", "-c", NOEXEC, "sh", str(where), str(NATIVE[0]), str(NATIVE[1])]
+    argv += [sys.executable, str(guest.path("fresh")), str(guest.path("caps"))]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) here")
+    if done.returncode != 0 and "mount" in done.stderr:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert "helper None" in done.stdout and "noexec" in done.stdout, done.stdout

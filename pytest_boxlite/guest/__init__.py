@@ -59,8 +59,8 @@ def native_init() -> tuple[Path, Path] | str:
     init = _HERE / "_boxinit"
     if not shared or not init.is_file():
         return "not built (no C compiler when the package was installed)"
-    if not os.access(init, os.X_OK):
-        return f"{init} is not executable"
+    if not os.access(init, os.X_OK) or os.statvfs(init).f_flag & os.ST_NOEXEC:
+        return f"{init} is not executable here (its mode, or a noexec mount)"
     return shared[0], init
 
 

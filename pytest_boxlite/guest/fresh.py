@@ -620,9 +620,10 @@ def native_init():
         fn.restype = ctypes.c_long
         fn.argtypes = [ctypes.POINTER(_BoxArgs)]
         fd = os.open(files[1], os.O_RDONLY | os.O_CLOEXEC)
-        if not os.access(files[1], os.X_OK):
+        # pid 1 executes it by this descriptor: a file it may not execute would end every box.
+        if not os.access(files[1], os.X_OK) or os.fstatvfs(fd).f_flag & os.ST_NOEXEC:
             os.close(fd)
-            _NATIVE["why"] = "%s is not executable" % files[1]
+            _NATIVE["why"] = "%s is not executable here (its mode, or a noexec mount)" % files[1]
             return None
         _NATIVE["helper"] = (fn, fd)
     except (OSError, ImportError, ValueError, AttributeError) as exc:
