@@ -969,6 +969,7 @@ def serve(channel):
             cell=None,
             services=None,
             changes=False,
+            **extra,
         ):
             """Fork a fresh box for ``nodeid`` (collected here first, so the box inherits it) that
             runs each ``RUN`` the host sends on its stream (one, or a module's), until the stream ends.
@@ -978,8 +979,9 @@ def serve(channel):
             first (see ``_prepare``), so the box inherits them.  ``cell``: where the host hands the
             box its own cgroups and stderr (``take_cell``).  ``services``: the services the item
             uses, for its wider fixtures set up here (``_take_fields``).  ``changes``: the box keeps
-            a handle on each of its fresh layers, for ``RUN``'s ``changes`` (guest/changes.py)."""
-            _take_fields(self.session.config, {"services": services})
+            a handle on each of its fresh layers, for ``RUN``'s ``changes`` (guest/changes.py).
+            ``extra``: what other plugins' ``pytest_boxlite_box_fields`` added, handed on too."""
+            _take_fields(self.session.config, {**extra, "services": services})
             # Reap boxes that have ended, and tell the host which (in FORKED): it then needs no
             # round trip per box to learn that a box it is done with has gone.
             ended = self.forked.reap()

@@ -324,6 +324,11 @@ def _service_fields(
     fields: dict[str, Any] = {}
     nodeid = nodeid or (item.nodeid if item is not None else "")
     for found in config.hook.pytest_boxlite_box_fields(config=config, item=item, nodeid=nodeid, wide_only=wide_only):
+        if not isinstance(found, dict) or not all(isinstance(k, str) for k in found):
+            raise BoxliteError(f"a pytest_boxlite_box_fields hook returned {found!r:.200}, not a dict with str keys")
+        taken = sorted(set(found) & set(fields))
+        if taken:
+            raise BoxliteError(f"two pytest_boxlite_box_fields hooks returned the field(s) {', '.join(taken)}")
         fields.update(found)
     return fields
 
@@ -513,7 +518,7 @@ class RemoteRunner:
         self._seq += 1
         seq = self._seq
         try:
-            fields = {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq, **_service_fields(self.config, item=item)}
+            fields = {**_service_fields(self.config, item=item), "nodeid": item.nodeid, "next": next_nodeid, "seq": seq}
             fields.update(side_effects.run_fields(self.config, item))
             fields["timeout"] = _left(start, timeout)  # the box sends its last words when it passes
             worker.channel.send((msg.RUN, fields))
@@ -615,7 +620,7 @@ class RemoteRunner:
             return run
         self._seq += 1
         run.seq = seq = self._seq
-        fields = {"nodeid": item.nodeid, "next": next_nodeid, "seq": seq, **_service_fields(self.config, item=item)}
+        fields = {**_service_fields(self.config, item=item), "nodeid": item.nodeid, "next": next_nodeid, "seq": seq}
         fields.update(side_effects.run_fields(self.config, item))
         fields["timeout"] = _left(start, timeout)  # the box sends its last words when it passes
         line = json.dumps([msg.RUN, fields]) + "\n"
@@ -706,7 +711,8 @@ class RemoteRunner:
         request.update(side_effects.fork_fields(self.config))  # the box keeps its layers to list changes
         if self.share_fixtures:
             request["shared"] = True  # wider fixtures are set up in the warm interpreter (BoxedExecutor)
-            request.update(_service_fields(self.config, nodeid=nodeid, wide_only=True))
+            # Plugins' fields never replace the request's own (the core's keys win).
+            request = {**_service_fields(self.config, nodeid=nodeid, wide_only=True), **request}
             # The warm interpreter sets those fixtures up in its own box: they reach the services there.
             warm = BoxAccess(handle.name, getattr(handle, "agent_pid", None))
             why = _first_problem(self.config, warm, None, nodeid, wide_only=True)
