@@ -22,6 +22,8 @@ one command prints the CPU per test of the trivial suite and of real projects' s
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from typing import Any
 
 from benchmarks import _rows, _suites
@@ -82,11 +84,10 @@ def rows(args: argparse.Namespace, python8: str | None, isolate_env: dict[str, s
         # Five runs a round each: the difference is tens of ms of a run's few hundred, on a shared machine.
         Row("plain", "plain", "trivial", base="plain-off", compare=False, repeat=5),
         Row("plain-off", "plain, plugin off (-p no:boxlite)", "trivial", ("-p", "no:boxlite"), repeat=5),
-        # The same pair where no bytecode cache is written (a shell with PYTHONDONTWRITEBYTECODE=1, or
-        # a checkout the user cannot write): every module of the plugin is compiled at each start.
+        # The same pair with no bytecode cache (NO_BYTECODE): every module is compiled at each start.
         Row(
             "plain-nobc",
-            "plain, PYTHONDONTWRITEBYTECODE=1",
+            "plain, no bytecode cache",
             "trivial",
             env=NO_BYTECODE,
             base="plain-off-nobc",
@@ -95,7 +96,7 @@ def rows(args: argparse.Namespace, python8: str | None, isolate_env: dict[str, s
         ),
         Row(
             "plain-off-nobc",
-            "plain, plugin off, PYTHONDONTWRITEBYTECODE=1",
+            "plain, plugin off, no bytecode cache",
             "trivial",
             ("-p", "no:boxlite"),
             env=NO_BYTECODE,
@@ -168,15 +169,20 @@ def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("holds" if ok else "DOES NOT HOLD")
 
 
-#: A run that writes no bytecode cache (``clean_env`` drops the caller's setting; a row sets it).
-NO_BYTECODE = {"PYTHONDONTWRITEBYTECODE": "1"}
+#: A run with no bytecode cache to read or write: a fresh checkout in a shell that sets
+#: PYTHONDONTWRITEBYTECODE=1 (``clean_env`` drops the caller's setting; these rows set it), where
+#: every module is compiled at each start.  The prefix directory stays empty: nothing is written.
+NO_BYTECODE = {
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONPYCACHEPREFIX": os.path.join(tempfile.gettempdir(), "boxlite-bench-no-pycache"),
+}
 
 
 def plugin_off_lines(res: dict[str, dict[str, Any]]) -> list[str]:
     """The plugin-off target, with bytecode caches and (where measured) without."""
     lines = [plugin_off_line(res)]
     if "plain-nobc" in res and "plain-off-nobc" in res:
-        lines.append(plugin_off_line(res, "-nobc", ", no bytecode cache (PYTHONDONTWRITEBYTECODE=1)"))
+        lines.append(plugin_off_line(res, "-nobc", ", no bytecode cache (PYTHONDONTWRITEBYTECODE=1, fresh checkout)"))
     return lines
 
 
