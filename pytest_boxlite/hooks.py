@@ -64,7 +64,8 @@ def pytest_boxlite_box_fields(
     ``None`` for a box made ahead: ``nodeid`` names the test; ``wide_only`` true: only what the
     warm interpreter sets up before it forks, the fixtures wider than a function).  Return a
     JSON-able dict whose keys no other implementation uses, or ``None``; every result is merged
-    into the message.  The box gets them in :func:`pytest_boxlite_box_received`.
+    into the message, whose own keys (``nodeid``, ``seq``, ...) win over a plugin's.  The box gets
+    them in :func:`pytest_boxlite_box_received`.
     """
 
 
