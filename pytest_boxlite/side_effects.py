@@ -217,6 +217,12 @@ def summary(terminalreporter: pytest.TerminalReporter) -> None:
 def _side_effects_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str, str]]) -> None:
     checked = {n: p[PROPERTY] for n, p in seen.items() if PROPERTY in p}
     if not checked:
+        import os
+
+        config = tr.config
+        asked = config.getoption("boxlite_side_effects", None) or os.environ.get("PYTEST_BOXLITE_SIDE_EFFECTS")
+        if not asked and not config.getini("boxlite_side_effects"):
+            return  # not asked for: a plain run resolves nothing here
         from pytest_boxlite.settings import resolve
 
         try:  # the session's settings, also where this process is the worker's box (no session of its own)
