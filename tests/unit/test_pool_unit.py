@@ -125,7 +125,8 @@ def test_lease_at_cap_times_out_with_a_clear_error(make_pool: PoolFactory, lifec
     t0 = time.monotonic()
     with pytest.raises(errors.LeaseTimeoutError):
         pool.lease(SPEC, timeout=0.05)
-    assert time.monotonic() - t0 < 1.0, "the per-call timeout was not used"  # the pool's is 5 s
+    # The pool's is 5 s: a bound well under it, and far over 0.05 s for a loaded machine.
+    assert time.monotonic() - t0 < 4.0, "the per-call timeout was not used"
     assert pool.live == 1
     assert pool.stats.leased == 1
     held.release()
@@ -296,7 +297,7 @@ def test_a_lease_waiting_for_a_failing_boot_gets_its_error(make_pool: PoolFactor
     t0 = time.monotonic()
     with pytest.raises(errors.BoxStartError, match="kernel panic"):
         pool.lease(SPEC)
-    assert time.monotonic() - t0 < 2, "the lease did not hear of the failed boot it waited for"
+    assert time.monotonic() - t0 < 4, "the lease did not hear of the failed boot it waited for"  # its bound: 5 s
 
 
 def test_after_boot_failure_destroys_the_box_and_fails_the_lease(
@@ -319,7 +320,7 @@ def test_boot_slower_than_the_boot_timeout_fails_and_returns_the_capacity(
     t0 = time.monotonic()
     with pytest.raises(errors.BoxStartError, match="did not start within"):
         pool.lease(SPEC)
-    assert time.monotonic() - t0 < 1.5, "the pool did not bound the boot by its boot timeout"
+    assert time.monotonic() - t0 < 2.5, "the pool did not bound the boot by its boot timeout"  # the boot: 3 s
     assert pool.live == 0
     assert pool.stats.boot_failures == 1
 
