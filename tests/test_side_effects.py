@@ -473,3 +473,64 @@ def test_sandbox_changes_after_an_install(make_namespace_box: Any, namespace_mod
     sb.run(["sh", "-c", f"rm {REPO}/.bx-{TAG}/share/mytool/b"]).check()
     again = {c.path: c for c in sb.changes()}
     assert again[f"{REPO}/.bx-{TAG}"].files == 1
+
+
+# --- the vm path, through the BoxLite SDK double (a real guest computes the same list) -----------
+
+VM_SUITE = f"""
+import os
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.boxlite
+TAG = {TAG!r}
+
+
+def test_home_file():
+    pathlib.Path(os.path.expanduser("~/." + TAG + "-rc")).write_text("x=1")
+
+
+def test_tmp_file():
+    pathlib.Path("/tmp/" + TAG + ".log").write_text("log")
+
+
+def test_environ():
+    os.environ["POLLUTED"] = "1"
+
+
+def test_clean(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLLUTED", "2")
+    (tmp_path / "ok").write_text("ok")
+"""
+
+
+def test_vm_double_reports_the_same(tmp_path: Path, home: Path) -> None:
+    """On the vm runtime a boxed test's box is forked in the VM with an overlay over its root and
+    every writable mount (guest/fresh.py's renew_all): the same list, from the same guest code."""
+    import subprocess
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    env = subruns.sub_env(
+        PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), str(tests / "sdk_double" / "site")]),
+        BOXLITE_SDK_DOUBLE="1",
+    )
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "test_vm.py").write_text(textwrap.dedent(VM_SUITE))
+    argv = [sys.executable, "-m", "pytest", *subruns.QUIET, f"--boxlite-home={home}", "--boxlite-runtime=vm"]
+    r = subprocess.run(
+        [*argv, "--boxlite-side-effects=report"], cwd=project, env=env, capture_output=True, text=True, timeout=200
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    section = _section(out)
+    box_home = section["test_home_file"][0].split(" ")[2].rsplit("/", 1)[0]  # the box user's home in the VM
+    assert section == {
+        "test_home_file": [f"created file {box_home}/.{TAG}-rc (3 bytes)"],
+        "test_tmp_file": [f"created file /tmp/{TAG}.log (3 bytes)"],
+        "test_environ": ["environment variable POLLUTED set"],
+    }, out[-3000:]
+    assert ledger.scan(home) == []
+    assert not Path(os.path.expanduser(f"~/.{TAG}-rc")).exists() and not Path(f"/tmp/{TAG}.log").exists()
