@@ -259,7 +259,7 @@ def _side_effects_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str,
     else:
         tr.write_line(f"boxlite: no side effects in {len(checked)} boxed test{plural}")
     for line, count in sorted(notes.items())[:NOTES_CAP]:
-        tr.write_line(f"boxlite: {line} ({count} clean test{'s' if count != 1 else ''})")
+        tr.write_line(f"boxlite: {line.removeprefix('note: ')} ({count} clean test{'s' if count != 1 else ''})")
 
 
 def _usage_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str, str]]) -> None:

@@ -534,3 +534,20 @@ def test_vm_double_reports_the_same(tmp_path: Path, home: Path) -> None:
     }, out[-3000:]
     assert ledger.scan(home) == []
     assert not Path(os.path.expanduser(f"~/.{TAG}-rc")).exists() and not Path(f"/tmp/{TAG}.log").exists()
+
+
+def test_a_booted_box_says_what_it_cannot_see(tmp_path: Path, home: Path, subruns: list[subruns.SubRun]) -> None:
+    """--boxlite-fresh=boot: the box's writable layers lie outside it, so its files are not listed
+    and the summary says so; what it can see (the environment, processes) is still listed."""
+    project = _project(tmp_path)
+    rc, out = _run(
+        project, home, subruns, "boot", "--boxlite-side-effects=report", "--boxlite-fresh=boot",
+        "-k", "test_home_file or test_environ or test_clean_tmp_path",
+    )  # fmt: skip
+    assert rc == 0, out[-3000:]
+    assert _section(out) == {"test_environ": ["environment variable POLLUTED set", "note: " + BOOTED_NOTE]}
+    assert f"boxlite: {BOOTED_NOTE} (2 clean tests)" in out, out[-2000:]
+    _host_untouched(project)
+
+
+BOOTED_NOTE = "files: not seen in a booted box (its writable layers lie outside it)"
