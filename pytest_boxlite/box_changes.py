@@ -65,7 +65,7 @@ class Changes:
 def _size(n: int) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+            return ("1 byte" if n == 1 else f"{n} {unit}") if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1024  # type: ignore[assignment]
     return str(n)
 

@@ -276,7 +276,7 @@ def test_hostile_names_floods_and_links(tmp_path: Path, home: Path, subruns: lis
     assert any(line.startswith(f"created dir {os.path.expanduser('~')}/flood (") for line in flood), flood
     assert any("the walk of the box's files stopped after" in line for line in flood), flood
     assert len(flood) <= side_effects.FILES_CAP + side_effects.NOTES_CAP
-    assert section["test_escape_in_a_name"] == ["created file /tmp/evil\\x1b]0;owned\\x07\\u202e.txt (1 bytes)"]
+    assert section["test_escape_in_a_name"] == ["created file /tmp/evil\\x1b]0;owned\\x07\\u202e.txt (1 byte)"]
     assert "\x1b]0;owned" not in out and "\u202e" not in out
     assert sorted(section["test_link_not_followed"]) == [
         f"created dir {project}/loop (1 file, 0 bytes)",
@@ -551,3 +551,35 @@ def test_a_booted_box_says_what_it_cannot_see(tmp_path: Path, home: Path, subrun
 
 
 BOOTED_NOTE = "files: not seen in a booted box (its writable layers lie outside it)"
+
+
+DEV = f"""
+import os
+
+import pytest
+
+pytestmark = pytest.mark.boxlite
+TAG = {TAG!r}
+
+
+def test_writes_dev():
+    with open("/dev/" + TAG, "w") as fh:
+        fh.write("x")
+
+
+def test_after():
+    pass
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root of a box can write its /dev")
+def test_a_file_left_in_dev_is_listed(tmp_path: Path, home: Path, subruns: list[subruns.SubRun]) -> None:
+    """A forked box's /dev is the warm box's, which no fork renews: what a root test leaves there
+    the next test's box sees, so it is listed (for the test that wrote it, not the next one)."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "test_dev.py").write_text(DEV)
+    rc, out = _run(project, home, subruns, "dev", "--boxlite-side-effects=report")
+    assert rc == 0, out[-3000:]
+    assert _section(out) == {"test_writes_dev": [f"created file /dev/{TAG} (1 byte)"]}, out[-3000:]
+    assert not Path(f"/dev/{TAG}").exists()

@@ -38,8 +38,10 @@ WALK_DEPTH = 64
 LISTED = 200
 #: Longest path or command line sent.
 TEXT_CAP = 1024
-#: Fresh tmpfs of a forked box, compared with what they held at the test's start.
-FRESH_DIRS = ("/", "/tmp", "/workspace", "/dev/shm", "/run")
+#: The tmpfs of a forked box, compared with what they held at the test's start: its own (``/``,
+#: ``/tmp``, ``/workspace``, ``/dev/shm``, ``/run``) and the warm box's ``/dev``, which a root test
+#: can write and which no fork renews (what it leaves there, the next box sees).
+FRESH_DIRS = ("/", "/tmp", "/workspace", "/dev", "/dev/shm", "/run")
 #: Always left out: what Python writes as it imports, and hypothesis's database (pytest-boxlite
 #: hands its examples back to the host; the rest is that tool's cache, as .pytest_cache is pytest's).
 DEFAULT_IGNORE = ("*/__pycache__", "*/.hypothesis")
