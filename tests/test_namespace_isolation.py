@@ -546,13 +546,13 @@ def _zygote(rt: NamespaceRuntime, h: NamespaceBox) -> NamespaceBox:
 
 @pytest.mark.escape_row("sibling-boxes")
 def test_the_next_forked_box_of_a_spec_is_pristine(forked_runtime: NamespaceRuntime) -> None:
-    """What one sandbox writes (in /tmp, /workspace, $HOME, /etc, a new directory) the next one of the
+    """What one sandbox writes (in /tmp, /workspace, /dev, $HOME, /etc, a new directory) the next one of the
     same spec, forked from the same zygote, never sees; and the zygote's own files are untouched."""
     tag = unique("pbx-pristine")
     first = _forked(forked_runtime)
     try:
         # A non-root host's box writes only where that user could (NON_ROOT_REASON): not /etc.
-        dirs = "/tmp /workspace " + ("$HOME /etc /usr/local/bin" if ROOT_HOST else str(Path.home()))
+        dirs = "/tmp /workspace /dev " + ("$HOME /etc /usr/local/bin" if ROOT_HOST else str(Path.home()))
         write = f"for d in {dirs}; do echo {tag} > $d/{tag} || exit 1; done; mkdir /{tag}"
         # A box's /tmp shows the host directories it needs at their paths (a project under /tmp):
         # what a fresh box's /tmp holds is what the first held before it wrote anything.
@@ -567,6 +567,8 @@ def test_the_next_forked_box_of_a_spec_is_pristine(forked_runtime: NamespaceRunt
             assert Sandbox(second).execute_command(look).stdout == ""
             assert Sandbox(second).execute_command("ls -A /tmp").stdout.split() == fresh_tmp
             assert Sandbox(second).execute_command("ls -A /workspace").stdout.split() == []
+            # Its own /dev: what the first wrote is not there, the devices are.
+            assert Sandbox(second).execute_command("head -c 4 /dev/zero | wc -c; test -d /dev/pts").stdout == "4\n"
         finally:
             second.destroy()
     finally:

@@ -408,6 +408,8 @@ def pristine():
     assert socket.gethostname().startswith("pbx-")
     assert os.listdir("/workspace") == []
     assert not os.path.exists("/run/pbx-polluted"), "a file written to /run by an earlier test"
+    assert not os.path.exists("/dev/pbx-polluted"), "a file written to /dev by an earlier test"
+    assert open("/dev/null").read() == "" and os.path.isdir("/dev/pts"), os.listdir("/dev")
     assert subprocess.run(["true"]).returncode == 0
 
 def test_a1_sandbox_stdout_flood(boxlite_sandbox, record_property):
@@ -497,6 +499,8 @@ def test_g2_next():
 @pytest.mark.boxlite
 def test_h1_write_to_run():
     with open("/run/pbx-polluted", "w") as f:
+        f.write("left by test_h1")
+    with open("/dev/pbx-polluted", "w") as f:  # /dev was one tmpfs shared by every forked box
         f.write("left by test_h1")
 
 @pytest.mark.boxlite
@@ -661,7 +665,7 @@ def test_sandbox_deleting_its_workspace(misbehaviour: Misbehaviour) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.escape_row("sibling-boxes")
 def test_boxed_test_writes_to_run_do_not_reach_the_next_boxed_test(misbehaviour: Misbehaviour) -> None:
-    """A boxed test's box must be as pristine as a new one: /run included."""
+    """A boxed test's box must be as pristine as a new one: /run and /dev included."""
     misbehaviour.case("test_h1_write_to_run", "passed")
     misbehaviour.next_passed("test_h2_next")
 

@@ -1003,6 +1003,62 @@ def _tmp_view(mounts):
     return paths, dirs, files
 
 
+#: At most this many entries of the warm box's /dev are laid again in a box's own, and a file
+#: there is copied only up to this size (bubblewrap's /dev holds a dozen entries, no file).
+_DEV_ENTRIES = 256
+_DEV_FILE_BYTES = 1 << 16
+
+
+def _fresh_dev(libc, stage, table):
+    """A /dev of the box's own: a new tmpfs holding what the warm box's /dev holds (its device
+    nodes, /dev/pts and other mounts bound again; links and small files copied; directories
+    made anew, empty).  The warm box's /dev is one tmpfs (bubblewrap's) that every box forked
+    from it shared: a file one test wrote there (``/dev/x``), the next test saw.  A VM's /dev is
+    the kernel's devtmpfs, not renewed here (``renew_all``)."""
+    import stat
+
+    mounted = {m for m, _, _, _ in table if m.startswith("/dev/") and m.count("/") == 2}
+    held = stage + "/dev"
+    os.mkdir(held, 0o700)
+    entries = []
+    for name in sorted(os.listdir("/dev"))[:_DEV_ENTRIES]:
+        path = "/dev/" + name
+        st = os.lstat(path)
+        if path in mounted:
+            os.mkdir(held + "/" + name) if stat.S_ISDIR(st.st_mode) else open(held + "/" + name, "w").close()
+            _mount(libc, path, held + "/" + name, None, _MS_BIND | _MS_REC, None)
+            entries.append((name, "mount", stat.S_ISDIR(st.st_mode)))
+        elif stat.S_ISLNK(st.st_mode):
+            entries.append((name, "link", os.readlink(path)))
+        elif stat.S_ISDIR(st.st_mode):
+            entries.append((name, "dir", stat.S_IMODE(st.st_mode)))
+        elif stat.S_ISREG(st.st_mode) and st.st_size <= _DEV_FILE_BYTES:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                entries.append((name, "file", (stat.S_IMODE(st.st_mode), os.read(fd, _DEV_FILE_BYTES))))
+            finally:
+                os.close(fd)
+        # Nothing else is kept: a device node there is a bound mount (above), never made here.
+    mode = stat.S_IMODE(os.stat("/dev").st_mode)
+    # No MS_NODEV: the device nodes bound back must still open.
+    _mount(libc, "tmpfs", "/dev", "tmpfs", _MS_NOSUID, "mode=%o" % mode)
+    for name, kind, what in entries:
+        path = "/dev/" + name
+        if kind == "mount":
+            os.mkdir(path) if what else open(path, "w").close()
+            _mount(libc, held + "/" + name, path, None, _MS_BIND | _MS_REC, None)
+        elif kind == "link":
+            os.symlink(what, path)
+        elif kind == "dir":
+            os.mkdir(path, what)
+        else:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, what[0])
+            try:
+                os.write(fd, what[1])
+            finally:
+                os.close(fd)
+
+
 def _fresh_box(hostname, network, renew_all=False, own_root=False):
     """In pid 1 of a box made by :func:`clone_box`: pristine writable layers, /proc, hostname.
 
@@ -1067,6 +1123,8 @@ def _fresh_box(hostname, network, renew_all=False, own_root=False):
             os.rmdir(held)  # one the box may not bind: it is not shown (as before, when none was)
             continue
         shown.append(d)
+    if not renew_all:
+        _fresh_dev(libc, stage, table)
     for d in ("/tmp", "/workspace", "/dev/shm"):
         if os.path.isdir(d):
             _mount(libc, "tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777" if d != "/workspace" else "mode=0755")
