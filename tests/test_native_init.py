@@ -68,7 +68,13 @@ if pid == ns["IN_TEST"]:
             with open("/proc/self/uid_map") as fh:
                 out.append("nested_map=%s" % "_".join(fh.read().split()))
         try:
-            fds = sorted(int(n) for n in os.listdir("/proc/1/fd"))
+            # pid 1 closes the nested mapper's ends just after it answers: wait for that (bounded).
+            deadline = time.monotonic() + 5
+            while True:
+                fds = sorted(int(n) for n in os.listdir("/proc/1/fd"))
+                if len(fds) <= 3 or not helper or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
             out.append("pid1_fds=%s" % ",".join(map(str, fds)))
         except PermissionError:
             out.append("pid1_fds=sealed")
@@ -105,13 +111,15 @@ if mapper is not None:
     mapper.serve(pid)
 blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
 dumpable = ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
-print("WARM helper=%s blocked=%s dumpable=%d" % (helper is not None, sorted(int(s) for s in blocked), dumpable))
+# One write per line: the test process writes to the same pipe (print's two writes interleave).
+blocked = sorted(int(s) for s in blocked)
+sys.stdout.write("WARM helper=%s blocked=%s dumpable=%d\n" % (helper is not None, blocked, dumpable))
 sys.stdout.flush()
 if what == "signal":
     time.sleep(1.0)
     os.kill(pid, signal.SIGTERM)
 _, status = os.waitpid(pid, 0)
-print("STATUS %d" % os.waitstatus_to_exitcode(status))
+sys.stdout.write("STATUS %d\n" % os.waitstatus_to_exitcode(status))
 """
 
 
