@@ -143,6 +143,11 @@ def pytest_configure(config: pytest.Config) -> None:
             check_home(Path(settings.home).expanduser(), source=settings.sources["home"])
         except BoxliteError as exc:
             raise pytest.UsageError(str(exc)) from None
+        except OSError as exc:  # not a directory, not readable by this user...
+            raise pytest.UsageError(
+                f"--boxlite-home {settings.home} (from {settings.sources['home']}) is not usable: "
+                f"{exc.strerror or exc}; point it at a directory of your own"
+            ) from None
     configured = any(source != "default" for source in settings.sources.values())
     if not settings.all and not configured and not _is_controller(config):
         # Nothing is boxed unless a test asks for it: the host role waits for the first one.  A run

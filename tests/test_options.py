@@ -263,7 +263,7 @@ def test_runtime_vm_where_no_vm_boots_fails_fast_with_the_reason(pytester: pytes
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     err = "\n".join(result.errlines)
     assert err.count("cannot boot") == 1, err  # said once, not twice
-    assert p.reason.removesuffix("; micro-VMs cannot boot here") in err
+    assert p.reason in err
     assert "--boxlite-url" in err and "--boxlite-runtime=auto" in err, err  # the ways forward
 
 

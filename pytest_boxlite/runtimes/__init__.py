@@ -169,9 +169,9 @@ def choose(requested: str, remote: RemoteTarget | None = None) -> Choice:
 
 def vm_unavailable(reason: str, asked: str = "runtime=vm was requested") -> str:
     """Why a micro-VM (``asked`` for) cannot run here, and the ways forward."""
-    why = reason.removesuffix("; micro-VMs cannot boot here")
+    why = reason if "cannot boot" in reason else f"this host cannot boot a micro-VM: {reason}"
     return (
-        f"{asked}, but this host cannot boot a micro-VM ({why}). Ways forward: run on a "
+        f"{asked}, but {why}. Ways forward: run on a "
         "host with working KVM (bare metal, or nested virtualization that boots guests: `python -m "
         "pytest_boxlite doctor` says what this one lacks); or --boxlite-url to run the boxes on a remote "
         "BoxLite server; or --boxlite-runtime=auto (the default) or namespace for Linux namespace boxes "
