@@ -501,7 +501,9 @@ def test_slow(i):
 
 def test_pytest_exit_under_n2_ends_the_run_as_unboxed(tmp_path: Path, home: Path) -> None:
     """Whatever xdist makes of a worker's pytest.exit() unboxed (the exit code, the run stopping),
-    boxed tests under -n 2 give the same, in the default and the worker scope."""
+    boxed tests under -n 2 give the same in the default scope.  In the worker scope the whole
+    worker is a box, and a box never stops the session (docs/explanation/escapes.md, the xdist
+    rows): the test that called pytest.exit() fails, saying why, and every other test runs."""
     write(tmp_path, "test_exits.py", EXITS)
     # Unboxed: without this plugin, so without its options (SubRun passes --boxlite-home).
     plain_run = subprocess.run(
@@ -510,13 +512,16 @@ def test_pytest_exit_under_n2_ends_the_run_as_unboxed(tmp_path: Path, home: Path
     )  # fmt: skip
     plain_rc, plain = plain_run.returncode, plain_run.stdout + plain_run.stderr
     assert "6 passed" not in plain, plain
-    for scope in ("test", "worker"):
-        rc, out = finished(
-            SubRun(tmp_path, home, scope, "--boxlite", f"--boxlite-scope={scope}", "-p", "no:randomly", "-n", "2")
-        )
-        assert rc == plain_rc, f"unboxed: {plain_rc}, boxed ({scope}): {rc}\n{out}"
-        assert "6 passed" not in out, out
-        no_leftovers(home, out)
+    rc, out = finished(SubRun(tmp_path, home, "test", "--boxlite", "-p", "no:randomly", "-n", "2"))
+    assert rc == plain_rc, f"unboxed: {plain_rc}, boxed (test scope): {rc}\n{out}"
+    assert "6 passed" not in out, out
+    no_leftovers(home, out)
+    rc, out = finished(
+        SubRun(tmp_path, home, "worker", "--boxlite", "--boxlite-scope=worker", "-p", "no:randomly", "-n", "2", "-rf")
+    )
+    assert rc == 1, out
+    assert re.search(r"^FAILED test_exits.py::test_exit\b", out, re.M) and "6 passed" in out, out
+    no_leftovers(home, out)
 
 
 # --------------------------------------------------------------------------
