@@ -75,7 +75,36 @@ def add_cpu(p: argparse.ArgumentParser) -> None:
 
     add_common(p)
     p.add_argument("--no-real-suites", action="store_true", help="only the trivial suite (as --quick does)")
+    option(p, "--floor-reps", 30, 10, help="repetitions of each floor step (profile-fork's floor)")
+    p.add_argument("--no-floor", action="store_true", help="skip the floor lines")
     real_suites.add_suite_options(p)
+
+
+def floor_lines(f: dict[str, Any], reps: int, boxed: float | None) -> list[str]:
+    """The floor (profile-fork's floor steps ``f``, measured in this interpreter), against the
+    --boxlite row's CPU per test ``boxed``: what a box as --boxlite makes it costs at least, and
+    how much of that is the one fork pytest-forked pays too."""
+    from benchmarks import fork_profile
+
+    cpu = {s["step"].strip(): s["cpu_p50"] for s in f["steps"] if "cpu_p50" in s}
+    bound = fork_profile.isolation_floor(f["steps"])
+    fork = cpu.get("fork + _exit + wait (warm interpreter)")
+    forked = cpu.get("fork + runtest protocol of a trivial test (pytest-forked)")
+    if bound is None or fork is None or not forked:
+        return ["floor: not measured here (a floor step is missing)"]
+    pid1 = "native" if "+ pid 1 (native boxinit) forks the test process" in cpu else "Python"
+    lines = [
+        f"floor (each step alone, this interpreter forked, RSS {f['rss_kib'] / 1024:.0f} MiB, n={reps}): "
+        f"pytest-forked's fork + runtest {forked * 1e3:.2f} ms CPU; with new namespaces and the {pid1} pid 1 "
+        f"(no mount, no message) {bound[0] * 1e3:.2f} ms, {bound[1]:.2f}x pytest-forked's; of either, the one "
+        f"fork pytest-forked pays too: {fork * 1e3:.2f} ms"
+    ]
+    if boxed is not None:
+        lines.append(
+            f"--boxlite's {fmt_delta(boxed)} per test is {fmt_delta(boxed - bound[0])} above that floor "
+            "(mounts, messages, cells, the Python around the steps: profile-fork's phases)"
+        )
+    return lines
 
 
 def rows(args: argparse.Namespace, python8: str | None, isolate_env: dict[str, str] | None) -> list[Row]:
@@ -301,6 +330,12 @@ def run_cpu(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
             res, notes = measure(args, work)
         except RunFailed as exc:
             return _rows.failed(exc), {}
+        floor: list[str] = []
+        if not args.no_floor:
+            from benchmarks import fork_profile
+
+            f = fork_profile.floor(argparse.Namespace(tests=20, floor_reps=args.floor_reps), work.root)
+            floor = ["", *floor_lines(f, args.floor_reps, res["boxed"]["overhead_cpu"])]
     out = [
         *machine_header(),
         f"CPU per test: {args.tests} trivial tests, median of {args.rounds} interleaved round(s)",
@@ -310,6 +345,7 @@ def run_cpu(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         *_rows.render(res, peer="forked" if "forked" in res else None, by="overhead_cpu"),
         "",
         *targets_cpu(res),
+        *floor,
         "",
         *_rows.commands(res),
     ]
