@@ -145,8 +145,9 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(exc)) from None
         except OSError as exc:  # not a directory, not readable by this user...
             raise pytest.UsageError(
-                f"--boxlite-home {settings.home} (from {settings.sources['home']}) is not usable: "
-                f"{exc.strerror or exc}; point it at a directory of your own"
+                f"--boxlite-home {settings.home} is not usable ({exc.strerror or exc}; the value is from "
+                f"{settings.sources['home']}); point --boxlite-home (or PYTEST_BOXLITE_HOME) at a writable "
+                "directory of your own"
             ) from None
     configured = any(source != "default" for source in settings.sources.values())
     if not settings.all and not configured and not _is_controller(config):
