@@ -475,7 +475,9 @@ def profile(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         home = root / f"home{r}"
         out = root / f"marks{r}.json"
         cmd = [sys.executable, "-m", "pytest", *ARGS, "--boxlite", "--boxlite-home", str(home)]
-        env = clean_env(PBXPROF_OUT=str(out), PBXPROF_GUEST_PROBE=str(work / "pbx_guest_probe.py.txt"))
+        # The pid 1 switch is kept: profiling the Python pid 1 (which stamps its phases) asks for it.
+        keep = {k: os.environ[k] for k in ("PYTEST_BOXLITE_NATIVE_INIT",) if k in os.environ}
+        env = clean_env(PBXPROF_OUT=str(out), PBXPROF_GUEST_PROBE=str(work / "pbx_guest_probe.py.txt"), **keep)
         rc, text, wall, timed_out = run_bounded(cmd, cwd=work, env=env, timeout=args.timeout)
         if rc != 0 or timed_out or not out.exists():
             raise RunFailed("profile run", cmd, "timed out" if timed_out else f"exit status {rc}", text)
