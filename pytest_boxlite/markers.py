@@ -174,6 +174,13 @@ def _check_user(item: pytest.Item, user: str | int, kind: str) -> None:
         raise _bad(item, problem)
 
 
+#: Some test's marker asks for side effects (``side_effects="report"`` or ``"fail"``): its box
+#: must keep its layers.  Set by :class:`MarkerCheck`, which reads every marker anyway; read by
+#: :mod:`pytest_boxlite.side_effects` (with :data:`SIDE_EFFECTS_ALL_OFF`, its cached "none asked").
+SIDE_EFFECTS_MARKED = pytest.StashKey[bool]()
+SIDE_EFFECTS_ALL_OFF = pytest.StashKey[bool]()
+
+
 class MarkerCheck:
     """The host's check of the ``boxlite`` markers of each module's tests as the module is
     collected, before any of its tests asks for a box: a mistake (an unknown or ill-typed argument,
@@ -199,6 +206,9 @@ class MarkerCheck:
         self._checked.add(item.nodeid)
         try:
             kwargs = marker_kwargs(item)
+            if kwargs.get("side_effects") in ("report", "fail"):
+                self.config.stash[SIDE_EFFECTS_MARKED] = True
+                self.config.stash[SIDE_EFFECTS_ALL_OFF] = False
             if kwargs.get("user") is not None:
                 _check_user(item, kwargs["user"], self.kind())
         except pytest.UsageError as exc:

@@ -383,21 +383,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The markers of side-effect checks.  (Service fixtures join here through their own plugin:
-    see :mod:`pytest_boxlite.hooks`.)"""
-    from pytest_boxlite import side_effects
+def _boxed_anything(config: pytest.Config) -> bool:
+    """This run made boxes, or asked for side effects or usage (the worker scope's controller
+    makes none itself): only then is there a side-effects or usage summary to write."""
+    from pytest_boxlite.fixtures import SESSION_KEY
 
-    side_effects.note_markers(items)
+    if SESSION_KEY in config.stash:
+        return True
+    return any(
+        config.getoption(f"boxlite_{name}", None) or os.environ.get(f"PYTEST_BOXLITE_{name.upper()}")
+        for name in ("side_effects", "usage")
+    ) or bool(config.getini("boxlite_side_effects"))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """One line for the tests that ``--boxlite`` left on the host because they lease sandboxes;
     the side effects and usage of boxed tests (``--boxlite-side-effects``, ``--boxlite-usage``)."""
-    from pytest_boxlite import side_effects
+    if _boxed_anything(terminalreporter.config):
+        from pytest_boxlite import side_effects  # not imported by a run that boxes nothing
 
-    side_effects.summary(terminalreporter)
+        side_effects.summary(terminalreporter)
     on_host: dict[str, str] = {}
     for reports in terminalreporter.stats.values():
         for rep in reports:

@@ -19,6 +19,7 @@ import pytest
 
 from pytest_boxlite._shown import shown
 from pytest_boxlite.box_changes import FILES_CAP, NOTES_CAP, TEXT_CAP, Changes, take
+from pytest_boxlite.markers import SIDE_EFFECTS_ALL_OFF, SIDE_EFFECTS_MARKED
 
 __all__ = ["FILES_CAP", "NOTES_CAP", "TEXT_CAP", "Changes", "take"]
 
@@ -38,8 +39,8 @@ CLEAN = "none"
 SUMMARY_TESTS = 500
 SUMMARY_LINES = 30
 
-_MARKED_KEY = pytest.StashKey[bool]()
-_ALL_OFF_KEY = pytest.StashKey[bool]()
+_MARKED_KEY = SIDE_EFFECTS_MARKED
+_ALL_OFF_KEY = SIDE_EFFECTS_ALL_OFF
 
 
 def _all_off(config: pytest.Config) -> bool:
@@ -85,16 +86,6 @@ def ignore_patterns(config: pytest.Config) -> tuple[str, ...]:
 def usage_count(config: pytest.Config) -> int:
     """``--boxlite-usage=N``: how many tests the usage table lists (0: no table, no usage asked)."""
     return int(_settings_value(config, "usage", 0) or 0)
-
-
-def note_markers(items: list[pytest.Item]) -> None:
-    """At collection: whether some test's marker asks for side effects (its box must keep its layers)."""
-    for item in items:
-        marker = item.get_closest_marker("boxlite")
-        if marker is not None and marker.kwargs.get("side_effects") in ("report", "fail"):
-            item.config.stash[_MARKED_KEY] = True
-            item.config.stash[_ALL_OFF_KEY] = False
-            return
 
 
 def fork_fields(config: pytest.Config) -> dict[str, Any]:
