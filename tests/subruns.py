@@ -6,7 +6,9 @@ import contextlib
 import fcntl
 import os
 import pty
+import pwd
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -290,3 +292,31 @@ def host_netrc(secret: str) -> Iterator[Path]:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 netrc.unlink()
+
+
+#: The second local account the attack tests act as (another user of a shared machine).
+ATTACKER = "boxlite-attacker"
+
+
+def second_user(runuser: bool = True) -> pwd.struct_passwd:
+    """:data:`ATTACKER`'s account, made with ``useradd`` where missing; skips unless root (and
+    where ``useradd``, or ``runuser`` when the test becomes that user, is not installed)."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a second local user" + (" and become it (runuser)" if runuser else ""))
+    for tool in ("useradd", "runuser") if runuser else ("useradd",):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} (util-linux, passwd) is not installed")
+    try:
+        return pwd.getpwnam(ATTACKER)
+    except KeyError:
+        made = subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ATTACKER],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if made.returncode != 0 and "already exists" not in made.stderr:  # a parallel run made it
+            pytest.fail(f"useradd {ATTACKER} failed: {made.stderr.strip()}")
+        return pwd.getpwnam(ATTACKER)

@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import pwd
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,14 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from subruns import QUIET, process_gone, sub_env, wait_until
+from subruns import ATTACKER, QUIET, process_gone, second_user, sub_env, wait_until
 
 import pytest_boxlite
 from pytest_boxlite import _homefs, ledger
 
 pytestmark = pytest.mark.timeout(300)
 
-ATTACKER = "boxlite-attacker"
 #: The tree of the package under test: sub-processes import this one, not an installed copy.
 PACKAGE_ROOT = str(Path(pytest_boxlite.__file__).resolve().parent.parent)
 CLI_TIMEOUT = 120
@@ -91,22 +89,7 @@ def _tree(path: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def attacker() -> pwd.struct_passwd:
     """A second local account (made here where missing; skips unless root)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make and become a second local user (useradd, runuser)")
-    if shutil.which("runuser") is None or shutil.which("useradd") is None:
-        pytest.skip("runuser or useradd (util-linux, passwd) is not installed")
-    try:
-        return pwd.getpwnam(ATTACKER)
-    except KeyError:
-        made = subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ATTACKER],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if made.returncode != 0 and "already exists" not in made.stderr:  # a parallel run made it
-            pytest.fail(f"useradd {ATTACKER} failed: {made.stderr.strip()}")
-        return pwd.getpwnam(ATTACKER)
+    return second_user()
 
 
 @pytest.fixture

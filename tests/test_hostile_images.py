@@ -38,7 +38,7 @@ from typing import IO
 
 import pytest
 from images.build import ImagesUnavailable, layer_tar, oci_layout, shared_cache, test_images
-from subruns import SubRun
+from subruns import ATTACKER, SubRun, second_user
 
 from pytest_boxlite.images import ImageError, drop_images, ensure_image, list_images, store_dir, store_usage
 from pytest_boxlite.images.store import (
@@ -51,7 +51,7 @@ from pytest_boxlite.images.store import (
 
 pytestmark = [pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parent.parent
-OTHER_USER = "boxlite-attacker"  # the second account tests/test_hostile_relay.py makes too
+OTHER_USER = ATTACKER
 
 
 @pytest.fixture(autouse=True)
@@ -431,22 +431,7 @@ def test_a_link_in_the_stores_tmp_is_refused_not_followed(tmp_path: Path, victim
 @pytest.fixture(scope="module")
 def other_user() -> pwd.struct_passwd:
     """A second local account (made here with useradd where missing; skips unless root)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make a second local user and give it files")
-    if shutil.which("useradd") is None:
-        pytest.skip("useradd (passwd) is not installed")
-    try:
-        return pwd.getpwnam(OTHER_USER)
-    except KeyError:
-        made = subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if made.returncode != 0 and "already exists" not in made.stderr:  # a parallel run made it
-            pytest.fail(f"useradd {OTHER_USER} failed: {made.stderr.strip()}")
-        return pwd.getpwnam(OTHER_USER)
+    return second_user(runuser=False)
 
 
 @pytest.mark.escape_row("hostile-image", runtime="host", users="root")

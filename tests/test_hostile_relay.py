@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CREATE_TIMEOUT, _Runtimes, new_box_name
-from subruns import QUIET, SubRun, sub_env, wait_until
+from subruns import ATTACKER, QUIET, SubRun, second_user, sub_env, wait_until
 from test_hostile_boxes import _as_user
 
 from pytest_boxlite import publish
@@ -37,7 +37,6 @@ from pytest_boxlite.spec import BoxSpec
 
 pytestmark = [pytest.mark.escapes, pytest.mark.timeout(240)]
 
-ATTACKER = "boxlite-attacker"
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "relay-secret-5c2e"
 
@@ -103,21 +102,7 @@ def _python_for(user: str) -> str | None:
 @pytest.fixture(scope="module")
 def attacker() -> str:
     """The interpreter of a second local user, made here when missing (skips where that cannot be)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make and become a second local user (useradd, runuser)")
-    if shutil.which("runuser") is None or shutil.which("useradd") is None:
-        pytest.skip("runuser or useradd (util-linux, passwd) is not installed")
-    try:
-        pwd.getpwnam(ATTACKER)
-    except KeyError:
-        made = subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ATTACKER],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if made.returncode != 0 and "already exists" not in made.stderr:  # a parallel run made it
-            pytest.fail(f"useradd {ATTACKER} failed: {made.stderr.strip()}")
+    second_user()
     python = _python_for(ATTACKER)
     if python is None:
         pytest.skip(f"no Python interpreter that {ATTACKER} may run")
