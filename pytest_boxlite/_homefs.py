@@ -59,6 +59,7 @@ __all__ = [
     "has_openat2",
     "limits",
     "open_beneath",
+    "read_at_most",
     "remove_path",
     "remove_tree_at",
 ]
@@ -317,6 +318,19 @@ class Entry:
 _DIR = os.O_RDONLY | os.O_DIRECTORY
 
 
+def read_at_most(fd: int, limit: int) -> bytes:
+    """At most ``limit`` bytes from ``fd``, read in bounded chunks (a file someone else may grow)."""
+    chunks: list[bytes] = []
+    left = limit
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def _ours(st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid()
 
@@ -450,15 +464,7 @@ class HomeDir:
         """At most ``limit`` bytes of the regular file ``rel`` (ours, never through a link)."""
         fd = self.open_file(rel)
         try:
-            chunks: list[bytes] = []
-            left = limit
-            while left > 0:
-                chunk = os.read(fd, min(left, 1 << 16))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            return b"".join(chunks)
+            return read_at_most(fd, limit)
         finally:
             os.close(fd)
 

@@ -11,7 +11,7 @@ import stat as _stat
 from pathlib import Path
 from typing import Any
 
-from pytest_boxlite._homefs import HomeDir
+from pytest_boxlite._homefs import HomeDir, read_at_most
 from pytest_boxlite.errors import BoxStartError
 
 GUEST_CTL = "/run/pytest-boxlite"
@@ -38,15 +38,7 @@ def read_private(path: Path, limit: int) -> bytes:
 
         if not _stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(22, "not a regular file", str(path))
-        chunks: list[bytes] = []
-        left = limit
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return read_at_most(fd, limit)
     finally:
         os.close(fd)
 
