@@ -12,13 +12,13 @@ works the same on an xdist controller.  Every text that came from the box is esc
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
 import pytest
 
 from pytest_boxlite._shown import shown
 from pytest_boxlite.box_changes import FILES_CAP, NOTES_CAP, TEXT_CAP, Changes, take
+from pytest_boxlite.guest.changes import _ignored as ignored  # the box's own rule, one copy
 from pytest_boxlite.markers import SIDE_EFFECTS_ALL_OFF, SIDE_EFFECTS_MARKED
 
 __all__ = ["FILES_CAP", "NOTES_CAP", "TEXT_CAP", "Changes", "take"]
@@ -108,20 +108,6 @@ def run_fields(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     return {"changes": {"files": files, "ignore": list(ignore_patterns(config)), "usage": usage}}
 
 
-def _ignored(path: str, patterns: tuple[str, ...], root: str) -> bool:
-    forms = [path]
-    top = root.rstrip("/")
-    if path.startswith(top + "/"):
-        forms.append(path[len(top) + 1 :])
-    for form in forms:
-        parts = form.split("/")
-        for n in range(len(parts), 0, -1):
-            head = "/".join(parts[:n])
-            if head and any(fnmatch.fnmatchcase(head, p) for p in patterns):
-                return True
-    return False
-
-
 def memory_text(usage: dict[str, int]) -> str:
     """``: its peak ..., its limit ...`` from a box's cgroup usage (``ForkCell.usage``), or ``""``."""
     parts = [
@@ -154,7 +140,7 @@ def apply(
         else:
             patterns = ignore_patterns(config)
             root = str(config.rootpath)
-            changes.files = [f for f in changes.files if not _ignored(f[2], patterns, root)]
+            changes.files = [f for f in changes.files if not ignored(f[2], patterns, [(root, "")])]
             lines = changes.lines()
             text = "\n".join(lines) if lines else CLEAN
             if changes.notes:

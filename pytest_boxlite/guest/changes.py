@@ -145,7 +145,7 @@ def _walk(fd, top, dev, budget, state, skip, link_targets, want_attrs, depth=0):
                 return
 
 
-def _ignored(path, patterns, aliases):
+def _ignored(path: str, patterns: "tuple[str, ...] | list[str]", aliases: "list[tuple[str, str]]") -> bool:
     """Whether ``path`` or a directory above it matches one of ``patterns`` (fnmatch), as an
     absolute path or in one of its ``aliases`` (``(prefix, shown as)``: relative to the project,
     ``~/...`` in the home)."""
