@@ -230,6 +230,14 @@ class NamespaceBox(BoxDefaults):
         except OSError as exc:
             raise BoxDeadError(f"box {self.name} does not answer: {exc}") from exc
         try:
+            # The listener is the one this process made for the box (its record says so): a
+            # request hands it descriptors, so a socket anyone else holds gets none.
+            listener = self._info.get("listener_pid")
+            check_peer(sock, self.box_dir, listener if isinstance(listener, int) else None)
+        except BaseException:
+            sock.close()
+            raise
+        try:
             socket.send_fds(sock, [(json.dumps(req) + "\n").encode()], list(fds))
         except OSError as exc:
             sock.close()
