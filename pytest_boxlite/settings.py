@@ -342,7 +342,11 @@ def _ini(config: pytest.Config, opt: Option) -> str | None:
     """The ini key's value as text for ``opt.parse`` (a typed key comes back as a bool or a list)."""
     try:
         ini = config.getini(opt.ini)
-    except ValueError as exc:  # a bool key pytest cannot read: "invalid truth value 'x'"
+    except (ValueError, pytest.UsageError) as exc:
+        # A bool key pytest cannot read, "invalid truth value 'x'": a ValueError up to pytest 9.1,
+        # a UsageError naming no key from 9.2 on.
+        if "invalid truth value" not in str(exc):
+            raise
         raw = str(exc).removeprefix("invalid truth value ")
         raise pytest.UsageError(
             f"{opt.flag}: bad value {raw} from ini key {opt.ini}: must be one of 1/0, true/false, yes/no, on/off"
