@@ -520,7 +520,7 @@ def test_two_xdist_workers_with_boxed_tests(tmp_path: Path, home: Path) -> None:
     tag = uuid.uuid4().hex
     conftest = HEAD + '\nweb = service("web", server(), ports=[8000], ready=HttpReady(8000))\n'
     tests = """
-import os, urllib.request
+import os, time, urllib.request
 import pytest
 
 @pytest.mark.parametrize("i", range(6))
@@ -528,7 +528,11 @@ def test_get(i, web, worker_id):
     assert os.environ.get("PYTEST_BOXLITE_GUEST") == "1"
     with urllib.request.urlopen(web.url(path=f"/?t{i}"), timeout=30) as resp:
         assert resp.status == 200
-    assert f"GET /?t{i} HTTP/1.1" in web.logs(), web.logs()  # asked of this worker's host
+    # Asked of this worker's host, which reads the server's output as it comes: wait for the line.
+    deadline = time.monotonic() + 15
+    while f"GET /?t{i} HTTP/1.1" not in web.logs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"GET /?t{i} HTTP/1.1" in web.logs(), web.logs()
     print(f"SEEN {worker_id} {web.box} {web.port} t{i}")
 """
     project(tmp_path, conftest, {"test_x.py": tests})
@@ -622,7 +626,7 @@ def test_a_box_gets_only_its_own_services_logs_and_cannot_flood_the_host(tmp_pat
         + 'secret = service("secret", server(8001), ports=[8001], ready=HttpReady(8001))\n'
     )
     tests = """
-import urllib.request
+import time, urllib.request
 import pytest
 from pytest_boxlite.guest import debugger
 
@@ -646,6 +650,9 @@ def test_floods(web):
 @pytest.mark.boxlite
 def test_after(web):
     urllib.request.urlopen(web.url(path="/?after"), timeout=30).close()
+    deadline = time.monotonic() + 15  # the host reads the server's output as it comes
+    while "GET /?after HTTP/1.1" not in web.logs() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert "GET /?after HTTP/1.1" in web.logs()
 """
     project(tmp_path, conftest, {"test_logs.py": tests})
