@@ -93,17 +93,10 @@ def _default_text(default: Callable[[], Any]) -> str:
 
 
 def _value_text(value: Any) -> str:
-    if value is None:
-        return "unset"
-    if value is False:
-        return "off"
-    if value is True:
-        return "on"
-    if isinstance(value, tuple):
-        return ",".join(value)
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
+    """A default as ``--help`` shows it (``settings.default_text``), or ``unset``."""
+    from pytest_boxlite.settings import default_text
+
+    return "unset" if value is None else default_text(value)
 
 
 class OptionsDirective(SphinxDirective):

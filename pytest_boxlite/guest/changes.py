@@ -352,7 +352,13 @@ class Watch:
         """What the box's files gained since the start, as ``finish`` lists them, the walk's
         descriptors kept for the next call (``Sandbox.changes()``: the agent asks again and again):
         ``{"files", "notes"}``."""
-        notes, files = [], []
+        notes = []
+        return {"files": self._changed_files(notes), "notes": notes}
+
+    def _changed_files(self, notes):
+        """The files changed since the start (at most :data:`LISTED`); why the list is cut, if
+        it is, goes to ``notes``."""
+        files = []
         budget = _Budget()
         for i, area in enumerate(self.areas):
             self._compare(area, self.start[i], budget, files)
@@ -365,7 +371,7 @@ class Watch:
         if len(files) > LISTED:
             notes.append("%d more changed files not listed" % (len(files) - LISTED))
             files = files[:LISTED]
-        return {"files": files, "notes": notes}
+        return files
 
     def finish(self):
         """The fields of the ``CHANGES`` message: ``files`` (``[change, kind, path, size, count,
@@ -377,21 +383,10 @@ class Watch:
             self.close()
             return {"usage": self._usage()}
         if self.forked:
-            budget = _Budget()
-            for i, area in enumerate(self.areas):
-                self._compare(area, self.start[i], budget, files)
-            if budget.cut or self.start_cut:
-                notes.append(
-                    "the walk of the box's files stopped after %d entries or %.1f s: the list is cut"
-                    % (WALK_ENTRIES, WALK_SECONDS)
-                )
+            files = self._changed_files(notes)
         else:
             notes.append("files: not seen in a booted box (its writable layers lie outside it)")
         self.close()
-        files = _unique(files)
-        if len(files) > LISTED:
-            notes.append("%d more changed files not listed" % (len(files) - LISTED))
-            files = files[:LISTED]
         me = os.getpid()
         processes = []
         for pid in sorted(_pids() - self.pids - {1, me}):
