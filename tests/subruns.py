@@ -320,3 +320,14 @@ def second_user(runuser: bool = True) -> pwd.struct_passwd:
         if made.returncode != 0 and "already exists" not in made.stderr:  # a parallel run made it
             pytest.fail(f"useradd {ATTACKER} failed: {made.stderr.strip()}")
         return pwd.getpwnam(ATTACKER)
+
+
+def read_line(conn: socket.socket) -> bytes:
+    """One line a server sent on ``conn`` (up to its newline, or all it sent before closing)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        more = conn.recv(1)
+        if not more:
+            break
+        data += more
+    return data

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CREATE_TIMEOUT, _Runtimes, new_box_name
-from subruns import ATTACKER, QUIET, SubRun, second_user, sub_env, wait_until
+from subruns import ATTACKER, QUIET, SubRun, read_line, second_user, sub_env, wait_until
 from test_hostile_boxes import _as_user
 
 from pytest_boxlite import publish
@@ -141,13 +141,7 @@ def _own_greeting(address: tuple[str, int]) -> bytes:
     import socket
 
     with socket.create_connection(address, timeout=20) as conn:
-        data = b""
-        while not data.endswith(b"\n"):
-            more = conn.recv(1)
-            if not more:
-                break
-            data += more
-        return data
+        return read_line(conn)
 
 
 def _relay_of(sb: Sandbox, port: int) -> publish.Relay:

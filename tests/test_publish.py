@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import CREATE_TIMEOUT, _Runtimes, new_box_name
 from rest_double_runtime import rest_runtime
-from subruns import TcpServer
+from subruns import TcpServer, read_line
 
 from pytest_boxlite import errors, publish
 from pytest_boxlite.process import BoxProcess, BoxProcessWarning
@@ -98,16 +98,6 @@ def echo_server(sb: Sandbox, port: int = 8000, token: str = "hello") -> BoxProce
 def greet(address: tuple[str, int]) -> socket.socket:
     conn = socket.create_connection(address, timeout=20)
     return conn
-
-
-def read_line(conn: socket.socket) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
-        more = conn.recv(1)
-        if not more:
-            break
-        data += more
-    return data
 
 
 def test_publish_reaches_the_box_port_with_the_network_off(sb: Sandbox) -> None:
