@@ -331,3 +331,23 @@ def read_line(conn: socket.socket) -> bytes:
             break
         data += more
     return data
+
+
+#: Loaded by a sub-run (and its xdist workers): every namespace box made is written to BOX_SPY.
+#: Observation only: the box is still made by the real runtime.
+BOX_SPY_CONFTEST = """
+import os
+
+from pytest_boxlite.runtimes.namespace import runtime
+
+_make = runtime.NamespaceRuntime._make
+
+
+def _spied(self, spec, name, *args, **kwargs):
+    with open(os.environ["BOX_SPY"], "a") as f:
+        f.write(name + "\\n")
+    return _make(self, spec, name, *args, **kwargs)
+
+
+runtime.NamespaceRuntime._make = _spied
+"""

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from subruns import TcpServer, host_cleanup, process_gone, wait_until
+from subruns import BOX_SPY_CONFTEST, TcpServer, host_cleanup, process_gone, wait_until
 
 from pytest_boxlite import ledger
 
@@ -1156,25 +1156,6 @@ def test_box_failures_become_failed_reports(pytester: pytest.Pytester, home: Pat
 
 # --------------------------------------------------------------------------
 # marker mistakes before any box (issue 44, item 5)
-
-#: Loaded by a sub-run (and its xdist workers): every namespace box made is written to BOX_SPY.
-#: Observation only: the box is still made by the real runtime.
-BOX_SPY_CONFTEST = """
-import os
-
-from pytest_boxlite.runtimes.namespace import runtime
-
-_make = runtime.NamespaceRuntime._make
-
-
-def _spied(self, spec, name, *args, **kwargs):
-    with open(os.environ["BOX_SPY"], "a") as f:
-        f.write(name + "\\n")
-    return _make(self, spec, name, *args, **kwargs)
-
-
-runtime.NamespaceRuntime._make = _spied
-"""
 
 
 @pytest.mark.timeout(180)

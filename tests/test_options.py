@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from subruns import QUIET
+from subruns import BOX_SPY_CONFTEST, QUIET
 
 from pytest_boxlite.runtimes import probe
 from pytest_boxlite.settings import OPTIONS, default_home
@@ -316,25 +316,6 @@ def test_fixtures_listing_shows_the_docstrings(pytester: pytest.Pytester, tmp_pa
 
 
 # -- the run's own image, and pytest --help ------------------------------------------------------
-
-#: Loaded by a sub-run (and its xdist workers): every namespace box made is written to BOX_SPY.
-#: Observation only: the box is still made by the real runtime.
-BOX_SPY_CONFTEST = """
-import os
-
-from pytest_boxlite.runtimes.namespace import runtime
-
-_make = runtime.NamespaceRuntime._make
-
-
-def _spied(self, spec, name, *args, **kwargs):
-    with open(os.environ["BOX_SPY"], "a") as f:
-        f.write(name + "\\n")
-    return _make(self, spec, name, *args, **kwargs)
-
-
-runtime.NamespaceRuntime._make = _spied
-"""
 
 IMAGE_TESTS = """
 import pytest
