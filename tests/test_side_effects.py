@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import textwrap
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -434,7 +435,6 @@ def test_the_guest_modules_sent_together_define_no_name_twice() -> None:
 # --- Sandbox.changes(): what a sandbox's commands changed since it started -----------------------
 
 #: The checkout: the box shows it copy-on-write at the same path, writable by whoever runs this.
-REPO = Path(__file__).resolve().parent.parent
 INSTALL = (
     "mkdir -p {repo}/.bx-{tag}/share/mytool/__pycache__ && printf 1 > {repo}/.bx-{tag}/share/mytool/a"
     " && printf 22 > {repo}/.bx-{tag}/share/mytool/b && ln -s {repo}/.bx-{tag}/share/mytool/a {repo}/.bx-{tag}-link"
@@ -442,37 +442,56 @@ INSTALL = (
 )
 
 
-def test_sandbox_changes_after_an_install(make_namespace_box: Any, namespace_mode: str) -> None:
+@pytest.fixture
+def host_tree() -> Iterator[Path]:
+    """A small project on the host that every box sees at its own path: in the home, since a box's
+    /tmp is its own (a checkout under the host's /tmp is not in a plain box), and an ordinary
+    user's box cannot copy up a directory of another owner's (/var/tmp: EOVERFLOW)."""
+    import shutil
+    import tempfile
+
+    tree = Path(tempfile.mkdtemp(prefix=".bx-se-", dir=Path.home()))
+    try:
+        (tree / "docs").mkdir()
+        (tree / "docs" / "index.md").write_text("# index\n")
+        (tree / "README.md").write_text("# readme\n")
+        yield tree
+    finally:
+        shutil.rmtree(tree)
+
+
+def test_sandbox_changes_after_an_install(make_namespace_box: Any, namespace_mode: str, host_tree: Path) -> None:
     """A sandbox forked from the warm box (the default) lists exactly what its commands wrote; a
     booted one says it cannot (UnsupportedError), never an empty list.  The host is untouched."""
     from pytest_boxlite.errors import UnsupportedError
     from pytest_boxlite.sandbox import Change
 
-    readme = (REPO / "README.md").read_bytes()
+    repo = host_tree  # the project an install writes into
+    readme = (repo / "README.md").read_bytes()
     sb = make_namespace_box()
-    sb.run(["sh", "-c", INSTALL.format(repo=REPO, tag=TAG)]).check()
-    assert (REPO / "README.md").read_bytes() == readme and (REPO / "docs" / "index.md").exists()
-    assert not (REPO / f".bx-{TAG}").exists()
+    sb.run(["sh", "-c", INSTALL.format(repo=repo, tag=TAG)]).check()
+    assert (repo / "README.md").read_bytes() == readme and (repo / "docs" / "index.md").exists()
+    assert not (repo / f".bx-{TAG}").exists()
     if namespace_mode == "booted":
         with pytest.raises(UnsupportedError, match="keeps no handle on its layers"):
             sb.changes()
         return
     got = sb.changes()
     assert got.notes == []
-    target = f"{REPO}/.bx-{TAG}/share/mytool/a"
+    target = f"{repo}/.bx-{TAG}/share/mytool/a"
     expected = [
-        Change("modified", "file", f"{REPO}/README.md", len(readme) + 2, 0, None),
-        Change("created", "dir", f"{REPO}/.bx-{TAG}", 3, 2, None),
-        Change("created", "link", f"{REPO}/.bx-{TAG}-link", len(target), 0, target),
-        Change("deleted", "entry", f"{REPO}/docs/index.md", 0, 0, None),
+        Change("modified", "file", f"{repo}/README.md", len(readme) + 2, 0, None),
+        Change("created", "dir", f"{repo}/.bx-{TAG}", 3, 2, None),
+        Change("created", "link", f"{repo}/.bx-{TAG}-link", len(target), 0, target),
+        Change("deleted", "entry", f"{repo}/docs/index.md", 0, 0, None),
         Change("created", "file", "/tmp/t", 1, 0, None),
         Change("created", "file", "/workspace/w", 1, 0, None),
     ]
     assert list(got) == sorted(expected, key=lambda c: c.path)
     # Asked again, after more: the list grows, from the same start.
-    sb.run(["sh", "-c", f"rm {REPO}/.bx-{TAG}/share/mytool/b"]).check()
+    sb.run(["sh", "-c", f"rm {repo}/.bx-{TAG}/share/mytool/b"]).check()
     again = {c.path: c for c in sb.changes()}
-    assert again[f"{REPO}/.bx-{TAG}"].files == 1
+    assert again[f"{repo}/.bx-{TAG}"].files == 1
 
 
 # --- the vm path, through the BoxLite SDK double (a real guest computes the same list) -----------

@@ -458,6 +458,14 @@ def serve(channel):
             if entry.endswith(("site-packages", "dist-packages")) and os.path.isdir(entry):
                 site.addsitedir(entry)
     os.environ.update(cfg["env"])
+    # A test may write below ``~`` as it does locally; a VM's image has no directory for the host's
+    # $HOME (a namespace box sees the host's), so make it, in the box, before any box is forked.
+    home = os.environ.get("HOME", "")
+    if home.startswith("/") and not os.path.isdir(home):
+        try:
+            os.makedirs(home, mode=0o700)
+        except OSError as exc:
+            sys.stderr.write(f"pytest-boxlite: cannot make the home {home!r} in this box: {exc}\n")
     # Asked once, before pytest is imported (a fork is cheapest now): can this kernel make the
     # per-test box's namespaces?  A VM's kernel may lack user namespaces; a namespace box may have
     # a mount over part of a copy-on-write directory, which no fork can renew.  The host then
