@@ -4,34 +4,7 @@ A home holds what the host later acts on (box records naming pids, directories i
 layers it unpacks).  Anyone who can write it, or who shipped it (a project's ini naming a home
 inside the checkout), could plant links and records there.  So:
 
-- a home is used only if :func:`check_home` accepts it: a directory owned by this uid, writable by
-  no one else, below directories that only root or this uid can change (sticky ones such as /tmp
-  excepted), as ssh's ``StrictModes`` holds ``~/.ssh``;
-- everything below it is opened relative to a directory descriptor, never through a link
-  (``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` where the kernel has it, a walk of
-  ``O_NOFOLLOW | O_DIRECTORY`` opens otherwise: :data:`OPENAT2` says which), and a directory or
-  record of another owner is refused (:class:`Refused`), never followed or removed;
-- a recursive removal (:func:`remove_tree_at`) works by descriptors and never leaves the directory
-  it started in.
-
-API (stable; other modules build on it):
-
-- ``check_home(path, *, source, create=False) -> Path``: the absolute home, checked (and made,
-  mode 0700, with ``create``); raises :class:`UnsafeHome` (a ``BoxliteError``) naming the path,
-  its owner and mode, the fix, and ``source`` (where the value came from).
-- ``HomeDir.open(path, follow=False)`` (a directory of ours by path, its own name not followed)
-  / ``HomeDir.at(home, "namespace", create=True)`` (the checked home, then ``sub``): an open
-  directory (a context manager; ``.fd``, ``.path``).  Its methods take names relative to it (``"a/b"``, never ``..``):
-  ``sub(rel, create=False)`` (a directory of ours), ``entries()`` (:class:`Entry` per child,
-  links and other owners' entries flagged, nothing followed), ``read(rel, limit)`` (a regular file
-  of ours, bounded), ``write(rel, data)`` (atomic, mode 0600), ``unlink(rel)``, ``exists(rel)``,
-  ``remove(name)`` (a child removed by descriptors, a link unlinked not followed), ``stat(rel)``.
-- ``open_beneath(dirfd, rel, flags, mode=0) -> int``: the primitive.
-- ``remove_tree_at(dirfd, name)``, ``remove_path(path)``: recursive removal by descriptors.
-- ``limits() -> list[str]``: the rules this kernel cannot hold (for doctor and the report header);
-  ``has_openat2()`` / ``OPENAT2``: whether the kernel has ``openat2``.
-- :class:`Refused` is an ``OSError`` (``EPERM``): code that treats a failed open as "nothing
-  there" stays safe; :class:`UnsafeHome` is a ``BoxliteError`` (a usage error at a session's start).
+How it works, and why: ``docs/explanation/internals/homes.md``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """Published box ports (``Sandbox.publish``): a host-owned TCP relay into a box's own loopback.
 
-The host listens on ``127.0.0.1:<ephemeral port>``; for each connection it accepts, it asks the
-box's runtime for a connection to the published port *on the box's loopback* (made inside the
-box's network, so the box needs no network of its own: namespace boxes' agent connects and hands
-the socket over), then copies bytes both ways.  The relay never connects anywhere else, holds at
-most :data:`MAX_CONNECTIONS` connections and one buffer of bytes per direction of each, and ends
-with the box.
-
-Who may connect: the relay serves only its own user.  ``127.0.0.1`` is open to every local user,
-so before a byte is read or sent, each accepted connection's far end, the connecting socket, is
-looked up in this network namespace's TCP sockets by its two addresses (an exact
-``NETLINK_SOCK_DIAG`` query, about 50 us, IPv4 then IPv6 for a dual-stack client; where the
-kernel has no ``tcp_diag``, a read of ``/proc/net/tcp`` and ``tcp6``); a connection is served only when that
-socket is still held by a process (not a closed one's TIME-WAIT remnant, whose owner the kernel
-forgets) and its owner is this process's effective uid (:func:`peer_uid`).  Anything else
-(another user, root's processes when the session is an ordinary user's, a socket that cannot be
-found) is closed at once, counted in :attr:`Relay.strangers` and logged as a warning on the
-``pytest_boxlite.publish`` logger: the first :data:`LOGGED_REFUSALS` of each port, one line
-each, then one line saying that later ones are only counted (a flood cannot fill a log).  The
-session's boxed tests reach the port through :mod:`pytest_boxlite.reach`, whose host end is this
-process; a box with its network on shares the host's network and connects as the uid its user
-maps to (the session's own for the box's root).
+How it works, and why: ``docs/explanation/internals/publish.md``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,7 @@
 """Boxed tests reach services: a service's host address, reachable from inside a box whose
 network is off (issue 24, "Boxed tests reach services too").
 
-A service fixture (:mod:`pytest_boxlite.services`) runs its server in a box of its own and
-publishes its ports on the host's ``127.0.0.1:<ephemeral>`` (:mod:`pytest_boxlite.publish`).  A
-test on the host connects there.  A *boxed* test runs in a box with a network namespace of its
-own (a box forked per test has one of its own too), where the host's ``127.0.0.1:PORT`` does not
-exist.  This module makes **the same address** work there, so a client configured with the
-fixture's value works boxed and unboxed, with no code in the box:
-
-* Before a boxed test runs, the host makes a listening socket *inside the test process's network
-  namespace* at ``127.0.0.1:<the service's host port>``: a short-lived child of a helper process
-  (one per host process, single-threaded, so it forks safely) enters the box's user and network
-  namespaces (``setns`` through a pidfd of the test process), binds and listens there, hands the
-  sockets back over ``SCM_RIGHTS`` and exits (:func:`listen_in`).  The child is made
-  non-dumpable first and lies in the host's pid namespace, which the box cannot see: nothing in
-  the box can reach it.
-* A host thread accepts on that socket (:class:`Offer`) and, for each connection, connects to
-  **exactly one address, fixed when the offer was made**: the service's published ``(host,
-  port)``, in the host's network.  The box's bytes are copied, never parsed: nothing the box
-  sends can choose or change where the host connects.  At most :data:`MAX_CONNECTIONS`
-  connections at once per offer (more are accepted and closed at once), one buffer per
-  direction of each (the published ports' copy loop and buffer, ``publish._copy``).
-* The offer ends with the test process (its pidfd turns readable when it exits: the accept loop
-  waits on both), or when the host retires the test's box (:func:`close_box`); each relayed
-  connection ends with either of its peers, and all of them with the offer.
-
-Seam with :mod:`pytest_boxlite.services` (its docstring has the other half): the
-host's ``RemoteRunner`` (``remote/worker_host.py``) asks ``services.descriptions_for`` which
-services an item uses before each RUN, and the FORK's ``services`` field for the fixtures a warm
-interpreter sets up ahead, and calls :func:`prepare_forked` (the forked box's test process) or
-:func:`prepare_booted` (a booted box's, and a warm box's own) with their addresses
-(:func:`targets_of`).  The box needs nothing of this module: the description's addresses work
-there as they are.  Not covered: ``--boxlite-scope=worker`` (the whole session is in a box; the
-service fixtures refuse it) and boxes that are no processes of this host (vm, remote servers:
-:class:`ReachError` says so).
+How it works, and why: ``docs/explanation/internals/reach.md``.
 """
 
 from __future__ import annotations

@@ -16,59 +16,7 @@ conftest binds to a module global.  Its value is a :class:`Service`: the service
 recent output (:meth:`Service.logs`), its :class:`~pytest_boxlite.sandbox.Sandbox` and its
 :class:`~pytest_boxlite.process.BoxProcess`.
 
-Design (how an instance lives)
-------------------------------
-* **One instance per scope and process.**  A :class:`ServiceManager` per pytest process (an
-  xdist worker is one) owns every instance, keyed by the declaration and the node of its scope
-  (the session, a package, a module, a class, a test).  The fixture function asks the manager;
-  the manager stops an instance after the protocol of the last test in its scope (the next item
-  lies outside that node), after pytest's own teardown of that test, so fixtures built on the
-  service are torn down first.  What is still running at the session's end is stopped then.
-* **Its box** is leased from the session's pool (``boxlite_pool.sandbox``'s path, with the
-  declaration's ``image``), on top of ``--boxlite-replicas`` (the cap grows for it: boxes held
-  for a whole scope must not starve the tests; see ``ServiceManager._take_room``), ``setup`` runs in it, then the
-  process is spawned, its ``ports`` published on the host's loopback (a relay: the box's network
-  stays off) and the readiness checks run, within ``timeout``.  A check that fails raises
-  :class:`ServiceStartError` naming the service, what was awaited and the process's last output
-  lines; the box is given back at once.
-* **Reports.**  A test that fails while it uses a service gets a report section
-  ``boxlite service NAME`` holding the service's last output lines (bounded: :data:`LOG_LINES`
-  lines of at most 300 characters each).  With ``--boxlite-keep``, the box of a service used by a
-  failed test (or one that was never ready) is kept, with its files (the process itself is
-  stopped: a box ends a process whose host end is gone).
-* **Ledger.**  A running service is recorded on its box's entry
-  (:mod:`pytest_boxlite.service_ledger`), so ``python -m pytest_boxlite ls`` shows it; the box is
-  reaped as every box is (at the end, after Ctrl-C, and after ``kill -9`` at the next start), and
-  the service's processes die with their box.
-
-Boxed tests (``--boxlite``, ``@pytest.mark.boxlite``)
------------------------------------------------------
-A boxed test's wider fixtures are set up in its box's pytest, and boxes do not nest: a service
-is always realised **on the host**, and the box gets a description of it.  The design, worked out
-with the in-box relay (:mod:`pytest_boxlite.reach`):
-
-* Host: :func:`box_fields` (through the ``pytest_boxlite_box_fields`` hook, see
-  :mod:`pytest_boxlite.hooks`; :class:`ServiceHooks` implements them) starts, or reuses, the
-  instances of the services in the item's fixture closure for the item's scopes, and describes
-  each (:meth:`Service.describe`: ``{"name", "scope", "key", "box", "ports": {"8000":
-  ["127.0.0.1", 40123]}}``, box port -> the host's published address).  The descriptions travel
-  in the ``FORK`` request (only the services wider than a function: what the warm interpreter
-  sets up ahead, ``guest/worker.py``'s ``_prepare``) and in each ``RUN`` (all of them).
-* Box: the ``pytest_boxlite_box_received`` hook hands them to :func:`receive` before the item's
-  fixtures are set up; they replace the last item's.  The service fixture, run in the box, returns
-  a :class:`Service` built from them (no sandbox, no process: those are on the host).  A service
-  the host did not start for the item (asked for with ``getfixturevalue`` in the box) fails,
-  saying how to name it.
-* Addresses: the relay listens *in the test's box* on the same ``127.0.0.1:<host port>`` and
-  carries each connection to the published port, so a description's addresses work unchanged on
-  both sides (``receive`` keeps them as they are).
-* The host's manager keeps each instance until the last test of its scope is done, boxed or not,
-  so boxed and unboxed tests of one scope share one instance; a boxed test's failure report gets
-  the service's output as an unboxed one's does (the reports pass through this process's
-  ``pytest_runtest_logreport``).
-* Only the services a test names (as an argument, through its fixtures, with ``usefixtures``) can
-  be known to the host before the test runs; under ``--boxlite-scope=worker`` the whole session
-  is in a box and none can be started.
+How it works, and why: ``docs/explanation/internals/services.md``.
 """
 
 from __future__ import annotations

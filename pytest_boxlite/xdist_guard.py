@@ -1,32 +1,6 @@
 """The controller's check of what boxed xdist workers send (``--boxlite-scope=worker -n N``).
 
-In worker scope each xdist worker is a pytest session inside a box, so every event on its execnet
-channel is the guest's to forge.  pytest-xdist trusts its workers: it takes each event's fields as
-its own worker wrote them (``xdist/workermanage.py``, ``xdist/dsession.py``), so one malformed
-field is an INTERNALERROR that ends the session, a ``shouldstop`` in a worker's last words stops it,
-and an ``internal_error`` drops the worker with the tests it was given.  :class:`WorkerGuard` stands
-between each boxed worker's channel and xdist's ``WorkerController.process_from_remote`` and holds
-every event to what the controller assumes of it, field by field (:data:`EVENT_FIELDS`):
-
-* an event that is not one the controller handles, not shaped as xdist's worker sends it, out of
-  its order, or about a test the controller did not give that worker (or that the worker is not
-  running), is *refused*: dropped, and the test the worker is running fails with a report that
-  says, escaped, what was sent;
-* a field the controller needs but must not obey is *neutralised* and the same test fails:
-  ``workerready``'s info (its fields' types, escaped), a worker's ``shouldstop``/``shouldfail`` and
-  an exit status of 2 (a box never stops the session: only the controller's own ``--maxfail``
-  count does), an ``internal_error`` (its text shown escaped in that test's report);
-* a test the controller gave a worker is never lost without a report: a ``workerfinished`` that
-  comes while tests are pending (or unasked) is held; if the worker then ends, xdist's crash path
-  fails the test it was running, with the refusals in its report, and gives the rest to other
-  workers; if the worker goes on, the ``workerfinished`` was a forgery and only fails its test.
-
-What the guard lets through is exactly what xdist would have taken from an honest worker.
-
-xdist has no public hook for this: the guard replaces the bound ``process_from_remote`` (and the
-``send_runtest_*``, ``send_steal`` and ``shutdown`` methods, to learn what each worker was given
-and asked) on the node instance, in ``pytest_configure_node``, which xdist calls before it sets the
-channel's callback.  The crash report gets the refusals through xdist's ``pytest_handlecrashitem``.
+How it works, and why: ``docs/explanation/internals/xdist-guard.md``.
 """
 
 from __future__ import annotations

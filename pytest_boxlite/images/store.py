@@ -1,32 +1,6 @@
 """The image store: one per user (``<home>/image-store``), shared by every session, worker and runtime.
 
-Layout (content-addressed; every entry appears whole, by rename, or not at all)::
-
-    blobs/sha256/<hex>     manifests, configs and layers, verified, each stored once
-    rootfs/<hex>/          the unpacked tree of manifest <hex> (complete: renamed in when done)
-    meta/<hex>.json        its config, size and the references that named it
-    refs/<key>.json        a reference (and, for local files, the file's identity) -> manifest digest
-    tmp/                   work in progress (an image's new blobs too, until it is unpacked); removed by the next writer
-    uses/<hex>             its last use (mtime) and its users: each process using the image holds flock(LOCK_SH)
-    lock                   flock(2): one writer at a time; readers of complete entries take none
-
-A second :func:`ensure_image` of a reference already seen reads two small files and stats the
-source: no hashing, no unpacking.
-
-What the store may cost (:class:`Bounds`, each from an environment variable): an image's file
-data (8 GiB), the compression ratio of its layers (100:1, past 16 MiB; see
-:mod:`~pytest_boxlite.images.unpack`), and the whole store (20 GiB on disk): before an image is
-unpacked, the least recently used images no live process holds are evicted until the store can
-take the most the new one may unpack to, and again after, until it is within its bound; an image
-unused for 30 days is evicted too.  An image in use by a live session (its flock held) is never
-evicted; where those alone leave no room, the new image is refused, naming the bound.
-
-The store is below a home and a home is a trust boundary (:mod:`pytest_boxlite._homefs`): the
-store and each of its directories are opened through no link and must be this user's (the store
-writable by no one else); an entry of another owner, or a link where a directory is expected, is
-refused and reported, never followed or removed.  Everything below the store is reached through
-the store's own open descriptor (``/proc/self/fd/N``), so a home renamed or relinked meanwhile
-changes nothing.
+How it works, and why: ``docs/explanation/internals/image-store.md``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
 """Apply OCI layers (tar changesets) to a directory: hostile-input code.
 
-Every layer is untrusted (whoever wrote the test image).  Members are parsed by :mod:`tarfile`;
-their modes are set as its ``data`` extraction filter sets them (PEP 706: no setuid/setgid/sticky
-bits, no group/other write, no ownership), and where this Python has that filter (3.11.4+; not
-Debian's 3.11.2) each member passes it too.  The filter alone is not enough for layers (it checks
-against the host's view of links, and extracts through them): the files are written here, through
-directory file descriptors opened with ``O_NOFOLLOW``, so no host call ever follows a link planted
-by a layer:
-
-- a member's parent path is resolved *inside* the tree with the box's semantics (the tree is the
-  box's ``/``: absolute links and ``..`` at the top stay in it), as containerd and docker do;
-- an absolute symlink target is kept as a link, rewritten relative to the member's directory
-  (``/usr/bin/x`` at ``bin/sh`` becomes ``../usr/bin/x``), which the box resolves the same way;
-  a relative one climbing above the top is clamped there, as the kernel clamps ``/..``;
-- hard links must name a file already in the tree; device nodes and FIFOs are skipped;
-- whiteouts (``.wh.NAME``) and opaque markers (``.wh..wh..opq``) remove lower layers' entries
-  without following links;
-- directories keep ``u+rwx`` so the unpacking user can always remove the tree again;
-- sizes are bounded: bytes written, members, name lengths, and the compression ratio (bytes of
-  tar stream out per byte of layer blob in, checked as the stream is read: a gzip of zeros is
-  stopped after at most its bound, not after it was written).
-
-Ownership is never changed: files belong to the unpacking user, which the box maps to its own ids.
+How it works, and why: ``docs/explanation/internals/image-unpack.md``.
 """
 
 from __future__ import annotations

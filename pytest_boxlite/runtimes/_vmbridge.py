@@ -1,31 +1,6 @@
 """Host-side stdio bridge for VM boxes: the VM's counterpart of the namespace agent.
 
-It serves the same Unix-socket protocol as :mod:`pytest_boxlite.guest.agent`
-(one connection = one command, stdio passed as file descriptors, ``exit``
-and ``signal`` messages), so :mod:`pytest_boxlite.guest.attach` (and so
-execnet gateways and xdist workers) reach a VM exactly as they reach a
-namespace box.  It lives in the process that owns the VM, because BoxLite
-allows one runtime per home per process.
-
-The VM's exec stdout arrives as lossily decoded text, so the guest command is
-wrapped in :data:`FRAMING_SHIM`, which base64-encodes stdout one line per
-chunk and ends with a ``!exit N`` trailer (the command's own status, which
-the SDK cannot tell apart from a lost channel when it is -1); this side
-decodes it back to the exact bytes and refuses anything else: the SDK
-injects ``[boxlite] stdout output dropped N bytes`` into the stream when the
-guest's output ring overflows, and a corrupted execnet stream must end the
-connection loudly, never be passed on.  Stdin is binary-safe as it is;
-stderr (diagnostics) is passed through as text.
-
-The SDK's ``signal`` and ``kill`` reach the shim only (the leader), so the
-shim runs the command in a session of its own and forwards SIGINT, SIGTERM
-and SIGHUP to that process group; SIGUSR1 asks it to SIGKILL the group (the
-client hung up).
-
-Every blocking read and write runs on threads owned by one connection, never
-on the event loop's shared default executor: that pool has ``cpu + 4``
-threads, and two permanently busy ones per attached worker deadlocked the
-third worker on a 2-CPU host (review #22).
+How it works, and why: ``docs/explanation/internals/vm-bridge.md``.
 """
 
 from __future__ import annotations

@@ -1,45 +1,6 @@
 """The ``vm`` runtime on a remote BoxLite server, through the SDK's REST client (``--boxlite-url``).
 
-``boxlite.Boxlite.rest(BoxliteRestOptions(url=..., credential=ApiKeyCredential(key)))`` returns a
-runtime with the local one's async surface (``create``/``get``/``list_info``/``remove``, ``Box.exec``,
-``Box.copy_in``), served by ``boxlite serve`` on hosts with KVM or by BoxLite's hosted service.
-What differs from a local home, and how this module deals with it (facts from the 0.10.8 wheel and
-the BoxLite source, ``src/boxlite/src/rest/``):
-
-* **No host volumes.** The client refuses host bind mounts (``UnsupportedError``: "host bind mounts
-  are only supported by the local runtime"): a path names the *server's* filesystem.  So what a box
-  needs from this host (the project, the ``sys.path`` directories of a boxed test's worker) is
-  uploaded with ``Box.copy_in`` once per box, right after boot, and is then a writable copy in the
-  box (closer to namespace boxes' copy-on-write than local vm boxes' read-only volumes).  This
-  interpreter's own standard library is left out (the image has its own).  The upload is
-  fingerprinted by content (paths, sizes, modification times) once per session; a box that already
-  holds a fingerprint is not uploaded to again.
-* **No local lock says who is alive.** Box names carry the owner (``pbx-<session>[-<worker>]-<n>``),
-  and liveness is a lease: every box is created with ``auto_stop`` (idle seconds before the server
-  stops it) and ``auto_delete`` (seconds stopped before the server deletes it; the client requires
-  it to exceed ``auto_stop``).  A live session renews the lease by using each of its boxes (a
-  trivial exec every third of the lease), so a session that is killed stops renewing and its boxes
-  stop and vanish on the server by themselves: the timers are the dead-man switch.  Each session
-  that opens the server also removes the ``pbx-`` boxes it finds stopped (their lease lapsed).
-* **Every call crosses a network.** Bookkeeping calls are retried a bounded number of times on
-  transport errors (``NetworkError``, ``UpstreamUnavailableError``, ``ResourceExhaustedError``,
-  and a single attempt that exceeded its timeout), each attempt bounded in time; ``create`` is made
-  idempotent by name (a create whose answer was lost is found by ``get``).  Commands are never
-  retried: running one twice is not the same as running it once.
-* **Processes and ports.**  The REST execution streams stdin, stdout and stderr over one
-  WebSocket and takes ``signal``/``kill`` (``rest/litebox.rs``, ``rest/exec.rs``), so
-  ``Sandbox.spawn`` and ``Sandbox.publish`` (whose relay is an exec channel, ``connect_port``) are
-  the vm runtime's.  The exec request has no user field (``rest/types.rs`` ``ExecRequest``): the
-  client drops ``user`` silently (``tests/test_rest_exec_wire.py`` records what the wheel sends),
-  so :class:`RemoteVmBox` refuses it (``UnsupportedError``).
-* **Credentials** come from ``BOXLITE_API_KEY`` or the file named by ``--boxlite-credential-file``,
-  never from the URL (a URL with user info is refused); they are held in :class:`Secret`, whose
-  ``repr`` is ``***``, and handed only to ``ApiKeyCredential`` (whose own ``repr`` is ``***`` too).
-
-Only settled against a real ``boxlite serve`` (none runs here; the tests use the SDK double's REST
-server, ``tests/sdk_double/rest.py``): which calls count as activity for ``auto_stop`` (an exec is
-assumed to), whether ``auto_resume`` brings an auto-stopped box back with its disk, exec and
-``copy_in`` throughput over the network, and the server's own limits on boxes per key.
+How it works, and why: ``docs/explanation/internals/remote-server.md``.
 """
 
 from __future__ import annotations

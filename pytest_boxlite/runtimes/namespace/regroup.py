@@ -1,50 +1,6 @@
 """Copy-on-write for an ordinary user's files whose group the box cannot map.
 
-An ordinary user's box maps one uid and one gid: the user's own, as root.  A file the user owns
-whose group is another one (a tree root extracted and then ``chown -R user``-ed, a shared
-directory's setgid group) shows in the box with the overflow group, and overlayfs cannot copy it
-up: the copy's group cannot be set, so writing the file, or removing or renaming anything in such a
-directory, fails with ``EOVERFLOW`` ("Value too large for defined data type").  The host user can
-do all of that; the box must let its guest do it too, without any write reaching the host.
-
-So each such directory's entries get one more lower layer right above the host's directory: a copy
-of them that the user owns with the user's own group, same modes, times and content (a reflink
-where the filesystem has them).  The layer is built on the host in the user's private directory
-(see :func:`~pytest_boxlite.runtimes.namespace.mounts.private_tmp`), before the box starts, and is
-only ever a *lower* layer: the box writes to its own upper layer as before, never to the copy nor
-to the host's files.  Only the trees a box is made for are looked at (the working directory, the
-interpreter's prefix and ``sys.path``), and only entries the user owns and may already change on
-the host: a file of another owner keeps its look (and stays unwritable, as on the host).
-
-Host edits show through, as they do for the files that need no copy (an overlay lower layer is the
-host's directory itself, so a box reads what the host has now, within overlayfs's own rules):
-
-- a box made after an edit sees it: each box start scans again, and the layer stacked is one whose
-  entries match what the host has then (their looks key it, the change time included);
-- a live box sees it too: this process watches the host directories of the layers its boxes stack
-  (inotify) and brings each copy up to date *in place* (the same inode, so a box that has it open
-  or cached reads the new content), from a thread of its own as the host changes them, and
-  synchronously before each box is forked from a warm one (:func:`settle`).  A copy is brought up to date
-  even where the host's file no longer needs one (an editor's save makes a new file, of the user's
-  group): a live box's overlay keeps the copy's inode cached.  The copy of an entry removed on the
-  host is removed (a live box that has it cached may still see it, as with any host file).  Where
-  inotify is not to be had (the user's instances or watches used up), :func:`settle` compares
-  every copied entry's look instead.
-
-A layer changed in place is never handed to a later box start by its key again (its ``ready``
-mark goes): that box gets a layer matching what it scanned.
-
-No link is followed on the way to an entry, on the host or in the layer: the host can swap a
-copied directory for a link at any moment (one ``renameat2(RENAME_EXCHANGE)``), and a path
-through that link names another directory.  Every read of the host and every change of a layer
-is made relative to a descriptor of the entry's directory, reached from the top (or the layer's
-root) one component at a time without following links (:func:`_dir_at`, through
-:func:`pytest_boxlite._homefs.open_beneath`); an entry whose way holds a link is gone as far as
-the layer is concerned.  A directory whose copy is dropped (gone on the host, or no longer a
-directory) takes every entry held below it along, and a removal goes through
-:func:`pytest_boxlite._homefs.remove_tree_at`, which never leaves the directory it started in.
-
-A root host maps every id one to one (see ``privileges._write_id_maps``): nothing to do there.
+How it works, and why: ``docs/explanation/internals/regroup.md``.
 """
 
 from __future__ import annotations
