@@ -240,7 +240,8 @@ OPTIONS += (
         "side_effects_ignore",
         _patterns,
         lambda: (),
-        "paths a suite writes on purpose, left out of --boxlite-side-effects: comma-separated fnmatch patterns "
+        "paths a suite writes on purpose, left out of --boxlite-side-effects: fnmatch patterns, comma-separated "
+        "(in the ini key also one or more per line) "
         "matched against the path in the box, relative to the project or as ~/... in the home "
         "(a directory's pattern covers what it holds)",
         "PATTERNS",
@@ -309,7 +310,7 @@ def help_text(opt: Option) -> str:
 
 #: The ini type of each option's key (``pytest --help`` shows it): flags are booleans, the list
 #: of patterns is a line list (one or more per line, comma-separated), the rest strings.
-INI_TYPES = {"all": "bool", "keep": "bool", "env_deny": "linelist"}
+INI_TYPES = {"all": "bool", "keep": "bool", "env_deny": "linelist", "side_effects_ignore": "linelist"}
 
 
 def add_options(parser: pytest.Parser) -> None:

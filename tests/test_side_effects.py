@@ -268,7 +268,9 @@ def test_hostile_names_floods_and_links(tmp_path: Path, home: Path, subruns: lis
     project.mkdir()
     n = changes.WALK_ENTRIES
     (project / "test_hostile.py").write_text(textwrap.dedent(HOSTILE.replace("{n}", str(n))))
-    (project / "pytest.ini").write_text("[pytest]\nboxlite_side_effects_ignore = build, ~/.cache-ignored\n")
+    # The ini key is a line list: a pattern per line, or several on one line, comma-separated.
+    ini = "[pytest]\nboxlite_side_effects_ignore =\n    build\n    ~/.cache-ignored, /nowhere/*\n"
+    (project / "pytest.ini").write_text(ini)
     rc, out = _run(project, home, subruns, "hostile")
     assert rc == 0, out[-3000:]
     section = _section(out)
