@@ -22,6 +22,11 @@ import sysconfig
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+try:  # setuptools >= 70.1 carries bdist_wheel; older ones take it from the wheel package
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # pragma: no cover - old build environments
+    from wheel.bdist_wheel import bdist_wheel  # type: ignore[no-redef]
+
 SRC = "pytest_boxlite/guest/_init"
 NAME = "pytest_boxlite.guest._boxclone"
 #: boxinit has no C library: no stack protector (it would read a thread pointer nothing set up),
@@ -62,11 +67,27 @@ class BuildNative(build_ext):
             if os.path.exists(out):
                 os.unlink(out)
 
+    def get_ext_filename(self, fullname: str) -> str:
+        # No Python ABI in the name: the library uses no Python API (ctypes loads it), so one file
+        # serves every interpreter (guest/__init__.py finds it as ``_boxclone*.so``).
+        name = super().get_ext_filename(fullname)
+        return os.path.join(os.path.dirname(name), "_boxclone.so") if fullname.endswith("_boxclone") else name
+
     def get_outputs(self) -> list[str]:
         outputs = list(super().get_outputs())
         if NATIVE:
             outputs.append(os.path.join(os.path.dirname(self.get_ext_fullpath(NAME)), "_boxinit"))
         return outputs
+
+
+class PlatformWheel(bdist_wheel):
+    """A wheel tagged ``py3-none-<platform>``: its native files are a ctypes library and a static
+    executable, tied to the platform but to no Python version or ABI (``auditwheel repair`` then
+    gives the platform its manylinux tag)."""
+
+    def get_tag(self) -> tuple[str, str, str]:
+        _, _, plat = super().get_tag()
+        return "py3", "none", plat
 
 
 ext_modules = []
@@ -82,4 +103,8 @@ if NATIVE:
     )
 
 # The C sources go into the sdist (MANIFEST.in), not into the wheel.
-setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildNative}, include_package_data=False)
+setup(
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": BuildNative, "bdist_wheel": PlatformWheel},
+    include_package_data=False,
+)
