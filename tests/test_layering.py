@@ -58,7 +58,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "hooks",
         ),
     ),
-    ("test plans: markers to box specs, and the marker's registration", ("markers", "marker_registration")),
+    (
+        "test plans: markers to box specs, the marker's registration, the look-ahead over the run order",
+        ("markers", "marker_registration", "lookahead"),
+    ),
     ("the per-process session", ("session",)),
     ("the warm pool, provisioning and leftover bookkeeping", ("pool", "templates", "ledger", "service_ledger")),
     ("the box API and settings", ("sandbox", "settings", "process", "publish", "reach", "box_changes")),
