@@ -32,6 +32,9 @@ PROCESSES_PROPERTY = "boxlite_max_processes"
 #: allocated) or ``rusage`` (the test process's, its children included, the warm interpreter's
 #: pages it was forked with included).
 SOURCE_PROPERTY = "boxlite_peak_memory_from"
+#: Where the CPU time came from: ``cgroup`` (the box's, every process of it) or ``rusage`` (the
+#: test process's and its waited-for children's).
+CPU_SOURCE_PROPERTY = "boxlite_cpu_from"
 #: What the property says of a test that left nothing.
 CLEAN = "none"
 
@@ -156,17 +159,25 @@ def apply(
                 else:
                     teardown.sections.append(("boxlite side effects", why))
     if changes is not None and changes.cpu_s is not None and usage_count(config) > 0:
-        box_usage = box_usage or {}
-        teardown.user_properties.append((CPU_PROPERTY, f"{changes.cpu_s:.3f}"))
-        if "peak_memory" in box_usage:
-            teardown.user_properties.append((MEMORY_PROPERTY, f"{box_usage['peak_memory'] / (1 << 20):.1f}"))
-            teardown.user_properties.append((SOURCE_PROPERTY, "cgroup"))
-        elif changes.peak_kib is not None:
-            teardown.user_properties.append((MEMORY_PROPERTY, f"{changes.peak_kib / 1024:.1f}"))
-            teardown.user_properties.append((SOURCE_PROPERTY, "rusage"))
-        if "max_processes" in box_usage:
-            teardown.user_properties.append((PROCESSES_PROPERTY, str(box_usage["max_processes"])))
+        teardown.user_properties.extend(usage_properties(changes, box_usage or {}))
     return reports
+
+
+def usage_properties(changes: Changes, box_usage: dict[str, int]) -> list[tuple[str, str]]:
+    """The usage properties of one test: each figure from the box's own cgroup where it has one
+    (``box_usage``: ``ForkCell.usage``), else from the test process's rusage, and where each came from."""
+    out = []
+    if "cpu_ns" in box_usage:
+        out += [(CPU_PROPERTY, f"{box_usage['cpu_ns'] / 1e9:.3f}"), (CPU_SOURCE_PROPERTY, "cgroup")]
+    elif changes.cpu_s is not None:
+        out += [(CPU_PROPERTY, f"{changes.cpu_s:.3f}"), (CPU_SOURCE_PROPERTY, "rusage")]
+    if "peak_memory" in box_usage:
+        out += [(MEMORY_PROPERTY, f"{box_usage['peak_memory'] / (1 << 20):.1f}"), (SOURCE_PROPERTY, "cgroup")]
+    elif changes.peak_kib is not None:
+        out += [(MEMORY_PROPERTY, f"{changes.peak_kib / 1024:.1f}"), (SOURCE_PROPERTY, "rusage")]
+    if "max_processes" in box_usage:
+        out.append((PROCESSES_PROPERTY, str(box_usage["max_processes"])))
+    return out
 
 
 def _props(rep: pytest.TestReport) -> dict[str, str]:
@@ -242,29 +253,48 @@ def _side_effects_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str,
 def _usage_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str, str]]) -> None:
     n = usage_count(tr.config)
     rows = []
-    sources = set()
+    memory_from, cpu_from = set(), set()
     for nodeid, props in seen.items():
         try:
             row = (float(props.get(MEMORY_PROPERTY, "0")), float(props[CPU_PROPERTY]), nodeid)
         except (KeyError, ValueError):
             continue
         rows.append((*row, props.get(PROCESSES_PROPERTY, "-")))
-        sources.add(props.get(SOURCE_PROPERTY, "rusage"))
+        memory_from.add(props.get(SOURCE_PROPERTY, "rusage"))
+        cpu_from.add(props.get(CPU_SOURCE_PROPERTY, "rusage"))
     if n <= 0 or not rows:
         return
     tr.write_sep("=", f"boxlite usage: top {min(n, len(rows))} boxed tests by peak memory")
-    whence = {
+    for line in usage_header(memory_from, cpu_from, counted=sum(r[3] != "-" for r in rows), rows=len(rows)):
+        tr.write_line(line)
+    tr.write_line(f"{'peak MiB':>9} {'CPU s':>8} {'procs':>6}  test")
+    for mem, cpu, nodeid, procs in sorted(rows, key=lambda r: (-r[0], -r[1], r[2]))[:n]:
+        tr.write_line(f"{mem:9.1f} {cpu:8.3f} {shown(procs, line=True, limit=6):>6}  {shown(nodeid, line=True)}")
+
+
+def usage_header(memory_from: set[str], cpu_from: set[str], *, counted: int, rows: int) -> list[str]:
+    """The usage table's lines saying where its figures came from (``cgroup``, ``rusage``)."""
+    memory = {
         "cgroup": "peak memory from each box's own memory cgroup (what its test allocated)",
         "rusage": "peak memory from the test process's rusage, its children included (the warm interpreter's "
         "pages it was forked with counted)",
     }
-    for source in sorted(sources):
-        tr.write_line(f"({whence.get(source, source)})")
-    has_procs = any(r[3] != "-" for r in rows)
-    tr.write_line(
-        "(CPU time from the test process's rusage, its children included"
-        + ("; processes: the most the box's pids cgroup held at once)" if has_procs else ")")
-    )
-    tr.write_line(f"{'peak MiB':>9} {'CPU s':>8} {'procs':>6}  test")
-    for mem, cpu, nodeid, procs in sorted(rows, key=lambda r: (-r[0], -r[1], r[2]))[:n]:
-        tr.write_line(f"{mem:9.1f} {cpu:8.3f} {shown(procs, line=True, limit=6):>6}  {shown(nodeid, line=True)}")
+    cpu = {
+        "cgroup": "CPU time from each box's own cgroup (every process of the box)",
+        "rusage": "CPU time from the test process's rusage, its children included (those it waited for)",
+    }
+    out = [f"({memory.get(s, s)})" for s in sorted(memory_from)]
+    out += [f"({cpu.get(s, s)})" for s in sorted(cpu_from)]
+    if counted == rows:
+        out.append("(processes: the most the box's pids cgroup held at once)")
+    elif counted:
+        out.append(
+            "(processes: the most the box's pids cgroup held at once; -: not counted for that test, a box "
+            "without a pids cgroup or a later test of a module's box, whose peak counts from the box's start)"
+        )
+    else:
+        out.append(
+            "(processes: not counted: no box had a pids cgroup with pids.peak: an ordinary user's boxes, a "
+            "kernel without pids.peak, a booted or VM box)"
+        )
+    return out

@@ -185,6 +185,19 @@ def test_report_names_exactly_the_dirty_tests_and_what_each_left(
         assert props[name][side_effects.PROPERTY].startswith(line)
     assert float(props["test_usage_300mb"][side_effects.MEMORY_PROPERTY]) > 300
     assert all(side_effects.CPU_PROPERTY in p for p in props.values())
+    # Root's boxes have cgroups of their own here: CPU time and processes from them, and the
+    # header says so; an ordinary user's have none: the test process's rusage, and no count.
+    source = "cgroup" if os.geteuid() == 0 else "rusage"
+    assert {p[side_effects.CPU_SOURCE_PROPERTY] for p in props.values()} == {source}, props
+    assert {p[side_effects.SOURCE_PROPERTY] for p in props.values()} == {source}, props
+    header = out.split("boxlite usage: top 2", 1)[1].split(" peak MiB", 1)[0]
+    if source == "cgroup":
+        assert "(CPU time from each box's own cgroup (every process of the box))" in header, header
+        assert int(props["test_detached_process"][side_effects.PROCESSES_PROPERTY]) >= 2, props
+    else:
+        assert "(CPU time from the test process's rusage" in header, header
+        assert "(processes: not counted: no box had a pids cgroup" in header, header
+        assert all(side_effects.PROCESSES_PROPERTY not in p for p in props.values())
     _host_untouched(project)
 
 
@@ -604,3 +617,63 @@ def test_a_file_left_in_dev_is_listed(tmp_path: Path, home: Path, subruns: list[
     assert rc == 0, out[-3000:]
     assert _section(out) == {"test_writes_dev": [f"created file /dev/{TAG} (1 byte)"]}, out[-3000:]
     assert not Path(f"/dev/{TAG}").exists()
+
+
+# --- the box's own cgroups: CPU time and peaks per test, module scope included ---------------------
+
+CHILD = """
+import sys
+for line in sys.stdin:
+    mb, spin = map(int, line.split())
+    block = bytearray(mb << 20)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    del block  # freed: what the next step uses starts from here
+    x = 0
+    for i in range(spin):
+        x += i
+    print("done", flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a box's own cgroups need root here")
+def test_a_cell_counts_each_tests_cpu_and_peaks_from_its_start() -> None:
+    """A real cell's cgroups (no box: a child process moved into them): the CPU time counts from
+    the test's start (:meth:`ForkCell.begin_test`), not the box's; the memory peak starts again
+    where the kernel lets it, and a peak that cannot (pids.peak) is left out of a later test's usage
+    instead of being reported as its own."""
+    import subprocess
+    import sys
+
+    from pytest_boxlite.runtimes import _cgroups
+    from pytest_boxlite.runtimes._forkcell import ForkCell
+
+    cg = _cgroups.create(f"se-cell-{os.getpid()}", memory_mib=1024, cpus=None, pids=64)
+    cell = ForkCell("se-cell", cg, {}, lambda c, t: None)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        for d in cg.dirs:
+            (d / "cgroup.procs").write_text(str(child.pid))
+        if "cpu_ns" not in cg.usage():
+            pytest.skip(f"this host counts no CPU time in a box's cgroups: {cg.dirs}")
+        cell.begin_test()  # the module's first test
+        child.stdin.write("80 4000000\n")
+        assert child.stdout.readline() == "done\n"
+        first = cell.usage()
+        cell.begin_test()  # its second: a little CPU, no new memory
+        child.stdin.write("0 200000\n")
+        assert child.stdout.readline() == "done\n"
+        second = cell.usage()
+    finally:
+        child.kill()
+        child.communicate(timeout=10)  # closes its pipes
+        cell.remove()
+        cell.log.close()
+    assert first["cpu_ns"] > 4 * second["cpu_ns"] > 0, (first, second)
+    assert first["peak_memory"] > 80 << 20, first
+    assert second.get("peak_memory", 0) < 40 << 20, second  # started again (v1), or left out (v2)
+    if "max_processes" in first:
+        assert "max_processes" not in second  # pids.peak never starts again: not the second test's

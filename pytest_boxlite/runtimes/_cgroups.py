@@ -94,6 +94,7 @@ class CgroupSet:
             ("peak_memory", ("memory.peak", "memory.max_usage_in_bytes")),
             ("memory_limit", ("memory.max", "memory.limit_in_bytes")),
             ("max_processes", ("pids.peak",)),
+            ("cpu_ns", ("cpuacct.usage",)),
         )
         for key, names in files:
             for d in self.dirs:
@@ -104,7 +105,27 @@ class CgroupSet:
                         continue
                     if text.isdigit() and int(text) < 1 << 62:  # "max", or v1's unlimited 2**63-4096
                         out[key] = int(text)
+        if "cpu_ns" not in out:
+            for d in self.dirs:  # cgroup v2: every cgroup counts its CPU time in cpu.stat
+                usec = _stat_value(d / "cpu.stat", "usage_usec")
+                if usec is not None:
+                    out["cpu_ns"] = usec * 1000
+                    break
         return out
+
+    def reset_peaks(self) -> list[str]:
+        """Start the peaks again from now, where the kernel lets them (cgroup v1's
+        ``memory.max_usage_in_bytes``); returns the keys of :meth:`usage` whose peak still counts
+        from the cgroups' start (v2's ``memory.peak`` and ``pids.peak`` take no reset that a later
+        reader sees)."""
+        kept = {"peak_memory", "max_processes"}
+        for d in self.dirs:
+            try:
+                (d / "memory.max_usage_in_bytes").write_text("0")
+                kept.discard("peak_memory")
+            except OSError:
+                continue
+        return sorted(kept)
 
     def pids_max_reached(self) -> bool:
         """Whether the pids controller refused a fork in these cgroups (``pids.events``: ``max``)."""
@@ -118,6 +139,19 @@ class CgroupSet:
                 if key == "max" and value.strip().isdigit() and int(value) > 0:
                     return True
         return False
+
+
+def _stat_value(path: Path, key: str) -> int | None:
+    """``key``'s value in a flat keyed cgroup file (``cpu.stat``), or None."""
+    try:
+        text = path.read_text()[:4096]
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return None
 
 
 def kill_dirs(dirs: list[Path]) -> None:
@@ -236,6 +270,15 @@ def create(name: str, *, memory_mib: int | None, cpus: int | None, pids: int | N
             cg.applied.append(controller)
         except OSError as exc:
             cg.missing.append(f"{controller} ({exc.strerror or exc})")
+    if v1 and cg.dirs:
+        # CPU time is counted by cgroup v1's cpuacct controller (v2 counts it in every cgroup):
+        # a box with cgroups gets one more, with no limit, for --boxlite-usage (about 40 us here).
+        account = _v1_dir("cpuacct", own, name)
+        cpu = next((d for d in cg.dirs if (d / "cpuacct.usage").exists()), None)  # cpu,cpuacct mounted together
+        if account is not None and cpu is None:
+            with contextlib.suppress(OSError):  # not ours to make: the usage says rusage instead
+                account.mkdir(exist_ok=True)
+                cg.dirs.append(account)
     return cg
 
 
@@ -244,7 +287,7 @@ def find_dirs(name: str) -> list[Path]:
     with those of the boxes forked from it (``<name>.<n>``, see :func:`cell_name`)."""
     own = _self_cgroups()
     found: list[Path] = []
-    candidates = [_v1_dir(controller, own, name) for controller in ("memory", "cpu", "pids")]
+    candidates = [_v1_dir(controller, own, name) for controller in ("memory", "cpu", "pids", "cpuacct")]
     candidates.append(_ROOT / own.get("", "/").lstrip("/") / (_PREFIX + name))
     for d in candidates:
         if d is None:

@@ -166,6 +166,11 @@ class ForkCell:
         #: Why the cell could not be handed to the warm interpreter (its fork then fails), or None.
         self.error: str | None = None
         self._left = list(cgroups.dirs)
+        #: The box's CPU time when its current test began, the peaks that still count from the
+        #: box's start, and whether a test began in it before (see :meth:`begin_test`).
+        self._cpu_base = 0
+        self._stale: list[str] = []
+        self._began = False
 
     @property
     def missing(self) -> Sequence[str]:
@@ -200,9 +205,26 @@ class ForkCell:
         """How many of the box's processes the OOM killer has killed (its own memory cgroup)."""
         return self.cgroups.oom_kills()
 
+    def begin_test(self) -> None:
+        """A test starts in the box now: :meth:`usage` counts from here (its CPU time), and the
+        peaks start again where the kernel lets them (:meth:`CgroupSet.reset_peaks`).  A peak that
+        cannot start again is left out of the usage of every test after the box's first (module
+        scope), never reported as a later test's."""
+        now = self.cgroups.usage()
+        self._cpu_base = now.get("cpu_ns", 0)
+        kept = self.cgroups.reset_peaks() if now else []
+        self._stale = kept if self._began else []
+        self._began = True
+
     def usage(self) -> dict[str, int]:
-        """What the box used, from its own cgroups (see :meth:`CgroupSet.usage`); empty without them."""
-        return self.cgroups.usage()
+        """What the box used since :meth:`begin_test` (since its start, where never called), from
+        its own cgroups (see :meth:`CgroupSet.usage`); empty without them."""
+        now = self.cgroups.usage()
+        if "cpu_ns" in now:
+            now["cpu_ns"] = max(now["cpu_ns"] - self._cpu_base, 0)
+        for key in self._stale:
+            now.pop(key, None)
+        return now
 
     def kill(self) -> None:
         """Kill every process of the box now: the box is done (its test ended, or it was unused)."""
