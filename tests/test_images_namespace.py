@@ -257,3 +257,46 @@ def test_the_agents_kit_is_read_only_and_holds_no_installed_packages(
         assert "site-packages/x: Read-only file system" in r.stderr or "No such file" in r.stderr, r
     finally:
         sb.handle.destroy()
+
+
+@needs_busybox
+def test_a_host_directory_inside_an_image_directory_is_forked_and_pristine(
+    namespace_runtime: Runtime, namespace_mode: str, tmp_path: Path
+) -> None:
+    """A host directory shown inside one of the image's directories (the project under the
+    image's /home): sandbox boxes of it are forked, not booted (issue 44 item 6: a fresh overlay
+    over the image's directory, with the host's mount beneath it, failed with EINVAL), and each
+    is pristine: the image's sub-directories beside it copy-on-write, the way to it read-only,
+    the host directory read-only, the WorkingDir made and writable."""
+    tree = busybox_tree(tmp_path / "tree")
+    (tree / "var" / "tmp" / "beside").mkdir()
+    (tree / "var" / "tmp" / "beside" / "f").write_text("image\n")
+    (tree / "var" / "tmp" / "top-file").write_text("top\n")
+    (tree / "var" / "lib").mkdir()
+    root = image_root(tree, "oci:/images/tree:test", workdir="/var/work/app")
+    shown = Path("/var/tmp") / f"pbx-host-{uuid.uuid4().hex[:10]}"
+    shown.mkdir()
+    try:
+        (shown / "hello").write_text("host\n")
+        spec = BoxSpec(image=root.reference, root=root, mounts=(str(shown),))
+        for n in range(2):
+            h = namespace_runtime.create_box(spec, new_box_name(), timeout=CREATE_TIMEOUT)
+            try:
+                if namespace_mode == "forked":
+                    fallback = namespace_runtime.fork_fallback
+                    assert h.forked_from is not None, f"booted, not forked: {fallback}"  # type: ignore[attr-defined]
+                r = Sandbox(h).execute_command(
+                    f"cat {shown}/hello /var/tmp/beside/f /var/tmp/top-file; ls /var/tmp/beside; pwd;"
+                    f" echo {n} > /var/tmp/beside/new{n} && echo beside-ok; echo x > here && echo wd-ok;"
+                    f" echo x > /var/lib/y && echo lib-ok; echo x > {shown}/w 2>/dev/null || echo host-ro",
+                    timeout=20,
+                )
+                assert r.stdout.split() == [
+                    "host", "image", "top", "f", "/var/work/app", "beside-ok", "wd-ok", "lib-ok", "host-ro",
+                ], r  # fmt: skip
+            finally:
+                h.destroy()
+        assert sorted(os.listdir(shown)) == ["hello"]
+        assert sorted(os.listdir(tree / "var" / "tmp" / "beside")) == ["f"]
+    finally:
+        shutil.rmtree(shown)

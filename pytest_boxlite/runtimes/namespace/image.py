@@ -202,10 +202,50 @@ def _entries(rootfs: str) -> list[os.DirEntry[str]]:
         raise BoxStartError(f"the image's root filesystem {rootfs} cannot be read: {exc.strerror}") from None
 
 
-def image_args(root: ImageRoot, template: str | None = None, persist: Path | None = None) -> list[str]:
+#: At most this many sub-directories of an image's directories that hold host mounts get a
+#: copy-on-write overlay of their own per box (see :func:`image_args`); past it, one is shown
+#: read-only with its parent (each is one more mount per box, and per fork).
+_TREE_OVERLAYS = 64
+
+
+def image_args(
+    root: ImageRoot,
+    template: str | None = None,
+    persist: Path | None = None,
+    mounts: Sequence[str] = (),
+    files: Sequence[str] = (),
+    workdir: str | None = None,
+) -> list[str]:
     """bwrap arguments laying the image's tree copy-on-write: each top-level directory an overlay
     (the tree its lower layer, then a template's layer of it; the box's writes in memory, or kept
-    in ``persist`` for a template build), its links and files as they are."""
+    in ``persist`` for a template build), its links and files as they are.
+
+    ``mounts`` and ``files``: the host directories and files the box shows at their own paths
+    (see :func:`host_mount_args`; the runtime makes ``workdir``, the box's working directory).  A
+    directory of the image with one of them below it cannot be a writable overlay: a forked box
+    renews each writable overlay over itself, and overlayfs refuses a lower directory with (locked)
+    mounts beneath it.  So such a directory is a tree (as the host's directories with other mounts
+    below them are, see :mod:`.mounts`): one read-only overlay of the image's directory (with the
+    mount points, and the ``workdir`` the runtime makes, in a small layer on top), and each of its
+    sub-directories with no host path below it an overlay of its own, copy-on-write.
+    """
+    top_dirs = {
+        e.name
+        for e in _entries(root.rootfs)
+        if e.is_dir(follow_symlinks=False) and e.name not in _RUNTIME_TOPS and e.name != HOST_KIT.lstrip("/")
+    }
+
+    def within(paths: Sequence[str]) -> list[str]:
+        return [p for p in paths if p.startswith("/") and p.count("/") > 1 and p.split("/")[1] in top_dirs]
+
+    inside_dirs, inside_files = within(mounts), within(files)
+    inside = [*inside_dirs, *inside_files]
+    layers = layers_of(root, template)
+    ancestors = {a for p in inside for a in _parents(p)}
+    trees = {a.split("/")[1] for a in ancestors}
+    wd = workdir if workdir and workdir.startswith("/") and workdir.split("/")[1] in trees else None
+    spine = _spine(layers, inside_dirs, inside_files, wd) if ancestors else None
+    budget = [_TREE_OVERLAYS]
     args: list[str] = []
     for entry in _entries(root.rootfs):
         if entry.name in _RUNTIME_TOPS or entry.name == HOST_KIT.lstrip("/"):
@@ -213,21 +253,135 @@ def image_args(root: ImageRoot, template: str | None = None, persist: Path | Non
         if entry.name == WORKDIR.lstrip("/") and not entry.is_dir(follow_symlinks=False):
             continue  # the runtime makes /workspace: never through a link of the image's
         target = "/" + entry.name
+        if target in mounts or target in files:
+            continue  # the host's own goes there whole (host_mount_args): nothing of the image's beneath it
         if entry.is_symlink():
             args += ["--symlink", os.readlink(entry.path), target]
         elif entry.is_dir(follow_symlinks=False):
-            args += ["--overlay-src", entry.path]
-            if template is not None and _is_dir(Path(template) / "upper" / entry.name):
-                args += ["--overlay-src", str(Path(template) / "upper" / entry.name)]
-            if persist is not None:
-                upper, work = persist / "upper" / entry.name, persist / "work" / entry.name
-                upper.mkdir(parents=True, exist_ok=True)
-                work.mkdir(parents=True, exist_ok=True)
-                args += ["--overlay", str(upper), str(work), target]
+            if target in ancestors and spine is not None:
+                below = _dir_layers(layers, entry.name) or [entry.path]
+                # Lowest first: the image, a template's layer, the mount points on top.
+                for src in [*reversed(below), os.path.join(spine, entry.name)]:
+                    args += ["--overlay-src", src]
+                args += ["--ro-overlay", target]
+                args += _tree_children(
+                    [os.path.join(spine, entry.name), *below], target, ancestors, set(inside), persist, budget
+                )
             else:
-                args += ["--tmp-overlay", target]
+                args += ["--overlay-src", entry.path]
+                if template is not None and _is_dir(Path(template) / "upper" / entry.name):
+                    args += ["--overlay-src", str(Path(template) / "upper" / entry.name)]
+                args += _cow([], target, persist)
         elif entry.is_file(follow_symlinks=False):
             args += ["--ro-bind", entry.path, target]
+    return args
+
+
+def _parents(path: str) -> list[str]:
+    """The proper ancestors of absolute ``path`` but ``/``: ``/a/b/c`` -> ``/a``, ``/a/b``."""
+    parts = [p for p in path.split("/") if p]
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _cow(lowers: Sequence[str], target: str, persist: Path | None) -> list[str]:
+    """bwrap arguments for one copy-on-write directory of the image: ``lowers`` top first; its
+    writes thrown away with the box, or kept under ``persist`` (a template build) at ``target``."""
+    args: list[str] = []
+    for src in reversed(lowers):
+        args += ["--overlay-src", src]
+    if persist is not None:
+        rel = target.lstrip("/")
+        upper, work = persist / "upper" / rel, persist / "work" / rel
+        upper.mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
+        return [*args, "--overlay", str(upper), str(work), target]
+    return [*args, "--tmp-overlay", target]
+
+
+def _opaque(path: str) -> bool:
+    """Whether directory ``path`` of a layer hides the layers below it (overlayfs's opaque mark)."""
+    for name in ("user.overlay.opaque", "trusted.overlay.opaque"):
+        with contextlib.suppress(OSError):
+            if os.getxattr(path, name, follow_symlinks=False) == b"y":
+                return True
+    return False
+
+
+def _dir_layers(layers: Sequence[str], rel: str) -> list[str]:
+    """Where ``rel`` is a directory in ``layers`` (top first) as overlayfs merges them: down to a
+    layer where it is something else (a file, a whiteout, a link: it hides the rest) or opaque.
+    Never through a link (lstat)."""
+    out: list[str] = []
+    for layer in layers:
+        p = os.path.join(layer, rel)
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            break
+        out.append(p)
+        if _opaque(p):
+            break
+    return out
+
+
+def _spine(layers: Sequence[str], dirs: Sequence[str], files: Sequence[str], workdir: str | None) -> str:
+    """A small read-only layer holding the mount points of ``dirs`` and ``files`` (host paths shown
+    in the image's directories: a directory, an empty file) and the directories on the way to them
+    and to ``workdir``, with the modes and owners the image gives those it has (made once per
+    content in this user's private /tmp, see :func:`.mounts._tree_snapshot`)."""
+    from pytest_boxlite.runtimes.namespace.mounts import _tree_snapshot
+
+    me = (os.getuid(), os.getgid())
+    items: dict[str, tuple[str, str, int, int, int, bytes]] = {".": ("dir", ".", 0o755, *me, b"")}
+    chains = [*((p, False) for p in dirs), *((p, True) for p in files)]
+    if workdir is not None:
+        chains.append((workdir, False))
+    for path, is_file in chains:
+        parts = [p for p in path.split("/") if p]
+        for i in range(1, len(parts) + 1):
+            rel = "/".join(parts[:i])
+            if rel in items:
+                continue
+            leaf_file = is_file and i == len(parts)
+            found = None if leaf_file else _dir_layers(layers, rel)
+            if found:
+                st = os.lstat(found[0])
+                items[rel] = ("dir", rel, stat.S_IMODE(st.st_mode) & 0o1777, st.st_uid, st.st_gid, b"")
+            else:
+                items[rel] = ("file" if leaf_file else "dir", rel, 0o644 if leaf_file else 0o755, *me, b"")
+    ordered = sorted(items.values(), key=lambda it: (it[1] != ".", it[1].count("/"), it[1]))
+    return _tree_snapshot(ordered)
+
+
+def _tree_children(
+    parent: Sequence[str],
+    target: str,
+    ancestors: set[str],
+    mounted: set[str],
+    persist: Path | None,
+    budget: list[int],
+) -> list[str]:
+    """The overlays of a tree's sub-directories (see :func:`image_args`): ``parent`` are the
+    layers of directory ``target`` (top first, the spine's first), shown read-only already."""
+    names: set[str] = set()
+    for layer in parent:
+        with contextlib.suppress(OSError):
+            names.update(os.listdir(layer))
+    args: list[str] = []
+    for name in sorted(names):
+        path = target + "/" + name
+        if path in mounted:
+            continue  # the host's directory goes there (host_mount_args)
+        lowers = _dir_layers(parent, name)
+        if not lowers:
+            continue  # not a directory in the merged view: shown as it is, read-only
+        if path in ancestors:
+            args += _tree_children(lowers, path, ancestors, mounted, persist, budget)
+        elif budget[0] > 0:
+            budget[0] -= 1
+            args += _cow(lowers, path, persist)
     return args
 
 

@@ -129,8 +129,9 @@ class NamespaceRuntime(RuntimeDefaults):
         if spec.root is not None:
             dirs, files = _image_mounts(spec)
             shown, _ = _image.host_mount_args(spec.root, dirs, files, masks, spec.template, persist)
-            layers = _image.image_args(spec.root, spec.template, persist)
-            workdir = _image.image_workdir(spec.root, spec.template) or WORKDIR
+            image_wd = _image.image_workdir(spec.root, spec.template)
+            layers = _image.image_args(spec.root, spec.template, persist, dirs, files, image_wd)
+            workdir = image_wd or WORKDIR
             below = [*shown, *_image.kit_args()]
         else:
             mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
