@@ -280,3 +280,69 @@ def test_selftest_where_no_vm_boots_says_why_and_how_on() -> None:
     assert "not run" in line and probe().reason in line and "--boxlite-url" in line, line
     assert "registry" not in r.stdout.lower(), r.stdout
     assert line.count("cannot boot") == 1, line
+
+
+def _kept_names(out: str) -> dict[str, str]:
+    """``{test name: kept box name}`` from a run's kept-box summary lines."""
+    return {m["rest"].rsplit("::", 1)[-1]: m["name"] for m in KEPT.finditer(out)}
+
+
+def test_shell_of_a_kept_boxed_test_starts_in_the_tests_directory(kept: tuple[Path, str]) -> None:
+    """``shell NAME`` of a kept boxed test started in /workspace, not where the test ran (issue
+    44, item 7): the box's keep mark records the test's working directory.  A sandbox's box has
+    none recorded: its own default."""
+    home, out = kept
+    names = _kept_names(out)
+    r = _cli("--home", str(home), "shell", names["test_boxed_fails"], "pwd")
+    assert (r.returncode, r.stdout) == (0, f"{home.parent}\n"), (r.stdout, r.stderr)
+    r = _cli("--home", str(home), "shell", names["test_sandbox_fails"], "pwd")
+    assert (r.returncode, r.stdout) == (0, "/workspace\n"), (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize(
+    "mark",
+    [
+        b'{"cwd": "etc"}',  # not absolute
+        b'{"cwd": "/etc\\u0000x"}',  # a NUL
+        b'{"cwd": "/etc\\u001b]0;x\\u0007"}',  # a terminal escape
+        b'{"cwd": "/' + b"a" * 5000 + b'"}',  # longer than PATH_MAX
+        b'{"cwd": ["/etc"]}',
+        b"not json",
+        b"link",  # the mark a link to a good one: never followed
+    ],
+)
+def test_a_kept_boxs_hostile_working_directory_is_not_used(kept: tuple[Path, str], mark: bytes) -> None:
+    """The keep mark lies in the home on disk: only an absolute, bounded path with no control
+    character is taken (handed to the box's agent, never opened on the host)."""
+    home, out = kept
+    name = _kept_names(out)["test_boxed_fails"]
+    path = home / "namespace" / f"{name}.keep"
+    saved = path.read_bytes()
+    good = home / "good-mark"
+    try:
+        path.unlink()
+        if mark == b"link":
+            good.write_bytes(b'{"cwd": "/etc"}')
+            path.symlink_to(good)
+        else:
+            path.write_bytes(mark)
+        r = _cli("--home", str(home), "shell", name, "pwd")
+        assert (r.returncode, r.stdout) == (0, "/workspace\n"), (r.stdout, r.stderr)
+    finally:
+        path.unlink()
+        path.write_bytes(saved)
+        good.unlink(missing_ok=True)
+
+
+def test_a_kept_boxs_directory_that_is_gone_falls_back_and_says_so(kept: tuple[Path, str]) -> None:
+    home, out = kept
+    name = _kept_names(out)["test_boxed_fails"]
+    path = home / "namespace" / f"{name}.keep"
+    saved = path.read_bytes()
+    try:
+        path.write_bytes(b'{"cwd": "/no/such/dir\\u00e9"}')
+        r = _cli("--home", str(home), "shell", name, "pwd")
+        assert (r.returncode, r.stdout) == (0, "/workspace\n"), (r.stdout, r.stderr)
+        assert "/no/such/dir\u00e9 cannot be entered in the box: starting in its default directory" in r.stderr
+    finally:
+        path.write_bytes(saved)

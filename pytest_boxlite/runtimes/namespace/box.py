@@ -193,6 +193,9 @@ class NamespaceBox(BoxDefaults):
         #: own, set by the runtime that made it.
         self.cell_limits: tuple[int | None, int | None, int | None] = (None, None, None)
         self._cells: CellDealer | None = None
+        #: The working directory of the last command attached to this box (a boxed test's
+        #: pytest), recorded when the box is kept: ``shell`` starts there.
+        self._attached_cwd: str | None = None
 
     @property
     def agent_pid(self) -> int | None:
@@ -217,8 +220,9 @@ class NamespaceBox(BoxDefaults):
             )
         # Through the state directory's descriptor: a link planted under the mark's name is
         # replaced, never written through.
+        mark = {"kept_at": time.time(), "cwd": self._attached_cwd}
         with HomeDir.open(self.box_dir.parent) as state:
-            state.write(keep_marker(self.box_dir).name, str(time.time()).encode(), mode=0o644)
+            state.write(keep_marker(self.box_dir).name, json.dumps(mark).encode(), mode=0o644)
         os.write(self._watchdog, b"k")
 
     # -- requests -------------------------------------------------------
@@ -566,6 +570,7 @@ class NamespaceBox(BoxDefaults):
         extra = ["--stderr", str(self.log_path)]
         if cwd:
             extra += ["--cwd", cwd]
+            self._attached_cwd = cwd
         if status_file:
             extra += ["--status", status_file]
         if user is not None:
@@ -683,6 +688,27 @@ class _AgentProcess:
             return
         self._closed = True
         self._sock.close()
+
+
+#: Bounds on a kept box's recorded working directory (see :func:`kept_cwd`): as PATH_MAX.
+_MAX_KEPT_CWD = 4096
+
+
+def kept_cwd(mark: bytes) -> str | None:
+    """The working directory a kept box's mark records (see :meth:`NamespaceBox.keep`), or
+    ``None``: none recorded (a sandbox's box, an older mark), or not one to use.  The mark lies in
+    the home on disk: only an absolute path of at most :data:`_MAX_KEPT_CWD` bytes with no NUL or
+    other control character is taken; it is handed to the box's agent as a command's cwd, never
+    opened or followed on the host."""
+    try:
+        cwd = json.loads(mark[: _MAX_KEPT_CWD * 2 + 256]).get("cwd")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(cwd, str) or not cwd.startswith("/") or len(cwd.encode(errors="replace")) > _MAX_KEPT_CWD:
+        return None
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in cwd):
+        return None
+    return cwd
 
 
 #: Numbers the cgroups of boxes forked per test (unique in this process; see ``fork_cell``).

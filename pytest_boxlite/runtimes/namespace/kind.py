@@ -13,10 +13,11 @@ from pathlib import Path
 
 from pytest_boxlite import guest
 from pytest_boxlite._homefs import HomeDir
+from pytest_boxlite._shown import shown
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes.base import Capabilities, Leftover, Owners
 from pytest_boxlite.runtimes.namespace import provision
-from pytest_boxlite.runtimes.namespace.box import attach
+from pytest_boxlite.runtimes.namespace.box import attach, kept_cwd
 from pytest_boxlite.runtimes.namespace.bwrap import find_bwrap
 from pytest_boxlite.runtimes.namespace.layout import _read_info, ctl_dir, keep_marker
 from pytest_boxlite.runtimes.namespace.leftovers import box_dirs, remove_box_state, running
@@ -122,6 +123,7 @@ class NamespaceKind:
         From a terminal, ``argv`` runs on a pty of the box's own (:mod:`pytest_boxlite.guest.terminal`):
         its controlling terminal, so a shell has job control and Ctrl-C reaches its foreground job.
         The terminal's mode is put back here too, should the box end before the script restores it.
+        A kept boxed test's box starts ``argv`` in the test's working directory (its mark records it).
         """
         box_dir = state_dir(home) / name
         if "/" in name or name in ("", ".", ".."):
@@ -135,8 +137,9 @@ class NamespaceKind:
             return None
         recorded = _read_info(box_dir).get("listener_pid")
         listener = recorded if isinstance(recorded, int) and recorded > 0 else None
+        cwd = _kept_cwd(home, name)
         if not (os.isatty(0) and os.isatty(1)):
-            return attach(box_dir, argv, listener_pid=listener)
+            return _attach_in(box_dir, argv, listener, cwd)
         # The interpreter and this package are at the host's paths in every box (see mounts._own_dirs).
         wrapped = [sys.executable, "-I", "-S", str(guest.path("terminal")), "--", *argv]
         try:
@@ -144,11 +147,35 @@ class NamespaceKind:
         except termios.error:
             saved = None
         try:
-            return attach(box_dir, wrapped, listener_pid=listener)
+            return _attach_in(box_dir, wrapped, listener, cwd)
         finally:
             if saved is not None:
                 with contextlib.suppress(termios.error):
                     termios.tcsetattr(0, termios.TCSAFLUSH, saved)
+
+
+def _kept_cwd(home: Path, name: str) -> str | None:
+    """The working directory recorded in box ``name``'s keep mark (see :func:`.box.kept_cwd`), or
+    ``None``: the mark is read through the home's descriptors, bounded, and checked there."""
+    try:
+        with HomeDir.at(home, "namespace") as state:
+            return kept_cwd(state.read(keep_marker(Path(name)).name, 16384))
+    except OSError:  # Refused among them: no mark to use
+        return None
+
+
+def _attach_in(box_dir: Path, argv: Sequence[str], listener: int | None, cwd: str | None) -> int:
+    """:func:`.box.attach` in ``cwd``; where the box has no such directory (the test removed it),
+    in the box's default one, saying so."""
+    if cwd is not None:
+        try:
+            return attach(box_dir, argv, cwd=cwd, listener_pid=listener)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            print(
+                f"pytest-boxlite: {shown(cwd)} cannot be entered in the box: starting in its default directory",
+                file=sys.stderr,
+            )
+    return attach(box_dir, argv, listener_pid=listener)
 
 
 KIND = NamespaceKind()
