@@ -371,6 +371,9 @@ def _overlay(path: str, template: str | None, persist: Path | None, masks: Mappi
     layer of it and its mask layer; its writes kept in ``persist`` (a template build) or thrown away."""
     layer = path.strip("/")
     args = ["--overlay-src", path, *regroup_args(path)]  # the user's files of a group the box cannot map
+    owned = _writable_layer(path)
+    if owned is not None:
+        args += ["--overlay-src", owned]
     # lstat, not is_dir(): a link in the template is never followed on the host.
     if template is not None and stat.S_ISDIR(_lstat_mode(Path(template) / "upper" / layer)):
         args += ["--overlay-src", str(Path(template) / "upper" / layer)]
@@ -387,6 +390,41 @@ def _overlay(path: str, template: str | None, persist: Path | None, masks: Mappi
 
 
 _PRIVATE_TOPS = ("/tmp", "/run", "/dev", "/proc", "/sys")
+#: At most this many entries of a copy-on-write directory are looked at for :func:`_writable_layer`.
+_WRITABLE_SCAN = 4096
+
+
+@lru_cache(maxsize=256)
+def _writable_layer(top: str) -> str | None:
+    """A layer giving the sub-directories of ``top`` that this (ordinary) user may write but does
+    not own (``/var/tmp``, ``/var/crash``: sticky and world-writable, owned by root) an owner the
+    box maps, or ``None`` (a root host maps every owner; none such).
+
+    A box of an ordinary user maps only that user: a directory of someone else's shows as owned by
+    ``nobody``, and overlayfs cannot copy it up to the box's upper layer (it would have to give the
+    copy that owner), so the first file made in it failed with EOVERFLOW where locally it is made.
+    With this layer on top of the host's, such a directory takes the layer's owner and mode (a
+    merged directory shows its top layer's): root in the box, as it is on the host, with its mode;
+    its entries stay the host's, and what a box writes there goes to the box's own upper layer.
+    """
+    if os.geteuid() == 0:
+        return None
+    me = os.getuid()
+    found: list[tuple[str, str, int, int, int, bytes]] = []
+    try:
+        with os.scandir(top) as it:
+            for n, entry in enumerate(it):
+                if n >= _WRITABLE_SCAN:
+                    break
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode) and st.st_uid != me and os.access(entry.path, os.W_OK | os.X_OK):
+                        found.append(("dir", entry.name, stat.S_IMODE(st.st_mode), me, os.getgid(), b""))
+    except OSError:
+        return None
+    if not found:
+        return None
+    return _tree_snapshot([("dir", ".", 0o755, me, os.getgid(), b""), *sorted(found)])
 
 
 def _lstat_mode(path: Path) -> int:
