@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from subruns import QUIET
@@ -304,14 +305,20 @@ def test_every_built_page_has_a_title_and_real_tables(tmp_path: Path) -> None:
     opening on ``Python API ==== ====``): one title per page, every table a table."""
     _sphinx(ROOT / "docs", tmp_path / "html")
     assert page_problems(tmp_path / "html", ROOT / "docs") == []
-    # The options reference is a list, one entry per option, not a five-column table whose default
-    # and meaning columns a browser hid behind a horizontal scroll.
+    # The options reference is a section per option (its flag the title, an anchor to link to), not
+    # a five-column table whose default and meaning columns a browser hid behind a horizontal scroll.
     from pytest_boxlite.settings import OPTIONS
 
     options = (tmp_path / "html" / "reference" / "options.html").read_text()
-    assert '<dl class="boxlite-options">' in options and "<table" not in options
+    assert "<table" not in options
     for opt in OPTIONS:
-        assert f'<dt><code class="docutils literal notranslate"><span class="pre">{opt.flag}' in options, opt.flag
+        assert (
+            f'<h2><code class="docutils literal notranslate"><span class="pre">{opt.flag}</span></code>' in options
+        ), opt.flag
+    # The environment page's links to each option's section resolve.
+    environment = (tmp_path / "html" / "reference" / "environment.html").read_text()
+    for anchor in re.findall(r'href="options\.html#([^"]+)"', environment):
+        assert f'id="{anchor}"' in options, anchor
 
 
 @pytest.mark.timeout(300)
@@ -332,3 +339,52 @@ def test_the_page_check_finds_a_missing_title_and_a_table_as_text(tmp_path: Path
     assert any(p.startswith("reference/api.rst: 0 titles") for p in problems), problems
     assert any(p.startswith("reference/table.md: a table rendered as text") for p in problems), problems
     assert not any(p.startswith("index.md") for p in problems), problems
+
+
+# -- the reference pages' generated regions: committed (readable on GitHub) and never stale --------
+
+
+def _reference_generator() -> ModuleType:
+    """``docs/_ext/boxlite_reference.py``, which needs pytest-boxlite alone (Sphinx only in its ``setup``)."""
+    spec = importlib.util.spec_from_file_location("boxlite_reference", ROOT / "docs" / "_ext" / "boxlite_reference.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_generated_reference_regions_match_the_code() -> None:
+    """The tables in docs/reference/*.md are what the code gives now: a changed option, marker
+    argument, fixture, variable or sub-command needs ``python docs/_ext/boxlite_reference.py --write``."""
+    gen = _reference_generator()
+    assert gen.drift() == [], "\n".join(gen.drift())
+    # No directive is left for GitHub to show as text: each page holds its region in Markdown.
+    for page, _ in gen.REGIONS.values():
+        text = (ROOT / "docs" / page).read_text()
+        assert "```{boxlite-" not in text, page
+
+
+def test_the_drift_check_finds_a_stale_table_and_a_missing_region(tmp_path: Path) -> None:
+    """The check above is not vacuous: a committed row that differs from the code, and a page whose
+    region was deleted, are each named with the command that fixes them; ``--write`` fixes the first."""
+    gen = _reference_generator()
+    docs = tmp_path / "docs"
+    (docs / "reference").mkdir(parents=True)
+    for page, _ in gen.REGIONS.values():
+        (docs / page).write_text((ROOT / "docs" / page).read_text())
+    assert gen.drift(docs) == []
+    options = docs / "reference" / "options.md"
+    text = options.read_text()
+    assert "`PYTEST_BOXLITE_CPUS`" in text
+    options.write_text(text.replace("`PYTEST_BOXLITE_CPUS`", "`PYTEST_BOXLITE_VCPUS`", 1))
+    marker = docs / "reference" / "marker.md"
+    marker.write_text(re.sub(r"<!-- BEGIN generated.*?<!-- END generated -->", "", marker.read_text(), flags=re.DOTALL))
+    problems = gen.drift(docs)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("docs/reference/marker.md: 0 regions"), problems
+    assert problems[1].startswith("docs/reference/options.md:") and "PYTEST_BOXLITE_VCPUS" in problems[1], problems
+    assert all(p.endswith("python docs/_ext/boxlite_reference.py --write") for p in problems), problems
+    marker.write_text((ROOT / "docs" / "reference" / "marker.md").read_text())
+    assert gen.write(docs) == ["docs/reference/options.md"]
+    assert gen.drift(docs) == []
+    assert options.read_text() == (ROOT / "docs" / "reference" / "options.md").read_text()
