@@ -72,7 +72,7 @@ class BoxLifecycle(Protocol):
     """What the pool's owner does at each step of a box's life; one object, given at construction.
 
     The pool calls these from its own threads, never while it holds its lock.  Subclass
-    :class:`NoLifecycle` to override only the steps you need.
+    :class:`DefaultLifecycle` to override only the steps you need.
     """
 
     def prepare(self, spec: BoxSpec) -> BoxSpec:
@@ -95,12 +95,12 @@ class BoxLifecycle(Protocol):
 
     def relieve(self, spec: BoxSpec) -> bool:
         """A lease of ``spec`` is blocked at the cap with nothing idle to evict: release a box held
-        for the owner itself (a fork parent) if there is one.  Returns whether one was released
+        for the owner itself (a warm interpreter held for forking) if there is one.  Returns whether one was released
         (the pool looks again either way, and asks again only after its next wake-up)."""
         ...
 
 
-class NoLifecycle:
+class DefaultLifecycle:
     """The lifecycle that does nothing: boxes are booted as asked and destroyed as they are."""
 
     def prepare(self, spec: BoxSpec) -> BoxSpec:
@@ -183,7 +183,7 @@ class BoxPool:
         self.stats = PoolStats()
         self._namer = namer
         #: The owner's steps around each boot and destroy (see :class:`BoxLifecycle`).
-        self._lifecycle: BoxLifecycle = NoLifecycle() if lifecycle is None else lifecycle
+        self._lifecycle: BoxLifecycle = DefaultLifecycle() if lifecycle is None else lifecycle
         self._cond = threading.Condition()
         self._warm: dict[BoxSpec, collections.deque[_Warm]] = collections.defaultdict(collections.deque)
         self._booting: collections.Counter[BoxSpec] = collections.Counter()

@@ -22,7 +22,7 @@ from pytest_boxlite import reporting
 from pytest_boxlite.errors import BoxliteError, ConfigError
 from pytest_boxlite.fixtures import CALL_FAILED_KEY
 from pytest_boxlite.markers import BoxPlan, plan_for, warn_at
-from pytest_boxlite.pool import NoLifecycle
+from pytest_boxlite.pool import DefaultLifecycle
 from pytest_boxlite.runtimes import BoxHandle, header_notes, preflight
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.settings import Settings
@@ -36,6 +36,11 @@ _BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite
 _PLAN_KEY = pytest.StashKey[BoxPlan]()
 #: The stand-in item through which the host tears down its own fixtures around boxed tests.
 _SHADOW = "boxlite-shared-fixtures"
+
+
+def _plan_of(item: pytest.Item) -> BoxPlan | None:
+    """The plan made for ``item`` at collection (None: it runs on the host)."""
+    return item.stash.get(_PLAN_KEY, None)
 
 
 def _noop() -> None:
@@ -247,11 +252,11 @@ class ControllerPlugin(_SessionRole):
             self.session.reap_workers()
 
 
-class HostPlugin(_SessionRole, NoLifecycle):
+class HostPlugin(_SessionRole, DefaultLifecycle):
     """A plain run or an xdist worker: its boxes, the warm interpreters in them and boxed items.
 
-    It is also the pool's lifecycle: a warm interpreter in every ``worker`` box, and fork parents
-    that give way when a lease of another spec is blocked at the cap.
+    It is also the pool's lifecycle: a warm interpreter in every ``worker`` box, and warm
+    interpreters held for forking that give way when a lease of another spec is blocked at the cap.
     """
 
     NAME = "boxlite-host"
@@ -276,12 +281,6 @@ class HostPlugin(_SessionRole, NoLifecycle):
         #: no runner, which nothing would ever shut down.
         self._remote_closed = False
         workerinput = getattr(config, "workerinput", None)
-        #: Where each item is in ``session.items`` (see ``_after``); an xdist worker does not know.
-        self._order: dict[int, int] = {}
-        #: The stretch of ``session.items`` last walked by ``_next_module``: its module's node id,
-        #: where it starts and ends, and the first item after it, with its plan.
-        self._module_after: tuple[str, int, int, tuple[pytest.Item, BoxPlan | None] | None] | None = None
-        self._order_unknown = workerinput is not None
         #: A worker on another host than its controller (it cleans up on its host itself).
         self.remote = bool(workerinput and workerinput.get(REMOTE_KEY))
         #: The nodes on which tests run on this host may have set fixtures up (pytest's own
@@ -318,7 +317,7 @@ class HostPlugin(_SessionRole, NoLifecycle):
 
                 s = self.session.settings
                 runner = RemoteRunner(self.config, boot_timeout=s.boot_timeout, env_deny=s.env_deny)
-                self._remote = runner, BoxedExecutor(runner, self.session)
+                self._remote = runner, BoxedExecutor(runner, self.session, plan_of=_plan_of)
             return self._remote
 
     # -- the pool's lifecycle ---------------------------------------------------------------
@@ -333,8 +332,8 @@ class HostPlugin(_SessionRole, NoLifecycle):
 
     def relieve(self, spec: BoxSpec) -> bool:
         remote = self._made()
-        # No executor made: it holds no box (no fork parent) to release.
-        return remote is not None and remote[1].release_template(spec)
+        # No executor made: it holds no box (no warm interpreter) to release.
+        return remote is not None and remote[1].release_warm_interpreter(spec)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _home_ready(self) -> None:
@@ -412,17 +411,7 @@ class HostPlugin(_SessionRole, NoLifecycle):
         plan = item.stash.get(_PLAN_KEY, None)
         if plan is None:
             return None
-        next_plan = nextitem.stash.get(_PLAN_KEY, None) if nextitem is not None else None
-        next_module = self._next_module(item) if self.session.settings.scope == "module" else None
-        return self._executor().run_protocol(
-            item,
-            plan,
-            nextitem,
-            next_plan,
-            then=self._after(nextitem),
-            next_module=next_module,
-            teardown_host=self._teardown_host,
-        )
+        return self._executor().run_protocol(item, plan, nextitem, teardown_host=self._teardown_host)
 
     @pytest.hookimpl(wrapper=True, specname="pytest_runtest_protocol")
     def pytest_runtest_protocol_on_host(
@@ -506,46 +495,6 @@ class HostPlugin(_SessionRole, NoLifecycle):
         report = pytest.TestReport.from_item_and_call(item, call)
         report.sections = sections
         return [report]
-
-    def _after(self, nextitem: pytest.Item | None) -> tuple[pytest.Item, BoxPlan | None] | None:
-        """The item that runs after ``nextitem`` (and its plan), where this process knows the run
-        order: a plain run walks ``session.items``; an xdist worker learns its next items from
-        the controller as it goes, so it is told only ``nextitem``."""
-        if nextitem is None or self._order_unknown:
-            return None
-        items = nextitem.session.items
-        at = self._order.get(id(nextitem))
-        if at is None or at >= len(items) or items[at] is not nextitem:
-            self._order = {id(it): n for n, it in enumerate(items)}
-            at = self._order.get(id(nextitem))
-            if at is None:
-                # Another plugin runs items that are not the session's: guess no further.
-                self._order_unknown = True
-                return None
-        if at + 1 >= len(items):
-            return None
-        after = items[at + 1]
-        return after, after.stash.get(_PLAN_KEY, None)
-
-    def _next_module(self, item: pytest.Item) -> tuple[pytest.Item, BoxPlan | None] | None:
-        """The first item after ``item``'s module (and its plan), where this process knows the
-        run order (see ``_after``): module scope forks that module's box while this one runs.
-        Worked out once per module (the walk to the module's end is paid once)."""
-        module = item.nodeid.split("::", 1)[0]
-        if self._after(item) is None:  # the order is unknown, or item is the last
-            return None
-        items = item.session.items
-        at = self._order[id(item)]
-        known = self._module_after
-        # The same stretch of the module's items (a plugin may reorder a module's items apart).
-        if known is not None and known[0] == module and known[1] <= at < known[2]:
-            return known[3]
-        end = at + 1
-        while end < len(items) and items[end].nodeid.split("::", 1)[0] == module:
-            end += 1
-        found = (items[end], items[end].stash.get(_PLAN_KEY, None)) if end < len(items) else None
-        self._module_after = (module, at, end, found)
-        return found
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:

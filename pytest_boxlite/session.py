@@ -19,7 +19,7 @@ from pytest_boxlite import ledger
 from pytest_boxlite._homefs import check_home
 from pytest_boxlite._switch import SwitchInterval
 from pytest_boxlite.errors import BoxliteError, BoxStartError, ConfigError
-from pytest_boxlite.pool import BoxLifecycle, BoxPool, NoLifecycle, make_namer
+from pytest_boxlite.pool import BoxLifecycle, BoxPool, DefaultLifecycle, make_namer
 from pytest_boxlite.runtimes import BoxHandle, Choice, Runtime, choose, open_choice, remote_target
 from pytest_boxlite.settings import Settings
 from pytest_boxlite.spec import BoxSpec, ImageRoot, check_image
@@ -117,7 +117,7 @@ class BoxliteSession:
         #: The host's switch interval, short while boxes start and serve (see _switch.py).
         self.switch = SwitchInterval()
         self._opener = opener
-        self._lifecycle = _Provisioning(self, NoLifecycle() if lifecycle is None else lifecycle)
+        self._lifecycle = _Provisioning(self, DefaultLifecycle() if lifecycle is None else lifecycle)
         self._wanted: set[BoxSpec] = set()
         self._namer = make_namer(self.owner)
         self._templated: dict[BoxSpec, BoxSpec] = {}

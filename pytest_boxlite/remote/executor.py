@@ -4,7 +4,7 @@
 owns it, which returns here without calling another step's module (``tests/test_item_path.py``
 measures that order):
 
-1. lease: the box (or fork parent) from the pool (:meth:`BoxedExecutor._lease`, ``_fork_parent``);
+1. lease: the box (or warm interpreter) from the pool (:meth:`BoxedExecutor._lease`);
 2. fork and send RUN: :class:`~.worker_host.RemoteRunner` (``fork``, ``run_in``, ``run_item``);
 3. drain: :func:`.transport.drain` reads the test's messages, within every bound on them;
 4. end: ``RemoteRunner.end`` kills or reaps the box and reads how it ended and its log;
@@ -14,6 +14,7 @@ measures that order):
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_boxlite.errors import BoxliteError
+from pytest_boxlite.lookahead import Ahead, LookAhead, RunOrder, Step, early_runs_allowed, module_of, same_box
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.remote import reports, transport
 from pytest_boxlite.remote.transport import BoxSpoke
@@ -82,25 +84,28 @@ class WaitNotice:
 
 
 class BoxedExecutor:
-    """Runs boxed items: per test in a box forked from a warm interpreter (its "fork parent"),
-    per test in a leased box, or per module in one box."""
+    """Runs boxed items: per test in a box forked from a warm interpreter, per test in a leased
+    box, or per module in one box."""
 
     KEEP_PROPERTY = "boxlite_box"
 
-    def __init__(self, runner: RemoteRunner, session: BoxliteSession) -> None:
+    def __init__(
+        self, runner: RemoteRunner, session: BoxliteSession, plan_of: Callable[[pytest.Item], BoxPlan | None]
+    ) -> None:
         self.config = runner.config
         self.runner = runner
         self.session = session
-        self._held: tuple[str, BoxSpec, Lease] | None = None  # module scope: (module path, spec, lease)
-        self._held_failed = False
+        #: The plan of an item (None: it runs on the host), as the host made it at collection.
+        self._plan_of = plan_of
+        #: Module scope, booted boxes: the leased box that runs the current module's tests.
+        self._held: _HeldLease | None = None
         #: Warm interpreters that fresh boxes are forked from, one per spec (fork mode).
-        self._fork_parents: dict[BoxSpec, Lease] = {}
-        #: The forked box that runs the current module's tests (module scope, fork mode).
-        self._held_fork: tuple[str, BoxSpec, ForkedBox] | None = None
-        #: The module box's next test, when its RUN was sent as soon as the test before it ended
-        #: (see ``_start_ahead``): its node id and its run.
-        self._started_ahead: tuple[str, BoxRun] | None = None
-        self._may_start_ahead: bool | None = None
+        self._warm_interpreters: dict[BoxSpec, Lease] = {}
+        #: Module scope, fork mode: the forked box that runs the current module's tests.
+        self._held_fork: _HeldFork | None = None
+        #: The module box's next test, when its RUN was sent as soon as the test before it ended.
+        self._early_run: _EarlyRun | None = None
+        self._may_run_early: bool | None = None
         #: Why a box could not be had, and the first test that said so in full.
         self._lease_errors: dict[str, str] = {}
         #: Per test, each forked box inherits the fixtures wider than a function's from its warm
@@ -108,281 +113,106 @@ class BoxedExecutor:
         #: down when pytest would (:meth:`teardown_shared`).  Module scope keeps one box per
         #: module: the box sets up its own, as booted boxes do.
         runner.share_fixtures = self.session.settings.scope == "test"
-        #: Per fork parent (its box's name): its lease, and the node ids on which its warm
-        #: interpreter may hold fixtures set up (the last forked item's collectors).
-        self._shared: dict[str, tuple[Lease, list[str]]] = {}
-        #: The collector of the last test forked per spec, the fixture names the tests forked
-        #: under it asked for, and the parameter each wider fixture had last (see ``_ahead_ok``).
-        self._group: dict[BoxSpec, tuple[Any, set[str], dict[str, Any]]] = {}
+        #: Per warm interpreter (its box's name): what it may hold set up.
+        self._shared: dict[str, _Shared] = {}
+        self._planner = LookAhead(scope=self.session.settings.scope, share_fixtures=runner.share_fixtures)
+        #: An xdist worker learns its next items from the controller as it goes: it knows no order.
+        self._order: RunOrder[pytest.Item] = RunOrder(known=getattr(self.config, "workerinput", None) is None)
 
     def run_protocol(
         self,
         item: pytest.Item,
         plan: BoxPlan,
         nextitem: pytest.Item | None,
-        next_plan: BoxPlan | None,
         *,
-        then: tuple[pytest.Item, BoxPlan | None] | None = None,
-        next_module: tuple[pytest.Item, BoxPlan | None] | None = None,
         teardown_host: Callable[[pytest.Item, pytest.Item | None], Sequence[pytest.TestReport]] | None = None,
     ) -> bool:
-        """Run ``item`` in its box and log its reports.  ``then``: the item after ``nextitem`` and
-        its plan, where the run order is known (its box can be made ahead too).  ``next_module``:
-        in module scope, where the order is known, the first item after ``item``'s module and its
-        plan (its module's box is made while this module's tests run).
-        ``teardown_host``: what the host tears down of its own after ``item`` (fixtures that tests
-        run on the host set up), as pytest would at ``item``'s teardown: its reports' outcome and
-        output join ``item``'s teardown report, with those of warm interpreters' shared fixtures."""
-        ihook = item.ihook
-        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        module = _module_of(item)
-        shared = (
-            self.session.settings.scope == "module"
-            and nextitem is not None
-            and next_plan is not None
-            and next_plan.spec == plan.spec
-            and _module_of(nextitem) == module
-        )
-        out: list[pytest.TestReport]
-        exit_with: tuple[str, int] | None = None
-        lease: Lease | None = None
-        box_name = ""
+        """Run ``item`` in its box and log its reports, in five steps:
+
+        1. lease: the warm interpreter to fork ``item``'s box from, or a booted box (one per
+           module in module scope);
+        2. look ahead: what to do for the next tests while this one runs (:mod:`..lookahead`);
+        3. run: fork the box or send RUN, drain its messages, end the box, make the reports;
+        4. keep or let go: the module's box stays for its next test (whose RUN may be sent now),
+           a box or warm interpreter that is done goes;
+        5. log the reports, ``item``'s teardown report with what was torn down after it: the
+           warm interpreters' shared fixtures and the host's own (``teardown_host``, as pytest
+           would at ``item``'s teardown).
+        """
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        ended: Ended | None = None
         try:
-            if self.session.fork_boxes:
-                lease = self._fork_parent(plan)
-                if self._fork_refused(plan, lease):
-                    lease = self._lease(module, plan)
-            else:
-                lease = self._lease(module, plan)
+            lease = self._lease(item, plan)
         except BoxliteError as exc:
             out = reports.failed_phase(item, "setup", self._lease_error(item, str(exc)), None, 0.0)
         else:
-            box_name = lease.handle.name
-        if lease is not None and self.session.fork_boxes:
-            # The next tests' boxes are forked while this one runs, when they come from the same
-            # warm interpreter and this box will not run them (module scope keeps one box per
-            # module, so there only the next module's first test gets one).
-            ahead: list[str] = []
-            names, params = self._group_of(item, plan.spec)
-            same = nextitem is not None and next_plan is not None and next_plan.spec == plan.spec
-            first, first_plan = next_module if next_module is not None else (None, None)
-            if shared and first is not None and first_plan is not None:
-                # Module scope: the next module's box is forked while this module runs, not only
-                # during its last test (a box takes longer to make than most tests take to run:
-                # click's suite waited 21 ms at each of its 42 module changes).
-                if first_plan.spec == plan.spec and self._ahead_ok(item, first, names, params):
-                    ahead.append(first.nodeid)
-            elif same and not shared and nextitem is not None and self._ahead_ok(item, nextitem, names, params):
-                ahead.append(nextitem.nodeid)
-                later, later_plan = then if then is not None else (None, None)
-                per_test = self.session.settings.scope == "test"
-                names_then = names | set(getattr(nextitem, "fixturenames", ()))
-                params_then = {**params, **wide_params(nextitem)}
-                if (
-                    per_test
-                    and later is not None
-                    and later_plan is not None
-                    and later_plan.spec == plan.spec
-                    and self._ahead_ok(nextitem, later, names_then, params_then)
-                ):
-                    ahead.append(later.nodeid)
-            if self.runner.share_fixtures:
-                self._shared[lease.handle.name] = (lease, [n.nodeid for n in item.listchain()[:-1]])
-            after = (nextitem, next_plan, then) if shared and nextitem is not None else None
-            out, ended = self._run_forked(item, lease, plan, module, after, ahead)
-            box_name, exit_with = ended.name, ended.exit
-            if not ended.worker_alive:
-                self._fork_parents.pop(plan.spec, None)
-                self._shared.pop(lease.handle.name, None)
-                lease.release()
-        elif lease is not None:
-            next_nodeid = nextitem.nodeid if shared and nextitem else None
-            run = self.runner.run_item(item, lease, next_nodeid=next_nodeid, timeout=plan.timeout)
-            out, ended = self._drain_end_report(item, run, last=True)
-            exit_with = ended.exit
-            self._held_failed |= any(r.failed for r in out)
-            dead = not ended.worker_alive
-            if not shared or dead or exit_with is not None:
-                # With --boxlite-keep, a box in which any test failed outlives the run (a dead one cannot).
-                self._drop(keep=self._held_failed and self.session.settings.keep and not dead)
-        for rep in out:
-            if rep.when == "teardown":
-                # As runtestprotocol: a session about to stop (-x) tears everything down now.
-                stopping = item.session.shouldfail or item.session.shouldstop
-                target = None if stopping else nextitem
-                extra = list(self.teardown_shared(item, target))
-                if teardown_host is not None:
-                    extra += teardown_host(item, target)
-                merge_teardown(rep, extra)
-                if box_name:
-                    rep.user_properties.append((self.KEEP_PROPERTY, box_name))
-            ihook.pytest_runtest_logreport(report=rep)
-        if exit_with is not None:
+            forked = self.session.fork_boxes
+            look = self._look_ahead(item, plan, nextitem, forked=forked)
+            run = self._start_forked(item, plan, lease, look) if forked else self._start_booted(item, plan, lease, look)
+            out, ended = self._drain_end_report(item, run, last=not look.ahead.same_box)
+            if forked:
+                self._keep_forked(item, plan, lease, look, ended)
+            else:
+                self._keep_booted(look, ended, out)
+        self._log(item, nextitem, out, ended.name if ended is not None else "", teardown_host)
+        if ended is not None and ended.exit is not None:
             # As locally: pytest.exit() in a test ends the session with its return code.
-            pytest.exit(exit_with[0], returncode=exit_with[1])
-        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+            pytest.exit(ended.exit[0], returncode=ended.exit[1])
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
 
-    def _group_of(self, item: pytest.Item, spec: BoxSpec) -> tuple[set[str], dict[str, Any]]:
-        """The fixture names asked for by the tests forked from ``spec``'s warm interpreter since
-        its tests last changed collector, ``item``'s included, and the parameter each of their
-        wider fixtures has there now (``item``'s, or the last test's that had one)."""
-        parent, names, params = self._group.get(spec, (None, set(), {}))
-        if parent is not item.parent:
-            names, params = set(), {}
-        names |= set(getattr(item, "fixturenames", ()))
-        params.update(wide_params(item))
-        self._group[spec] = (item.parent, names, params)
-        return names, params
+    # -- 1. lease ----------------------------------------------------------------------------
+    def _lease(self, item: pytest.Item, plan: BoxPlan) -> Lease:
+        """The warm interpreter to fork ``item``'s box from, or else a booted box for it."""
+        if self.session.fork_boxes:
+            lease = self._warm_interpreter(plan)
+            if not self._fork_refused(plan, lease):
+                return lease
+        return self._module_lease(module_of(item.nodeid), plan)
 
-    def _ahead_ok(self, item: pytest.Item, nxt: pytest.Item, names: set[str], params: dict[str, Any]) -> bool:
-        """Whether ``nxt``'s box may be forked while ``item`` runs.  With shared fixtures its warm
-        interpreter sets up ``nxt``'s wider fixtures first: only when that changes nothing a
-        running test could see, as far as the host can tell (the same collector, no fixture that
-        no earlier test under it asked for, and each wider fixture with the parameter it has now:
-        another one is torn down first, and with it what the running test may use, such as its
-        files in the warm interpreter's /tmp, which a box sees through)."""
-        if not self.runner.share_fixtures:
-            return True
-        if nxt.parent is not item.parent or not set(getattr(nxt, "fixturenames", ())) <= names:
+    def _module_lease(self, module: str, plan: BoxPlan) -> Lease:
+        """A booted box for a test of ``module``: the one held for it (module scope), or a new one."""
+        if self._held is not None:
+            if self._held.holds(module, plan.spec):
+                return self._held.lease
+            self._drop()
+        with WaitNotice(self.config, self._waiting_for()):
+            lease = self.session.pool().lease(plan.spec)
+        self._held = _HeldLease(module, plan.spec, lease)
+        return lease
+
+    def _warm_interpreter(self, plan: BoxPlan) -> Lease:
+        """The warm interpreter to fork ``plan``'s box from, leased once per spec."""
+        lease = self._warm_interpreters.get(plan.spec)
+        if lease is not None:
+            return lease
+        if len(self._warm_interpreters) >= self.session.settings.replicas:
+            # Make room under the cap: the oldest warm interpreter goes.
+            self._release_warm(next(iter(self._warm_interpreters)))
+        pool = self.session.pool()
+        # The warm interpreter is held for the session: no spare box of this spec is needed (a
+        # warm or booting one is still taken by the lease below).
+        pool.prewarm(plan.spec, 0)
+        with WaitNotice(self.config, self._waiting_for()):
+            lease = pool.lease(plan.spec)
+        self._warm_interpreters[plan.spec] = lease
+        return lease
+
+    def _fork_refused(self, plan: BoxPlan, lease: Lease) -> bool:
+        """Whether the warm interpreter's kernel refused the fresh box's namespaces (a VM kernel
+        without user namespaces): then the session boots a box per test from now on, saying so once."""
+        why = self.runner.fork_problems.get(lease.handle.name)
+        if why is None:
             return False
-        return all(name in params and params[name] == index for name, index in wide_params(nxt).items())
-
-    def teardown_shared(self, item: pytest.Item, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
-        """Tear down, in every warm interpreter, the shared fixtures that ``nextitem`` does not
-        need (all of them when it is ``None``), as pytest does at the teardown of ``item`` (the
-        last test that could use them).  Returns a teardown report of ``item`` per warm
-        interpreter that tore something down (its output and errors)."""
-        keep = [n.nodeid for n in nextitem.listchain()] if nextitem is not None else []
-        out: list[pytest.TestReport] = []
-        for name, (lease, chain) in list(self._shared.items()):
-            kept = [n for n in chain if n in keep]
-            if len(kept) == len(chain):
-                continue
-            self._shared[name] = (lease, kept)
-            timeout = max(self.session.settings.timeout, 30.0)
-            try:
-                data = self.runner.teardown_shared(lease.handle, keep, item.nodeid, timeout)
-                rep = transport.kept_report(self.config, item, data) if data is not None else None
-            except (BoxliteError, BoxSpoke) as exc:
-                rep = reports.make_report(item, "teardown", "failed", f"shared fixtures' teardown: {exc}", None, 0.0)
-                self._shared.pop(name, None)
-                if name not in self.runner.live_workers():
-                    # Its warm interpreter is gone: the next test gets a new one, not this dead box.
-                    for spec, parent in list(self._fork_parents.items()):
-                        if parent is lease:
-                            self._release_parent(spec)
-            if rep is not None:
-                out.append(rep)
-        return out
-
-    def _run_forked(
-        self,
-        item: pytest.Item,
-        lease: Lease,
-        plan: BoxPlan,
-        module: str,
-        after: tuple[pytest.Item, BoxPlan | None, tuple[pytest.Item, BoxPlan | None] | None] | None,
-        ahead: list[str],
-    ) -> tuple[list[pytest.TestReport], Ended]:
-        """Run ``item`` in a forked box: a new one per test, or the module's (module scope).
-
-        ``after`` is the next item, its plan and what follows it (``run_protocol``'s ``then``)
-        when the next item shares this box (module scope, same module and spec); ``ahead`` the
-        node ids of the next tests that need new boxes of the same warm interpreter.
-        """
-        nextitem = after[0] if after is not None else None
-        next_nodeid = nextitem.nodeid if nextitem is not None else None
-        held = self._held_fork
-        box = held[2] if held is not None and (held[0], held[1]) == (module, plan.spec) and held[2].alive else None
-        started, self._started_ahead = self._started_ahead, None
-        if box is not None and started is not None and started[0] == item.nodeid:
-            run = started[1]
-        elif box is not None and started is None:
-            run = self.runner.run_in(box, item, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead)
-        else:
-            # A module box that runs another test than this one (started for a test pytest then
-            # did not run next) is closed as well: this test gets a box of its own.
-            self._close_fork()
-            run = self.runner.fork(
-                item, lease, network=plan.spec.network, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead
-            )
-        out, ended = self._drain_end_report(item, run, last=nextitem is None)
-        # The module's box stays for its next test; one that ended (or is done) is forgotten.
-        self._held_fork = (module, plan.spec, ended.box) if ended.box is not None else None
-        if after is not None and ended.box is not None and ended.exit is None:
-            self._start_ahead(ended.box, module, plan.spec, *after)
-        return out, ended
-
-    def _start_ahead(
-        self,
-        box: ForkedBox,
-        module: str,
-        spec: BoxSpec,
-        nextitem: pytest.Item,
-        next_plan: BoxPlan | None,
-        then: tuple[pytest.Item, BoxPlan | None] | None,
-    ) -> None:
-        """Send the module box's next test its RUN now, as soon as the test before it has ended,
-        so that the box runs it while this process logs the reports of the one before (the host's
-        work and the box's then overlap instead of taking turns).
-
-        Only where nothing this process does with those reports can decide that the next test
-        does not run, or runs elsewhere: no ``-x``/``--maxfail``, ``--stepwise``, debugger or
-        ``--boxlite-keep`` (a kept box must hold what its failed test left), and no plugin of its
-        own around each test's run (one that runs a test again, as pytest-rerunfailures does).
-        The module's last test is started in its turn (its RUN also forks the next box ahead).
-        """
-        later, later_plan = then if then is not None else (None, None)
-        if (
-            next_plan is None
-            or later is None
-            or later_plan is None
-            or later_plan.spec != spec
-            or _module_of(later) != module
-            or not self._ahead_allowed()
-        ):
-            return
-        run = self.runner.run_in(box, nextitem, next_nodeid=later.nodeid, timeout=next_plan.timeout)
-        self._started_ahead = (nextitem.nodeid, run)
-
-    #: Plugins whose ``pytest_runtest_protocol`` runs each test once, as it is: pytest's own, this
-    #: plugin's and pytest-timeout's.
-    _PROTOCOL_PLUGINS = frozenset(
-        ("runner", "boxlite-host", "faulthandler", "unittest", "timeout", "assertion", "warnings", "logging-plugin")
-    )
-
-    def _ahead_allowed(self) -> bool:
-        if self._may_start_ahead is None:
-            opt = self.config.option
-            pm = self.config.pluginmanager
-            impls = {pm.get_name(impl.plugin) for impl in self.config.hook.pytest_runtest_protocol.get_hookimpls()}
-            self._may_start_ahead = not (
-                getattr(opt, "maxfail", 0)
-                or getattr(opt, "stepwise", False)
-                or getattr(opt, "usepdb", False)
-                or getattr(opt, "trace", False)
-                or self.session.settings.keep
-                or not impls <= self._PROTOCOL_PLUGINS
-            )
-        return self._may_start_ahead
-
-    def _drain_end_report(self, item: pytest.Item, run: BoxRun, *, last: bool) -> tuple[list[pytest.TestReport], Ended]:
-        """The steps of a started run after the runner's: drain its messages (if it got as far as
-        a stream), end its box (``last``: a forked box is closed even where it finished), and make
-        its complete reports."""
-        if run.stream is not None:
-            deadline = run.start + run.timeout
-            run.outcome = transport.drain(run.stream, item, deadline, box=run.handle.name, seq=run.seq)
-        ended = self.runner.end(run, last=last)
-        return reports.finish(item, run.outcome, ended), ended
-
-    def _close_fork(self) -> None:
-        self._started_ahead = None  # its box goes with it
-        if self._held_fork is not None:
-            box = self._held_fork[2]
-            self._held_fork = None
-            self.runner.close(box)
+        self.session.refuse_fork(why)
+        self._warm_interpreters.pop(plan.spec, None)
+        self._shared.pop(lease.handle.name, None)
+        lease.release()
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.ensure_newline()
+            tr.write_line(f"boxlite: boxes cannot be forked per test here ({why}): each boxed test boots a box")
+        return True
 
     def _lease_error(self, item: pytest.Item, why: str) -> str:
         """The failure text for a test that got no box: in full once, then a pointer to it.
@@ -394,89 +224,267 @@ class BoxedExecutor:
             return f"could not get a box: {why}"
         return f"could not get a box: {why.splitlines()[0][:300]} (the whole error is in the report of {first})"
 
-    def _lease(self, module: str, plan: BoxPlan) -> Lease:
-        if self._held is not None:
-            held_module, held_spec, lease = self._held
-            if held_module == module and held_spec == plan.spec:
-                return lease
-            self._drop(keep=self._held_failed and self.session.settings.keep)
-        with WaitNotice(self.config, self._waiting_for()):
-            lease = self.session.pool().lease(plan.spec)
-        self._held = (module, plan.spec, lease)
-        return lease
-
-    def _fork_parent(self, plan: BoxPlan) -> Lease:
-        """The warm interpreter to fork ``plan``'s box from, leased once per spec."""
-        lease = self._fork_parents.get(plan.spec)
-        if lease is not None:
-            return lease
-        if len(self._fork_parents) >= self.session.settings.replicas:
-            # Make room under the cap: the oldest fork parent goes.
-            self._release_parent(next(iter(self._fork_parents)))
-        pool = self.session.pool()
-        # The fork parent is held for the session: no spare box of this spec is needed (a warm or
-        # booting one is still taken by the lease below).
-        pool.prewarm(plan.spec, 0)
-        with WaitNotice(self.config, self._waiting_for()):
-            lease = pool.lease(plan.spec)
-        self._fork_parents[plan.spec] = lease
-        return lease
-
-    def _fork_refused(self, plan: BoxPlan, lease: Lease) -> bool:
-        """Whether the fork parent's kernel refused the fresh box's namespaces (a VM kernel without
-        user namespaces): then the session boots a box per test from now on, saying so once."""
-        why = self.runner.fork_problems.get(lease.handle.name)
-        if why is None:
-            return False
-        self.session.refuse_fork(why)
-        self._fork_parents.pop(plan.spec, None)
-        self._shared.pop(lease.handle.name, None)
-        lease.release()
-        tr = self.config.pluginmanager.get_plugin("terminalreporter")
-        if tr is not None:
-            tr.ensure_newline()
-            tr.write_line(f"boxlite: boxes cannot be forked per test here ({why}): each boxed test boots a box")
-        return True
-
     def _waiting_for(self) -> str:
         if self.session.settings.setup:
             return "waiting for a box (the --boxlite-setup template is built once, then cached)"
         return "waiting for a box (booting, then collecting the session in it)"
 
-    def _release_parent(self, spec: BoxSpec) -> None:
-        lease = self._fork_parents.pop(spec)
-        self._shared.pop(lease.handle.name, None)  # what its warm interpreter set up goes with it
+    # -- 2. look ahead -------------------------------------------------------------------------
+    def _look_ahead(self, item: pytest.Item, plan: BoxPlan, nextitem: pytest.Item | None, *, forked: bool) -> _Look:
+        """What the planner says to do for the next tests while ``item`` runs, with those tests."""
+        next_plan = self._plan_of(nextitem) if nextitem is not None else None
+        if not forked:
+            # A booted box is made ahead by the pool: only whether the next test shares it matters.
+            nxt = Step(nextitem.nodeid, next_plan.spec) if nextitem is not None and next_plan is not None else None
+            kept = same_box(Step(item.nodeid, plan.spec), nxt, scope=self.session.settings.scope)
+            return _Look(Ahead(same_box=kept), nextitem, next_plan, None)
+        items = item.session.items
+        module_scope = self.session.settings.scope == "module"
+        first = self._order.after_module(items, item) if module_scope else None
+        then = self._order.after(items, nextitem)
+        ahead = self._planner.plan(
+            _step(item, plan),
+            self._step(nextitem),
+            self._step(then),
+            self._step(first),
+            early_runs=module_scope and self._early_runs_allowed(),
+        )
+        return _Look(ahead, nextitem, next_plan, then)
+
+    def _step(self, item: pytest.Item | None) -> Step | None:
+        """``item`` as the planner sees it; None where there is no such item or it runs on the host."""
+        plan = self._plan_of(item) if item is not None else None
+        return _step(item, plan) if item is not None and plan is not None else None
+
+    def _early_runs_allowed(self) -> bool:
+        """Whether a module box's next test may get its RUN as soon as the test before it ended
+        (worked out at the first test: the plugins around each test's run are registered by then)."""
+        if self._may_run_early is None:
+            opt = self.config.option
+            pm = self.config.pluginmanager
+            impls = self.config.hook.pytest_runtest_protocol.get_hookimpls()
+            self._may_run_early = early_runs_allowed(
+                maxfail=getattr(opt, "maxfail", 0),
+                stepwise=getattr(opt, "stepwise", False),
+                debugger=getattr(opt, "usepdb", False) or getattr(opt, "trace", False),
+                keep=self.session.settings.keep,
+                protocol_plugins={str(pm.get_name(impl.plugin)) for impl in impls},
+            )
+        return self._may_run_early
+
+    # -- 3. run --------------------------------------------------------------------------------
+    def _start_booted(self, item: pytest.Item, plan: BoxPlan, lease: Lease, look: _Look) -> BoxRun:
+        """Send RUN to the leased box's warm interpreter."""
+        next_nodeid = look.nextitem.nodeid if look.ahead.same_box and look.nextitem is not None else None
+        return self.runner.run_item(item, lease, next_nodeid=next_nodeid, timeout=plan.timeout)
+
+    def _start_forked(self, item: pytest.Item, plan: BoxPlan, lease: Lease, look: _Look) -> BoxRun:
+        """Start ``item`` in a forked box: a new one per test, or the module's (module scope),
+        where its RUN may already have been sent (step 4 of the test before)."""
+        if self.runner.share_fixtures:
+            # What the warm interpreter may hold set up once it has forked this box.
+            self._shared[lease.handle.name] = _Shared(lease, [n.nodeid for n in item.listchain()[:-1]])
+        next_nodeid = look.nextitem.nodeid if look.ahead.same_box and look.nextitem is not None else None
+        ahead = list(look.ahead.fork)
+        held = self._held_fork
+        box = held.box if held is not None and held.holds(module_of(item.nodeid), plan.spec) else None
+        early, self._early_run = self._early_run, None
+        if box is not None and early is not None and early.nodeid == item.nodeid:
+            return early.run
+        if box is not None and early is None:
+            return self.runner.run_in(box, item, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead)
+        # A module box that runs another test than this one (started for a test pytest then did
+        # not run next) is closed as well: this test gets a box of its own.
+        self._close_fork()
+        return self.runner.fork(
+            item, lease, network=plan.spec.network, next_nodeid=next_nodeid, timeout=plan.timeout, ahead=ahead
+        )
+
+    def _drain_end_report(self, item: pytest.Item, run: BoxRun, *, last: bool) -> tuple[list[pytest.TestReport], Ended]:
+        """The steps of a started run after the runner's: drain its messages (if it got as far as
+        a stream), end its box (``last``: a forked box is closed even where it finished), and make
+        its complete reports."""
+        if run.stream is not None:
+            deadline = run.start + run.timeout
+            run.outcome = transport.drain(run.stream, item, deadline, box=run.handle.name, seq=run.seq)
+        ended = self.runner.end(run, last=last)
+        return reports.finish(item, run.outcome, ended), ended
+
+    # -- 4. keep or let go -----------------------------------------------------------------------
+    def _keep_forked(self, item: pytest.Item, plan: BoxPlan, lease: Lease, look: _Look, ended: Ended) -> None:
+        """The module's forked box stays for its next test (one that ended is forgotten), which
+        gets its RUN now where the planner said so: the box runs it while this process logs the
+        reports of the one before (the host's work and the box's then overlap).  A warm
+        interpreter that died goes."""
+        self._held_fork = _HeldFork(module_of(item.nodeid), plan.spec, ended.box) if ended.box is not None else None
+        box, nxt, next_plan, then = ended.box, look.nextitem, look.next_plan, look.then
+        early = look.ahead.early_run and ended.exit is None
+        if early and box is not None and nxt is not None and next_plan is not None and then is not None:
+            run = self.runner.run_in(box, nxt, next_nodeid=then.nodeid, timeout=next_plan.timeout)
+            self._early_run = _EarlyRun(nxt.nodeid, run)
+        if not ended.worker_alive:
+            self._warm_interpreters.pop(plan.spec, None)
+            self._shared.pop(lease.handle.name, None)
+            lease.release()
+
+    def _keep_booted(self, look: _Look, ended: Ended, out: Sequence[pytest.TestReport]) -> None:
+        """The module's leased box stays for its next test, unless it died or the test called
+        ``pytest.exit``; with ``--boxlite-keep`` a box in which any test failed outlives the run
+        (a dead one cannot)."""
+        held = self._held
+        if held is None:
+            return
+        held.failed |= any(r.failed for r in out)
+        dead = not ended.worker_alive
+        if not look.ahead.same_box or dead or ended.exit is not None:
+            self._drop(keep=held.failed and self.session.settings.keep and not dead)
+
+    # -- 5. log ----------------------------------------------------------------------------------
+    def _log(
+        self,
+        item: pytest.Item,
+        nextitem: pytest.Item | None,
+        out: Sequence[pytest.TestReport],
+        box_name: str,
+        teardown_host: Callable[[pytest.Item, pytest.Item | None], Sequence[pytest.TestReport]] | None,
+    ) -> None:
+        """Log ``item``'s reports; its teardown report gets what was torn down after it elsewhere."""
+        for rep in out:
+            if rep.when == "teardown":
+                # As runtestprotocol: a session about to stop (-x) tears everything down now.
+                stopping = item.session.shouldfail or item.session.shouldstop
+                target = None if stopping else nextitem
+                extra = list(self.teardown_shared(item, target))
+                if teardown_host is not None:
+                    extra += teardown_host(item, target)
+                merge_teardown(rep, extra)
+                if box_name:
+                    rep.user_properties.append((self.KEEP_PROPERTY, box_name))
+            item.ihook.pytest_runtest_logreport(report=rep)
+
+    def teardown_shared(self, item: pytest.Item, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
+        """Tear down, in every warm interpreter, the shared fixtures that ``nextitem`` does not
+        need (all of them when it is ``None``), as pytest does at the teardown of ``item`` (the
+        last test that could use them).  Returns a teardown report of ``item`` per warm
+        interpreter that tore something down (its output and errors)."""
+        keep = [n.nodeid for n in nextitem.listchain()] if nextitem is not None else []
+        out: list[pytest.TestReport] = []
+        for name, shared in list(self._shared.items()):
+            kept = [n for n in shared.chain if n in keep]
+            if len(kept) == len(shared.chain):
+                continue
+            shared.chain = kept
+            timeout = max(self.session.settings.timeout, 30.0)
+            try:
+                data = self.runner.teardown_shared(shared.lease.handle, keep, item.nodeid, timeout)
+                rep = transport.kept_report(self.config, item, data) if data is not None else None
+            except (BoxliteError, BoxSpoke) as exc:
+                rep = reports.make_report(item, "teardown", "failed", f"shared fixtures' teardown: {exc}", None, 0.0)
+                self._shared.pop(name, None)
+                if name not in self.runner.live_workers():
+                    # Its warm interpreter is gone: the next test gets a new one, not this dead box.
+                    for spec, lease in list(self._warm_interpreters.items()):
+                        if lease is shared.lease:
+                            self._release_warm(spec)
+            if rep is not None:
+                out.append(rep)
+        return out
+
+    # -- letting go ------------------------------------------------------------------------------
+    def _close_fork(self) -> None:
+        self._early_run = None  # its box goes with it
+        if self._held_fork is not None:
+            box = self._held_fork.box
+            self._held_fork = None
+            self.runner.close(box)
+
+    def _release_warm(self, spec: BoxSpec) -> None:
+        lease = self._warm_interpreters.pop(spec)
+        self._shared.pop(lease.handle.name, None)  # what it set up goes with it
         lease.release()
 
-    def release_template(self, wanted: BoxSpec) -> bool:
-        """Pool pressure callback: give back the oldest fork parent not of ``wanted``'s spec (and not
-        the parent of the module box in use: its tests would lose their box mid-module)."""
-        in_use = self._held_fork[1] if self._held_fork is not None else None
-        for spec in list(self._fork_parents):
+    def release_warm_interpreter(self, wanted: BoxSpec) -> bool:
+        """Pool pressure callback: give back the oldest warm interpreter not of ``wanted``'s spec
+        (and not the one of the module box in use: its tests would lose their box mid-module)."""
+        in_use = self._held_fork.spec if self._held_fork is not None else None
+        for spec in list(self._warm_interpreters):
             if spec != wanted and spec != in_use:
-                self._release_parent(spec)
+                self._release_warm(spec)
                 return True
         return False
 
-    def _drop(self, *, keep: bool) -> None:
-        if self._held is not None:
-            _, _, lease = self._held
-            self._held = None
-            self._held_failed = False
-            lease.release(keep=keep)
+    def _drop(self, *, keep: bool | None = None) -> None:
+        """Give back the module's leased box; ``keep`` (by default: a test in it failed, under
+        ``--boxlite-keep``) keeps it after the run."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.lease.release(keep=held.failed and self.session.settings.keep if keep is None else keep)
 
     def close(self) -> None:
         self._close_fork()
-        self._drop(keep=self._held_failed and self.session.settings.keep)
-        for lease in self._fork_parents.values():
+        self._drop()
+        for lease in self._warm_interpreters.values():
             lease.release()
-        self._fork_parents.clear()
+        self._warm_interpreters.clear()
         self._shared.clear()
 
 
-def _module_of(item: pytest.Item) -> str:
-    """The node id of ``item``'s file (what a module's box is kept for)."""
-    return item.nodeid.split("::", 1)[0]
+@dataclasses.dataclass
+class _HeldLease:
+    """Module scope, booted boxes: the leased box that runs a module's tests."""
+
+    module: str
+    spec: BoxSpec
+    lease: Lease
+    #: A test in it failed (with ``--boxlite-keep`` the box outlives the run).
+    failed: bool = False
+
+    def holds(self, module: str, spec: BoxSpec) -> bool:
+        return (self.module, self.spec) == (module, spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeldFork:
+    """Module scope, fork mode: the forked box that runs a module's tests."""
+
+    module: str
+    spec: BoxSpec
+    box: ForkedBox
+
+    def holds(self, module: str, spec: BoxSpec) -> bool:
+        return (self.module, self.spec) == (module, spec) and self.box.alive
+
+
+@dataclasses.dataclass(frozen=True)
+class _EarlyRun:
+    """The module box's next test, whose RUN was sent as soon as the test before it ended."""
+
+    nodeid: str
+    run: BoxRun
+
+
+@dataclasses.dataclass
+class _Shared:
+    """What a warm interpreter may hold set up: the node ids of the last forked item's
+    collectors, on which its shared fixtures hang."""
+
+    lease: Lease
+    chain: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Look:
+    """Step 2's answer: the planner's, with the tests it is about."""
+
+    ahead: Ahead
+    nextitem: pytest.Item | None
+    next_plan: BoxPlan | None
+    #: The test after ``nextitem``, where the run order is known (fork mode only).
+    then: pytest.Item | None
+
+
+def _step(item: pytest.Item, plan: BoxPlan) -> Step:
+    return Step(item.nodeid, plan.spec, item.parent, frozenset(getattr(item, "fixturenames", ())), wide_params(item))
 
 
 def wide_params(item: pytest.Item) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from fakes import FakeBox, FakeRuntime, RecordingLifecycle
 from subruns import wait_until
 
 from pytest_boxlite import errors
-from pytest_boxlite.pool import BoxPool, Lease, NoLifecycle
+from pytest_boxlite.pool import BoxPool, DefaultLifecycle, Lease
 from pytest_boxlite.runtimes.base import BoxHandle
 from pytest_boxlite.spec import BoxSpec
 
@@ -476,7 +476,7 @@ def test_a_kept_box_leaves_the_pool_alive(
 def test_pool_without_a_lifecycle_boots_the_spec_as_asked(fake_runtime: FakeRuntime) -> None:
     pool = BoxPool(fake_runtime, namer=lambda: "pbx-unit-plain-1", replicas=1)
     try:
-        assert isinstance(NoLifecycle().prepare(SPEC), BoxSpec)
+        assert isinstance(DefaultLifecycle().prepare(SPEC), BoxSpec)
         lease = pool.lease(SPEC)
         assert fake(lease).spec == SPEC
         lease.release()
