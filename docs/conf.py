@@ -38,4 +38,7 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 intersphinx_mapping: dict[str, tuple[str, str | None]] = {}
 
 html_theme = "furo"
+# Code spans (flags, names) never broken mid-word; the reference's flag titles sized to fit.
+html_static_path = ["_static"]
+html_css_files = ["boxlite.css"]
 html_title = f"pytest-boxlite {release}"
