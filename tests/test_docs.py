@@ -388,3 +388,32 @@ def test_the_drift_check_finds_a_stale_table_and_a_missing_region(tmp_path: Path
     assert gen.write(docs) == ["docs/reference/options.md"]
     assert gen.drift(docs) == []
     assert options.read_text() == (ROOT / "docs" / "reference" / "options.md").read_text()
+
+
+# -- the pages read right on GitHub too: Markdown links, not MyST roles ---------------------------
+
+#: A MyST role GitHub shows as raw text and Markdown can say as a link: {doc}`...`, {ref}`...`.
+_DOC_ROLE = re.compile(r"\{(doc|ref)\}`")
+_LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def _prose(text: str) -> str:
+    """``text`` without its fenced code blocks (an example may show a role or a link on purpose)."""
+    return re.sub(r"^(```+|~~~+).*?^\1\s*$", "", text, flags=re.MULTILINE | re.DOTALL)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_pages_link_in_markdown_and_every_link_resolves(page: Path) -> None:
+    """A link between pages is a Markdown link (MyST resolves it on the site, GitHub in the
+    repository), and its file exists; roles stay only where Markdown has nothing (API objects)."""
+    text = _prose(page.read_text())
+    roles = [f"{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1) if _DOC_ROLE.search(line)]
+    assert not roles, f"{page.relative_to(ROOT)}: write [text](page.md) instead of:\n" + "\n".join(roles)
+    dangling = []
+    for m in _LINK.finditer(text):
+        target = m.group("target").split("#", 1)[0]
+        if not target or "://" in target or target.startswith("mailto:"):
+            continue
+        if not (page.parent / target).exists():
+            dangling.append(m.group("target"))
+    assert not dangling, f"{page.relative_to(ROOT)}: links to files that do not exist: {dangling}"
