@@ -130,6 +130,9 @@ def pytest_configure(config: pytest.Config) -> None:
             from pytest_boxlite.session_in_box import WorkerScopeGuest
 
             config.pluginmanager.register(WorkerScopeGuest(settings), "boxlite-worker-scope")
+            from pytest_boxlite.side_effects import WorkerScopeWatch
+
+            config.pluginmanager.register(WorkerScopeWatch(config, settings), WorkerScopeWatch.NAME)
         return
     if _boots_nothing(config):
         return

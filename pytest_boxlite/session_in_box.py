@@ -47,7 +47,10 @@ def run_session_in_box(config: pytest.Config, settings: Settings) -> int:
     capman = config.pluginmanager.getplugin("capturemanager")
     if capman is not None:
         capman.suspend_global_capture(in_=True)
-    proc = subprocess.Popen([*cmd, "--", sys.executable, "-m", "pytest", *config.invocation_params.args])
+    from pytest_boxlite.side_effects import output_env  # the run's output is not a test's side effect
+
+    env = {**os.environ, **output_env()}
+    proc = subprocess.Popen([*cmd, "--", sys.executable, "-m", "pytest", *config.invocation_params.args], env=env)
     try:
         return proc.wait()
     except KeyboardInterrupt:

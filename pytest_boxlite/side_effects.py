@@ -12,7 +12,10 @@ works the same on an xdist controller.  Every text that came from the box is esc
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import stat
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -20,6 +23,10 @@ from pytest_boxlite._shown import shown
 from pytest_boxlite.box_changes import FILES_CAP, NOTES_CAP, TEXT_CAP, Changes, take
 from pytest_boxlite.guest.changes import _ignored as ignored  # the box's own rule, one copy
 from pytest_boxlite.markers import SIDE_EFFECTS_ALL_OFF, SIDE_EFFECTS_MARKED
+
+if TYPE_CHECKING:
+    from pytest_boxlite.guest.changes import Watch
+    from pytest_boxlite.settings import Settings
 
 __all__ = ["FILES_CAP", "NOTES_CAP", "TEXT_CAP", "Changes", "take"]
 
@@ -43,6 +50,8 @@ SUMMARY_TESTS = 500
 SUMMARY_LINES = 30
 
 _MARKED_KEY = SIDE_EFFECTS_MARKED
+#: A worker's box has no session of its own: its settings, for :func:`_settings_value`.
+_WORKER_SETTINGS_KEY = pytest.StashKey["Settings"]()
 _ALL_OFF_KEY = SIDE_EFFECTS_ALL_OFF
 
 
@@ -77,7 +86,8 @@ def _settings_value(config: pytest.Config, name: str, default: Any) -> Any:
     from pytest_boxlite.fixtures import SESSION_KEY
 
     session = config.stash.get(SESSION_KEY, None)
-    value: Any = getattr(session.settings, name, default) if session is not None else default
+    settings = session.settings if session is not None else config.stash.get(_WORKER_SETTINGS_KEY, None)
+    value: Any = getattr(settings, name, default) if settings is not None else default
     return value
 
 
@@ -205,24 +215,6 @@ def summary(terminalreporter: pytest.TerminalReporter) -> None:
 def _side_effects_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str, str]]) -> None:
     checked = {n: p[PROPERTY] for n, p in seen.items() if PROPERTY in p}
     if not checked:
-        import os
-
-        config = tr.config
-        asked = config.getoption("boxlite_side_effects", None) or os.environ.get("PYTEST_BOXLITE_SIDE_EFFECTS")
-        if not asked and not config.getini("boxlite_side_effects"):
-            return  # not asked for: a plain run resolves nothing here
-        from pytest_boxlite.settings import resolve
-
-        try:  # the session's settings, also where this process is the worker's box (no session of its own)
-            settings = resolve(tr.config)
-        except pytest.UsageError:
-            return
-        mode = settings.side_effects
-        if mode != "off" and settings.scope == "worker":
-            tr.write_line(
-                f"boxlite: --boxlite-side-effects={mode}: not checked in worker scope (one box runs every test "
-                "of a worker); use --boxlite-scope=test or module"
-            )
         return
     plural = "s" if len(checked) != 1 else ""
     # A clean test's value is "none", then its notes (what could not be seen): counted, not listed.
@@ -298,3 +290,91 @@ def usage_header(memory_from: set[str], cpu_from: set[str], *, counted: int, row
             "kernel without pids.peak, a booted or VM box)"
         )
     return out
+
+
+class WorkerScopeWatch:
+    """In a ``--boxlite-scope=worker`` box (the session's, or an xdist worker's): each test's side
+    effects and usage, as the host records them in the other scopes.  One box runs every test, so
+    a test's side effects are what changed in it between the test's start and its end: the
+    project, the home, /tmp, /run and /dev compared whole (``guest/changes.worker_places``), its
+    processes, environment, directory and umask.  Usage: the test process's rusage.  Registered in
+    every worker box (plugin.py); it decides once, after collection, whether anything is asked
+    (the option, ``--boxlite-usage`` or a test's marker), and otherwise does nothing per test."""
+
+    NAME = "boxlite-worker-side-effects"
+
+    def __init__(self, config: pytest.Config, settings: Settings) -> None:
+        self.config = config
+        self.settings = settings
+        config.stash[_WORKER_SETTINGS_KEY] = settings
+        self.quiet = _output_inodes(os.environ.pop(OUTPUT_ENV, ""))
+        self.active = False
+        self._watch: Watch | None = None
+        #: The last test's walks' end (``Watch.kept``): the next test's start, not walked again.
+        self._kept: Any = None
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        marked = any(
+            m.kwargs.get("side_effects") in ("report", "fail") for item in items for m in item.iter_markers("boxlite")
+        )
+        self.active = self.settings.side_effects != "off" or self.settings.usage > 0 or marked
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
+        previous, self._kept = self._kept, None
+        if self.active:
+            fields = run_fields(self.config, item)
+            if fields:
+                from pytest_boxlite.guest.changes import Watch, worker_places
+
+                places = worker_places(item.config) if fields["changes"]["files"] else None
+                fields["changes"]["quiet"] = self.quiet
+                self._watch = Watch([], fields["changes"], item.config, True, places=places, previous=previous)
+        try:
+            return (yield)
+        finally:
+            if self._watch is not None:  # the test ended before its teardown's report
+                self._watch.close()
+                self._watch = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+        report: pytest.TestReport = yield
+        watch = self._watch
+        if report.when == "teardown" and watch is not None:
+            self._watch = None
+            fields = watch.finish()
+            # Its end is the next test's start (pytest's own hooks run in between, no test code).
+            self._kept = watch.kept
+            # What the marker's env= set for the test is the plugin's, put back after it.
+            marker = item.get_closest_marker("boxlite")
+            own = set((marker.kwargs.get("env") or {}) if marker is not None else ())
+            fields["env"] = [e for e in fields.get("env", []) if e[0] not in own]
+            apply(item, take(fields), [report])
+        return report
+
+
+#: The variable through which ``--boxlite-scope=worker`` tells its box the inode numbers of the
+#: files the run's output goes to (see :func:`output_env`).
+OUTPUT_ENV = "PYTEST_BOXLITE_OUTPUT_INODES"
+
+
+def output_env() -> dict[str, str]:
+    """For the box that runs a whole session (``session_in_box``): the inode numbers of the regular
+    files this process's stdout and stderr go to (``pytest > out.log``).  The box shows such a file,
+    in the project, growing as the host writes it: not a test's side effect."""
+    inodes = []
+    for fd in (1, 2):
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            inodes.append(str(st.st_ino))
+    return {OUTPUT_ENV: ",".join(inodes)} if inodes else {}
+
+
+def _output_inodes(text: str) -> list[int]:
+    """:data:`OUTPUT_ENV`'s value: at most two inode numbers; anything else is dropped."""
+    return [int(p) for p in text.split(",")[:2] if p.isdigit() and len(p) < 20]

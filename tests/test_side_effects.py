@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import subruns
+from subruns import wait_until
 
 from pytest_boxlite import ledger, side_effects
 from pytest_boxlite.guest import changes as _changes
@@ -218,6 +219,73 @@ def test_fail_fails_exactly_the_dirty_tests_in_module_scope(
         assert "this test left side effects (--boxlite-side-effects=fail)" in block[:500]
         assert line in block[:1000], (name, block[:1000])
     _host_untouched(project)
+
+
+def test_worker_scope_names_what_each_test_changed_in_the_shared_box(
+    tmp_path: Path, home: Path, subruns: list[subruns.SubRun]
+) -> None:
+    """--boxlite-scope=worker: one box runs the whole session, and each test is blamed for what
+    changed in it between the test's start and its end (the project, the home, /tmp compared
+    whole, its processes and environment): exactly the dirty tests, each with what it left, and
+    a note saying where files were looked for.  The host is untouched."""
+    project = _project(tmp_path)
+    rc, out = _run(
+        project, home, subruns, "worker", "--boxlite-side-effects=report", "--boxlite-scope=worker", "--boxlite-usage=1"
+    )
+    assert rc == 0, out[-3000:]
+    section = {name: [x for x in lines if not x.startswith("note: ")] for name, lines in _section(out).items()}
+    expected = _expected(project)
+    expected["test_deletes_project_file"] = f"deleted file {project}/data.txt"  # its kind is known here
+    assert sorted(section) == sorted(expected), out[-3000:]
+    for name, line in expected.items():
+        assert len(section[name]) == 1 and section[name][0].startswith(line), (name, section[name])
+    assert f"boxlite: {len(DIRTY)} of {len(DIRTY) + len(CLEAN)} boxed tests left side effects" in out
+    assert _changes.PLACES_NOTE in out
+    table = out.split("boxlite usage: top 1 boxed tests by peak memory", 1)[1].splitlines()
+    first = next(line for line in table if "::" in line)
+    assert first.endswith("test_suite.py::test_usage_300mb") and float(first.split()[0]) > 300, table[:6]
+    _host_untouched(project)
+
+
+HOST_WRITES = """
+import time
+
+
+def test_waits_while_the_host_writes():
+    time.sleep(4)
+"""
+
+
+def test_worker_scope_does_not_blame_a_test_for_what_the_host_writes(
+    tmp_path: Path, home: Path, subruns: list[subruns.SubRun]
+) -> None:
+    """A worker's box shows the host's project and home live.  While its test runs, the host
+    creates a file in the project and a directory with a file in the home, and the run's own
+    output grows in a file of the project (subruns' log): the box's overlay shows the new ones on
+    its lower layer, not its own, and the log is the run's output: none is the test's.  (Before,
+    each was listed.)  What the host changes in a file that was there is not told apart: the
+    how-to says so."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "test_host.py").write_text(HOST_WRITES)
+    run = SubRun(
+        project, home, "hostw", "-p", "no:randomly", "-v", "--boxlite-scope=worker", "--boxlite-side-effects=report"
+    )
+    subruns.append(run)
+    home_dir = Path(os.path.expanduser(f"~/.{TAG}-host"))
+    try:
+        assert wait_until(lambda: "test_waits_while_the_host_writes" in run.output, timeout=120)
+        (project / "from-host.txt").write_text("h")
+        home_dir.mkdir()
+        (home_dir / "f").write_text("h")
+        rc = run.wait()
+    finally:
+        import shutil
+
+        shutil.rmtree(home_dir, ignore_errors=True)
+    out = run.output
+    assert rc == 0, out[-3000:]
+    assert "boxlite: no side effects in 1 boxed test" in out, out[-3000:]
 
 
 def test_off_by_default_says_nothing(tmp_path: Path, home: Path, subruns: list[subruns.SubRun]) -> None:

@@ -21,6 +21,7 @@ Every walk is bounded in entries and time and never follows a link (directories 
 
 # Imported here, once, in the warm interpreter: a forked box would pay each import (resource is an
 # extension module: a dlopen) at its first test.
+import collections
 import fnmatch
 import getpass
 import os
@@ -28,6 +29,21 @@ import resource
 import stat
 import tempfile
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations are quoted: no __future__ import, as this source may run in one blob
+    from collections.abc import Callable, Iterable
+    from typing import Any
+
+    import pytest
+
+    #: One walked entry: kind, size, mtime (ns), and what the walk adds (overlay attributes of a
+    #: layer's entry; inode and device of a worker box's place).
+    _Entry = tuple[str, int, int, Any]
+    #: What a walk keeps of an entry for the next comparison: kind, size, mtime.
+    _Seen = dict[str, tuple[str, int, int]]
+    #: What a worker box's test leaves for the next one's start: ``Watch.kept``.
+    _Kept = tuple[list[str], list[_Seen], bool, dict[str, "int | None"]]
 
 #: Entries one walk of a box's layers and fresh directories looks at, and for how long.
 WALK_ENTRIES = 20000
@@ -50,19 +66,19 @@ _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | getatt
 
 
 class _Budget:
-    def __init__(self):
+    def __init__(self) -> None:
         self.left = WALK_ENTRIES
         self.deadline = time.monotonic() + WALK_SECONDS
         self.cut = False
 
-    def take(self):
+    def take(self) -> bool:
         self.left -= 1
         if self.left < 0 or (self.left % 256 == 0 and time.monotonic() > self.deadline):
             self.cut = True
         return not self.cut
 
 
-def _kind(mode, rdev=None):
+def _kind(mode: int, rdev: "int | None" = None) -> str:
     if stat.S_ISDIR(mode):
         return "dir"
     if stat.S_ISREG(mode):
@@ -74,7 +90,7 @@ def _kind(mode, rdev=None):
     return "other"
 
 
-def _xattrs(fd, name):
+def _xattrs(fd: int, name: str) -> "set[str]":
     """The overlay attributes of ``name`` in directory ``fd`` (``origin``, ``opaque``), never
     following a link (through the directory's /proc/self/fd entry: xattr calls take no dir_fd)."""
     path = "/proc/self/fd/%d/%s" % (fd, name)
@@ -95,7 +111,17 @@ def _xattrs(fd, name):
     return out
 
 
-def _walk(fd, top, dev, budget, state, skip, link_targets, want_attrs, depth=0):
+def _walk(
+    fd: int,
+    top: str,
+    dev: "int | None",
+    budget: _Budget,
+    state: "dict[str, _Entry]",
+    skip: "Callable[[str], bool]",
+    link_targets: "dict[str, str]",
+    want_attrs: "Callable[[str], bool]",
+    depth: int = 0,
+) -> None:
     """Every entry beneath directory ``fd`` (shown at ``top``) into ``state``: path -> (kind, size,
     mtime_ns, overlay attributes); on the same device only when ``dev`` is not None (a tmpfs: the
     mounts on it are walked on their own).  ``want_attrs(path)``: whether to read an entry's overlay
@@ -145,6 +171,81 @@ def _walk(fd, top, dev, budget, state, skip, link_targets, want_attrs, depth=0):
                 return
 
 
+def _open_below(fd: int, parts: "tuple[str, ...]") -> "int | None":
+    """The directory ``parts`` (names) beneath directory ``fd``, opened one name at a time without
+    following a link, or None; ``fd`` itself (not a new descriptor) for no parts."""
+    cur = fd
+    try:
+        for name in parts:
+            nxt = os.open(name, _OPEN_DIR, dir_fd=cur)
+            if cur != fd:
+                os.close(cur)
+            cur = nxt
+    except OSError:
+        if cur != fd:
+            os.close(cur)
+        return None
+    return cur
+
+
+def _walk_wide(
+    fd: int,
+    top: str,
+    dev: "int | None",
+    budget: _Budget,
+    state: "dict[str, _Entry]",
+    skip: "Callable[[str], bool]",
+    link_targets: "dict[str, str]",
+) -> None:
+    """As :func:`_walk`, level by level (a place of a worker's box: a home of 200,000 files is cut
+    by the budget, and what lies near its top, where tests write, is seen first).  One descriptor
+    open at a time beside ``fd``: each directory is opened again from ``fd``, name by name."""
+    queue: "collections.deque[tuple[str, ...]]" = collections.deque([()])
+    while queue:
+        parts = queue.popleft()
+        sub = _open_below(fd, parts)
+        if sub is None:
+            continue
+        try:
+            it = os.scandir(sub)
+        except OSError:
+            if sub != fd:
+                os.close(sub)
+            continue
+        base = top.rstrip("/") + "".join("/" + p for p in parts)
+        try:
+            with it:
+                for e in it:
+                    if not budget.take():
+                        return
+                    path = (base or "") + "/" + e.name
+                    if skip(path):
+                        continue
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    kind = _kind(st.st_mode, st.st_rdev)
+                    if dev is not None and kind == "dir" and st.st_dev != dev:
+                        # Another mount.  Only a directory says: an overlay's files show the
+                        # device of the layer that holds them.
+                        continue
+                    state[path] = (kind, st.st_size, st.st_mtime_ns, (st.st_ino, st.st_dev))
+                    if kind == "link" and len(link_targets) < LISTED:
+                        try:
+                            link_targets[path] = os.readlink(e.name, dir_fd=sub)[:TEXT_CAP]
+                        except OSError:
+                            pass
+                    if kind == "dir":
+                        if len(parts) >= WALK_DEPTH:
+                            budget.cut = True
+                        else:
+                            queue.append(parts + (e.name,))
+        finally:
+            if sub != fd:
+                os.close(sub)
+
+
 def _ignored(path: str, patterns: "tuple[str, ...] | list[str]", aliases: "list[tuple[str, str]]") -> bool:
     """Whether ``path`` or a directory above it matches one of ``patterns`` (fnmatch), as an
     absolute path or in one of its ``aliases`` (``(prefix, shown as)``: relative to the project,
@@ -163,7 +264,7 @@ def _ignored(path: str, patterns: "tuple[str, ...] | list[str]", aliases: "list[
     return False
 
 
-def _inside(path, dirs):
+def _inside(path: str, dirs: "dict[str, Any]") -> "str | None":
     """The directory of ``dirs`` (a dict) that ``path`` lies beneath, or None."""
     head = path
     while True:
@@ -177,16 +278,37 @@ def _inside(path, dirs):
 class _Area:
     """One place compared: an upper layer (``layer``: shown at ``top``) or a fresh tmpfs."""
 
-    def __init__(self, top, fd, layer, dev=None, own_fd=False):
+    def __init__(
+        self, top: str, fd: int, layer: bool, dev: "int | None" = None, own_fd: bool = False, wide: bool = False
+    ) -> None:
         self.top, self.fd, self.layer, self.dev, self.own_fd = top, fd, layer, dev, own_fd
+        #: A place of a worker's box (see :func:`_places`): walked level by level, and pytest's
+        #: temporary directories are left out of it only by their own paths (it may lie in one).
+        self.wide = wide
+        #: Where the box's own new files lie (the device of its overlay's upper layer: see
+        #: :func:`_upper_device`), or None where that cannot be told; and whether only what was
+        #: created is listed (the home: the host's other programs change its files as it runs).
+        self.upper: "int | None" = None
+        self.created_only = False
 
-    def snapshot(self, budget, skip, want_attrs):
-        state, links = {}, {}
-        _walk(self.fd, self.top, self.dev, budget, state, skip, links, want_attrs if self.layer else _no)
+    def snapshot(
+        self, budget: _Budget, skip: "Callable[[str], bool]", want_attrs: "Callable[[str], bool]"
+    ) -> "tuple[dict[str, _Entry], dict[str, str]]":
+        state: "dict[str, _Entry]" = {}
+        links: "dict[str, str]" = {}
+        if self.wide:
+            _walk_wide(self.fd, self.top, self.dev, budget, state, skip, links)
+        else:
+            _walk(self.fd, self.top, self.dev, budget, state, skip, links, want_attrs if self.layer else _no)
         return state, links
 
+    @property
+    def skip_temp(self) -> bool:
+        """Whether pytest's numbered temporary directories are left out of it as a whole."""
+        return not self.layer and not self.wide
 
-def _no(path):
+
+def _no(path: str) -> bool:
     return False
 
 
@@ -195,11 +317,11 @@ def _no(path):
 _STAGE = "/run/.boxlite-fresh/"
 
 
-def _within(path, top):
+def _within(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def _areas(layers, temp_root):
+def _areas(layers: "Iterable[tuple[str, str, int]]", temp_root: "str | None") -> "list[_Area]":
     """The places to compare: each kept upper layer (``layers``: ``(shown at, lower, fd)`` from
     guest/fresh.py) and each fresh tmpfs the box has.  A copy of the warm box's pytest temporary
     directory is the test's own temporary space: left out."""
@@ -223,23 +345,83 @@ def _areas(layers, temp_root):
     return out
 
 
-def _unique(files):
+#: A worker's box, walked whole at each test's start and end (it has no layers of its own that
+#: it can see): where the project and the home are not, the directories a later test would see.
+PLACES = ("/tmp", "/workspace", "/run", "/dev/shm", "/dev")
+PLACES_NOTE = (
+    "files: compared in the project, /tmp, /workspace, /run and /dev, and what was created in the home "
+    "(one box runs every test of a worker: its other directories are not walked)"
+)
+
+
+def _upper_device(fd: int, dev: int) -> "int | None":
+    """The device a new file in directory ``fd`` (on device ``dev``) shows: on an overlay over
+    the host's files (a worker's box) that of its upper layer, which holds what the box wrote,
+    while a file of a lower layer (the host's, as it is now) shows its own.  None where the two
+    cannot be told apart (the probe shows ``dev`` itself, or cannot be made).  The probe is
+    removed at once; it lies in the box's layer, never on the host."""
+    name = ".boxlite-probe-%d-%s" % (os.getpid(), os.urandom(6).hex())
+    try:
+        probe = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
+    except OSError:
+        return None
+    try:
+        upper = os.fstat(probe).st_dev
+    except OSError:
+        upper = None
+    finally:
+        os.close(probe)
+        try:
+            os.unlink(name, dir_fd=fd)
+        except OSError:
+            pass
+    return None if upper == dev else upper
+
+
+def _places(places: "list[str]", home: str, uppers: "dict[str, int | None] | None") -> "list[_Area]":
+    """An area for each directory of ``places`` (a worker's box, in the order given)
+    that is there, but one inside an earlier one on the same file system (walked with it).
+    ``uppers``: each place's upper device as an earlier test found it (see
+    :func:`_upper_device`), else None (it is probed now)."""
+    out: "list[_Area]" = []
+    for d in places:
+        try:
+            fd = os.open(d, _OPEN_DIR)
+        except OSError:
+            continue
+        try:
+            dev = os.fstat(fd).st_dev
+        except OSError:
+            os.close(fd)
+            continue
+        if any(a.dev == dev and _within(d, a.top) for a in out):
+            os.close(fd)
+            continue
+        area = _Area(d, fd, False, dev=dev, own_fd=True, wide=d not in FRESH_DIRS)
+        if area.wide:
+            area.upper = uppers[d] if uppers is not None and d in uppers else _upper_device(fd, dev)
+            area.created_only = d == home
+        out.append(area)
+    return out
+
+
+def _unique(files: "list[list[Any]]") -> "list[list[Any]]":
     """``files`` sorted by path, each path once (a directory may be seen by two walks: /workspace
     as a layer of its own and as part of the root's tmpfs; the first walk, a layer's, says more)."""
-    seen = {}
+    seen: "dict[str, list[Any]]" = {}
     for f in files:
         seen.setdefault(f[2], f)
     return [seen[p] for p in sorted(seen)]
 
 
-def _pids():
+def _pids() -> "set[int]":
     try:
         return {int(p) for p in os.listdir("/proc") if p.isdigit()}
     except OSError:
         return set()
 
 
-def _running(pid):
+def _running(pid: int) -> "str | None":
     """``pid``'s command line if it runs (not a zombie), else None."""
     try:
         with open("/proc/%d/stat" % pid, "rb") as fh:
@@ -253,19 +435,19 @@ def _running(pid):
     return cmd.replace(b"\0", b" ").strip().decode("utf-8", "replace")[:TEXT_CAP] or "[%d]" % pid
 
 
-def _umask():
+def _umask() -> int:
     old = os.umask(0o022)
     os.umask(old)
     return old
 
 
-def own_temp(config):
+def own_temp(config: "pytest.Config | None") -> "tuple[list[str], str | None]":
     """The test's own temporary space, left out: ``(paths, temp_root)``: ``--basetemp`` and
     pytest's cache directory (left out wherever they are), and ``<tmp>/pytest-of-<user>``, where
     pytest makes its numbered base directories (left out but for the way to a mount beneath it:
     a project that lies in an outer pytest's temporary directory is still the project).  No
     ``config`` (a sandbox's agent): none."""
-    out = []
+    out: "list[str]" = []
     if config is None:
         return out, None
     base = getattr(config.option, "basetemp", None)
@@ -290,18 +472,36 @@ class Watch:
     ``layers``: the box's kept upper layers (``guest/fresh.py``'s ``LAYERS``, empty where it keeps
     none: a booted box, whose files are then not seen and ``notes`` says so); ``options``: the
     ``changes`` field of the host's ``RUN`` (``ignore``: patterns); ``config``: the box's pytest
-    config (its temporary space is left out).
+    config (its temporary space is left out).  ``places``: directories compared whole instead of
+    layers (a worker's box, see :func:`worker_places`): its files are seen there, and a note says
+    where; ``previous``: the last test's :attr:`kept`, its walks' end, taken as this start.
     """
 
-    def __init__(self, layers, options, config, forked):
-        self.options = options if isinstance(options, dict) else {}
+    def __init__(
+        self,
+        layers: "Iterable[tuple[str, str, int]]",
+        options: object,
+        config: "pytest.Config | None",
+        forked: bool,
+        places: "list[str] | None" = None,
+        previous: "_Kept | None" = None,
+    ) -> None:
+        self.options: "dict[str, Any]" = options if isinstance(options, dict) else {}
         patterns = self.options.get("ignore")
-        self.ignore = tuple(p for p in patterns if isinstance(p, str)) if isinstance(patterns, list) else ()
+        self.ignore: "tuple[str, ...]" = (
+            tuple(p for p in patterns if isinstance(p, str)) if isinstance(patterns, list) else ()
+        )
         self.ignore += DEFAULT_IGNORE
         #: Directories the box's own machinery makes (a sandbox agent's private homes): never listed
         #: as created themselves, what is made in them is.
         containers = self.options.get("containers")
-        self.containers = tuple(p for p in containers if isinstance(p, str)) if isinstance(containers, list) else ()
+        self.containers: "tuple[str, ...]" = (
+            tuple(p for p in containers if isinstance(p, str)) if isinstance(containers, list) else ()
+        )
+        #: Inode numbers of the files the run's own output goes to (a worker's box: ``pytest >
+        #: out.log`` in the project), which the box shows growing: not a test's doing.
+        quiet = self.options.get("quiet")
+        self.quiet: "set[int]" = {q for q in quiet if isinstance(q, int)} if isinstance(quiet, list) else set()
         #: Side effects asked (else only the usage).
         self.effects = bool(self.options.get("files", True))
         self.forked = forked
@@ -309,29 +509,45 @@ class Watch:
         paths, temp_root = own_temp(config)
         home = os.environ.get("HOME") or ""
         root = [(str(config.rootpath), "")] if config is not None else []
-        self.aliases = root + ([(home, "~/")] if home.startswith("/") and home != "/" else [])
+        self.aliases: "list[tuple[str, str]]" = root + ([(home, "~/")] if home.startswith("/") and home != "/" else [])
         self.t0 = time.time_ns()
         self.budget = _Budget()
-        self.areas = _areas(self.layers, temp_root) if forked and self.effects else []
-        tops = [a.top for a in self.areas if a.layer]
+        self.places = places
+        self.areas: "list[_Area]"
+        if not self.effects:
+            self.areas = []
+        elif places is not None:
+            uppers = previous[3] if previous is not None else None
+            self.areas = _places(places, os.environ.get("HOME") or "", uppers)
+        else:
+            self.areas = _areas(self.layers, temp_root) if forked else []
+        tops = [a.top for a in self.areas if a.layer or a.wide]
 
-        def skip_in_layer(path):
+        def skip_in_layer(path: str) -> bool:
             return any(_within(path, p) for p in paths)
 
-        def skip_in_tmpfs(path):
+        def skip_in_tmpfs(path: str) -> bool:
             if skip_in_layer(path):
                 return True
             # pytest's own numbered directories; not the way to a mount (a project) beneath them
-            return bool(temp_root) and _within(path, temp_root) and not any(_within(t, path) for t in tops)
+            return temp_root is not None and _within(path, temp_root) and not any(_within(t, path) for t in tops)
 
         self.skips = (skip_in_layer, skip_in_tmpfs)
-        self.start = []
-        for area in self.areas:
-            state, _ = area.snapshot(self.budget, self.skips[0 if area.layer else 1], _no)
-            self.start.append({p: v[:3] for p, v in state.items()})
-        self.start_cut = self.budget.cut
+        self.start: "list[_Seen]" = []
+        tops = [a.top for a in self.areas]
+        if previous is not None and previous[0] == tops:
+            # What the test before found at its end (a worker's box): the walk is not made again.
+            self.start, self.start_cut = previous[1], previous[2]
+        else:
+            for area in self.areas:
+                state, _ = area.snapshot(self.budget, self.skips[1 if area.skip_temp else 0], _no)
+                self.start.append({p: v[:3] for p, v in state.items()})
+            self.start_cut = self.budget.cut
+        #: What the walks at :meth:`finish` found (``(tops, states, cut)``), for the next test's start.
+        self.kept: "_Kept | None" = None
         self.pids = _pids()
         self.env = dict(os.environ)
+        self.cwd: "str | None"
         try:
             self.cwd = os.getcwd()
         except OSError:
@@ -339,7 +555,7 @@ class Watch:
         self.umask = _umask()
         self.usage = (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
 
-    def close(self):
+    def close(self) -> None:
         for area in self.areas:
             if area.own_fd:
                 try:
@@ -348,20 +564,22 @@ class Watch:
                     pass
         self.areas = []
 
-    def listing(self):
+    def listing(self) -> "dict[str, Any]":
         """What the box's files gained since the start, as ``finish`` lists them, the walk's
         descriptors kept for the next call (``Sandbox.changes()``: the agent asks again and again):
         ``{"files", "notes"}``."""
-        notes = []
+        notes: "list[str]" = []
         return {"files": self._changed_files(notes), "notes": notes}
 
-    def _changed_files(self, notes):
+    def _changed_files(self, notes: "list[str]") -> "list[list[Any]]":
         """The files changed since the start (at most :data:`LISTED`); why the list is cut, if
         it is, goes to ``notes``."""
-        files = []
+        files: "list[list[Any]]" = []
         budget = _Budget()
+        ended = []
         for i, area in enumerate(self.areas):
-            self._compare(area, self.start[i], budget, files)
+            ended.append(self._compare(area, self.start[i], budget, files))
+        self.kept = ([a.top for a in self.areas], ended, budget.cut, {a.top: a.upper for a in self.areas})
         if budget.cut or self.start_cut:
             notes.append(
                 "the walk of the box's files stopped after %d entries or %.1f s: the list is cut"
@@ -373,16 +591,19 @@ class Watch:
             files = files[:LISTED]
         return files
 
-    def finish(self):
+    def finish(self) -> "dict[str, Any]":
         """The fields of the ``CHANGES`` message: ``files`` (``[change, kind, path, size, count,
         link]``), ``processes`` (``[pid, command]``), ``env`` (``[name, change]``), ``cwd`` and
         ``umask`` (``[before, after]`` or None), ``usage`` and ``notes``."""
-        notes = []
+        notes: "list[str]" = []
         files = []
         if not self.effects:
             self.close()
             return {"usage": self._usage()}
-        if self.forked:
+        if self.places is not None:
+            files = self._changed_files(notes)
+            notes.append(PLACES_NOTE)
+        elif self.forked:
             files = self._changed_files(notes)
         else:
             notes.append("files: not seen in a booted box (its writable layers lie outside it)")
@@ -423,7 +644,7 @@ class Watch:
             "notes": notes,
         }
 
-    def _usage(self):
+    def _usage(self) -> "dict[str, Any]":
         s0, c0 = self.usage
         s1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (s1.ru_utime + s1.ru_stime - s0.ru_utime - s0.ru_stime) + (
@@ -431,10 +652,10 @@ class Watch:
         )
         return {"cpu_s": round(max(cpu, 0.0), 4), "peak_kib": max(s1.ru_maxrss, c1.ru_maxrss)}
 
-    def _compare(self, area, start, budget, files):
-        state, links = area.snapshot(budget, self.skips[0 if area.layer else 1], lambda p: p not in start)
+    def _compare(self, area: _Area, start: "_Seen", budget: _Budget, files: "list[list[Any]]") -> "_Seen":
+        state, links = area.snapshot(budget, self.skips[1 if area.skip_temp else 0], lambda p: p not in start)
         # Directories created (or replaced) by the test are listed once, with what they hold.
-        new_dirs = {}
+        new_dirs: "dict[str, list[Any]]" = {}
         for path in sorted(state):
             kind, size, mtime, attrs = state[path]
             before = start.get(path)
@@ -442,6 +663,11 @@ class Watch:
                 continue  # older than the test: beyond the start's cut walk, not the test's
             if before is not None and before[0] == kind and (kind == "dir" or before[1:] == (size, mtime)):
                 continue
+            if area.wide:
+                if before is not None and (area.created_only or (kind == "file" and attrs[0] in self.quiet)):
+                    continue  # changed in the home (the host's programs change it too), or the run's own output
+                if before is None and kind != "dir" and area.upper is not None and attrs[1] != area.upper:
+                    continue  # on a lower layer: the host made it, as the box shows the host's files live
             holder = _inside(path, new_dirs)
             if holder is not None:
                 if kind != "dir" and kind != "whiteout":
@@ -472,9 +698,11 @@ class Watch:
                 continue
             files.append([change, kind, path[:TEXT_CAP], size, 0, links.get(path)])
         for path, (count, size, change) in new_dirs.items():
+            if area.wide and area.upper is not None and count == 0:
+                continue  # nothing of the box's in it: the host's (an empty one cannot be told)
             files.append([change, "dir", path[:TEXT_CAP], size, count, None])
         for path, before in start.items():
-            if path not in state and not budget.cut:
+            if path not in state and not budget.cut and not area.created_only:
                 if before[0] == "whiteout" or _inside(path, new_dirs) is not None:
                     continue
                 gone = path.rsplit("/", 1)[0]
@@ -482,3 +710,14 @@ class Watch:
                     continue  # its directory went too: listed once, as that directory
                 if not _ignored(path, self.ignore, self.aliases):
                     files.append(["deleted", before[0], path[:TEXT_CAP], before[1], 0, None])
+
+        return {p: v[:3] for p, v in state.items()}
+
+
+def worker_places(config: "pytest.Config") -> "list[str]":
+    """The directories a worker's box compares whole for each test (``Watch``'s ``places``): the
+    project, the directory pytest was started in, :data:`PLACES`, then the home."""
+    home = os.environ.get("HOME") or ""
+    first = [str(config.rootpath), str(config.invocation_params.dir)]
+    # The home last: a large one uses up the walk's budget, which the others then still had.
+    return first + list(PLACES) + ([home] if home.startswith("/") and home != "/" else [])
