@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import secrets
 import shutil
@@ -206,6 +207,8 @@ def _entries(rootfs: str) -> list[os.DirEntry[str]]:
 #: copy-on-write overlay of their own per box (see :func:`image_args`); past it, one is shown
 #: read-only with its parent (each is one more mount per box, and per fork).
 _TREE_OVERLAYS = 64
+#: At most this many entries of each such directory are looked at (the rest: read-only with it).
+_TREE_SCAN = 8192
 
 
 def image_args(
@@ -367,10 +370,10 @@ def _tree_children(
     layers of directory ``target`` (top first, the spine's first), shown read-only already."""
     names: set[str] = set()
     for layer in parent:
-        with contextlib.suppress(OSError):
-            names.update(os.listdir(layer))
+        with contextlib.suppress(OSError), os.scandir(layer) as found:
+            names.update(e.name for e in itertools.islice(found, _TREE_SCAN))
     args: list[str] = []
-    for name in sorted(names):
+    for name in sorted(names)[:_TREE_SCAN]:
         path = target + "/" + name
         if path in mounted:
             continue  # the host's directory goes there (host_mount_args)
