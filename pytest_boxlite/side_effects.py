@@ -210,6 +210,33 @@ def summary(terminalreporter: pytest.TerminalReporter) -> None:
                     seen[rep.nodeid] = props
     _side_effects_section(terminalreporter, seen)
     _usage_section(terminalreporter, seen)
+    if not seen:
+        from pytest_boxlite.fixtures import SESSION_KEY
+
+        session = terminalreporter.config.stash.get(SESSION_KEY, None)
+        if session is not None:
+            hint(terminalreporter, session.settings)
+
+
+def hint(tr: pytest.TerminalReporter, settings: Settings) -> None:
+    """The default (``off``, not set anywhere)'s one line pointing at the option, where a run
+    could use it: boxed tests failed in boxes that several tests share (``--boxlite-scope=module``
+    or ``worker``), where what one test left can fail the next.  In a box per test nothing of an
+    earlier boxed test is left, so a failure there is no order's doing: no line."""
+    if settings.sources.get("side_effects", "default") != "default" or settings.scope not in ("module", "worker"):
+        return
+    failed = {
+        rep.nodeid
+        for key in ("failed", "error")
+        for rep in tr.stats.get(key, ())
+        if isinstance(getattr(rep, "nodeid", None), str) and getattr(rep, "when", None) in ("setup", "call", "teardown")
+    }
+    if failed:
+        n = len(failed)
+        tr.write_line(
+            f"boxlite: {n} test{'s' if n != 1 else ''} failed in boxes shared by several tests "
+            f"(--boxlite-scope={settings.scope}): --boxlite-side-effects=report lists what each test left for the next"
+        )
 
 
 def _side_effects_section(tr: pytest.TerminalReporter, seen: dict[str, dict[str, str]]) -> None:
@@ -353,6 +380,10 @@ class WorkerScopeWatch:
             fields["env"] = [e for e in fields.get("env", []) if e[0] not in own]
             apply(item, take(fields), [report])
         return report
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if not self.active and not hasattr(self.config, "workerinput"):  # xdist: the controller says it
+            hint(terminalreporter, self.settings)
 
 
 #: The variable through which ``--boxlite-scope=worker`` tells its box the inode numbers of the

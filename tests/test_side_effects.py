@@ -298,6 +298,47 @@ def test_off_by_default_says_nothing(tmp_path: Path, home: Path, subruns: list[s
     _host_untouched(project)
 
 
+ORDER = """
+import os
+
+import pytest
+
+pytestmark = pytest.mark.boxlite
+
+
+def test_a_leaves_a_variable():
+    os.environ["LEFT_BY_A"] = "1"
+
+
+def test_b_needs_it_unset():
+    assert "LEFT_BY_A" not in os.environ
+"""
+
+HINT = "--boxlite-side-effects=report lists what each test left for the next"
+
+
+@pytest.mark.parametrize("scope", ["module", "worker"])
+def test_off_points_at_the_option_when_a_shared_box_saw_a_failure(
+    tmp_path: Path, home: Path, subruns: list[subruns.SubRun], scope: str
+) -> None:
+    """The default says one line, where a run could use it: a test failed in a box that several
+    tests share (what the one before left fails it).  Not where the option is set (off included),
+    and not in a box per test, where that test passes."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "test_order.py").write_text(ORDER)
+    rc, out = _run(project, home, subruns, "hint", f"--boxlite-scope={scope}")
+    assert rc == 1, out[-3000:]
+    line = f"boxlite: 1 test failed in boxes shared by several tests (--boxlite-scope={scope}): {HINT}"
+    assert line in out, out[-3000:]
+    assert out.count(HINT) == 1
+    rc, out = _run(project, home, subruns, "hint-off", f"--boxlite-scope={scope}", "--boxlite-side-effects=off")
+    assert rc == 1 and HINT not in out, out[-3000:]
+    if scope == "module":
+        rc, out = _run(project, home, subruns, "hint-test")
+        assert rc == 0 and HINT not in out, out[-3000:]
+
+
 HOSTILE = r"""
 import os
 import pathlib
