@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -754,6 +755,49 @@ def test_a_refused_fork_falls_back_to_booting_and_says_why(tmp_path: Path, monke
         finally:
             h.destroy()
     finally:
+        rt.close()
+    assert rt.list_boxes() == []
+
+
+def test_a_zygote_that_resets_the_conversation_is_a_refused_fork(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A zygote that goes away mid-fork (its end reset with our request unread) is a refused fork:
+    the box is booted and the reason recorded, never a raw ConnectionResetError in a test.  The
+    fault is injected: the zygote's socket is swapped for one that accepts and closes unread (a
+    real zygote cannot be made to die at that instant on demand)."""
+    rt = NamespaceRuntime(tmp_path / "home")
+    fake = tmp_path / "reset.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(fake))
+    server.listen(4)
+
+    def reset_all() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            time.sleep(0.05)  # let the request arrive: closing over unread data resets the peer
+            conn.close()
+
+    threading.Thread(target=reset_all, daemon=True).start()
+    try:
+        rt.allow_forked_boxes(True)
+        first = rt.create_box(BoxSpec(), "pbx-reset-1", timeout=30)
+        assert first.forked_from is not None, rt.fork_fallback
+        zygote = _zygote(rt, first)
+        monkeypatch.setattr(zygote, "sock_path", fake)
+        h = rt.create_box(BoxSpec(), "pbx-reset-2", timeout=30)
+        try:
+            assert h.forked_from is None
+            assert Sandbox(h).execute_command("echo booted").stdout.strip() == "booted"
+            assert rt.fork_fallback is not None and "ended while" in rt.fork_fallback, rt.fork_fallback
+        finally:
+            h.destroy()
+            first.destroy()
+    finally:
+        server.close()
         rt.close()
     assert rt.list_boxes() == []
 

@@ -280,6 +280,8 @@ def fork_from(
         try:
             fds = [listener.fileno(), watch_r, log.write_end, *joins]
             socket.send_fds(conn, [(json.dumps(req) + "\n").encode()], fds)
+        except OSError as exc:  # the zygote went away between accept and request
+            raise ForkRefused(f"zygote {zygote.name} ended while asked to fork: {exc}") from exc
         finally:
             for fd in joins:
                 os.close(fd)
@@ -327,13 +329,24 @@ def fork_from(
         return NamespaceBox(
             name, box_dir, proc, cg, watch_w, identity=identity, limits=limits, info=info, forked_from=zygote.name
         )
+    except OSError as exc:
+        # The zygote (or the box it forked) went away mid-conversation: a refused fork, so the
+        # box is booted instead, and the reason recorded, not a raw socket error in a test.
+        _kill_quietly(proc)
+        os.close(watch_w)
+        raise ForkRefused(f"zygote {zygote.name} ended while forking a box: {exc}") from exc
     except BaseException:
+        _kill_quietly(proc)
         os.close(watch_w)  # the box's agent ends on its own when this closes
-        if proc is not None:
-            proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
         raise
+
+
+def _kill_quietly(proc: ForkedProcess | None) -> None:
+    """End a forked box whose start failed (bounded wait)."""
+    if proc is not None:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
 
 
 def _join_fds(cg: _cgroups.CgroupSet) -> list[int]:
