@@ -496,6 +496,33 @@ def test_the_walk_never_follows_a_link_and_stops_at_its_bounds(tmp_path: Path, m
     assert budget.cut and max(p.count("/") for p in state) == changes.WALK_DEPTH + 2
 
 
+def test_a_worker_box_place_is_walked_level_by_level_never_following_a_link(tmp_path: Path) -> None:
+    """A worker box's places (its home: often 200,000 files) are walked level by level on a
+    budget: what lies near the top, where tests write (~/.rc), is seen even when a deep tree
+    uses the budget up, which a depth-first walk spends on the tree first; links are entries, a
+    link to / is not walked into."""
+    deep = tmp_path / "a"
+    for _ in range(30):
+        deep = deep / "d"
+        deep.mkdir(parents=True)
+        (deep / "f").touch()
+    (tmp_path / "zz-top.rc").touch()
+    (tmp_path / "link").symlink_to("/")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        wide: dict[str, Any] = {}
+        changes._walk_wide(fd, str(tmp_path), None, changes._Budget(10, 5.0), wide, lambda p: False, {})
+        narrow: dict[str, Any] = {}
+        changes._walk(fd, str(tmp_path), None, changes._Budget(10, 5.0), narrow, lambda p: False, {}, changes._no)
+    finally:
+        os.close(fd)
+    assert f"{tmp_path}/zz-top.rc" in wide and wide[f"{tmp_path}/link"][0] == "link"
+    assert not any(p.startswith(f"{tmp_path}/link/") for p in wide)
+    assert {f"{tmp_path}/a", f"{tmp_path}/a/d"} <= set(wide) and len(wide) == 10
+    if os.listdir(tmp_path)[0] == "a":  # the order the directory lists: depth first spends it on a/
+        assert f"{tmp_path}/zz-top.rc" not in narrow
+
+
 def test_ignore_patterns_match_a_path_its_directories_and_its_aliases() -> None:
     aliases = [("/proj", ""), ("/home/u", "~/")]
     assert changes._ignored("/proj/build/out/a.o", ("build",), aliases)
@@ -528,23 +555,32 @@ def test_an_oom_killed_box_names_its_limit_and_peak(tmp_path: Path, home: Path, 
     assert "killed by the kernel's OOM killer (the box's memory cap): its peak 128.0 MiB, its limit 128.0 MiB" in out
 
 
-def test_the_guest_modules_share_no_namespace() -> None:
-    """The host once sent several guest modules' sources in one remote_exec, one namespace: a helper
-    of one that another defined too replaced the other's (a side-effects helper named like one of
-    guest/fresh.py's broke the VM path's fresh boxes, side effects off).  Now it sends the bootstrap
-    alone, which imports the guest from the package: each module has a namespace of its own."""
+def test_the_guest_modules_sent_together_define_no_name_twice() -> None:
+    """The host sends these guest modules' sources in one remote_exec: one namespace.  A helper
+    of one that another defines too replaces the other's (a side-effects helper named like one of
+    guest/fresh.py's broke the VM path's fresh boxes, side effects off)."""
     import ast
     import inspect
 
-    from pytest_boxlite import guest
+    from pytest_boxlite.guest import path
     from pytest_boxlite.remote import worker_host
 
-    assert 'self._source = guest.source("bootstrap")' in inspect.getsource(worker_host.RemoteRunner.__init__)
-    tree = ast.parse(guest.source("bootstrap"))
-    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    assert defined == {"main", "prepare"}
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert {m for m in imported if m and m.startswith("pytest_boxlite")} == {"pytest_boxlite.guest.worker"}
+    source = inspect.getsource(worker_host.RemoteRunner.__init__)
+    sent = ast.literal_eval(source.split("names = ", 1)[1].split("\n", 1)[0])
+    assert "changes" in sent and "fresh" in sent
+    owners: dict[str, list[str]] = {}
+    for name in sent:
+        for node in ast.parse(path(name).read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined = [node.name]
+            elif isinstance(node, ast.Assign):
+                defined = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            for n in set(defined):
+                owners.setdefault(n, []).append(name)
+    twice = {n: m for n, m in owners.items() if len(set(m)) > 1}
+    assert not twice, twice
 
 
 # --- Sandbox.changes(): what a sandbox's commands changed since it started -----------------------

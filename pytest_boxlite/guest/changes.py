@@ -43,11 +43,15 @@ if TYPE_CHECKING:  # annotations are quoted: no __future__ import, as this sourc
     #: What a walk keeps of an entry for the next comparison: kind, size, mtime.
     _Seen = dict[str, tuple[str, int, int]]
     #: What a worker box's test leaves for the next one's start: ``Watch.kept``.
-    _Kept = tuple[list[str], list[_Seen], bool, dict[str, "int | None"]]
+    _Kept = tuple[list[str], list[_Seen], bool, dict[str, "int | None"], bool]
 
 #: Entries one walk of a box's layers and fresh directories looks at, and for how long.
 WALK_ENTRIES = 20000
 WALK_SECONDS = 0.5
+#: A worker box's home (see :func:`worker_places`) is walked on a budget of its own, smaller: it
+#: is often the largest place and tests write near its top (``~/.rc``, ``~/.config/tool``).
+HOME_ENTRIES = 2000
+HOME_SECONDS = 0.05
 #: Directories deep the walk goes (each level holds one descriptor open while it is walked).
 WALK_DEPTH = 64
 #: Changes, processes and variables one message lists (the host caps again).
@@ -66,9 +70,9 @@ _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | getatt
 
 
 class _Budget:
-    def __init__(self) -> None:
-        self.left = WALK_ENTRIES
-        self.deadline = time.monotonic() + WALK_SECONDS
+    def __init__(self, entries: "int | None" = None, seconds: "float | None" = None) -> None:
+        self.left = WALK_ENTRIES if entries is None else entries
+        self.deadline = time.monotonic() + (WALK_SECONDS if seconds is None else seconds)
         self.cut = False
 
     def take(self) -> bool:
@@ -537,12 +541,14 @@ class Watch:
         tops = [a.top for a in self.areas]
         if previous is not None and previous[0] == tops:
             # What the test before found at its end (a worker's box): the walk is not made again.
-            self.start, self.start_cut = previous[1], previous[2]
+            self.start, self.start_cut, self.home_cut = previous[1], previous[2], previous[4]
         else:
+            home_budget = _Budget(HOME_ENTRIES, HOME_SECONDS)
             for area in self.areas:
-                state, _ = area.snapshot(self.budget, self.skips[1 if area.skip_temp else 0], _no)
+                budget = home_budget if area.created_only else self.budget
+                state, _ = area.snapshot(budget, self.skips[1 if area.skip_temp else 0], _no)
                 self.start.append({p: v[:3] for p, v in state.items()})
-            self.start_cut = self.budget.cut
+            self.start_cut, self.home_cut = self.budget.cut, home_budget.cut
         #: What the walks at :meth:`finish` found (``(tops, states, cut)``), for the next test's start.
         self.kept: "_Kept | None" = None
         self.pids = _pids()
@@ -576,14 +582,21 @@ class Watch:
         it is, goes to ``notes``."""
         files: "list[list[Any]]" = []
         budget = _Budget()
+        home_budget = _Budget(HOME_ENTRIES, HOME_SECONDS)
         ended = []
         for i, area in enumerate(self.areas):
-            ended.append(self._compare(area, self.start[i], budget, files))
-        self.kept = ([a.top for a in self.areas], ended, budget.cut, {a.top: a.upper for a in self.areas})
+            ended.append(self._compare(area, self.start[i], home_budget if area.created_only else budget, files))
+        uppers = {a.top: a.upper for a in self.areas}
+        self.kept = ([a.top for a in self.areas], ended, budget.cut, uppers, home_budget.cut)
         if budget.cut or self.start_cut:
             notes.append(
                 "the walk of the box's files stopped after %d entries or %.1f s: the list is cut"
                 % (WALK_ENTRIES, WALK_SECONDS)
+            )
+        if home_budget.cut or self.home_cut:
+            notes.append(
+                "the home was walked level by level for its first %d entries: what a test created deeper "
+                "is not listed" % HOME_ENTRIES
             )
         files = _unique(files)
         if len(files) > LISTED:
@@ -659,7 +672,8 @@ class Watch:
         for path in sorted(state):
             kind, size, mtime, attrs = state[path]
             before = start.get(path)
-            if before is None and self.start_cut and mtime < self.t0 - 1_000_000_000:
+            start_cut = self.home_cut if area.created_only else self.start_cut
+            if before is None and start_cut and mtime < self.t0 - 1_000_000_000:
                 continue  # older than the test: beyond the start's cut walk, not the test's
             if before is not None and before[0] == kind and (kind == "dir" or before[1:] == (size, mtime)):
                 continue
