@@ -250,8 +250,10 @@ OPTIONS += (
         "usage",
         _count,
         lambda: 0,
-        "list the N boxed tests with the highest peak memory and CPU time (like --durations=N); junitxml gets "
-        "boxlite_cpu_s and boxlite_peak_memory_mb for every boxed test (default 0: off)",
+        "list the N boxed tests with the highest peak memory, CPU time and process count (like --durations=N), "
+        "from each box's own cgroup where it has one, else from the test process's rusage (the table says which); "
+        "junitxml gets boxlite_cpu_s, boxlite_peak_memory_mb and boxlite_max_processes for every boxed test "
+        "(default 0: off)",
         "N",
     ),
 )
