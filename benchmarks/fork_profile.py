@@ -70,7 +70,8 @@ from benchmarks._bench import (
 
 ARGS = QUIET_ARGS
 
-#: Appended to the guest source before its last statement (``if __name__ == "__channelexec__":``).
+#: Appended to the guest's bootstrap before its last statement (``if __name__ == "__channelexec__":``):
+#: it wraps the bootstrap's ``prepare``, after which the guest modules are importable.
 GUEST_PROBE = r"""
 import os as _pbx_os
 import resource as _pbx_resource
@@ -99,8 +100,8 @@ _PBX_KEPT = []
 _pbx_os._pbx_kept = _PBX_KEPT
 
 
-def _pbx_wrap(name, label=None):
-    inner = globals()[name]
+def _pbx_wrap(module, name, label=None):
+    inner = getattr(module, name)
     label = label or name.strip("_")
 
     def wrapped(*a, **k):
@@ -110,7 +111,7 @@ def _pbx_wrap(name, label=None):
         finally:
             _pbx_mark(label + "<")
 
-    globals()[name] = wrapped
+    setattr(module, name, wrapped)
 
 
 _pbx_fork = _pbx_os.fork
@@ -124,24 +125,6 @@ def _pbx_fork_marked():
 
 
 _pbx_os.fork = _pbx_fork_marked
-_pbx_clone = clone_box
-
-
-def clone_box(*a, **k):
-    # The boxes this interpreter made and reaped so far, CPU seconds (each parent in a box waits
-    # for its child, so a reaped box's whole tree is counted).
-    ru = _pbx_resource.getrusage(_pbx_resource.RUSAGE_CHILDREN)
-    _pbx_os.write(_PBX_FD, ("PBXCPU %d %.6f\n" % (_PBX_BOX[0], ru.ru_utime + ru.ru_stime)).encode())
-    _PBX_BOX[0] += 1
-    _pbx_mark("clone>")
-    pid = _pbx_clone(*a, **k)
-    if pid <= 0:  # 0: the box's pid 1; IN_TEST (-1): its test process, forked by a bare init
-        _pbx_os.environ["PBXPROF_BOX"] = str(_PBX_BOX[0])
-        del _PBX_KEPT[:]  # the warm interpreter's, sent already
-    _pbx_mark("clone<" + ("parent" if pid > 0 else "child"))
-    return pid
-
-
 _pbx_exit = _pbx_os._exit
 
 
@@ -151,33 +134,61 @@ def _pbx_exit_marked(code):
 
 
 _pbx_os._exit = _pbx_exit_marked
-
-
-_pbx_mount_inner = _mount
-
-
-def _mount(libc, src, target, fstype, flags, data):
-    t = _pbx_time.monotonic()
-    try:
-        return _pbx_mount_inner(libc, src, target, fstype, flags, data)
-    finally:
-        _PBX_MOUNTS.append(_pbx_time.monotonic() - t)
-
-
 _PBX_MOUNTS = []
-for _n in ("_cut_channel", "_fresh_box", "enter_test_namespaces", "_init"):
-    _pbx_wrap(_n)
-_pbx_fresh_inner = _fresh_box
 
 
-def _fresh_box(*a, **k):
-    try:
-        return _pbx_fresh_inner(*a, **k)
-    finally:
-        line = "PBXMOUNTS %d %d %.9f\n" % (_PBX_BOX[0], len(_PBX_MOUNTS), sum(_PBX_MOUNTS))
-        _pbx_os.write(_PBX_FD, line.encode())
-        del _PBX_MOUNTS[:]
+def _pbx_install():
+    # Wrap the guest modules' box phases (once the bootstrap has put the host's sys.path in place).
+    from pytest_boxlite.guest import forks, layers
 
+    mount_inner = layers._mount
+
+    def mount(libc, src, target, fstype, flags, data):
+        t = _pbx_time.monotonic()
+        try:
+            return mount_inner(libc, src, target, fstype, flags, data)
+        finally:
+            _PBX_MOUNTS.append(_pbx_time.monotonic() - t)
+
+    layers._mount = mount
+    clone_inner = forks.clone_box
+
+    def clone_box(*a, **k):
+        # The boxes this interpreter made and reaped so far, CPU seconds (each parent in a box waits
+        # for its child, so a reaped box's whole tree is counted).
+        ru = _pbx_resource.getrusage(_pbx_resource.RUSAGE_CHILDREN)
+        _pbx_os.write(_PBX_FD, ("PBXCPU %d %.6f\n" % (_PBX_BOX[0], ru.ru_utime + ru.ru_stime)).encode())
+        _PBX_BOX[0] += 1
+        _pbx_mark("clone>")
+        pid = clone_inner(*a, **k)
+        if pid <= 0:  # 0: the box's pid 1; IN_TEST (-1): its test process, forked by a bare init
+            _pbx_os.environ["PBXPROF_BOX"] = str(_PBX_BOX[0])
+            del _PBX_KEPT[:]  # the warm interpreter's, sent already
+        _pbx_mark("clone<" + ("parent" if pid > 0 else "child"))
+        return pid
+
+    forks.clone_box = clone_box
+    for n in ("_cut_channel", "fresh_box", "enter_test_namespaces", "_init"):
+        _pbx_wrap(forks, n)
+    fresh_inner = forks.fresh_box
+
+    def fresh_box(*a, **k):
+        try:
+            return fresh_inner(*a, **k)
+        finally:
+            line = "PBXMOUNTS %d %d %.9f\n" % (_PBX_BOX[0], len(_PBX_MOUNTS), sum(_PBX_MOUNTS))
+            _pbx_os.write(_PBX_FD, line.encode())
+            del _PBX_MOUNTS[:]
+
+    forks.fresh_box = fresh_box
+
+
+_pbx_prepare = prepare
+
+
+def prepare(cfg):
+    _pbx_prepare(cfg)
+    _pbx_install()
 """
 
 CONFTEST = r'''
@@ -630,16 +641,11 @@ def floor_steps(args: argparse.Namespace, root: Path, work: Path, items: list[An
     (root / "stage").mkdir()
     # The box's own primitive: guest/fresh.py's clone_box (one clone(2) into new namespaces; root's
     # ids mapped by this process, as the warm interpreter maps a box's).
-    import runpy
-
-    from pytest_boxlite import guest
-
-    # fresh.py calls guest/caps.py's names (the host sends caps.py ahead of it, in one namespace).
-    fresh = runpy.run_path(str(guest.path("fresh")), init_globals=runpy.run_path(str(guest.path("caps"))))
+    from pytest_boxlite.guest import boxinit, fresh, ids
 
     def clone_box() -> tuple[int, Any]:
-        mapper = fresh["IdMapper"]() if os.geteuid() == 0 else None
-        pid = fresh["clone_box"](False, mapper)
+        mapper = ids.IdMapper() if os.geteuid() == 0 else None
+        pid = fresh.clone_box(False, mapper)
         return pid, (mapper.serve if mapper is not None and pid else None)
 
     import signal
@@ -650,13 +656,13 @@ def floor_steps(args: argparse.Namespace, root: Path, work: Path, items: list[An
 
         def make() -> tuple[int, Any]:
             if native:
-                fresh["_NATIVE"].clear()
+                boxinit._NATIVE.clear()
             else:
-                fresh["_NATIVE"].update(helper=None, why="the Python pid 1's step")
-            mapper = fresh["IdMapper"]() if os.geteuid() == 0 else None
-            init = fresh["BareInit"]([signal.SIGTERM], list(mapper.fds()) if mapper else [])
-            pid = fresh["clone_box"](False, mapper, init=init)
-            if pid == fresh["IN_TEST"]:
+                boxinit._NATIVE.update(helper=None, why="the Python pid 1's step")
+            mapper = ids.IdMapper() if os.geteuid() == 0 else None
+            init = boxinit.BareInit([signal.SIGTERM], list(mapper.fds()) if mapper else [])
+            pid = fresh.clone_box(False, mapper, init=init)
+            if pid == boxinit.IN_TEST:
                 return 0, None
             init.discard()
             return pid, (mapper.serve if mapper is not None else None)
@@ -688,9 +694,11 @@ def floor_steps(args: argparse.Namespace, root: Path, work: Path, items: list[An
         if needs_root and os.geteuid() != 0:
             out["steps"].append({"step": label, "skipped": "needs root"})
             continue
-        if "native boxinit" in label and (fresh["_NATIVE"].clear() or fresh["native_init"]() is None):
-            out["steps"].append({"step": label, "skipped": str(fresh["_NATIVE"]["why"])})
-            continue
+        if "native boxinit" in label:
+            boxinit._NATIVE.clear()
+            if boxinit.native_init() is None:
+                out["steps"].append({"step": label, "skipped": str(boxinit._NATIVE["why"])})
+                continue
         times, cpu = _timed_child(body, args.floor_reps, make)
         out["steps"].append(
             {"step": label, "p50": statistics.median(times), "cpu_p50": statistics.median(cpu), "n": len(times)}

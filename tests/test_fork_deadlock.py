@@ -21,18 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from pytest_boxlite import guest
-
 SCRIPT = r"""
 import json
 import mmap
 import os
-import runpy
 import sys
 import threading
 import time
 
-forks, bound, with_init = int(sys.argv[3]), float(sys.argv[4]), sys.argv[5] == "init"
+forks, bound, with_init = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "init"
 sys.setswitchinterval(1e-5)  # the reader asks for the GIL after 10 us of waiting, not 5 ms
 r, w = os.pipe()
 
@@ -56,7 +53,9 @@ threading.Thread(target=send, daemon=True).start()
 # the copy already protected (a fault would hold it until the clone is over) as it asks for the GIL.
 ballast = [mmap.mmap(-1, 4096, prot=mmap.PROT_READ | (mmap.PROT_WRITE * (i % 2))) for i in range(10000)]
 # Loaded after the reader started, as in the warm interpreter (fresh.py counts it as known).
-ns = runpy.run_path(sys.argv[1], init_globals=runpy.run_path(sys.argv[2]))
+from pytest_boxlite.guest import boxinit, fresh
+
+ns = {**vars(boxinit), **vars(fresh)}
 raw_clone = ns["_SYS_CLONE"].get(os.uname().machine) is not None and ns["_only_known_threads"]()
 result = {"raw_clone": raw_clone, "by_forks": 0}
 by_forks = ns["_clone_box_by_forks"]
@@ -106,7 +105,7 @@ def test_clone_box_child_never_hangs_while_the_reader_wants_the_gil(tmp_path: Pa
     script = tmp_path / "clones.py"
     script.write_text(SCRIPT)
     proc = subprocess.run(
-        [sys.executable, str(script), str(guest.path("fresh")), str(guest.path("caps")), str(forks), str(bound), mode],
+        [sys.executable, str(script), str(forks), str(bound), mode],
         capture_output=True,
         text=True,
         timeout=240,

@@ -10,18 +10,16 @@ import sys
 
 import pytest
 
-from pytest_boxlite import guest
-
 SCRIPT = r"""
 import os
-import runpy
 import sys
 
-# fresh.py calls guest/caps.py's names: the host sends caps.py ahead of it, in one namespace.
-ns = runpy.run_path(sys.argv[1], init_globals=runpy.run_path(sys.argv[3]))
-if sys.argv[2] == "forks":
+from pytest_boxlite.guest import fresh, ids
+
+ns = {**vars(ids), **vars(fresh)}
+if sys.argv[1] == "forks":
     ns["_SYS_CLONE"].clear()  # the path of a machine whose clone(2) number it does not know
-if sys.argv[2] == "thread":
+if sys.argv[1] == "thread":
     # A thread started after fresh.py was loaded (as a conftest may start one): fork(3)'s path.
     import threading, time
     threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
@@ -47,7 +45,7 @@ if pid == 0:
     os._exit(9 if fails else 7)
 # clone(2) returns pid 1 of the new pid namespace itself; fork(3)'s path returns the process in
 # between, still in this one (it waits for pid 1, so it is there to look at).
-direct = os.readlink("/proc/%d/ns/pid" % pid) != outer["pid"] if mapper is not None or sys.argv[2] != "clone" else None
+direct = os.readlink("/proc/%d/ns/pid" % pid) != outer["pid"] if mapper is not None or sys.argv[1] != "clone" else None
 if mapper is not None:
     mapper.serve(pid)
 _, status = os.waitpid(pid, 0)
@@ -67,11 +65,11 @@ def _userns_possible() -> bool:
 
 
 def run_script(script: str, path: str) -> subprocess.CompletedProcess[str]:
-    """``script`` in a new interpreter, with guest/fresh.py and caps.py's paths and the ``path`` to take."""
+    """``script`` in a new interpreter, with the ``path`` to take."""
     if path == "clone" and os.uname().machine not in ("x86_64", "aarch64", "riscv64", "ppc64le", "ppc64"):
         pytest.skip(f"no clone(2) number for {os.uname().machine}: the fork path is the one used")
     return subprocess.run(
-        [sys.executable, "-c", script, str(guest.path("fresh")), path, str(guest.path("caps"))],
+        [sys.executable, "-c", script, path],
         capture_output=True,
         text=True,
         timeout=60,
@@ -95,12 +93,12 @@ def test_clone_box_child_is_pid_1_of_new_namespaces(path: str) -> None:
 
 FAILING = r"""
 import os
-import runpy
 import sys
 
-# fresh.py calls guest/caps.py's names: the host sends caps.py ahead of it, in one namespace.
-ns = runpy.run_path(sys.argv[1], init_globals=runpy.run_path(sys.argv[3]))
-if sys.argv[2] == "forks":
+from pytest_boxlite.guest import fresh, ids
+
+ns = {**vars(ids), **vars(fresh)}
+if sys.argv[1] == "forks":
     ns["_SYS_CLONE"].clear()
 me = os.getpid()
 pid = ns["clone_box"](False, None)  # root without a mapper: the child cannot map its ids

@@ -30,13 +30,14 @@ MODES = [pytest.param("native", marks=needs_native), "python"]
 SCRIPT = r"""
 import ctypes
 import os
-import runpy
 import signal
 import sys
 import time
 
-ns = runpy.run_path(sys.argv[1], init_globals=runpy.run_path(sys.argv[2]))
-what = sys.argv[3]
+from pytest_boxlite.guest import boxinit, fresh, ids
+
+ns = {**vars(ids), **vars(boxinit), **vars(fresh)}
+what = sys.argv[1]
 root = os.geteuid() == 0
 # A descriptor of the warm interpreter's that no box may keep (not close-on-exec, as a C
 # library's may be): pid 1 must not hold it.
@@ -126,7 +127,7 @@ sys.stdout.write("STATUS %d\n" % os.waitstatus_to_exitcode(status))
 def _run(mode: str, what: str = "plain") -> dict[str, str]:
     env = dict(os.environ, PYTEST_BOXLITE_NATIVE_INIT="1" if mode == "native" else "0")
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(guest.path("fresh")), str(guest.path("caps")), what],
+        [sys.executable, "-c", SCRIPT, what],
         capture_output=True,
         text=True,
         timeout=60,
@@ -239,13 +240,14 @@ set -e
 mount -t tmpfs -o noexec tmpfs "$1"
 mkdir -p "$1/pytest_boxlite/guest"
 : > "$1/pytest_boxlite/__init__.py"
-cp "$2" "$3" "$1/pytest_boxlite/guest/"
+cp "$2" "$3" "$5/boxinit.py" "$5/caps.py" "$5/linux.py" "$1/pytest_boxlite/guest/"
 cd "$1"
 PYTHONPATH="$1" "$4" -c '
-import runpy, sys
-ns = runpy.run_path(sys.argv[1], init_globals=runpy.run_path(sys.argv[2]))
-print("helper", ns["native_init"](), ns["_NATIVE"]["why"])
-' "$5" "$6"
+import sys
+from pytest_boxlite.guest import boxinit
+assert boxinit.__file__.startswith(sys.argv[1]), boxinit.__file__  # the copy on the noexec mount
+print("helper", boxinit.native_init(), boxinit._NATIVE["why"])
+' "$1"
 """
 
 
@@ -257,7 +259,7 @@ def test_boxinit_on_a_noexec_mount_means_the_python_pid1(tmp_path: Path) -> None
     where = tmp_path / "noexec"
     where.mkdir()
     argv = ["unshare", "-r", "-m", "sh", "-c", NOEXEC, "sh", str(where), str(NATIVE[0]), str(NATIVE[1])]
-    argv += [sys.executable, str(guest.path("fresh")), str(guest.path("caps"))]
+    argv += [sys.executable, str(guest.path("boxinit").parent)]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     except FileNotFoundError:

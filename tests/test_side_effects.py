@@ -555,32 +555,23 @@ def test_an_oom_killed_box_names_its_limit_and_peak(tmp_path: Path, home: Path, 
     assert "killed by the kernel's OOM killer (the box's memory cap): its peak 128.0 MiB, its limit 128.0 MiB" in out
 
 
-def test_the_guest_modules_sent_together_define_no_name_twice() -> None:
-    """The host sends these guest modules' sources in one remote_exec: one namespace.  A helper
-    of one that another defines too replaces the other's (a side-effects helper named like one of
-    guest/fresh.py's broke the VM path's fresh boxes, side effects off)."""
+def test_the_guest_modules_share_no_namespace() -> None:
+    """The host once sent several guest modules' sources in one remote_exec, one namespace: a helper
+    of one that another defined too replaced the other's (a side-effects helper named like one of
+    guest/fresh.py's broke the VM path's fresh boxes, side effects off).  Now it sends the bootstrap
+    alone, which imports the guest from the package: each module has a namespace of its own."""
     import ast
     import inspect
 
-    from pytest_boxlite.guest import path
+    from pytest_boxlite import guest
     from pytest_boxlite.remote import worker_host
 
-    source = inspect.getsource(worker_host.RemoteRunner.__init__)
-    sent = ast.literal_eval(source.split("names = ", 1)[1].split("\n", 1)[0])
-    assert "changes" in sent and "fresh" in sent
-    owners: dict[str, list[str]] = {}
-    for name in sent:
-        for node in ast.parse(path(name).read_text()).body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                defined = [node.name]
-            elif isinstance(node, ast.Assign):
-                defined = [t.id for t in node.targets if isinstance(t, ast.Name)]
-            else:
-                continue
-            for n in set(defined):
-                owners.setdefault(n, []).append(name)
-    twice = {n: m for n, m in owners.items() if len(set(m)) > 1}
-    assert not twice, twice
+    assert 'self._source = guest.source("bootstrap")' in inspect.getsource(worker_host.RemoteRunner.__init__)
+    tree = ast.parse(guest.source("bootstrap"))
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert defined == {"main", "prepare"}
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert {m for m in imported if m and m.startswith("pytest_boxlite")} == {"pytest_boxlite.guest.worker"}
 
 
 # --- Sandbox.changes(): what a sandbox's commands changed since it started -----------------------

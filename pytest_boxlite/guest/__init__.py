@@ -1,12 +1,21 @@
 """Code that runs inside a box (or as a bare helper beside one), and the one loader for it.
 
-Every module here is standard-library only (plus pytest for :mod:`worker`) and imports nothing of
-the package: it is shipped into a box as source or run by path under ``python -I -S``.  The host
-reaches these files only through :func:`path` and :func:`source`.
+Every module here is standard-library only (plus pytest for the box's session) and imports nothing
+of the package but its guest modules.  A warm box sees the plugin's directory: the host ships only
+:mod:`bootstrap` (execnet ``remote_exec``), which imports the rest as modules.  A namespace box's
+agent runs by path (``python -I -S``) and imports its siblings the same way (see its
+``_guest_package``).  Scripts that run where the package may not be (a VM's file helper and fork
+relay: ``python -I -S -c`` source) import nothing of it.  The host reaches these files through
+:func:`path` and :func:`source`.
 
+- ``bootstrap``: what execnet ships to a warm box: the host's ``sys.path``, then ``worker``.
 - ``worker``: the warm pytest interpreter in a box (execnet channel to :mod:`pytest_boxlite.remote`).
+- ``session``: the box's pytest session (collection once, the host's runs, shared fixtures).
+- ``forks``: the fork server (a fresh box per ``FORK``, its runs on the host's socket).
 - ``messages``: the vocabulary both ends of that channel use (the host imports it too).
-- ``fresh``: the per-test fork's new namespaces and pristine layers (namespace runtime).
+- ``fresh``: the per-test fork into new namespaces (clone, cells, the test's namespaces).
+- ``ids``, ``layers``, ``boxinit``: a fresh box's id maps, pristine layers, and pid 1.
+- ``linux``: the C library and the kernel's numbers those use.
 - ``caps``: capability dropping and libc error checks, shared by ``agent`` and ``fresh``.
 - ``files``: the file-operation helper behind :class:`~pytest_boxlite.sandbox.Sandbox`.
 - ``agent``: the in-box agent of a namespace box (pid 2 under bwrap).
@@ -28,7 +37,26 @@ import platform
 from pathlib import Path
 
 _HERE = Path(__file__).parent
-NAMES = ("messages", "worker", "caps", "fresh", "files", "agent", "attach", "relay", "terminal", "lastwords", "changes")
+NAMES = (
+    "bootstrap",
+    "messages",
+    "worker",
+    "session",
+    "forks",
+    "caps",
+    "linux",
+    "ids",
+    "layers",
+    "boxinit",
+    "fresh",
+    "files",
+    "agent",
+    "attach",
+    "relay",
+    "terminal",
+    "lastwords",
+    "changes",
+)
 
 
 def path(name: str) -> Path:
@@ -44,13 +72,13 @@ def source(name: str) -> str:
     return path(name).read_text()
 
 
-#: The native pid 1's off switch (guest/fresh.py reads it in the box): ``PYTEST_BOXLITE_NATIVE_INIT=0``.
+#: The native pid 1's off switch (guest/boxinit.py reads it in the box): ``PYTEST_BOXLITE_NATIVE_INIT=0``.
 NATIVE_INIT_ENV = "PYTEST_BOXLITE_NATIVE_INIT"
 
 
 def native_init() -> tuple[Path, Path] | str:
     """The native pid 1's files built with the package, ``(_boxclone*.so, _boxinit)``; or why a
-    test's box runs the Python pid 1 (the rule guest/fresh.py's ``native_init`` applies in the box)."""
+    test's box runs the Python pid 1 (the rule guest/boxinit.py's ``native_init`` applies in the box)."""
     if os.environ.get(NATIVE_INIT_ENV, "1").strip() == "0":
         return f"switched off ({NATIVE_INIT_ENV}=0)"
     if platform.machine() not in ("x86_64", "aarch64") or platform.system() != "Linux":

@@ -62,6 +62,8 @@ and the agent exits, which ends the sandbox, unless the host first wrote
 pipe: the agent is non-dumpable, and no child inherits it.
 """
 
+from __future__ import annotations
+
 import ctypes
 import json
 import os
@@ -71,6 +73,47 @@ import stat
 import subprocess
 import sys
 import threading
+
+# Types for mypy only: the agent starts with every box, and importing typing would cost it milliseconds.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from types import ModuleType
+    from typing import Any, Protocol
+
+    class _Proc(Protocol):
+        """What the agent reads of a process it started (a Popen, or a child it forked itself)."""
+
+        pid: int
+        returncode: int | None
+
+        def poll(self) -> int | None: ...
+
+        def wait(self) -> int: ...
+
+
+def _guest_package() -> None:
+    """Make ``pytest_boxlite.guest`` importable from this file's directory alone, as the host's own.
+
+    The agent runs by path under ``python -I -S``, which leaves that directory off ``sys.path``, and a
+    box of an image holds only the guest directory of the package (the agent's kit, see
+    runtimes/namespace/image.py), not the package's ``__init__`` (which needs more than the
+    standard library): so both packages are made here, empty, with the guest directory as the
+    one place their modules are found.
+    """
+    import types
+
+    top = types.ModuleType("pytest_boxlite")
+    top.__path__ = []
+    guest = types.ModuleType("pytest_boxlite.guest")
+    guest.__path__ = [os.path.dirname(os.path.abspath(__file__))]
+    top.__dict__["guest"] = guest
+    sys.modules.update({top.__name__: top, guest.__name__: guest})
+
+
+if __name__ == "__main__":  # run by path, in an interpreter of its own (never imported)
+    _guest_package()
+
+from pytest_boxlite.guest import caps as _caps  # noqa: E402 - once the package is importable
 
 DEFAULT_CWD = "/workspace"
 #: Largest request line the agent accepts (argv + env of one command).
@@ -91,33 +134,22 @@ HIDDEN_PROC = "/run/.boxlite-proc"
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _sibling(name):
-    """The guest module ``name`` beside this file (``python -I`` leaves this directory off sys.path)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "_boxlite_guest_" + name, os.path.join(os.path.dirname(__file__), name + ".py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_caps = _sibling("caps")
 _check = _caps.check_libc
 
 
-def limit_caps(keep):
+def limit_caps(keep: tuple[int, ...]) -> None:
     """Keep only the capabilities ``keep`` (numbers): bounding set, effective, permitted; no ambient."""
     _caps.limit_caps(_libc, keep)
 
 
-def _mount(src, target, fstype, flags, data=None):
-    enc = lambda v: v.encode() if v is not None else None  # noqa: E731
+def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    def enc(v: str | None) -> bytes | None:
+        return v.encode() if v is not None else None
+
     _check(_libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)
 
 
-def _seal_proc():
+def _seal_proc() -> None:
     """Bind the dangerous parts of /proc over themselves read-only (bubblewrap covers only some)."""
     for name in PROC_READ_ONLY:
         path = "/proc/" + name
@@ -127,7 +159,7 @@ def _seal_proc():
         _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
 
 
-def _hide_spare_proc(root=""):
+def _hide_spare_proc(root: str = "") -> None:
     """A fully visible procfs that no path reaches (see the module docstring, step 3), in the tree
     at ``root`` (a forked box makes it in its new root before it moves there)."""
     hidden = root + HIDDEN_PROC
@@ -145,7 +177,7 @@ def _hide_spare_proc(root=""):
 # --- identity -------------------------------------------------------------------------------
 
 
-def _mapped(which, ident):
+def _mapped(which: str, ident: int) -> bool:
     """Whether ``ident`` is mapped in this user namespace (``which``: "uid" or "gid")."""
     try:
         with open("/proc/self/%s_map" % which) as fh:
@@ -162,7 +194,7 @@ def _mapped(which, ident):
 _MAX_ID_FILE = 4 << 20
 
 
-def _id_entries(path):
+def _id_entries(path: str) -> list[list[str]]:
     """The entries of the box's ``/etc/passwd`` or ``/etc/group`` as lists of fields, read here.
 
     Not through ``pwd``/``grp``: libc would load the NSS modules the box's ``/etc/nsswitch.conf``
@@ -184,7 +216,7 @@ def _id_entries(path):
     return [line.split(":") for line in data.decode("utf-8", "replace").splitlines() if line.count(":") >= 3]
 
 
-def _find(path, field, value):
+def _find(path: str, field: int, value: str) -> list[str] | None:
     """The first entry of ``path`` whose ``field`` is ``value``, with its numeric fields as ints."""
     for fields in _id_entries(path):
         if fields[field] == value and fields[2].isdigit() and (path != "/etc/passwd" or fields[3].isdigit()):
@@ -192,10 +224,10 @@ def _find(path, field, value):
     return None
 
 
-def resolve_user(user, default):
+def resolve_user(user: object, default: tuple[int, int]) -> tuple[int, int]:
     """``user`` ("uid[:gid]", a name, or None for ``default``) as ``(uid, gid)``."""
     if user is None or user == "":
-        return tuple(default)
+        return (int(default[0]), int(default[1]))
     user = str(user)
     name, _, group = user.partition(":")
     if name.isdigit():
@@ -222,7 +254,7 @@ def resolve_user(user, default):
 _PRIVATE_HOMES = "/tmp/.boxlite-home"
 
 
-def home_for(uid, gid):
+def home_for(uid: int, gid: int) -> str:
     """``HOME`` for a command run as ``uid``/``gid`` when neither the box nor the call sets one.
 
     The user's home in the box's ``/etc/passwd`` where it is a directory that user owns and can
@@ -261,7 +293,7 @@ def home_for(uid, gid):
     return path
 
 
-def _can_write(directory):
+def _can_write(directory: str) -> bool:
     """Whether this agent (the box's root, as its commands) can make an entry in ``directory``:
     a directory bubblewrap made where the host's is unreadable looks writable but is not."""
     probe = "%s/.boxlite-probe-%d" % (directory, os.getpid())
@@ -280,16 +312,16 @@ class _Child:
     """A Popen look-alike (pid, poll, wait) for a child this agent forked itself."""
 
     pid = 0
-    returncode = None
+    returncode: int | None = None
 
-    def poll(self):
+    def poll(self) -> int | None:
         if self.returncode is None:
             done, status = os.waitpid(self.pid, os.WNOHANG)
             if done:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def wait(self):
+    def wait(self) -> int:
         if self.returncode is None:
             _, status = os.waitpid(self.pid, 0)
             self.returncode = os.waitstatus_to_exitcode(status)
@@ -303,7 +335,7 @@ class _Nested(_Child):
     Popen look-alike (pid, poll, wait).
     """
 
-    def __init__(self, argv, fds, env, cwd, uid, gid):
+    def __init__(self, argv: list[str], fds: list[int], env: dict[str, str], cwd: str, uid: int, gid: int) -> None:
         if not os.path.isdir(cwd):
             raise FileNotFoundError(2, "No such file or directory", cwd)
         ready_r, ready_w = os.pipe()
@@ -358,10 +390,10 @@ class _Nested(_Child):
             raise OSError(int(code or 0), msg)
 
 
-def spawn(argv, fds, env, cwd, uid, gid):
+def spawn(argv: list[str], fds: list[int], env: dict[str, str], cwd: str, uid: int, gid: int) -> _Proc:
     """Start ``argv`` as ``uid``/``gid`` in its own session with ``fds`` as its stdio."""
     if _mapped("uid", uid) and _mapped("gid", gid):
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if (uid, gid) != (os.getuid(), os.getgid()):
             kwargs = {"user": uid, "group": gid, "extra_groups": []}
         return subprocess.Popen(
@@ -381,13 +413,13 @@ def spawn(argv, fds, env, cwd, uid, gid):
 # --- serving --------------------------------------------------------------------------------
 
 
-def _send(conn, obj):
+def _send(conn: socket.socket, obj: object) -> None:
     conn.sendall((json.dumps(obj) + "\n").encode())
 
 
-def _read_request(conn):
-    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 8)
-    fds = list(fds)
+def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    data, got, _flags, _addr = socket.recv_fds(conn, 1 << 16, 8)
+    fds = list(got)
     chunks = [data]
     size = len(data)
     while not chunks[-1].endswith(b"\n"):
@@ -398,17 +430,20 @@ def _read_request(conn):
             break
         chunks.append(more)
         size += len(more)
-    return json.loads(b"".join(chunks).decode()), fds
+    req = json.loads(b"".join(chunks).decode())
+    if not isinstance(req, dict):
+        raise ValueError("a request is a JSON object, not %s" % type(req).__name__)
+    return req, fds
 
 
-def _killpg(pid, sig):
+def _killpg(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _watch_client(conn, proc, group=True):
+def _watch_client(conn: socket.socket, proc: _Proc, group: bool = True) -> None:
     """Relay signals from the client; kill the process group when it hangs up.
 
     A ``{"signal": n}`` line signals the process group (``group``, an ``exec``), or the process
@@ -449,7 +484,7 @@ def _watch_client(conn, proc, group=True):
 _CONNECT_TIMEOUT = 5.0
 
 
-def _connect_port(conn, req):
+def _connect_port(conn: socket.socket, req: dict[str, Any]) -> None:
     """``{"op": "connect", "port": n}``: connect to the box's own ``127.0.0.1:n`` (this agent is in
     the box's network namespace) and hand the connected socket to the host (SCM_RIGHTS), which
     relays a published port through it.  Only the box's loopback, only TCP: never anywhere else."""
@@ -467,23 +502,23 @@ def _connect_port(conn, req):
         socket.send_fds(conn, [(json.dumps({"connected": port}) + "\n").encode()], [sock.fileno()])
 
 
-def _cwd(req):
+def _cwd(req: dict[str, Any]) -> str:
     # A test may delete the box's working directory; the box must stay usable.
     return req.get("cwd") or (DEFAULT_CWD if os.path.isdir(DEFAULT_CWD) else "/")
 
 
-_HELPER = {}
+_HELPER: dict[str, ModuleType] = {}
 #: Children the agent waits for itself (their exit status is reported); the reaper leaves them alone.
-_TRACKED = set()
+_TRACKED: set[int] = set()
 _TRACKED_LOCK = threading.Lock()
 
 
-def _untrack(pid):
+def _untrack(pid: int) -> None:
     with _TRACKED_LOCK:
         _TRACKED.discard(pid)
 
 
-def _reap_orphans():
+def _reap_orphans() -> None:
     """As the box's pid 1, collect orphaned zombies (never a child whose status a request waits for)."""
     import time
 
@@ -514,10 +549,10 @@ def _reap_orphans():
 
 
 #: Descriptors only the agent may hold (the watchdog pipe, the listening socket): closed in forks.
-_PRIVATE_FDS = []
+_PRIVATE_FDS: list[int] = []
 
 
-def _load_helper(path):
+def _load_helper(path: str) -> None:
     """Import the file helper once, before any guest process runs; forked children inherit it.
 
     What its operations import lazily is imported here too: a fork importing a module later
@@ -528,6 +563,8 @@ def _load_helper(path):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_boxlite_guest_helper", path)
+    if spec is None or spec.loader is None:
+        raise ImportError("no file helper at %s" % path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     for name in module.LAZY_IMPORTS:
@@ -539,7 +576,7 @@ def _load_helper(path):
 class _ForkedHelper(_Child):
     """A fork of the agent running the file helper: a Popen look-alike (pid, poll, wait)."""
 
-    def __init__(self, fds, cwd, uid, gid):
+    def __init__(self, fds: list[int], cwd: str, uid: int, gid: int) -> None:
         if not os.path.isdir(cwd):
             raise FileNotFoundError(2, "No such file or directory", cwd)
         pid = os.fork()
@@ -572,8 +609,8 @@ class _ForkedHelper(_Child):
         self.returncode = None
 
 
-def _serve(conn, base_env, default_user):
-    fds = []
+def _serve(conn: socket.socket, base_env: dict[str, str], default_user: tuple[int, int]) -> None:
+    fds: list[int] = []
     try:
         req, fds = _read_request(conn)
         op = req.get("op")
@@ -604,6 +641,7 @@ def _serve(conn, base_env, default_user):
         try:
             # Under the lock: the reaper must not collect the child before it is tracked.
             with _TRACKED_LOCK:
+                proc: _Proc
                 if op == "helper":
                     proc = _ForkedHelper(fds, _cwd(req), uid, gid)
                 else:
@@ -649,7 +687,7 @@ def _serve(conn, base_env, default_user):
             pass
 
 
-def _watchdog(fd):
+def _watchdog(fd: int) -> None:
     keep = False
     while True:
         try:
@@ -665,7 +703,7 @@ def _watchdog(fd):
         os._exit(0)
 
 
-def _harden(cfg):
+def _harden(cfg: dict[str, Any]) -> None:
     """What the agent does before it serves anything (see the module docstring): process limit,
     Docker's capabilities, not dumpable.  ``/proc`` is sealed and the spare one hidden by the
     caller first (a forked box does both in its own new tree)."""
@@ -677,7 +715,9 @@ def _harden(cfg):
     _check(_libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
 
 
-def _serve_forever(srv, watchdog_fd, base_env, default_user):
+def _serve_forever(
+    srv: socket.socket, watchdog_fd: int, base_env: dict[str, str], default_user: tuple[int, int]
+) -> None:
     threading.Thread(target=_watchdog, args=(watchdog_fd,), daemon=True).start()
     threading.Thread(target=_reap_orphans, daemon=True).start()
     while True:
@@ -692,7 +732,7 @@ def _serve_forever(srv, watchdog_fd, base_env, default_user):
 # the spec shares the host's, network) namespaces with guest/fresh.py's code, the very code that
 # gives each boxed test its pristine box: every overlay gets a new, empty upper layer, /tmp,
 # /dev/shm and /run new tmpfs, /proc a new procfs of the new pid namespace, and the box a new
-# root of its own (fresh.py's fresh_root: /workspace and any top-level entry made anew).  The
+# root of its own (layers.py's fresh_root: /workspace and any top-level entry made anew).  The
 # child first moves itself into the box's own cgroups (the host sends their files' descriptors)
 # and a cgroup namespace of its own, then becomes the new box's pid 1 agent, serving on the
 # socket the host sent with the request, watched by its own watchdog pipe, its stderr in its own
@@ -707,20 +747,19 @@ _ZYGOTE_REQUEST_TIMEOUT = 10.0
 
 
 #: The forked box's watch on its own files (``{"op": "changes"}``), taken as it starts; the zygote
-#: loads guest/changes.py once (``_CHANGES``), its boxes inherit it.
-_WATCH = []
-_CHANGES = []
+#: imports guest/changes.py once (``_zygote``), its boxes inherit it.
+_WATCH: list[Any] = []
 #: The longest answer to ``changes`` (the host reads agent lines up to 64 KiB).
 _CHANGES_ANSWER = 60 * 1024
 
 
-def _changes_answer():
+def _changes_answer() -> dict[str, Any]:
     if not _WATCH:
         return {
             "error": "this box keeps no handle on its layers (only a sandbox forked from a warm box does)",
             "errno": 95,
         }
-    out = _WATCH[0].listing()
+    out: dict[str, Any] = _WATCH[0].listing()
     dropped = 0
     while out["files"] and len(json.dumps(out)) > _CHANGES_ANSWER:
         cut = max(1, len(out["files"]) // 4)
@@ -731,28 +770,7 @@ def _changes_answer():
     return out
 
 
-def _load_changes():
-    """guest/changes.py, run as a module of its own (it needs nothing of the others)."""
-    path = os.path.join(os.path.dirname(__file__), "changes.py")
-    with open(path) as fh:
-        code = compile(fh.read(), path, "exec")
-    names = {"__name__": "_boxlite_guest_changes"}
-    exec(code, names)  # noqa: S102 - our own guest module, by path, as _load_fresh loads fresh.py
-    return names
-
-
-def _load_fresh():
-    """guest/fresh.py, run with guest/caps.py's names as its globals (as the host's remote_exec
-    sends them ahead of it to a test worker): the fork code is shared, not copied."""
-    path = os.path.join(os.path.dirname(__file__), "fresh.py")
-    with open(path) as fh:
-        code = compile(fh.read(), path, "exec")
-    names = {"__name__": "_boxlite_guest_fresh", "check_libc": _caps.check_libc, "limit_caps": _caps.limit_caps}
-    exec(code, names)  # noqa: S102 - our own guest module, by path, as _sibling loads caps.py
-    return names
-
-
-def _reap_children():
+def _reap_children() -> None:
     """Collect the zygote's ended children (forked boxes), never blocking."""
     while True:
         try:
@@ -763,19 +781,22 @@ def _reap_children():
             return
 
 
-def _zygote(cfg, srv, watchdog_fd):
+def _zygote(cfg: dict[str, Any], srv: socket.socket, watchdog_fd: int) -> None:
     import gc
     import select
 
-    fresh = _load_fresh()
-    _CHANGES.append(_load_changes())
+    # Imported here, once, before any box is forked: every box inherits them (none reads a module
+    # from its own file system, which its guest may have changed).
+    from pytest_boxlite.guest import changes, fresh, layers  # noqa: F401 - imported for the boxes
+
     # Every object so far out of the collector's sight: a collection in a forked box would
     # otherwise touch (and so copy) every page of the zygote's heap.
     gc.freeze()
     while True:
         _reap_children()
         try:
-            ready, _, _ = select.select([srv, watchdog_fd], [], [], 1.0)
+            waits: list[Any] = [srv, watchdog_fd]
+            ready, _, _ = select.select(waits, [], [], 1.0)
         except InterruptedError:
             continue
         if watchdog_fd in ready:
@@ -787,12 +808,14 @@ def _zygote(cfg, srv, watchdog_fd):
                 os._exit(0)  # the host is gone: so is the zygote, and with it every box it forked
         if srv in ready:
             conn, _ = srv.accept()
-            _zygote_serve(conn, cfg, fresh)
+            _zygote_serve(conn, cfg)
 
 
-def _zygote_serve(conn, cfg, fresh):
+def _zygote_serve(conn: socket.socket, cfg: dict[str, Any]) -> None:
     """One request to the zygote; in the parent it returns, in a forked child it never does."""
-    fds = []
+    from pytest_boxlite.guest import fresh, ids  # imported by the zygote already
+
+    fds: list[int] = []
     try:
         conn.settimeout(_ZYGOTE_REQUEST_TIMEOUT)
         req, fds = _read_request(conn)
@@ -807,10 +830,10 @@ def _zygote_serve(conn, cfg, fresh):
         if len(fds) < 3:
             _send(conn, {"error": "spawn needs at least 3 descriptors, got %d" % len(fds), "errno": 22})
             return
-        mapper = fresh["IdMapper"]() if os.geteuid() == 0 else None
+        mapper = ids.IdMapper() if os.geteuid() == 0 else None
         try:
             network = bool(req.get("network"))
-            pid = fresh["clone_box"](network, mapper, flags=fresh["sandbox_flags"](network))
+            pid = fresh.clone_box(network, mapper, flags=fresh.sandbox_flags(network))
         except OSError as exc:
             if mapper is not None:
                 mapper.close_parent_side()
@@ -818,7 +841,7 @@ def _zygote_serve(conn, cfg, fresh):
             _send(conn, {"error": "clone: %s" % exc, "errno": exc.errno or 0})
             return
         if pid == 0:
-            _forked_box(conn, fds, req, cfg, fresh)  # never returns
+            _forked_box(conn, fds, req, cfg)  # never returns
         if mapper is not None:
             mapper.serve(pid)
     except Exception as exc:  # the zygote must survive any single bad request
@@ -835,8 +858,10 @@ def _zygote_serve(conn, cfg, fresh):
         conn.close()
 
 
-def _forked_box(conn, fds, req, cfg, fresh):
+def _forked_box(conn: socket.socket, fds: list[int], req: dict[str, Any], cfg: dict[str, Any]) -> None:
     """In the zygote's child, pid 1 of its new namespaces: become the new box's agent."""
+    from pytest_boxlite.guest import changes, layers  # imported by the zygote already
+
     code = 70
     try:
         listen_fd, watchdog_fd, log_fd = fds[:3]
@@ -876,20 +901,21 @@ def _forked_box(conn, fds, req, cfg, fresh):
         with open("/proc/self/oom_score_adj") as fh:
             oom_adj = fh.read().strip()
         network = bool(req.get("network"))
-        warm_tops = fresh["top_mounts"]()
-        fresh["KEEP_LAYERS"][0] = True  # Sandbox.changes(): a handle on each fresh layer
-        fresh["_fresh_box"](str(req["hostname"]), network)
+        warm_tops = layers.top_mounts()
+        layers.KEEP_LAYERS[0] = True  # Sandbox.changes(): a handle on each fresh layer
+        layers.fresh_box(str(req["hostname"]), network)
         # The spare /proc goes into the new root before the old one (and the zygote's spare /proc
         # in it) is detached: the kernel mounts a new procfs only where a fully visible one exists.
-        fresh["fresh_root"](warm_tops, _hide_spare_proc)
+        layers.fresh_root(warm_tops, _hide_spare_proc)
         # _fresh_box favours the warm interpreter under memory pressure: a box's agent has none.
         with open("/proc/self/oom_score_adj", "w") as fh:
             fh.write(oom_adj)
         if not network:
-            fresh["_loopback_up"]()
+            layers.loopback_up()
         # What the box holds as it starts: Sandbox.changes() says what its commands changed since.
         containers = [_PRIVATE_HOMES, _PRIVATE_HOMES + "/*"]  # made by home_for(), not by a command
-        _WATCH.append(_CHANGES[0]["Watch"](fresh["LAYERS"], {"files": True, "containers": containers}, None, True))
+        watch = changes.Watch(layers.LAYERS, {"files": True, "containers": containers}, None, True)
+        _WATCH.append(watch)
         _harden(req)
         srv = socket.socket(fileno=listen_fd)
         _send(conn, {"ready": os.getpid()})
@@ -903,7 +929,7 @@ def _forked_box(conn, fds, req, cfg, fresh):
             os._exit(code)
 
 
-def main():
+def main() -> None:
     cfg = json.loads(sys.argv[1])
     # First of all: nothing in the box may ptrace us or open our descriptors through /proc.
     _check(_libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")

@@ -17,6 +17,8 @@ xdist worker, whose box booted ahead of time), which runs ARGV in its box with t
 the server's log, quoted when the server fails.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import selectors
@@ -24,6 +26,13 @@ import signal
 import socket
 import struct
 import sys
+
+# Types for mypy only: this file runs in a new interpreter per command, and importing typing
+# would cost each one milliseconds (mypy reads this name as typing's own).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any
 
 #: Bytes of the command's stderr written to the box log; the rest is counted, and its last
 #: :data:`TAIL_KEPT` bytes are written when the command ends (a crash's traceback after a flood).
@@ -34,7 +43,7 @@ DRAIN_AFTER_EXIT = 1.0
 _CAP_NOTE = b"\n[pytest-boxlite: this log reached its cap of %d bytes; the rest is dropped]\n" % LOG_CAP
 
 
-def _connect(path):
+def _connect(path: str) -> socket.socket:
     """A connection to the socket at ``path`` (an agent's or a box server's, in the home), once
     its peer is proven this user's: this process hands it its stdin, stdout and stderr, which a
     listener of another user (a socket planted in a shared home) must never get."""
@@ -58,7 +67,7 @@ def _connect(path):
     return sock
 
 
-def _log_tail(log):
+def _log_tail(log: str | None) -> str:
     if not log:
         return ""
     try:
@@ -71,7 +80,7 @@ def _log_tail(log):
         return ""
 
 
-def _hand_over(sock, request, fds):
+def _hand_over(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
     """Send ``request`` with ``fds`` on ``sock``.  Then this process holds none of its stdio open
     (they live on in the box) and passes SIGINT, SIGTERM and SIGHUP on over ``sock``."""
     socket.send_fds(sock, [(json.dumps(request) + "\n").encode()], fds)
@@ -80,7 +89,7 @@ def _hand_over(sock, request, fds):
         os.dup2(null, fd)
         os.close(null)
 
-    def forward(signum, frame):
+    def forward(signum: int, frame: object) -> None:
         try:
             sock.sendall((json.dumps({"signal": signum}) + "\n").encode())
         except OSError:
@@ -90,12 +99,12 @@ def _hand_over(sock, request, fds):
         signal.signal(sig, forward)
 
 
-def _json_lines(buf, chunk):
+def _json_lines(buf: bytes, chunk: bytes) -> tuple[list[Any], bytes]:
     """``buf`` with ``chunk`` added: the JSON values of its complete lines (``None`` for one that is
     not JSON) and what is left of it."""
     buf = (buf + chunk)[-65536:]  # the peer's lines are short: never grow without bound
     *lines, rest = buf.split(b"\n")
-    values = []
+    values: list[Any] = []
     for line in lines:
         try:
             values.append(json.loads(line.decode()))
@@ -104,7 +113,7 @@ def _json_lines(buf, chunk):
     return values, rest
 
 
-def _messages(sock):
+def _messages(sock: socket.socket) -> Iterator[Any]:
     """The peer's JSON lines (``None`` for one that is not JSON) until it hangs up; bounded."""
     buf = b""
     while True:
@@ -118,15 +127,16 @@ def _messages(sock):
         yield from values
 
 
-def via_server(argv):
+def via_server(argv: list[str]) -> int:
     """Run ARGV in a box server's box (see the module's docstring); exit as ``boxproc`` would."""
-    path, rest, log = argv[0], argv[1:], None
+    path, rest = argv[0], argv[1:]
+    log: str | None = None
     if rest[:1] == ["--log"]:
         log, rest = rest[1], rest[2:]
     if rest[:1] == ["--"]:
         rest = rest[1:]
 
-    def fail(why):
+    def fail(why: str) -> int:
         tail = _log_tail(log)
         sys.stderr.write(
             "pytest-boxlite: could not run the worker in a box: %s\n%s" % (why, tail + "\n" if tail else "")
@@ -142,23 +152,23 @@ def via_server(argv):
         return fail("could not connect to its box server (%s)" % (exc.strerror or exc))
     for msg in _messages(sock):
         if isinstance(msg, dict) and isinstance(msg.get("exit"), int):
-            code = msg["exit"]
+            code: int = msg["exit"]
             return 128 - code if code < 0 else code
         return fail(str(msg.get("error") if isinstance(msg, dict) else "its box server answered garbage")[:2000])
     return fail("its box server ended")
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     if argv[:1] == ["--via"]:
         return via_server(argv[1:])
     path = argv[0]
     rest = argv[1:]
-    cwd = None
-    status_file = None
+    cwd: str | None = None
+    status_file: str | None = None
     stderr_fd = 2
-    log = None
-    env = {}
-    user = None
+    log: _CappedLog | None = None
+    env: dict[str, str] = {}
+    user: str | None = None
     while rest[:1] in (["--cwd"], ["--status"], ["--stderr"], ["--env"], ["--user"]):
         if rest[0] == "--cwd":
             cwd = rest[1]
@@ -181,7 +191,7 @@ def main(argv):
     except OSError as exc:
         sys.stderr.write("boxlite attach: could not connect to the box's agent: %s\n" % (exc.strerror or exc))
         return 126
-    req = {"op": "exec", "argv": rest, "env": env, "cwd": cwd}
+    req: dict[str, Any] = {"op": "exec", "argv": rest, "env": env, "cwd": cwd}
     if user is not None:
         req["user"] = user
     try:
@@ -217,7 +227,7 @@ class _CappedLog:
     writes can fill the pipe (64 KiB), never the host's disk.
     """
 
-    def __init__(self, log_fd):
+    def __init__(self, log_fd: int) -> None:
         self.log_fd = log_fd
         self.read_end, self.write_end = os.pipe()
         os.set_inheritable(self.read_end, False)
@@ -225,13 +235,13 @@ class _CappedLog:
         self.dropped = 0
         self.tail = b""
 
-    def handed_over(self):
+    def handed_over(self) -> None:
         """The box holds the write end now (or never will): this process must not keep it open."""
         if self.write_end >= 0:
             os.close(self.write_end)
             self.write_end = -1
 
-    def _take(self, chunk):
+    def _take(self, chunk: bytes) -> None:
         room = LOG_CAP - self.written
         if room > 0:
             part = chunk[:room]
@@ -244,14 +254,14 @@ class _CappedLog:
             self.dropped += len(chunk)
             self.tail = (self.tail + chunk)[-TAIL_KEPT:]
 
-    def _write(self, data):
+    def _write(self, data: bytes) -> None:
         try:
             while data:
                 data = data[os.write(self.log_fd, data) :]
         except OSError:
             pass  # a full disk or a removed box: the box's stderr is drained all the same
 
-    def _read(self):
+    def _read(self) -> bytes | None:
         """One chunk of the pipe (b"" at its end); never blocks (the pipe's read end is non-blocking)."""
         try:
             chunk = os.read(self.read_end, 65536)
@@ -262,7 +272,7 @@ class _CappedLog:
         self._take(chunk)
         return chunk
 
-    def drain_while(self, sock):
+    def drain_while(self, sock: socket.socket) -> Iterator[Any]:
         """The peer's JSON lines on ``sock`` (as :func:`_messages`), the log drained meanwhile."""
         os.set_blocking(self.read_end, False)
         sel = selectors.DefaultSelector()
@@ -287,7 +297,7 @@ class _CappedLog:
         finally:
             sel.close()
 
-    def finish(self, timeout):
+    def finish(self, timeout: float) -> None:
         """What is left in the pipe, for at most ``timeout`` seconds; then the dropped tail."""
         import time
 

@@ -1,17 +1,19 @@
 """Capability dropping and libc error checks, shared by the guest code that calls libc.
 
-Standard library only; imports nothing of the package.  Two users, reached two ways:
-
-* the agent (:mod:`pytest_boxlite.guest.agent`) loads this file by path: it runs under
-  ``python -I -S``, whose ``sys.path`` does not hold its own directory;
-* the per-test fork (:mod:`pytest_boxlite.guest.fresh`) gets it in the same ``remote_exec``,
-  sent ahead of ``fresh.py``, whose functions then call these names directly.
-
-So the names are distinctive (they share a namespace with the worker's own), and ``ctypes`` is
-imported only when a function runs (the warm test interpreter does not load it for nothing).
+Standard library only.  Imported by the agent (:mod:`pytest_boxlite.guest.agent`) and by the
+per-test fork (:mod:`pytest_boxlite.guest.fresh`); ``ctypes`` is imported only when a function
+runs (the warm test interpreter does not load it for nothing).
 """
 
+from __future__ import annotations
+
 import os
+
+# Types for mypy only: the agent imports this file as it starts, and typing would cost it milliseconds.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from typing import Any
 
 _PR_CAPBSET_DROP = 24
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
@@ -19,7 +21,7 @@ _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 _EINVAL = 22
 
 
-def check_libc(ret, what):
+def check_libc(ret: int, what: str) -> None:
     """Raise ``OSError`` (with libc's errno) when a libc call returned non-zero."""
     if ret != 0:
         import ctypes
@@ -28,7 +30,7 @@ def check_libc(ret, what):
         raise OSError(err, "%s: %s" % (what, os.strerror(err)))
 
 
-def limit_caps(libc, keep):
+def limit_caps(libc: Any, keep: Iterable[int]) -> None:
     """Keep only the capabilities ``keep`` (numbers): bounding, effective and permitted sets; no ambient."""
     import ctypes
 

@@ -14,10 +14,24 @@ or ``sitecustomize``); in a namespace box it runs in a fork of the box's agent, 
 all it needs (:data:`LAZY_IMPORTS`) before any guest process ran.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import stat
 import sys
+
+# Types for mypy only: this file runs in a new interpreter per operation, and importing typing
+# would cost each one milliseconds (mypy reads this name as typing's own).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import re
+    import tarfile
+    from collections.abc import Callable, Iterator
+    from typing import IO, Any
+
+    #: A request (the JSON header) and its payload -> the answer's header fields and payload.
+    Op = Callable[[dict[str, Any], bytes], tuple[dict[str, Any], bytes]]
 
 # re, fnmatch, tarfile, io and base64 are imported where needed: every file operation
 # starts a fresh interpreter, and unused imports would cost each one.  A process that forks the
@@ -29,7 +43,7 @@ class PatternError(Exception):
     """The caller's regular expression or glob does not compile."""
 
 
-def _compile(pattern, flags=0):
+def _compile(pattern: str, flags: int = 0) -> re.Pattern[str]:
     import re
 
     try:
@@ -38,7 +52,7 @@ def _compile(pattern, flags=0):
         raise PatternError("invalid regular expression %r: %s" % (pattern, exc)) from None
 
 
-def _regex_for_glob(pattern):
+def _regex_for_glob(pattern: str) -> re.Pattern[str]:
     """Translate a glob with ``**`` (any depth) into a regex over relative POSIX paths."""
     import re
 
@@ -73,7 +87,7 @@ def _regex_for_glob(pattern):
     return _compile("".join(out) + r"\Z", re.DOTALL)
 
 
-def _walk(top, max_depth=None):
+def _walk(top: str, max_depth: int | None = None) -> Iterator[tuple[str, bool, bool, str]]:
     """Yield ``(relpath, is_dir, is_symlink, abspath)`` depth-first in sorted order; never follows symlinks.
 
     With ``max_depth``, nothing deeper than that many levels is even read.
@@ -86,7 +100,7 @@ def _walk(top, max_depth=None):
                 entries = sorted(it, key=lambda e: e.name, reverse=True)
         except (PermissionError, NotADirectoryError, FileNotFoundError):
             continue
-        subdirs = []
+        subdirs: list[tuple[str, str, int]] = []
         for e in reversed(entries):
             r = rel + "/" + e.name if rel else e.name
             try:
@@ -100,7 +114,7 @@ def _walk(top, max_depth=None):
         stack.extend(reversed(subdirs))
 
 
-def _lines(data):
+def _lines(data: bytes) -> list[bytes]:
     """Lines ending in ``\n`` only, as grep and sed count them (not ``str.splitlines``' many breaks)."""
     parts = data.split(b"\n")
     out = [p + b"\n" for p in parts[:-1]]
@@ -109,13 +123,13 @@ def _lines(data):
     return out
 
 
-def _need_dir(path):
+def _need_dir(path: str) -> None:
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(20, "Not a directory", path)
 
 
-def op_read(req, payload):
+def op_read(req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
     path = req["path"]
     with open(path, "rb") as fh:
         data = fh.read()
@@ -128,7 +142,7 @@ def op_read(req, payload):
     return {}, data
 
 
-def op_write(req, payload):
+def op_write(req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
     path = req["path"]
     if len(os.fsencode(path)) >= 4096:
         # Longer than PATH_MAX: fail before creating any of its directories.
@@ -173,11 +187,11 @@ def op_write(req, payload):
     return {"size": os.path.getsize(path)}, b""
 
 
-def op_exists(req, payload):
+def op_exists(req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
     return {"exists": os.path.lexists(req["path"])}, b""
 
 
-def op_remove(req, payload):
+def op_remove(req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
     path = req["path"]
     st = os.lstat(path)
     if stat.S_ISDIR(st.st_mode):
@@ -189,26 +203,26 @@ def op_remove(req, payload):
     return {}, b""
 
 
-def op_list_dir(req, payload):
+def op_list_dir(req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
     top = req["path"]
     _need_dir(top)
     depth = int(req.get("max_depth", 2))
     base = top.rstrip("/") or "/"
-    out = []
+    out: list[str] = []
     for rel, is_dir, _link, _abs in _walk(top, depth):
         full = base + "/" + rel if base != "/" else "/" + rel
         out.append(full + "/" if is_dir else full)
     return {"entries": sorted(out)}, b""
 
 
-def op_glob(req, payload):
+def op_glob(req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
     top = req["path"]
     _need_dir(top)
     rx = _regex_for_glob(req["pattern"])
     limit = int(req.get("max_results", 200))
     include_dirs = bool(req.get("include_dirs"))
     base = top.rstrip("/") or "/"
-    out = []
+    out: list[str] = []
     truncated = False
     for rel, is_dir, _link, _abs in _walk(top):
         if is_dir and not include_dirs:
@@ -221,7 +235,7 @@ def op_glob(req, payload):
     return {"paths": out, "truncated": truncated}, b""
 
 
-def op_grep(req, payload):
+def op_grep(req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
     import fnmatch
     import re
 
@@ -232,9 +246,10 @@ def op_grep(req, payload):
     file_glob = req.get("glob")
     grx = _regex_for_glob(file_glob) if file_glob and "/" in file_glob else None
     limit = int(req.get("max_results", 100))
-    out = []
+    out: list[list[Any]] = []
     truncated = False
     st = os.stat(top)
+    files: Iterator[tuple[str, str]]
     if stat.S_ISDIR(st.st_mode):
         base = top.rstrip("/") or "/"
         files = (
@@ -273,7 +288,7 @@ def op_grep(req, payload):
     return {"matches": out, "truncated": truncated}, b""
 
 
-def _tar_info(name, st):
+def _tar_info(name: str, st: os.stat_result) -> tarfile.TarInfo:
     """A tar header from ``lstat`` alone.  ``TarFile.gettarinfo`` would look up the owner's user
     and group names (``pwd``/``grp``), which loads the box's NSS modules: ids stay numbers."""
     import tarfile
@@ -286,12 +301,12 @@ def _tar_info(name, st):
     return info
 
 
-def _tar_tree(top, out):
+def _tar_tree(top: str, out: IO[bytes]) -> None:
     """``top``'s contents as a tar stream on ``out``: directories, regular files, symbolic links
     (never followed) and hard links between files of the tree; FIFOs and devices as such."""
     import tarfile
 
-    seen = {}  # (dev, ino) of regular files with several links -> the first one's name
+    seen: dict[tuple[int, int], str] = {}  # (dev, ino) of regular files with several links -> the first one's name
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
         root = _tar_info(".", os.lstat(top))
         root.type = tarfile.DIRTYPE
@@ -335,7 +350,7 @@ def _tar_tree(top, out):
             tar.addfile(info)
 
 
-def op_fetch(req, payload):
+def op_fetch(req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
     """A file's bytes, or a directory's contents as a tar stream."""
     path = req["path"]
     if not os.path.isdir(path):
@@ -348,7 +363,7 @@ def op_fetch(req, payload):
     return {"is_dir": True}, buf.getvalue()
 
 
-def op_tar_in(req, payload):
+def op_tar_in(req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
     dest = req["path"]
     os.makedirs(dest, exist_ok=True)
     import io
@@ -356,13 +371,13 @@ def op_tar_in(req, payload):
 
     # "r:": the host sends a plain tar; "r" would try gzip, bz2 and lzma first (imports).
     with tarfile.open(fileobj=io.BytesIO(payload), mode="r:") as tar:
-        kwargs = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
+        kwargs: dict[str, Any] = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
         # numeric_owner: as root, tarfile would otherwise look the names up (the box's NSS modules).
         tar.extractall(dest, numeric_owner=True, **kwargs)
     return {}, b""
 
 
-OPS = {
+OPS: dict[str, Op] = {
     "read": op_read,
     "write": op_write,
     "exists": op_exists,
@@ -375,7 +390,7 @@ OPS = {
 }
 
 
-def main(stdin=None, out=None):
+def main(stdin: IO[bytes] | None = None, out: IO[bytes] | None = None) -> None:
     """Serve one request from ``stdin`` to ``out`` (binary streams; this process's by default)."""
     stdin = stdin or sys.stdin.buffer
     out = out or sys.stdout.buffer

@@ -7,13 +7,19 @@ stdout and stderr, at the descriptor level, and its log records) and sends that 
 ``LASTWORDS`` message, which the host puts in the timeout's report as pytest-timeout's would be.
 The host waits briefly for it and kills the box as before; the message is only ever text, capped.
 
-Shipped into the box as source after ``messages`` (for :data:`LASTWORDS` and ``cap``).
+Imported by the session in the box (:mod:`pytest_boxlite.guest.session`).
 """
+
+from __future__ import annotations
 
 import _thread
 import contextlib
 import os
 import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pytest_boxlite.guest.messages import LASTWORDS, cap
 
 
 class LastWords:
@@ -23,22 +29,22 @@ class LastWords:
     :meth:`resume`) does not count, as pytest-timeout does not count it locally.
     """
 
-    def __init__(self, item, send, timeout):
+    def __init__(self, item: Any, send: Callable[..., None], timeout: float | None) -> None:
         import time
 
         self.item = item
         self.send = send
         self.done = False
-        self.paused_at = None
+        self.paused_at: float | None = None
         self.deadline = time.monotonic() + float(timeout or 0)
         if timeout is not None and timeout > 0:
             _Watcher.of_this_process().watch(self)
 
-    def stop(self):
+    def stop(self) -> None:
         with _Watcher.held():
             self.done = True
 
-    def pause(self):
+    def pause(self) -> None:
         """The test waits for the user (at a debugger's prompt): the clock stops."""
         import time
 
@@ -46,7 +52,7 @@ class LastWords:
             if self.paused_at is None:
                 self.paused_at = time.monotonic()
 
-    def resume(self):
+    def resume(self) -> None:
         """The user answered: the clock runs on from where it stopped."""
         import time
 
@@ -57,16 +63,16 @@ class LastWords:
                 if watcher is not None:
                     watcher.changed.notify_all()  # it may sleep without a deadline while paused
 
-    def _speak(self):
+    def _speak(self) -> None:
         """The deadline passed: send what the running phase captured (once)."""
         try:
             fields = self._captured()
         except Exception as exc:  # noqa: BLE001 - best effort: the host reports the timeout either way
             fields = {"when": "call", "out": "", "err": "", "log": "", "problem": "%s: %s" % (type(exc).__name__, exc)}
         if not self.done:
-            self.send(LASTWORDS, **fields)  # noqa: F821 - messages.py
+            self.send(LASTWORDS, **fields)
 
-    def _captured(self):
+    def _captured(self) -> dict[str, str]:
         # "nodeid (call)": which phase runs now, as pytest itself says it.
         current = os.environ.get("PYTEST_CURRENT_TEST", "")
         when = current.rsplit("(", 1)[-1].rstrip(")") if current.endswith(")") else "call"
@@ -85,9 +91,9 @@ class LastWords:
             log = stream.getvalue().strip()
         return {
             "when": when,
-            "out": cap(out),  # noqa: F821 - messages.py
-            "err": cap(err),  # noqa: F821
-            "log": cap(log),  # noqa: F821
+            "out": cap(out),
+            "err": cap(err),
+            "log": cap(log),
         }
 
 
@@ -107,24 +113,24 @@ class _Watcher:
     """
 
     #: The watcher of the process that made it (a forked process has no thread of its parent's).
-    current = None
+    current: _Watcher | None = None
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pid = os.getpid()
         self.changed = threading.Condition()
-        self.run = None
+        self.run: LastWords | None = None
         #: The deadline the thread sleeps until (``None``: until it is woken).
-        self.until = None
+        self.until: float | None = None
         # Like a daemon thread: the process's exit does not wait for it.
         _thread.start_new_thread(self._serve, ())
 
     @classmethod
-    def _mine(cls):
+    def _mine(cls) -> _Watcher | None:
         watcher = cls.current
         return watcher if watcher is not None and watcher.pid == os.getpid() else None
 
     @classmethod
-    def of_this_process(cls):
+    def of_this_process(cls) -> _Watcher:
         watcher = cls._mine()
         if watcher is None:
             watcher = cls.current = cls()
@@ -132,7 +138,7 @@ class _Watcher:
 
     @classmethod
     @contextlib.contextmanager
-    def held(cls):
+    def held(cls) -> Iterator[_Watcher | None]:
         """This process's watcher (``None`` where no test here had a timeout), its condition held."""
         watcher = cls._mine()
         if watcher is None:
@@ -141,13 +147,13 @@ class _Watcher:
         with watcher.changed:
             yield watcher
 
-    def watch(self, run):
+    def watch(self, run: LastWords) -> None:
         with self.changed:
             self.run = run
             if self.until is None or run.deadline < self.until:
                 self.changed.notify_all()
 
-    def _serve(self):
+    def _serve(self) -> None:
         import time
 
         while True:

@@ -1,7 +1,7 @@
 """The vocabulary of the boxed-test channel, shared by both ends.  Standard library only.
 
-The host (:mod:`pytest_boxlite.remote`) imports this module; the guest gets its source in the same
-``remote_exec`` as :mod:`pytest_boxlite.guest.worker`, so both ends spell every message the same way.
+The host (:mod:`pytest_boxlite.remote`) and the guest (:mod:`pytest_boxlite.guest.session`,
+:mod:`pytest_boxlite.guest.forks`) import this module, so both ends spell every message the same way.
 Every message is a 2-tuple ``(name, fields)`` with ``fields`` a dict, as in pytest-xdist's
 ``sendcommand``/``sendevent``.  Over the execnet channel it travels as is; from a forked box it
 travels as one JSON line ``[name, fields]`` on a Unix socket (tuples tagged, see :func:`tag`).

@@ -17,6 +17,8 @@ At most :data:`MAX_CONNS` connections are open at once; more are refused (closed
 The relay ends when its stdin ends (the host is done, or gone), removing its directory.
 """
 
+from __future__ import annotations
+
 import os
 import select
 import socket
@@ -32,19 +34,19 @@ MAX_PAYLOAD = 64 * 1024
 MAX_CONNS = 32
 
 
-def frame(kind, cid, payload=b""):
+def frame(kind: int, cid: int, payload: bytes = b"") -> bytes:
     """One frame's bytes."""
     return HEADER.pack(kind, cid, len(payload)) + payload
 
 
-def _write_all(fd, data):
+def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         n = os.write(fd, view)
         view = view[n:]
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     directory = argv[0]
     os.mkdir(directory, 0o700)  # must be new: nothing else may have been listening there
     path = os.path.join(directory, "fork.sock")
@@ -52,8 +54,8 @@ def main(argv):
     listener.bind(path)
     listener.listen(MAX_CONNS)
     out, inp = sys.stdout.fileno(), sys.stdin.fileno()
-    conns = {}  # id -> socket
-    ids = {}  # socket fileno -> id
+    conns: dict[int, socket.socket] = {}  # id -> socket
+    ids: dict[int, int] = {}  # socket fileno -> id
     next_id = 1
     buf = b""
     try:
@@ -83,19 +85,20 @@ def main(argv):
                         if len(buf) < HEADER.size + length:
                             break
                         payload, buf = buf[HEADER.size : HEADER.size + length], buf[HEADER.size + length :]
-                        conn = conns.get(cid)
-                        if conn is None:
+                        known = conns.get(cid)
+                        if known is None:
                             continue  # already closed here
                         if kind == DATA:
                             try:
-                                conn.sendall(payload)
+                                known.sendall(payload)
                                 continue
                             except OSError:
                                 _write_all(out, frame(CLOSE, cid))
-                        del ids[conn.fileno()]
+                        del ids[known.fileno()]
                         del conns[cid]
-                        conn.close()
+                        known.close()
                 else:
+                    assert isinstance(r, socket.socket)  # neither the listener nor stdin: a connection
                     cid = ids[r.fileno()]
                     try:
                         data = r.recv(MAX_PAYLOAD)

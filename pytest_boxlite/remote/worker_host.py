@@ -361,9 +361,9 @@ class RemoteRunner:
         self.group = execnet.Group()
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
-        # The message vocabulary and the per-test fork's set-up travel with the worker: one remote_exec.
-        names = ("messages", "caps", "fresh", "lastwords", "changes", "worker")
-        self._source = "\n".join(guest.source(n) for n in names)
+        # A few lines that put the host's sys.path in place and import the guest from the plugin's
+        # directory, which the box sees: one remote_exec (as pytest-xdist ships its remote.py).
+        self._source = guest.source("bootstrap")
         self._args = guest_args(config)
         #: Per fork parent: the socket its forks connect to, and that socket's path in the box.
         self._listeners: dict[str, tuple[socket.socket, str]] = {}

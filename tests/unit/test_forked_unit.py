@@ -1,9 +1,9 @@
-"""guest/worker.py's ``_Forked``, alone: how a warm interpreter keeps the exit codes of its boxes.
+"""guest/forks.py's ``_Forked``, alone: how a warm interpreter keeps the exit codes of its boxes.
 
-The class is guest source (it runs in the warm interpreter): it is loaded here from the same
-source, and its children are real processes.  What this layer forces, which a real run only
-meets on a busy machine, is the order: a box whose test died before the warm interpreter read
-the next FORK is reaped by that FORK, and the host asks how it ended (WAIT) only after more.
+The class runs in the warm interpreter; here its children are real processes.  What this layer
+forces, which a real run only meets on a busy machine, is the order: a box whose test died before
+the warm interpreter read the next FORK is reaped by that FORK, and the host asks how it ended
+(WAIT) only after more.
 """
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ import os
 import time
 from typing import Any
 
-from pytest_boxlite import guest
+from pytest_boxlite.guest.forks import _Forked
 
 
 def _load() -> dict[str, Any]:
-    ns: dict[str, Any] = {"__name__": "worker"}
-    exec(compile(guest.source("worker"), "worker", "exec"), ns)
-    return ns
+    return {"_Forked": _Forked}
 
 
 def _child(code: int, hold: tuple[int, int] | None = None) -> int:

@@ -1,13 +1,14 @@
 """guest/lastwords.py's watcher, alone: one thread per process watches each test's deadline.
 
-The module is guest source (it runs in the box, in the namespace the worker's ``remote_exec``
-gives it): it is loaded here the same way, with the two names it takes from messages.py.  The
-same behaviour is proven in real boxes by tests/test_timeout_output.py (a boxed test's output at
-its timeout); this layer checks the orders of tests and deadlines a real run cannot force.
+The module is loaded here as a copy of its own (its watcher is one per process: a copy starts
+without one, whatever other tests of this process did).  The same behaviour is proven in real
+boxes by tests/test_timeout_output.py (a boxed test's output at its timeout); this layer checks
+the orders of tests and deadlines a real run cannot force.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 import time
@@ -27,9 +28,11 @@ class _Item:
 
 
 def _load() -> dict[str, Any]:
-    ns: dict[str, Any] = {"LASTWORDS": "lastwords", "cap": lambda text: text}
-    exec(compile(guest.source("lastwords"), "lastwords", "exec"), ns)
-    return ns
+    spec = importlib.util.spec_from_file_location("_lastwords_under_test", guest.path("lastwords"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return vars(module)
 
 
 def _os_threads() -> int:
