@@ -729,7 +729,7 @@ def _serve_forever(
 #
 # A zygote is a box booted like any other, whose agent serves no command at all: only ``ping``
 # and ``spawn``.  On ``spawn`` it clones a child into new user, mount, pid, uts, ipc (and, unless
-# the spec shares the host's, network) namespaces with guest/fresh.py's code, the very code that
+# the spec shares the host's, network) namespaces with guest/fresh.py's and layers.py's code, the very code that
 # gives each boxed test its pristine box: every overlay gets a new, empty upper layer, /tmp,
 # /dev/shm and /run new tmpfs, /proc a new procfs of the new pid namespace, and the box a new
 # root of its own (layers.py's fresh_root: /workspace and any top-level entry made anew).  The
@@ -907,7 +907,7 @@ def _forked_box(conn: socket.socket, fds: list[int], req: dict[str, Any], cfg: d
         # The spare /proc goes into the new root before the old one (and the zygote's spare /proc
         # in it) is detached: the kernel mounts a new procfs only where a fully visible one exists.
         layers.fresh_root(warm_tops, _hide_spare_proc)
-        # _fresh_box favours the warm interpreter under memory pressure: a box's agent has none.
+        # fresh_box favours the warm interpreter under memory pressure: a box's agent has none.
         with open("/proc/self/oom_score_adj", "w") as fh:
             fh.write(oom_adj)
         if not network:

@@ -311,7 +311,7 @@ class ForkServer:
 
     def _bare_init(self, mapper: IdMapper | None, dealt: Any) -> BareInit:
         """The init a test's box runs as its pid 1 once it has forked its test process (see
-        guest/fresh.py's BareInit): it closes what of the warm interpreter's it must not
+        guest/boxinit.py's BareInit): it closes what of the warm interpreter's it must not
         hold, and serves a root test's nested id maps (the same one-to-one maps as its own)."""
         close = [*(mapper.fds() if mapper is not None else ()), *held_cell_fds(dealt)]
         nested = maps = None

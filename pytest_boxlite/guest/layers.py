@@ -515,7 +515,7 @@ def top_mounts() -> set[str]:
 
 
 def fresh_root(keep: Collection[str], before_pivot: Callable[[str], object]) -> None:
-    """In a sandbox box made by :func:`clone_box` (after :func:`fresh_box`): a new, empty root.
+    """In a sandbox box made by guest/fresh.py's ``clone_box`` (after :func:`fresh_box`): a new, empty root.
 
     The box's root directory is the warm box's own tmpfs (bubblewrap's), shared by every box
     cloned from it: a top-level entry one box makes or removes (``mkdir /data``, ``rm /bin``)
