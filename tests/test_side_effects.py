@@ -726,6 +726,46 @@ def test_a_booted_box_says_what_it_cannot_see(tmp_path: Path, home: Path, subrun
     _host_untouched(project)
 
 
+BURN = """
+import time
+
+
+def test_burns_cpu():
+    end = time.process_time() + 0.6
+    while time.process_time() < end:
+        pass
+
+
+def test_idle_after():
+    pass
+"""
+
+
+def test_module_scope_usage_counts_from_each_tests_start(
+    tmp_path: Path, home: Path, subruns: list[subruns.SubRun]
+) -> None:
+    """In module scope one box runs both tests: the second test's CPU time counts from its own
+    start (the cell's begin_test), not the box's, so the first test's 0.6 s is not the second's."""
+    if os.geteuid() != 0:
+        pytest.skip("an ordinary user's boxes have no cgroup here: usage is the test process's rusage")
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "test_burn.py").write_text(textwrap.dedent(BURN))
+    junit = tmp_path / "junit.xml"
+    rc, out = _run(
+        project, home, subruns, "burn", "--boxlite", "--boxlite-scope=module", "--boxlite-usage=2",
+        f"--junitxml={junit}",
+    )  # fmt: skip
+    assert rc == 0, out[-3000:]
+    props = {
+        str(tc.get("name")): {str(p.get("name")): str(p.get("value")) for p in tc.iter("property")}
+        for tc in ET.parse(junit).iter("testcase")
+    }
+    assert props["test_burns_cpu"][side_effects.CPU_SOURCE_PROPERTY] == "cgroup", props
+    assert float(props["test_burns_cpu"][side_effects.CPU_PROPERTY]) >= 0.5, props
+    assert float(props["test_idle_after"][side_effects.CPU_PROPERTY]) < 0.3, props
+
+
 BOOTED_NOTE = "files: not seen in a booted box (its writable layers lie outside it)"
 
 
