@@ -100,7 +100,7 @@ def bench_runtime(kind: str, home: Path, token: str, args: argparse.Namespace) -
         pool = BoxPool(
             rt,
             namer=make_namer(f"bench{token}{tag}"),
-            replicas=args.replicas,
+            max_boxes=args.replicas,
             boot_timeout=BOOT_TIMEOUT[kind],
             lease_timeout=BOOT_TIMEOUT[kind] * 2,
             idle_timeout=0,  # never reap: the waits between samples must not empty the pool

@@ -1,5 +1,5 @@
 """Scaling with the pool's size: trivial ``@pytest.mark.boxlite`` tests run with
-``--boxlite-replicas`` 1, 2 and 4, beside the same suite unmarked (interleaved rounds; each run a
+``--boxlite-max-boxes`` 1, 2 and 4, beside the same suite unmarked (interleaved rounds; each run a
 fresh, leak-checked ``--boxlite-home``)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         }
         rows = [Row("unmarked", "unmarked", "unmarked")]
         rows += [
-            Row(f"r{r}", f"marked, --boxlite-replicas {r}", "marked", ("--boxlite-replicas", str(r)), base="unmarked",
+            Row(f"r{r}", f"marked, --boxlite-max-boxes {r}", "marked", ("--boxlite-max-boxes", str(r)), base="unmarked",
                 boxed=True)
             for r in args.replicas
         ]  # fmt: skip
@@ -54,4 +54,4 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     return 0, {"rows": res}
 
 
-REPLICAS = Table("replicas", "marked trivial tests with --boxlite-replicas 1, 2, 4", __doc__ or "", add_arguments, run)
+REPLICAS = Table("replicas", "marked trivial tests with --boxlite-max-boxes 1, 2, 4", __doc__ or "", add_arguments, run)

@@ -152,9 +152,11 @@ def _remote(args: argparse.Namespace) -> Any:
     """The ``--url`` server (or ``$PYTEST_BOXLITE_URL``), or None for this host's home."""
     url = args.url or os.environ.get(OPTIONS_BY_NAME["url"].env)
     cred = args.credential_file or os.environ.get(OPTIONS_BY_NAME["credential_file"].env)
-    replicas = OPTIONS_BY_NAME["replicas"]
+    opt = OPTIONS_BY_NAME["max_boxes"]
+    older = opt.older()
+    raw = os.environ.get(opt.env) or (os.environ.get(older.env) if older is not None else None)
     try:
-        max_boxes = int(replicas.parse(os.environ.get(replicas.env) or "2"))
+        max_boxes = int(opt.parse(raw or "2"))
     except ValueError:
         max_boxes = 2
     return remote_target(url, credential_file=cred, max_boxes=max_boxes)

@@ -1,6 +1,6 @@
 """The warm pool: boxes booted ahead of time, leased to one test each.
 
-* A per-process cap (``replicas``) bounds live boxes: booting + warm +
+* A per-process cap (``max_boxes``) bounds live boxes: booting + warm +
   leased + being destroyed, across every spec.
 * One warm queue per :class:`~pytest_boxlite.spec.BoxSpec`; a lease for a
   spec with no warm box boots one (cold), evicting an idle warm box of
@@ -163,7 +163,7 @@ class BoxPool:
         runtime: Runtime,
         *,
         namer: Callable[[], str],
-        replicas: int = 2,
+        max_boxes: int = 2,
         boot_timeout: float = 120.0,
         lease_timeout: float = 300.0,
         idle_timeout: float = 600.0,
@@ -171,10 +171,10 @@ class BoxPool:
         health_timeout: float = 5.0,
         lifecycle: BoxLifecycle | None = None,
     ) -> None:
-        if replicas < 1:
-            raise ValueError("replicas must be at least 1")
+        if max_boxes < 1:
+            raise ValueError("max_boxes must be at least 1")
         self.runtime = runtime
-        self.replicas = replicas
+        self.max_boxes = max_boxes
         self.boot_timeout = boot_timeout
         self.lease_timeout = lease_timeout
         self.idle_timeout = idle_timeout
@@ -200,7 +200,7 @@ class BoxPool:
         self.health_after = 2.0
         self.destroy_errors: list[str] = []
         # Boots and destroys run here; sized so a full refill can proceed at once.
-        self._workers = concurrent.futures.ThreadPoolExecutor(max(2, replicas + 1), thread_name_prefix="boxlite-pool")
+        self._workers = concurrent.futures.ThreadPoolExecutor(max(2, max_boxes + 1), thread_name_prefix="boxlite-pool")
         self._reaper = threading.Thread(target=self._reap_idle, name="boxlite-idle-reaper", daemon=True)
         self._reaper.start()
 
@@ -218,9 +218,9 @@ class BoxPool:
             return sum(len(q) for q in self._warm.values())
 
     def prewarm(self, spec: BoxSpec, count: int | None = None) -> None:
-        """Keep ``count`` (default: ``replicas``) warm boxes of ``spec`` ready, booting in the background."""
+        """Keep ``count`` (default: ``max_boxes``) warm boxes of ``spec`` ready, booting in the background."""
         with self._cond:
-            self._targets[spec] = min(self.replicas, self.replicas if count is None else count)
+            self._targets[spec] = min(self.max_boxes, self.max_boxes if count is None else count)
             self._fill_locked()
 
     def lease(self, spec: BoxSpec, *, timeout: float | None = None, reuse: bool = False) -> Lease:
@@ -327,7 +327,7 @@ class BoxPool:
                         self._waiting[spec] -= 1
                     waited = True
                     continue
-                if self._live < self.replicas:
+                if self._live < self.max_boxes:
                     self._reserve_locked(spec)
                     return None, "cold", None
                 if self._booting[spec] == 0:
@@ -355,8 +355,8 @@ class BoxPool:
                 if left <= 0:
                     raise LeaseTimeoutError(
                         f"no box of {spec.describe()} became available within {limit:.0f}s: "
-                        f"all {self.replicas} replicas are in use ({len(self._leased)} leased, "
-                        f"{sum(self._booting.values())} booting). Raise --boxlite-replicas or "
+                        f"all {self.max_boxes} boxes are in use ({len(self._leased)} leased, "
+                        f"{sum(self._booting.values())} booting). Raise --boxlite-max-boxes or "
                         "--boxlite-lease-timeout, or release boxes sooner."
                     )
                 self._cond.wait(left)
@@ -372,7 +372,7 @@ class BoxPool:
         if self._closed:
             return
         for spec, target in self._targets.items():
-            while len(self._warm[spec]) + self._booting[spec] < target and self._live < self.replicas:
+            while len(self._warm[spec]) + self._booting[spec] < target and self._live < self.max_boxes:
                 self._reserve_locked(spec)
                 self._filling[spec] += 1
                 self._workers.submit(self._fill_one, spec)

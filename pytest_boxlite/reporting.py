@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def header(session: BoxliteSession, *, controller: bool = False) -> list[str]:
-    """``boxlite: runtime=... (why) image=... replicas=...``."""
+    """``boxlite: runtime=... (why) image=... max-boxes=...``."""
     c = session.choice
     caveat, unused_image = kind_notes(c.kind)
     why = c.reason + (f"; {caveat}" if caveat else "")
@@ -40,7 +40,8 @@ def header(session: BoxliteSession, *, controller: bool = False) -> list[str]:
 
     return [
         f"boxlite: runtime={c.kind} ({why})",
-        f"boxlite: image={image} replicas={s.replicas}{per} network={'on' if s.network else 'off'} home={session.home}",
+        f"boxlite: image={image} max-boxes={s.max_boxes}{per} network={'on' if s.network else 'off'}"
+        f" home={session.home}",
         # Where this host cannot hold a home rule as designed, the run says so (see _homefs).
         *(f"boxlite: home rule not held as designed: {limit}" for limit in home_limits()),
     ]

@@ -693,7 +693,7 @@ class ServiceManager:
                 service_ledger.prune(session.home)
         fields: dict[str, Any] = {} if spec.image is None else {"image": spec.image}
         deadline = time.monotonic() + spec.timeout
-        # A service's box comes on top of --boxlite-replicas: held for a whole scope, it would
+        # A service's box comes on top of --boxlite-max-boxes: held for a whole scope, it would
         # otherwise starve the tests (a boxed test waiting for a box that services hold).
         pool = session.pool()
         self._take_room(pool)
@@ -766,7 +766,7 @@ class ServiceManager:
                     self._owed += 1
 
     def _take_room(self, pool: Any) -> None:
-        """Room in the pool for one more service's box, on top of ``--boxlite-replicas``: a place a
+        """Room in the pool for one more service's box, on top of ``--boxlite-max-boxes``: a place a
         stopped service left, once its box is gone (the pool has room again), else a new one.
 
         The cap never shrinks back while the session runs: a stopped service's box is destroyed in
@@ -775,10 +775,10 @@ class ServiceManager:
         interpreter).  Under the pool's own condition, which waiting leases sleep on (a private of
         the pool; this package's own)."""
         with pool._cond:
-            if self._owed > 0 and pool._live < pool.replicas:
+            if self._owed > 0 and pool._live < pool.max_boxes:
                 self._owed -= 1
             else:
-                pool.replicas += 1
+                pool.max_boxes += 1
             pool._cond.notify_all()
 
     def _not_ready(

@@ -95,7 +95,7 @@ class BoxliteSession:
         self.worker_id = worker_id
         self.owner = session_id if worker_id is None else f"{session_id}-{worker_id}"
         self.home = Path(settings.home).expanduser()
-        remote = remote_target(settings.url, credential_file=settings.credential_file, max_boxes=settings.replicas)
+        remote = remote_target(settings.url, credential_file=settings.credential_file, max_boxes=settings.max_boxes)
         self.choice: Choice = choose(settings.runtime, remote)
         #: The project (pytest's rootdir; the working directory if not given): every sandbox sees
         #: it at its own path, copy-on-write (read-only on vm), wherever it lies, /tmp included.
@@ -379,7 +379,7 @@ class BoxliteSession:
 
     def _warm_count(self, spec: BoxSpec) -> int:
         # Forked boxes need one warm interpreter per spec, not a box per test.
-        return 1 if spec.worker and self.fork_boxes else self.settings.replicas
+        return 1 if spec.worker and self.fork_boxes else self.settings.max_boxes
 
     def start_async(self) -> None:
         """Open the runtime and start prewarming in the background (once)."""
@@ -420,7 +420,7 @@ class BoxliteSession:
             pool = BoxPool(
                 runtime,
                 namer=self._namer,
-                replicas=s.replicas,
+                max_boxes=s.max_boxes,
                 boot_timeout=s.boot_timeout,
                 lease_timeout=s.lease_timeout,
                 idle_timeout=s.idle_timeout,

@@ -112,6 +112,8 @@ class Option:
     help: str
     metavar: str = "VALUE"
     flag_only: bool = False  # a store_true flag on the command line
+    #: The option's older name, still read (flag, ini key, variable) where the new one is not set.
+    alias: str | None = None
 
     @property
     def flag(self) -> str:
@@ -125,6 +127,10 @@ class Option:
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
 
+    def older(self) -> Option | None:
+        """The option as its older name spells it (flag, ini key, variable), if it has one."""
+        return None if self.alias is None else dataclasses.replace(self, name=self.alias, alias=None)
+
 
 OPTIONS: tuple[Option, ...] = (
     Option(
@@ -136,7 +142,14 @@ OPTIONS: tuple[Option, ...] = (
         "python:<host major.minor>-slim)",
         "IMAGE",
     ),
-    Option("replicas", _positive_int, lambda: 2, "cap on live boxes per pytest process; also the warm-pool size", "N"),
+    Option(
+        "max_boxes",
+        _positive_int,
+        lambda: 2,
+        "cap on live boxes per pytest process; also the warm-pool size",
+        "N",
+        alias="replicas",
+    ),
     Option(
         "runtime",
         _runtime,
@@ -222,7 +235,7 @@ OPTIONS: tuple[Option, ...] = (
         "lease_timeout",
         _positive_float,
         lambda: 300.0,
-        "how long a test waits for a box when all replicas are busy",
+        "how long a test waits for a box when every box the cap allows is in use",
         "SECONDS",
     ),
 )
@@ -265,7 +278,7 @@ class Settings:
     """Resolved session settings.  ``sources`` says where each value came from."""
 
     image: str
-    replicas: int
+    max_boxes: int
     runtime: str
     cpus: int | None
     memory: int | None
@@ -320,13 +333,17 @@ def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("boxlite", "run tests inside throw-away boxes (pytest-boxlite)")
     for opt in sorted(OPTIONS, key=lambda o: o.name != "all"):
         text = f"{help_text(opt)} [ini: {opt.ini}; env: {opt.env}]"
+        old = opt.older()
+        flags = [opt.flag] if old is None else [opt.flag, old.flag]  # the older flag: the same option
         if opt.flag_only:
             group.addoption(
-                opt.flag, action="store_const", const="1", default=None, dest=f"boxlite_{opt.name}", help=text
+                *flags, action="store_const", const="1", default=None, dest=f"boxlite_{opt.name}", help=text
             )
         else:
-            group.addoption(opt.flag, default=None, dest=f"boxlite_{opt.name}", metavar=opt.metavar, help=text)
+            group.addoption(*flags, default=None, dest=f"boxlite_{opt.name}", metavar=opt.metavar, help=text)
         parser.addini(opt.ini, help_text(opt), type=INI_TYPES.get(opt.name, "string"), default=None)  # type: ignore[arg-type]
+        if old is not None:
+            parser.addini(old.ini, f"older name of {opt.ini}", type=INI_TYPES.get(opt.name, "string"), default=None)  # type: ignore[arg-type]
 
 
 def source_text(source: str) -> str:
@@ -373,6 +390,12 @@ def _parse(opt: Option, raw: str, source: str) -> Any:
         raise pytest.UsageError(f"{opt.flag}: bad value {raw!r} from {source}: {reason}") from None
 
 
+def _names(opt: Option) -> list[Option]:
+    """``opt``, then its older name's spelling (read where the new one is not set)."""
+    old = opt.older()
+    return [opt] if old is None else [opt, old]
+
+
 def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Settings:
     """Resolve every option: default < ini < environment < command line."""
     env = os.environ if environ is None else environ
@@ -380,14 +403,20 @@ def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Set
     sources: dict[str, str] = {}
     for opt in OPTIONS:
         value, source = opt.default(), "default"
-        raw_ini = _ini(config, opt)
-        if raw_ini is not None:
-            value, source = _parse(opt, raw_ini, f"ini key {opt.ini}"), f"ini {opt.ini}"
-        if opt.env in env:
-            value, source = _parse(opt, env[opt.env], f"environment variable {opt.env}"), f"env {opt.env}"
+        # At each level the option's name wins over its older one (``Option.alias``).
+        for named in _names(opt):
+            raw_ini = _ini(config, named)
+            if raw_ini is not None:
+                value, source = _parse(opt, raw_ini, f"ini key {named.ini}"), f"ini {named.ini}"
+                break
+        for named in _names(opt):
+            if named.env in env:
+                value, source = _parse(opt, env[named.env], f"environment variable {named.env}"), f"env {named.env}"
+                break
         cli = config.getoption(f"boxlite_{opt.name}")
         if cli is not None:
-            value, source = _parse(opt, cli, f"the command line ({opt.flag})"), f"command line {opt.flag}"
+            flags = " or ".join(n.flag for n in _names(opt))  # argparse does not say which was typed
+            value, source = _parse(opt, cli, f"the command line ({flags})"), f"command line {opt.flag}"
         values[opt.name] = value
         sources[opt.name] = source
     if values["url"] is not None and values["scope"] == "worker":

@@ -44,7 +44,7 @@ def pytest_configure(config):
 
 # name -> (ini raw, env raw, cli args, parsed ini, parsed env, parsed cli)
 LAYERS: dict[str, tuple[str, str, list[str], Any, Any, Any]] = {
-    "replicas": ("3", "4", ["--boxlite-replicas", "5"], 3, 4, 5),
+    "max_boxes": ("3", "4", ["--boxlite-max-boxes", "5"], 3, 4, 5),
     "image": (
         "ini/image:1",
         "env/image:2",
@@ -104,7 +104,7 @@ def test_defaults(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) ->
     assert set(sources) == {o.name for o in OPTIONS}
     assert all(src == "default" for src in sources.values()), sources
     assert values["image"] == default_image()
-    assert values["replicas"] == 2
+    assert values["max_boxes"] == 2
     assert values["runtime"] == "auto"
     assert values["network"] is False
     assert values["idle_timeout"] == 600.0
@@ -153,17 +153,49 @@ def test_precedence(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, 
 def test_env_beats_default_and_cli_beats_ini_without_the_middle_layer(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    write_ini(pytester, {"replicas": "3", "image": "ini/image:1", "home": str(tmp_path / "ini-home")})
+    write_ini(pytester, {"max_boxes": "3", "image": "ini/image:1", "home": str(tmp_path / "ini-home")})
     monkeypatch.setenv("PYTEST_BOXLITE_NETWORK", "on")
     monkeypatch.setenv("PYTEST_BOXLITE_IDLE_TIMEOUT", "7")
-    shown = run_show(pytester, "--boxlite-replicas=6", "--boxlite-timeout", "9", session=False)
+    shown = run_show(pytester, "--boxlite-max-boxes=6", "--boxlite-timeout", "9", session=False)
     values, sources = shown["values"], shown["sources"]
-    assert (values["replicas"], sources["replicas"]) == (6, "command line --boxlite-replicas")
+    assert (values["max_boxes"], sources["max_boxes"]) == (6, "command line --boxlite-max-boxes")
     assert (values["image"], sources["image"]) == ("ini/image:1", "ini boxlite_image")
     assert (values["network"], sources["network"]) == (True, "env PYTEST_BOXLITE_NETWORK")
     assert (values["idle_timeout"], sources["idle_timeout"]) == (7.0, "env PYTEST_BOXLITE_IDLE_TIMEOUT")
     assert (values["timeout"], sources["timeout"]) == (9.0, "command line --boxlite-timeout")
     assert sources["runtime"] == "default"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layer", ["ini", "env", "cli"])
+def test_the_older_name_replicas_still_sets_max_boxes(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, layer: str
+) -> None:
+    """--boxlite-replicas (and boxlite_replicas, PYTEST_BOXLITE_REPLICAS) is the older name of
+    --boxlite-max-boxes: suites written against it keep working; the new name wins at one level."""
+    write_ini(pytester, {"home": str(tmp_path / "h"), **({"replicas": "3"} if layer == "ini" else {})})
+    if layer == "env":
+        monkeypatch.setenv("PYTEST_BOXLITE_REPLICAS", "4")
+    args = ["--boxlite-replicas=5"] if layer == "cli" else []
+    shown = run_show(pytester, *args, session=False)
+    expected = {"ini": (3, "ini boxlite_replicas"), "env": (4, "env PYTEST_BOXLITE_REPLICAS")}
+    got = (shown["values"]["max_boxes"], shown["sources"]["max_boxes"])
+    assert got == expected.get(layer, (5, "command line --boxlite-max-boxes"))
+    # Both names at one level: the new one is read.
+    if layer == "env":
+        monkeypatch.setenv("PYTEST_BOXLITE_MAX_BOXES", "6")
+        shown = run_show(pytester, session=False)
+        assert (shown["values"]["max_boxes"], shown["sources"]["max_boxes"]) == (6, "env PYTEST_BOXLITE_MAX_BOXES")
+
+
+def test_a_bad_value_under_the_older_name_names_it(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_BOXLITE_REPLICAS", "0")
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("--boxlite", *QUIET)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*--boxlite-max-boxes: bad value '0' from environment variable PYTEST_BOXLITE_REPLICAS*"]
+    )
 
 
 @pytest.mark.timeout(60)
@@ -176,8 +208,8 @@ def test_runtime_namespace_is_used_when_asked(pytester: pytest.Pytester, tmp_pat
 
 # (option name, bad raw value, expected reason fragment); each is tried from every source that can express it.
 BAD_VALUES = [
-    ("replicas", "0", "must be at least 1"),
-    ("replicas", "many", "must be a number"),
+    ("max_boxes", "0", "must be at least 1"),
+    ("max_boxes", "many", "must be a number"),
     ("image", " ", "must not be empty"),
     ("network", "maybe", "must be one of: on, off"),
     ("runtime", "docker", "must be one of: auto, vm, namespace"),
@@ -223,7 +255,7 @@ def test_bad_value_is_a_usage_error_naming_source_and_option(
         where = f"environment variable {env}"
     else:
         args.append(f"{flag}={raw}")
-        where = f"the command line ({flag})"
+        where = f"the command line ({flag}"  # an option with an older name names both
     pytester.makepyfile("def test_never_runs():\n    raise AssertionError('must not run')\n")
     result = pytester.runpytest(*QUIET, *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -294,7 +326,7 @@ def test_plugin_is_active_by_default(pytester: pytest.Pytester, tmp_path: Path) 
     pytester.makepyfile("def test_plain():\n    pass\n")
     result = pytester.runpytest(*QUIET, f"--boxlite-home={tmp_path / 'h'}")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["boxlite: runtime=*", "boxlite: image=* replicas=2 *"])
+    result.stdout.fnmatch_lines(["boxlite: runtime=*", "boxlite: image=* max-boxes=2 *"])
 
 
 @pytest.mark.timeout(60)
@@ -392,7 +424,7 @@ def test_help_lists_boxlite_first_with_defaults_and_typed_ini_keys(pytester: pyt
     assert flags[0] == "--boxlite", flags
     text = " ".join(group.split())
     for flag, default in (
-        ("--boxlite-replicas=N", "2"),
+        ("--boxlite-max-boxes=N, --boxlite-replicas=N", "2"),
         ("--boxlite-timeout=SECONDS", "300"),
         ("--boxlite-idle-timeout=SECONDS", "600"),
         ("--boxlite-boot-timeout=SECONDS", "120"),
@@ -405,4 +437,4 @@ def test_help_lists_boxlite_first_with_defaults_and_typed_ini_keys(pytester: pyt
     ini = " ".join(out.split("[pytest] configuration options", 1)[1].split())
     for key, kind in (("boxlite_all", "bool"), ("boxlite_keep", "bool"), ("boxlite_env_deny", "linelist")):
         assert f"{key} ({kind})" in ini, (key, ini[:3000])
-    assert "boxlite_replicas (string)" in ini
+    assert "boxlite_max_boxes (string)" in ini and "boxlite_replicas (string)" in ini

@@ -56,7 +56,7 @@ def rt(ns_home: Path) -> Iterator[NamespaceRuntime]:
 
 @pytest.fixture
 def make_pool(rt: NamespaceRuntime) -> Iterator[PoolFactory]:
-    """``make_pool(replicas=..., ...)``: pools on ``rt``, all shut down at teardown."""
+    """``make_pool(max_boxes=..., ...)``: pools on ``rt``, all shut down at teardown."""
     pools: list[BoxPool] = []
 
     def make(**kwargs: object) -> BoxPool:
@@ -79,9 +79,9 @@ def make_pool(rt: NamespaceRuntime) -> Iterator[PoolFactory]:
 
 @pytest.mark.timeout(150)
 def test_stress_cap_holds_and_nothing_is_left(rt: NamespaceRuntime, make_pool: PoolFactory) -> None:
-    """8 threads x 50 lease/release with replicas=3: never more than 3 live boxes, zero left after shutdown."""
-    replicas, threads, rounds = 3, 8, 50
-    pool = make_pool(replicas=replicas)
+    """8 threads x 50 lease/release with max_boxes=3: never more than 3 live boxes, zero left after shutdown."""
+    max_boxes, threads, rounds = 3, 8, 50
+    pool = make_pool(max_boxes=max_boxes)
     pool.prewarm(SPEC)
 
     samples: list[tuple[int, int]] = []
@@ -106,7 +106,7 @@ def test_stress_cap_holds_and_nothing_is_left(rt: NamespaceRuntime, make_pool: P
                         problems.append(f"{name} leased twice at once")
                     held.add(name)
                     concurrently = len(held)
-                if concurrently > replicas:
+                if concurrently > max_boxes:
                     problems.append(f"{concurrently} leases held at once")
                 with held_lock:
                     held.discard(name)
@@ -128,9 +128,9 @@ def test_stress_cap_holds_and_nothing_is_left(rt: NamespaceRuntime, make_pool: P
     assert problems == []
     assert pool.stats.leased == threads * rounds
     assert samples, "the sampler took no samples"
-    assert max(live for live, _ in samples) <= replicas
-    assert max(on_disk for _, on_disk in samples) <= replicas
-    assert pool.stats.max_live <= replicas
+    assert max(live for live, _ in samples) <= max_boxes
+    assert max(on_disk for _, on_disk in samples) <= max_boxes
+    assert pool.stats.max_live <= max_boxes
     assert pool.stats.booted >= threads * rounds  # no box went to a second lease
 
     pool.shutdown()
@@ -141,7 +141,7 @@ def test_stress_cap_holds_and_nothing_is_left(rt: NamespaceRuntime, make_pool: P
 
 @pytest.mark.timeout(60)
 def test_lease_at_cap_waits_then_times_out_clearly(make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=1, lease_timeout=0.6)
+    pool = make_pool(max_boxes=1, lease_timeout=0.6)
     held = pool.lease(SPEC)
     t0 = time.monotonic()
     with pytest.raises(errors.LeaseTimeoutError) as excinfo:
@@ -151,8 +151,8 @@ def test_lease_at_cap_waits_then_times_out_clearly(make_pool: PoolFactory) -> No
     assert waited < 30, "the lease waited far beyond its timeout"
     msg = str(excinfo.value)
     assert "no box of" in msg
-    assert "replicas" in msg
-    assert "--boxlite-replicas" in msg
+    assert "boxes are in use" in msg
+    assert "--boxlite-max-boxes" in msg
     assert "--boxlite-lease-timeout" in msg
     # A lease timeout is a BoxliteError (and a TimeoutError) that callers can catch generically.
     assert isinstance(excinfo.value, errors.BoxliteError)
@@ -163,7 +163,7 @@ def test_lease_at_cap_waits_then_times_out_clearly(make_pool: PoolFactory) -> No
 
 @pytest.mark.timeout(60)
 def test_lease_at_cap_gets_the_capacity_freed_by_a_release(make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=1)
+    pool = make_pool(max_boxes=1)
     held = pool.lease(SPEC)
     released = threading.Event()
 
@@ -188,7 +188,7 @@ def test_lease_at_cap_gets_the_capacity_freed_by_a_release(make_pool: PoolFactor
 
 @pytest.mark.timeout(60)
 def test_lease_of_other_spec_at_cap_evicts_an_idle_warm_box(rt: NamespaceRuntime, make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=1)
+    pool = make_pool(max_boxes=1)
     pool.prewarm(SPEC)
     assert wait_until(lambda: pool.warm_count(SPEC) == 1), "the pool never warmed a box"
     (warm_name,) = box_names(rt)
@@ -206,7 +206,7 @@ def test_lease_of_other_spec_at_cap_evicts_an_idle_warm_box(rt: NamespaceRuntime
 
 @pytest.mark.timeout(60)
 def test_each_spec_gets_its_own_boxes(make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=2)
+    pool = make_pool(max_boxes=2)
     with pool.sandbox(SPEC) as a, pool.sandbox(OTHER_SPEC) as b:
         assert a.execute_command("echo ${POOL_TEST_SPEC:-default}").stdout.strip() == "default"
         assert b.execute_command("echo ${POOL_TEST_SPEC:-default}").stdout.strip() == "other"
@@ -218,7 +218,7 @@ def test_each_spec_gets_its_own_boxes(make_pool: PoolFactory) -> None:
 
 @pytest.mark.timeout(60)
 def test_without_reuse_a_box_never_serves_two_leases(rt: NamespaceRuntime, make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=2)
+    pool = make_pool(max_boxes=2)
     pool.prewarm(SPEC)
     seen: list[str] = []
     # One side opting in is not enough: a reuse=True lease neither gets the box of a plain lease
@@ -235,7 +235,7 @@ def test_without_reuse_a_box_never_serves_two_leases(rt: NamespaceRuntime, make_
 
 @pytest.mark.timeout(60)
 def test_reuse_opt_in_on_both_leases_gets_the_same_box(make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=2)
+    pool = make_pool(max_boxes=2)
     first = pool.lease(SPEC, reuse=True)
     first.sandbox.write_file("/workspace/state", "from the first lease")
     name = first.handle.name
@@ -250,7 +250,7 @@ def test_reuse_opt_in_on_both_leases_gets_the_same_box(make_pool: PoolFactory) -
 
 @pytest.mark.timeout(60)
 def test_reused_box_is_health_checked_before_it_is_handed_out(rt: NamespaceRuntime, make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=2)
+    pool = make_pool(max_boxes=2)
     first = pool.lease(SPEC, reuse=True)
     name = first.handle.name
     first.release()
@@ -268,7 +268,7 @@ def test_reused_box_is_health_checked_before_it_is_handed_out(rt: NamespaceRunti
 @pytest.mark.timeout(60)
 def test_idle_reusable_box_does_not_block_a_pristine_lease_at_the_cap(make_pool: PoolFactory) -> None:
     """A box parked for reuse is idle capacity: a non-reuse lease of the same spec must not starve behind it."""
-    pool = make_pool(replicas=1, idle_timeout=0)
+    pool = make_pool(max_boxes=1, idle_timeout=0)
     first = pool.lease(SPEC, reuse=True)
     name = first.handle.name
     first.release()
@@ -279,7 +279,7 @@ def test_idle_reusable_box_does_not_block_a_pristine_lease_at_the_cap(make_pool:
 
 @pytest.mark.timeout(60)
 def test_dead_warm_box_is_never_handed_out(rt: NamespaceRuntime, make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=2)
+    pool = make_pool(max_boxes=2)
     pool.health_after = 0  # check every warm box, however fresh
     pool.prewarm(SPEC)
     assert wait_until(lambda: pool.warm_count(SPEC) == 2), "the pool never warmed its boxes"
@@ -302,7 +302,7 @@ def test_dead_warm_box_is_never_handed_out(rt: NamespaceRuntime, make_pool: Pool
 
 @pytest.mark.timeout(60)
 def test_idle_reaper_stops_warm_boxes(rt: NamespaceRuntime, make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=2, idle_timeout=0.5)
+    pool = make_pool(max_boxes=2, idle_timeout=0.5)
     pool.prewarm(SPEC)
     assert wait_until(lambda: pool.warm_count(SPEC) == 2), "the pool never warmed its boxes"
     assert wait_until(lambda: pool.live == 0, timeout=15), f"warm boxes outlived the idle timeout (live={pool.live})"
@@ -318,7 +318,7 @@ def test_idle_reaper_stops_warm_boxes(rt: NamespaceRuntime, make_pool: PoolFacto
 
 @pytest.mark.timeout(60)
 def test_idle_timeout_zero_never_reaps(make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=1, idle_timeout=0)
+    pool = make_pool(max_boxes=1, idle_timeout=0)
     pool.prewarm(SPEC)
     assert wait_until(lambda: pool.warm_count(SPEC) == 1)
     time.sleep(1.2)  # longer than one reaper tick
@@ -329,7 +329,7 @@ def test_idle_timeout_zero_never_reaps(make_pool: PoolFactory) -> None:
 @pytest.mark.timeout(60)
 def test_shutdown_is_idempotent_joins_threads_and_leaves_no_boxes(rt: NamespaceRuntime) -> None:
     before = pool_threads()
-    pool = BoxPool(rt, namer=make_namer(uuid.uuid4().hex[:8]), replicas=3, boot_timeout=30)
+    pool = BoxPool(rt, namer=make_namer(uuid.uuid4().hex[:8]), max_boxes=3, boot_timeout=30)
     try:
         pool.prewarm(SPEC, count=2)
         held = pool.lease(OTHER_SPEC)
@@ -357,7 +357,7 @@ def test_shutdown_is_idempotent_joins_threads_and_leaves_no_boxes(rt: NamespaceR
 @pytest.mark.timeout(90)
 def test_warm_lease_is_faster_than_cold(make_pool: PoolFactory) -> None:
     n = 5
-    warm_pool = make_pool(replicas=1, idle_timeout=0)
+    warm_pool = make_pool(max_boxes=1, idle_timeout=0)
     warm_pool.prewarm(SPEC)
     warm: list[float] = []
     for _ in range(n):
@@ -367,7 +367,7 @@ def test_warm_lease_is_faster_than_cold(make_pool: PoolFactory) -> None:
         lease.release()
     assert warm_pool.stats.warm_hits == n
 
-    cold_pool = make_pool(replicas=1)  # never prewarmed: every lease boots its box
+    cold_pool = make_pool(max_boxes=1)  # never prewarmed: every lease boots its box
     cold: list[float] = []
     for _ in range(n):
         lease = cold_pool.lease(SPEC)
@@ -387,7 +387,7 @@ def test_a_forking_runtime_refills_the_pool_with_pristine_forked_boxes(rt: Names
     one zygote; each lease is pristine, concurrent leases stay under the cap, and once the pool and
     the zygote are stopped nothing is left."""
     rt.allow_forked_boxes(True)
-    pool = BoxPool(rt, namer=make_namer(uuid.uuid4().hex[:8]), replicas=3, boot_timeout=30, lease_timeout=60)
+    pool = BoxPool(rt, namer=make_namer(uuid.uuid4().hex[:8]), max_boxes=3, boot_timeout=30, lease_timeout=60)
     zygotes: set[str | None] = set()
     seen_boxes: set[str] = set()
     errors_seen: list[BaseException] = []

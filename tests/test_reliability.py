@@ -205,7 +205,7 @@ def test_kill9_mid_run_next_start_reconciles_and_spares_a_live_session(
     pytester: pytest.Pytester, home: Path, subruns: list[SubRun]
 ) -> None:
     """kill -9 with leased and warm boxes alive: the next start removes them all, but not a live session's boxes."""
-    victim = Holder(pytester, home, "victim", "--boxlite-replicas=3")
+    victim = Holder(pytester, home, "victim", "--boxlite-max-boxes=3")
     subruns.append(victim)
     live = Holder(pytester, home, "live")
     subruns.append(live)
@@ -214,7 +214,7 @@ def test_kill9_mid_run_next_start_reconciles_and_spares_a_live_session(
     victim_owner, live_owner = ledger.owner_of(victim_box), ledger.owner_of(live_box)
     assert victim_owner and live_owner and victim_owner != live_owner
 
-    # One leased box and two warm ones (replicas=3), all running, and the zygote they were forked from.
+    # One leased box and two warm ones (max_boxes=3), all running, and the zygote they were forked from.
     assert wait_until(lambda: pool_boxes_running(home, victim_owner) == 3, 60), ledger.scan(home)
     victim_pids = {n: p for n, p in box_pids(home).items() if ledger.owner_of(n) == victim_owner}
     assert sum(map(is_zygote_name, victim_pids)) == 1, victim_pids
@@ -697,7 +697,7 @@ def test_fixture_after(boxlite_sandbox):
 # An ordinary user's memory=256 is not enforced: its warning is shown, not raised (an in-process sub-run).
 @pytest.mark.filterwarnings("default:.*is not enforced here:pytest.PytestWarning")
 def test_fixture_leases_are_not_starved_by_boxed_tests(pytester: pytest.Pytester, home: Path) -> None:
-    """With the default replicas (2), boxed tests of two specs must not keep every box from later fixtures.
+    """With the default --boxlite-max-boxes (2), boxed tests of two specs must not keep every box from later fixtures.
 
     ``--boxlite-lease-timeout=20`` makes a starved lease fail in 20 s instead of the default 300 s.
     """
@@ -883,7 +883,7 @@ def test_catastrophic_grep_pattern_is_bounded_by_the_timeout(sandbox: Sandbox) -
 
 #: (where the value comes from, option name, bad value, why it is bad)
 BAD_OPTIONS = [
-    ("cli", "replicas", "0", "must be at least 1"),
+    ("cli", "max_boxes", "0", "must be at least 1"),
     ("cli", "network", "maybe", "must be one of: on, off"),
     ("cli", "lease_timeout", "inf", "must be a number of seconds > 0"),
     ("env", "timeout", "soon", "must be a number"),
@@ -1402,13 +1402,13 @@ def test_boxed(i):
 
 
 @pytest.mark.timeout(300)
-def test_stress_500_tests_replicas_4_under_xdist(pytester: pytest.Pytester, home: Path) -> None:
-    """500 tests (450 with a leased box, 50 boxed) with replicas=4 under -n 2: no leak, no deadlock."""
+def test_stress_500_tests_max_boxes_4_under_xdist(pytester: pytest.Pytester, home: Path) -> None:
+    """500 tests (450 with a leased box, 50 boxed) with --boxlite-max-boxes=4 under -n 2: no leak, no deadlock."""
     pytester.makepyfile(test_stress=STRESS.format(sandboxes=450, boxed=50))
     t0 = time.monotonic()
     # A deadlock shows up as this bound.
     rc, out, err = run_bounded(
-        pytest_argv(home, "-n", "2", "--boxlite-replicas=4", "test_stress.py"), pytester.path, sub_env(), 280
+        pytest_argv(home, "-n", "2", "--boxlite-max-boxes=4", "test_stress.py"), pytester.path, sub_env(), 280
     )
     elapsed = time.monotonic() - t0
     out += err

@@ -83,7 +83,7 @@ def test_boxed_suite_on_a_remote_server(server: ServerProcess, tmp_path: Path) -
     home = tmp_path / "home"
     xml = tmp_path / "report.xml"
     argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", f"--boxlite-url={server.url}"]
-    argv += ["--boxlite-replicas=1", "-rA", "-v", f"--junitxml={xml}", "test_boxed.py"]
+    argv += ["--boxlite-max-boxes=1", "-rA", "-v", f"--junitxml={xml}", "test_boxed.py"]
     r = subprocess.run(argv, cwd=proj, env=_env(BOXLITE_API_KEY=KEY), capture_output=True, text=True, timeout=280)
     out = r.stdout + r.stderr
     assert "1 failed, 2 passed" in out, out
@@ -115,7 +115,7 @@ def test_a_killed_sessions_boxes_die_on_the_server(server: ServerProcess, tmp_pa
     )
     home = tmp_path / "home"
     argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", f"--boxlite-url={server.url}"]
-    argv += ["--boxlite-replicas=2", "test_slow.py"]
+    argv += ["--boxlite-max-boxes=2", "test_slow.py"]
     env = _env(BOXLITE_API_KEY=KEY, PYTEST_BOXLITE_REST_LEASE="2")
     with subprocess.Popen(
         argv, cwd=proj, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -179,7 +179,7 @@ def test_xdist_workers_share_one_server(server: ServerProcess, tmp_path: Path) -
     )
     home = tmp_path / "home"
     argv = [sys.executable, "-m", "pytest", *QUIET, f"--boxlite-home={home}", f"--boxlite-url={server.url}"]
-    argv += ["-n", "2", "--boxlite-replicas=1", "test_x.py"]
+    argv += ["-n", "2", "--boxlite-max-boxes=1", "test_x.py"]
     r = subprocess.run(argv, cwd=proj, env=_env(BOXLITE_API_KEY=KEY), capture_output=True, text=True, timeout=280)
     out = r.stdout + r.stderr
     assert "4 passed" in out, out

@@ -150,7 +150,7 @@ def test_each_scope_has_one_instance_per_scope_and_is_reused_within_it(tmp_path:
             "pkg_b/test_m3.py": SCOPES_TEST,
         },
     )
-    # Five services at once, each holding a box for its scope, beside the default two replicas.
+    # Five services at once, each holding a box for its scope, beside the default two boxes (--boxlite-max-boxes).
     res = run(tmp_path, home, tag, "-q")
     assert res.returncode == 0, res.stdout + res.stderr
     seen = instances(tmp_path)

@@ -217,7 +217,7 @@ def test_report_header_and_summary(pytester: pytest.Pytester, home: Path) -> Non
             pass
         """
     )
-    result = run_inprocess(pytester, home, "--boxlite-replicas=3")
+    result = run_inprocess(pytester, home, "--boxlite-max-boxes=3")
     result.assert_outcomes(passed=3)
     choice = choose("auto")
     runtime_lines = [line for line in result.outlines if line.startswith("boxlite: runtime=")]
@@ -226,7 +226,7 @@ def test_report_header_and_summary(pytester: pytest.Pytester, home: Path) -> Non
     assert choice.reason in runtime_lines[0]
     if choice.kind == "namespace":
         assert "weaker than a VM" in runtime_lines[0]
-    result.stdout.fnmatch_lines(["boxlite: image=* replicas=3 *"])
+    result.stdout.fnmatch_lines(["boxlite: image=* max-boxes=3 *"])
 
     result.stdout.fnmatch_lines(["*- boxlite -*"])
     m = summary_of(result)

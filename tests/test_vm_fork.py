@@ -210,7 +210,7 @@ def test_module_scope_on_vm(tmp_path: Path) -> None:
 def test_fresh_boot_boots_a_vm_per_test(tmp_path: Path) -> None:
     proj = project(tmp_path, test_pristine=PRISTINE)
     home = tmp_path / "home"
-    out = run(proj, home, "--boxlite", "--boxlite-fresh=boot", "--boxlite-replicas=1", "test_pristine.py")
+    out = run(proj, home, "--boxlite", "--boxlite-fresh=boot", "--boxlite-max-boxes=1", "test_pristine.py")
     assert "3 passed" in out, out  # each test in a box of its own: nothing of the test before
     booted = stat(out, "booted")
     assert booted is not None and booted >= 3 and stat(out, "forked") == 0, out

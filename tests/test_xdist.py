@@ -47,7 +47,7 @@ SUMMARY = re.compile(
     r"leased (?P<leased>\d+), reused (?P<reused>\d+), warm-lease hit rate (?:\d+%|n/a), "
     r"lease wait p50 [\d.]+ ms max [\d.]+ ms, leaked (?P<leaked>\d+)"
 )
-PER_WORKER_HEADER = re.compile(r"^boxlite: image=.* replicas=2 per worker network=off home=", re.M)
+PER_WORKER_HEADER = re.compile(r"^boxlite: image=.* max-boxes=2 per worker network=off home=", re.M)
 
 
 # --------------------------------------------------------------------------

@@ -136,6 +136,12 @@ def options_md() -> str:
         where = f"{_code(usage)} · ini key {_code(opt.ini)} · environment variable {_code(opt.env)}"
         if "(default" not in opt.help:  # else the meaning says it, better than a bare value
             where += f" · default: {_md(_default_text(opt.default))}"
+        old = opt.older()
+        if old is not None:
+            where += (
+                f"\n\nIts older name is still read where the new one is not set: {_code(old.flag)} · ini key"
+                f" {_code(old.ini)} · environment variable {_code(old.env)}"
+            )
         out.append(f"## {_code(opt.flag)}\n\n{_md(meaning)}\n\n{where}")
     return "\n\n".join(out)
 

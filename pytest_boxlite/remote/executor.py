@@ -186,7 +186,7 @@ class BoxedExecutor:
         lease = self._warm_interpreters.get(plan.spec)
         if lease is not None:
             return lease
-        if len(self._warm_interpreters) >= self.session.settings.replicas:
+        if len(self._warm_interpreters) >= self.session.settings.max_boxes:
             # Make room under the cap: the oldest warm interpreter goes.
             self._release_warm(next(iter(self._warm_interpreters)))
         pool = self.session.pool()

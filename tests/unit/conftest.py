@@ -28,7 +28,7 @@ def lifecycle() -> RecordingLifecycle:
 
 @pytest.fixture
 def make_pool(fake_runtime: FakeRuntime, lifecycle: RecordingLifecycle) -> Iterator[Callable[..., BoxPool]]:
-    """``make_pool(replicas=..., ...)``: pools on the fake runtime, shut down at teardown.
+    """``make_pool(max_boxes=..., ...)``: pools on the fake runtime, shut down at teardown.
 
     Teardown also checks that no pool thread outlives its pool.
     """

@@ -57,10 +57,10 @@ def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, obj
 
 
 def test_cap_holds_across_specs_under_concurrent_leases(make_pool: PoolFactory, fake_runtime: FakeRuntime) -> None:
-    """8 threads lease boxes of three specs: never more live boxes than replicas, none left after shutdown."""
+    """8 threads lease boxes of three specs: never more live boxes than max_boxes, none left after shutdown."""
     fake_runtime.boot_delay = 0.001
-    replicas, threads, rounds = 3, 8, 25
-    pool = make_pool(replicas=replicas, lease_timeout=10)
+    max_boxes, threads, rounds = 3, 8, 25
+    pool = make_pool(max_boxes=max_boxes, lease_timeout=10)
     pool.prewarm(SPEC)
     specs = [SPEC, OTHER, THIRD]
     problems: list[str] = []
@@ -95,8 +95,8 @@ def test_cap_holds_across_specs_under_concurrent_leases(make_pool: PoolFactory, 
     assert not any(w.is_alive() for w in workers), "workers did not finish"
     assert problems == []
     assert pool.stats.leased == threads * rounds
-    assert fake_runtime.max_live <= replicas
-    assert pool.stats.max_live <= replicas
+    assert fake_runtime.max_live <= max_boxes
+    assert pool.stats.max_live <= max_boxes
     assert pool.stats.reused == 0
     assert pool.stats.booted == len(fake_runtime.created) >= threads * rounds
     pool.shutdown()
@@ -106,7 +106,7 @@ def test_cap_holds_across_specs_under_concurrent_leases(make_pool: PoolFactory, 
 
 
 def test_lease_at_cap_times_out_with_a_clear_error(make_pool: PoolFactory, lifecycle: RecordingLifecycle) -> None:
-    pool = make_pool(replicas=1, lease_timeout=0.3)
+    pool = make_pool(max_boxes=1, lease_timeout=0.3)
     held = pool.lease(SPEC)
     t0 = time.monotonic()
     with pytest.raises(errors.LeaseTimeoutError) as excinfo:
@@ -115,8 +115,8 @@ def test_lease_at_cap_times_out_with_a_clear_error(make_pool: PoolFactory, lifec
     assert 0.25 <= waited < 3, waited
     msg = str(excinfo.value)
     assert f"no box of {OTHER.describe()} became available within 0s" in msg
-    assert "all 1 replicas are in use (1 leased, 0 booting)" in msg
-    assert "--boxlite-replicas" in msg and "--boxlite-lease-timeout" in msg
+    assert "all 1 boxes are in use (1 leased, 0 booting)" in msg
+    assert "--boxlite-max-boxes" in msg and "--boxlite-lease-timeout" in msg
     assert isinstance(excinfo.value, errors.BoxliteError)
     assert isinstance(excinfo.value, TimeoutError)
     # The owner was asked to let a box go before the lease gave up.
@@ -134,7 +134,7 @@ def test_lease_at_cap_times_out_with_a_clear_error(make_pool: PoolFactory, lifec
 
 def test_lease_times_out_while_the_only_box_is_still_booting(make_pool: PoolFactory, fake_runtime: FakeRuntime) -> None:
     fake_runtime.boot_delay = 1.0
-    pool = make_pool(replicas=1, lease_timeout=0.2)
+    pool = make_pool(max_boxes=1, lease_timeout=0.2)
     pool.prewarm(SPEC)
     with pytest.raises(errors.LeaseTimeoutError, match=r"\(0 leased, 1 booting\)"):
         pool.lease(SPEC)
@@ -142,7 +142,7 @@ def test_lease_times_out_while_the_only_box_is_still_booting(make_pool: PoolFact
 
 
 def test_lease_at_cap_gets_the_capacity_a_release_frees(make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=1, lease_timeout=5)
+    pool = make_pool(max_boxes=1, lease_timeout=5)
     held = pool.lease(SPEC)
 
     def release_later() -> None:
@@ -163,7 +163,7 @@ def test_lease_waits_for_the_box_booting_for_it_rather_than_boot_another(
     make_pool: PoolFactory, fake_runtime: FakeRuntime
 ) -> None:
     fake_runtime.boot_delay = 0.1
-    pool = make_pool(replicas=2)
+    pool = make_pool(max_boxes=2)
     pool.prewarm(SPEC, count=1)
     lease = pool.lease(SPEC)
     assert fake_runtime.boot_attempts == 1
@@ -172,7 +172,7 @@ def test_lease_waits_for_the_box_booting_for_it_rather_than_boot_another(
 
 
 def test_warm_lease_is_a_hit_and_the_pool_refills(make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=2)
+    pool = make_pool(max_boxes=2)
     pool.prewarm(SPEC)
     assert settle(lambda: pool.warm_count(SPEC) == 2)
     lease = pool.lease(SPEC)
@@ -189,7 +189,7 @@ def test_warm_lease_is_a_hit_and_the_pool_refills(make_pool: PoolFactory) -> Non
 def test_lease_of_another_spec_at_the_cap_evicts_an_idle_warm_box(
     make_pool: PoolFactory, fake_runtime: FakeRuntime, lifecycle: RecordingLifecycle
 ) -> None:
-    pool = make_pool(replicas=1)
+    pool = make_pool(max_boxes=1)
     pool.prewarm(SPEC)
     assert settle(lambda: pool.warm_count(SPEC) == 1)
     (warm,) = fake_runtime.boxes
@@ -205,7 +205,7 @@ def test_lease_of_another_spec_at_the_cap_evicts_an_idle_warm_box(
 
 
 def test_a_box_parked_for_reuse_is_evicted_for_a_pristine_lease(make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=1)
+    pool = make_pool(max_boxes=1)
     first = pool.lease(SPEC, reuse=True)
     first.release()
     second = pool.lease(SPEC, timeout=1)
@@ -218,7 +218,7 @@ def test_a_box_parked_for_reuse_is_evicted_for_a_pristine_lease(make_pool: PoolF
 def test_blocked_lease_asks_the_owner_to_let_a_held_box_go(
     make_pool: PoolFactory, lifecycle: RecordingLifecycle
 ) -> None:
-    pool = make_pool(replicas=1, lease_timeout=2)
+    pool = make_pool(max_boxes=1, lease_timeout=2)
     parent = pool.lease(SPEC)  # a box the owner holds for itself (a fork parent)
     given: list[BoxSpec] = []
 
@@ -241,7 +241,7 @@ def test_capacity_freed_while_the_owner_is_asked_for_relief_is_not_missed(
     make_pool: PoolFactory, lifecycle: RecordingLifecycle
 ) -> None:
     """The pool drops its lock to ask for relief: a box destroyed meanwhile must wake the lease."""
-    pool = make_pool(replicas=1, lease_timeout=3)
+    pool = make_pool(max_boxes=1, lease_timeout=3)
     other = pool.lease(SPEC)
 
     def nothing_to_give(spec: BoxSpec) -> bool:
@@ -266,7 +266,7 @@ def test_cold_boot_failure_reaches_the_lease_and_returns_the_capacity(
     make_pool: PoolFactory, fake_runtime: FakeRuntime, lifecycle: RecordingLifecycle
 ) -> None:
     fake_runtime.fail_boots(1, errors.BoxStartError("image pull failed"))
-    pool = make_pool(replicas=1)
+    pool = make_pool(max_boxes=1)
     with pytest.raises(errors.BoxStartError, match="image pull failed"):
         pool.lease(SPEC)
     assert pool.stats.boot_failures == 1
@@ -279,7 +279,7 @@ def test_cold_boot_failure_reaches_the_lease_and_returns_the_capacity(
 
 def test_background_boot_failure_goes_to_the_next_lease_once(make_pool: PoolFactory, fake_runtime: FakeRuntime) -> None:
     fake_runtime.fail_boots(1, errors.BoxStartError("no such image"))
-    pool = make_pool(replicas=1)
+    pool = make_pool(max_boxes=1)
     pool.prewarm(SPEC)
     assert settle(lambda: pool.stats.boot_failures == 1)
     assert pool.live == 0
@@ -292,7 +292,7 @@ def test_background_boot_failure_goes_to_the_next_lease_once(make_pool: PoolFact
 def test_a_lease_waiting_for_a_failing_boot_gets_its_error(make_pool: PoolFactory, fake_runtime: FakeRuntime) -> None:
     fake_runtime.boot_delay = 0.1
     fake_runtime.fail_boots(1, errors.BoxStartError("kernel panic"))
-    pool = make_pool(replicas=1, lease_timeout=5)
+    pool = make_pool(max_boxes=1, lease_timeout=5)
     pool.prewarm(SPEC)
     t0 = time.monotonic()
     with pytest.raises(errors.BoxStartError, match="kernel panic"):
@@ -304,7 +304,7 @@ def test_after_boot_failure_destroys_the_box_and_fails_the_lease(
     make_pool: PoolFactory, fake_runtime: FakeRuntime, lifecycle: RecordingLifecycle
 ) -> None:
     lifecycle.boot_error = errors.BoxliteError("pytest did not start inside the box")
-    pool = make_pool(replicas=1)
+    pool = make_pool(max_boxes=1)
     with pytest.raises(errors.BoxliteError, match="pytest did not start"):
         pool.lease(SPEC)
     assert fake_runtime.created and fake_runtime.boxes == {}, "the half-started box was left behind"
@@ -316,7 +316,7 @@ def test_boot_slower_than_the_boot_timeout_fails_and_returns_the_capacity(
     make_pool: PoolFactory, fake_runtime: FakeRuntime
 ) -> None:
     fake_runtime.boot_delay = 3.0
-    pool = make_pool(replicas=1, boot_timeout=0.05)
+    pool = make_pool(max_boxes=1, boot_timeout=0.05)
     t0 = time.monotonic()
     with pytest.raises(errors.BoxStartError, match="did not start within"):
         pool.lease(SPEC)
@@ -329,7 +329,7 @@ def test_boot_slower_than_the_boot_timeout_fails_and_returns_the_capacity(
 
 
 def test_reuse_needs_both_leases_to_opt_in(make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=2)
+    pool = make_pool(max_boxes=2)
     names = []
     for reuse in (False, True, False):
         lease = pool.lease(SPEC, reuse=reuse)
@@ -349,7 +349,7 @@ def test_reuse_needs_both_leases_to_opt_in(make_pool: PoolFactory) -> None:
 def test_a_box_that_died_during_its_test_is_not_reused(
     make_pool: PoolFactory, fake_runtime: FakeRuntime, lifecycle: RecordingLifecycle
 ) -> None:
-    pool = make_pool(replicas=2)
+    pool = make_pool(max_boxes=2)
     first = pool.lease(SPEC, reuse=True)
     fake(first).die()  # the box crashes mid-test
     first.release()
@@ -365,7 +365,7 @@ def test_a_box_that_died_during_its_test_is_not_reused(
 def test_a_warm_box_that_died_in_the_pool_is_never_handed_out(
     make_pool: PoolFactory, fake_runtime: FakeRuntime
 ) -> None:
-    pool = make_pool(replicas=2)
+    pool = make_pool(max_boxes=2)
     pool.health_after = 0  # check every warm box, however fresh
     pool.prewarm(SPEC)
     assert settle(lambda: pool.warm_count(SPEC) == 2)
@@ -382,7 +382,7 @@ def test_a_warm_box_that_died_in_the_pool_is_never_handed_out(
 def test_a_box_dying_mid_test_is_destroyed_at_release(
     make_pool: PoolFactory, fake_runtime: FakeRuntime, lifecycle: RecordingLifecycle
 ) -> None:
-    pool = make_pool(replicas=1)
+    pool = make_pool(max_boxes=1)
     lease = pool.lease(SPEC)
     fake(lease).die()
     with pytest.raises(errors.BoxDeadError):
@@ -396,7 +396,7 @@ def test_a_box_dying_mid_test_is_destroyed_at_release(
 
 
 def test_idle_reaper_stops_warm_boxes_and_stops_refilling(make_pool: PoolFactory, fake_runtime: FakeRuntime) -> None:
-    pool = make_pool(replicas=2, idle_timeout=0.2)
+    pool = make_pool(max_boxes=2, idle_timeout=0.2)
     pool.prewarm(SPEC)
     assert settle(lambda: pool.warm_count(SPEC) == 2)
     assert settle(lambda: pool.live == 0, timeout=3), f"warm boxes outlived the idle timeout (live={pool.live})"
@@ -412,7 +412,7 @@ def test_idle_reaper_stops_warm_boxes_and_stops_refilling(make_pool: PoolFactory
 
 
 def test_idle_timeout_zero_never_reaps(make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=1, idle_timeout=0)
+    pool = make_pool(max_boxes=1, idle_timeout=0)
     pool.prewarm(SPEC)
     assert settle(lambda: pool.warm_count(SPEC) == 1)
     time.sleep(1.1)  # longer than one reaper tick
@@ -421,7 +421,7 @@ def test_idle_timeout_zero_never_reaps(make_pool: PoolFactory) -> None:
 
 
 def test_a_leased_box_is_never_reaped(make_pool: PoolFactory) -> None:
-    pool = make_pool(replicas=1, idle_timeout=0.1)
+    pool = make_pool(max_boxes=1, idle_timeout=0.1)
     lease = pool.lease(SPEC)
     time.sleep(0.3)
     assert not fake(lease).dead
@@ -445,7 +445,7 @@ def test_lifecycle_steps_wrap_every_box(make_pool: PoolFactory, fake_runtime: Fa
     lifecycle = Checking()
     provisioned = BoxSpec(env=(("PROVISIONED", "1"),))
     lifecycle.prepared[SPEC] = provisioned
-    pool = make_pool(replicas=1, lifecycle=lifecycle)
+    pool = make_pool(max_boxes=1, lifecycle=lifecycle)
     lease = pool.lease(SPEC)
     assert fake(lease).spec == provisioned, "the box was not booted from the prepared spec"
     assert lease.spec == SPEC, "the lease must keep the spec that was asked for"
@@ -460,7 +460,7 @@ def test_lifecycle_steps_wrap_every_box(make_pool: PoolFactory, fake_runtime: Fa
 def test_a_kept_box_leaves_the_pool_alive(
     make_pool: PoolFactory, fake_runtime: FakeRuntime, lifecycle: RecordingLifecycle
 ) -> None:
-    pool = make_pool(replicas=1)
+    pool = make_pool(max_boxes=1)
     lease = pool.lease(SPEC)
     lease.release(keep=True)
     assert fake(lease).kept
@@ -474,7 +474,7 @@ def test_a_kept_box_leaves_the_pool_alive(
 
 
 def test_pool_without_a_lifecycle_boots_the_spec_as_asked(fake_runtime: FakeRuntime) -> None:
-    pool = BoxPool(fake_runtime, namer=lambda: "pbx-unit-plain-1", replicas=1)
+    pool = BoxPool(fake_runtime, namer=lambda: "pbx-unit-plain-1", max_boxes=1)
     try:
         assert isinstance(DefaultLifecycle().prepare(SPEC), BoxSpec)
         lease = pool.lease(SPEC)
@@ -489,7 +489,7 @@ def test_pool_without_a_lifecycle_boots_the_spec_as_asked(fake_runtime: FakeRunt
 
 
 def test_shutdown_destroys_leased_and_warm_boxes_once(make_pool: PoolFactory, fake_runtime: FakeRuntime) -> None:
-    pool = make_pool(replicas=3)
+    pool = make_pool(max_boxes=3)
     pool.prewarm(SPEC, count=2)
     held = pool.lease(OTHER)
     assert settle(lambda: pool.warm_count(SPEC) == 2)
@@ -506,7 +506,7 @@ def test_shutdown_destroys_leased_and_warm_boxes_once(make_pool: PoolFactory, fa
 
 
 def test_shutdown_wakes_a_lease_waiting_at_the_cap(make_pool: PoolFactory, lifecycle: RecordingLifecycle) -> None:
-    pool = make_pool(replicas=1, lease_timeout=10)
+    pool = make_pool(max_boxes=1, lease_timeout=10)
     pool.lease(SPEC)
     t, out = in_thread(lambda: pool.lease(OTHER))
     assert settle(lambda: bool(lifecycle.steps("relieve"))), "the second lease never blocked"
@@ -522,7 +522,7 @@ def test_a_cold_lease_that_finishes_booting_after_shutdown_fails_and_leaves_noth
     make_pool: PoolFactory, fake_runtime: FakeRuntime
 ) -> None:
     fake_runtime.boot_delay = 0.3
-    pool = make_pool(replicas=1)
+    pool = make_pool(max_boxes=1)
     t, out = in_thread(lambda: pool.lease(SPEC))
     assert settle(lambda: fake_runtime.boot_attempts == 1)
     pool.shutdown()
@@ -537,7 +537,7 @@ def test_a_background_boot_that_lands_after_shutdown_is_destroyed(
     make_pool: PoolFactory, fake_runtime: FakeRuntime
 ) -> None:
     fake_runtime.boot_delay = 0.2
-    pool = make_pool(replicas=2)
+    pool = make_pool(max_boxes=2)
     pool.prewarm(SPEC)
     assert settle(lambda: fake_runtime.boot_attempts == 2)
     pool.shutdown()  # waits for the boots in flight, then destroys what they made
@@ -549,7 +549,7 @@ def test_a_background_boot_that_lands_after_shutdown_is_destroyed(
 def test_a_hung_destroy_is_recorded_and_does_not_hang_shutdown(
     make_pool: PoolFactory, fake_runtime: FakeRuntime
 ) -> None:
-    pool = make_pool(replicas=1)
+    pool = make_pool(max_boxes=1)
     lease = pool.lease(SPEC)
     fake_runtime.hang_destroys(0.2)
     t0 = time.monotonic()

@@ -37,7 +37,7 @@ def make_settings(home: Path, **overrides: Any) -> Settings:
     """Settings as ``resolve`` would make them, every value from its default unless overridden."""
     values: dict[str, Any] = {
         "image": "python:3.11-slim",
-        "replicas": 2,
+        "max_boxes": 2,
         "runtime": "namespace",
         "cpus": None,
         "memory": None,
@@ -105,7 +105,7 @@ def make_session(tmp_path: Path, opener: Opener) -> Iterator[SessionFactory]:
 def test_want_opens_the_runtime_once_in_the_background_and_prewarms(
     make_session: SessionFactory, opener: Opener, fake_runtime: FakeRuntime
 ) -> None:
-    session = make_session(replicas=2)
+    session = make_session(max_boxes=2)
     session.prepare_home()
     assert not session.started
     session.want(session.default_spec)
@@ -165,7 +165,7 @@ def test_shutdown_during_a_slow_start_leaves_nothing_running(
 def test_shutdown_counts_and_reaps_the_boxes_the_pool_failed_to_destroy(
     make_session: SessionFactory, fake_runtime: FakeRuntime
 ) -> None:
-    session = make_session(replicas=1)
+    session = make_session(max_boxes=1)
     session.prepare_home()
     lease = session.pool().lease(session.default_spec)
     stranger = fake_runtime.create_box(BoxSpec(), "pbx-feedbeef-1", timeout=1)  # another session's box
@@ -182,7 +182,7 @@ def test_shutdown_counts_and_reaps_the_boxes_the_pool_failed_to_destroy(
 
 
 def test_a_clean_session_reports_stats_and_no_leak(make_session: SessionFactory, fake_runtime: FakeRuntime) -> None:
-    session = make_session(replicas=1)
+    session = make_session(max_boxes=1)
     session.prepare_home()
     pool = session.pool()
     for _ in range(3):
@@ -198,7 +198,7 @@ def test_a_clean_session_reports_stats_and_no_leak(make_session: SessionFactory,
 
 
 def test_a_kept_box_is_reported_as_kept_not_leaked(make_session: SessionFactory, fake_runtime: FakeRuntime) -> None:
-    session = make_session(replicas=1)
+    session = make_session(max_boxes=1)
     session.prepare_home()
     lease = session.pool().lease(session.default_spec)
     lease.release(keep=True)
@@ -214,7 +214,7 @@ def test_a_kept_box_is_reported_as_kept_not_leaked(make_session: SessionFactory,
 def test_the_owners_lifecycle_reaches_the_pool(
     make_session: SessionFactory, lifecycle: RecordingLifecycle, fake_runtime: FakeRuntime
 ) -> None:
-    session = make_session(lifecycle=lifecycle, replicas=1)
+    session = make_session(lifecycle=lifecycle, max_boxes=1)
     session.prepare_home()
     pool = session.pool()
     held = pool.lease(session.default_spec)
@@ -235,7 +235,7 @@ def test_the_owners_lifecycle_reaches_the_pool(
 def test_setup_runs_in_each_vm_before_it_is_leased(
     make_session: SessionFactory, lifecycle: RecordingLifecycle, fake_runtime: FakeRuntime
 ) -> None:
-    session = make_session(lifecycle=lifecycle, replicas=1, setup="pip install -e .")
+    session = make_session(lifecycle=lifecycle, max_boxes=1, setup="pip install -e .")
     session.choice = Choice("vm", "unit test")  # the vm runtime provisions each box at boot
     session.prepare_home()
     lease = session.pool().lease(session.default_spec)
@@ -249,7 +249,7 @@ def test_a_failing_setup_fails_the_lease_with_its_output(
     make_session: SessionFactory, lifecycle: RecordingLifecycle, fake_runtime: FakeRuntime
 ) -> None:
     fake_runtime.exec_handler = lambda box, argv: RawResult(1, b"", b"ERROR: no such package", False, 0.1)
-    session = make_session(lifecycle=lifecycle, replicas=1, setup="pip install nope")
+    session = make_session(lifecycle=lifecycle, max_boxes=1, setup="pip install nope")
     session.choice = Choice("vm", "unit test")
     session.prepare_home()
     with pytest.raises(errors.BoxStartError, match=r"(?s)--boxlite-setup 'pip install nope' failed.*no such package"):
