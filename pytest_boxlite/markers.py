@@ -114,7 +114,7 @@ def plan_for(item: pytest.Item, session: BoxliteSession) -> BoxPlan | None:
         raise pytest.UsageError(session_image_error(session))
     try:
         spec = session.spec_for(
-            **kwargs, env=tuple(env.items()) if env else None, worker=True, mounts=session.worker_mounts
+            **kwargs, env=tuple(env.items()) if env else None, warm=True, mounts=session.worker_mounts
         )
     except BoxliteError as exc:
         raise _bad(item, str(exc)) from None

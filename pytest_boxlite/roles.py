@@ -322,7 +322,7 @@ class HostPlugin(_SessionRole, DefaultLifecycle):
 
     # -- the pool's lifecycle ---------------------------------------------------------------
     def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
-        if spec.worker:  # a sandbox's box runs no warm interpreter: it needs no runner
+        if spec.warm:  # a sandbox's box runs no warm interpreter: it needs no runner
             self._runner().start_worker(handle, spec)
 
     def before_destroy(self, handle: BoxHandle) -> None:

@@ -74,7 +74,7 @@ class BoxliteSession:
     """Everything one pytest process knows about its boxes.
 
     ``lifecycle`` is the owner's part of each box's life (e.g. a warm test interpreter in
-    ``worker`` boxes); ``worker_mounts`` are the host directories a test worker must see at the
+    ``warm`` boxes); ``worker_mounts`` are the host directories a test worker must see at the
     same paths as the host; ``opener`` opens the runtime (kind, home, owner) instead of
     :func:`~pytest_boxlite.runtimes.open_choice`: the unit tests give a fake one.
     """
@@ -147,7 +147,7 @@ class BoxliteSession:
         if settings.all and self.default_spec.root is not None:
             # Every test is boxed in the image: an image that cannot run the interpreter is a
             # usage error now, before any box boots, not one error per test.
-            self.spec_for(worker=True, mounts=())
+            self.spec_for(warm=True, mounts=())
 
     @property
     def fork_boxes(self) -> bool:
@@ -185,7 +185,7 @@ class BoxliteSession:
     @property
     def default_worker_spec(self) -> BoxSpec:
         """The spec of boxes that run marked tests without arguments."""
-        return self.spec_for(worker=True, mounts=self.worker_mounts)
+        return self.spec_for(warm=True, mounts=self.worker_mounts)
 
     # -- specs --------------------------------------------------------------
     def spec_for(self, *, resolve: bool = True, **overrides: Any) -> BoxSpec:
@@ -218,14 +218,14 @@ class BoxliteSession:
             "network": s.network,
             "env": (),
         }
-        known = {"image", "cpus", "memory", "memory_mib", "env", "network", "worker", "mounts", "user"}
+        known = {"image", "cpus", "memory", "memory_mib", "env", "network", "warm", "mounts", "user"}
         unknown = set(overrides) - known
         if unknown:
             raise ConfigError(f"unknown box setting(s): {', '.join(sorted(unknown))}")
         if "memory" in overrides:
             overrides["memory_mib"] = overrides.pop("memory")
         base.update({k: v for k, v in overrides.items() if v is not None})
-        if not base.get("worker") and "mounts" not in base:
+        if not base.get("warm") and "mounts" not in base:
             base["mounts"] = (self.project,)
         if resolve and self.image_explicit(overrides.get("image")):
             from pytest_boxlite.runtimes import image_problem, images_on_request
@@ -379,7 +379,7 @@ class BoxliteSession:
 
     def _warm_count(self, spec: BoxSpec) -> int:
         # Forked boxes need one warm interpreter per spec, not a box per test.
-        return 1 if spec.worker and self.fork_boxes else self.settings.max_boxes
+        return 1 if spec.warm and self.fork_boxes else self.settings.max_boxes
 
     def start_async(self) -> None:
         """Open the runtime and start prewarming in the background (once)."""

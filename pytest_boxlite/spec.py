@@ -7,6 +7,7 @@ import fnmatch
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -178,8 +179,8 @@ class BoxSpec:
     env: tuple[tuple[str, str], ...] = ()
     network: bool = False
     pids_limit: int | None = 4096
-    #: Boxes that run marked tests come with a warm pytest worker inside.
-    worker: bool = False
+    #: A box that runs boxed tests: a warm interpreter (the box's pytest, collected once) inside.
+    warm: bool = False
     #: Host directories the guest sees at the same path, copy-on-write (the project, its packages).
     mounts: tuple[str, ...] = ()
     #: A provisioned template (``--boxlite-setup``) the box starts from: its directory, set by the session.
@@ -208,6 +209,12 @@ class BoxSpec:
             raise ConfigError(f"user must be a name or uid[:gid] (e.g. 'root', '1000:1000'), got {self.user!r}")
         object.__setattr__(self, "env", check_env(self.env, "box env"))
         object.__setattr__(self, "mounts", minimal_dirs(self.mounts))
+
+    @property
+    def worker(self) -> bool:
+        """Deprecated: the older name of :attr:`warm`."""
+        warnings.warn("BoxSpec.worker is now BoxSpec.warm", DeprecationWarning, stacklevel=2)
+        return self.warm
 
     def describe(self) -> str:
         """A short human-readable label, e.g. for the report header."""

@@ -47,7 +47,7 @@ def template_key(spec: BoxSpec, setup: str, cwd: Path) -> str:
     directory, the session's interpreter and virtual environment), the plugin version, and the
     contents of the files it names and of the directory's manifests."""
     h = hashlib.sha256()
-    identity = dataclasses.replace(spec, worker=False, mounts=(), template=None)
+    identity = dataclasses.replace(spec, warm=False, mounts=(), template=None)
     h.update(repr(identity).encode())
     h.update(b"\0" + setup.encode())
     where = (os.path.realpath(cwd), os.path.realpath(sys.prefix), os.path.realpath(sys.executable))

@@ -140,7 +140,7 @@ def test_masks_hold_in_a_box_of_an_image(namespace_runtime: Runtime, busybox: Im
 
 @needs_busybox
 def test_an_image_without_the_loader_cannot_box_tests(busybox: ImageRoot) -> None:
-    spec = BoxSpec(image=busybox.reference, root=busybox, worker=True)
+    spec = BoxSpec(image=busybox.reference, root=busybox, warm=True)
     why = image_problem("namespace", spec)
     assert why is not None
     assert busybox.reference in why and os.path.realpath(sys.executable) in why
@@ -231,11 +231,11 @@ def test_an_image_without_env_cannot_box_tests(tmp_path: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(os.path.realpath(path), target)
     root = image_root(tree, "oci:/images/noenv:test")
-    why = image_problem("namespace", BoxSpec(image=root.reference, root=root, worker=True))
+    why = image_problem("namespace", BoxSpec(image=root.reference, root=root, warm=True))
     assert why is not None and "no env command" in why and root.reference in why, why
     (tree / "bin" / "env").symlink_to("busybox")
     _interpreter_problem.cache_clear()
-    assert image_problem("namespace", BoxSpec(image=root.reference, root=root, worker=True)) is None
+    assert image_problem("namespace", BoxSpec(image=root.reference, root=root, warm=True)) is None
 
 
 @needs_busybox

@@ -170,7 +170,7 @@ _want = session.BoxliteSession.want
 
 
 def _recording(self, spec):
-    WANTED.append("worker" if spec.worker else "pool")
+    WANTED.append("worker" if spec.warm else "pool")
     return _want(self, spec)
 
 

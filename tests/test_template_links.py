@@ -91,7 +91,7 @@ try:
         out["planted"] = [os.readlink(p) for p in (upper / "srv/app", upper / victim.lstrip("/")) if p.is_symlink()]
         out["booted"] = start(tspec, f"tl{tag}b")
         out["forked"] = start(tspec, f"tl{tag}f", forked=True)
-        out["worker"] = start(dataclasses.replace(tspec, worker=True), f"tl{tag}w")
+        out["worker"] = start(dataclasses.replace(tspec, warm=True), f"tl{tag}w")
     else:
         project = Path(sys.argv[4])
         # The host's /bin/sh runs this setup: a hostile project's (its setup.py, say) in a box on the
@@ -109,7 +109,7 @@ try:
                                 if p.is_symlink() and "oldroot" in os.readlink(p))
         out["booted"] = start(tspec, f"tl{tag}b")
         out["forked"] = start(tspec, f"tl{tag}f", forked=True)
-        out["worker"] = start(dataclasses.replace(tspec, worker=True), f"tl{tag}w")
+        out["worker"] = start(dataclasses.replace(tspec, warm=True), f"tl{tag}w")
 finally:
     rt.close()
 print("RESULT " + json.dumps(out))

@@ -394,7 +394,7 @@ class RemoteRunner:
     # -- lifecycle ------------------------------------------------------------------------
     def start_worker(self, handle: BoxHandle, spec: BoxSpec) -> None:
         """Start pytest inside a fresh ``worker`` box and wait until it has collected the session."""
-        if not spec.worker:
+        if not spec.warm:
             return
         cwd = str(self.config.invocation_params.dir)
         status_file = self.status_dir / f"{handle.name}.status"

@@ -201,7 +201,7 @@ def images_on_request(kind: str) -> bool:
 def image_problem(kind: str, spec: BoxSpec) -> str | None:
     """Why a box of ``spec`` (its ``root`` resolved) cannot work on runtime ``kind`` (boxed tests:
     the image cannot run the host's interpreter), with the fix; else ``None``."""
-    if kind != "namespace" or spec.root is None or not spec.worker:
+    if kind != "namespace" or spec.root is None or not spec.warm:
         return None
     import os
     import sys

@@ -608,7 +608,7 @@ class VmRuntime(RuntimeDefaults):
 
     def _build_template(self, spec: BoxSpec, setup: str, name: str, archive: Path, cwd: Path, timeout: float) -> None:
         started = time.monotonic()
-        handle = self.create_box(dataclasses.replace(spec, worker=False, template=None), name, timeout=timeout)
+        handle = self.create_box(dataclasses.replace(spec, warm=False, template=None), name, timeout=timeout)
         try:
             left = max(1.0, timeout - (time.monotonic() - started))
             raw = handle.exec(["/bin/sh", "-c", setup], cwd=str(cwd), timeout=left)

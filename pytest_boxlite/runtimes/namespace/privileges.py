@@ -120,12 +120,12 @@ def parse_user(user: str | int | None, default: tuple[int, int]) -> tuple[int, i
 def box_identity(spec: BoxSpec) -> tuple[int, int]:
     """Who commands run as in a box of ``spec`` unless a call says otherwise.
 
-    A box that runs boxed tests (``spec.worker``) runs them as the host user, as a local run
+    A box that runs boxed tests (``spec.warm``) runs them as the host user, as a local run
     would (a test expecting ``PermissionError`` on a read-only file still gets it); any other box
     runs commands as root in the box, like a container's exec, so installers can write
     ``/usr/local``.  A ``user`` attribute on the spec (``"uid[:gid]"`` or a name) overrides both.
     """
-    default = (os.getuid(), os.getgid()) if spec.worker else (0, 0)
+    default = (os.getuid(), os.getgid()) if spec.warm else (0, 0)
     return parse_user(spec.user, default)
 
 

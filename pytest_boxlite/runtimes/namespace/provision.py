@@ -96,9 +96,7 @@ def _build(
     """Run ``setup`` in a box (named ``name``: one of the session's) whose writes land in ``root``."""
     remove_tree(root)  # what a build that did not finish left
     started = time.monotonic()
-    box = runtime.create_box(
-        dataclasses.replace(spec, worker=False, template=None), name, timeout=timeout, persist=root
-    )
+    box = runtime.create_box(dataclasses.replace(spec, warm=False, template=None), name, timeout=timeout, persist=root)
     try:
         raw = box.exec(["/bin/sh", "-c", setup], cwd=str(cwd), timeout=timeout)
     finally:

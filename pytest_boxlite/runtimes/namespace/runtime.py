@@ -82,7 +82,7 @@ def _guest_path_env() -> str:
 def _image_mounts(spec: BoxSpec) -> tuple[tuple[str, ...], list[str]]:
     """What a box of an image shows of the host at its own paths: ``(directories, files)``: the
     spec's mounts (the project; a test worker's ``sys.path``), and a test worker's interpreter."""
-    dirs, files = _image.interpreter_mounts() if spec.worker else ([], [])
+    dirs, files = _image.interpreter_mounts() if spec.warm else ([], [])
     return minimal_dirs([*spec.mounts, *dirs]), files
 
 
@@ -232,7 +232,7 @@ class NamespaceRuntime(RuntimeDefaults):
         if self._closed:
             raise BoxStartError("the namespace runtime is closed")
         _check_name(name)
-        if persist is None and not spec.worker:
+        if persist is None and not spec.warm:
             zygote = self._zygotes.get(spec, name, timeout, self._fork_plan)
             if zygote is not None:
                 try:
@@ -267,7 +267,7 @@ class NamespaceRuntime(RuntimeDefaults):
                 os.mkdir(ctl_dir(box_dir).name, 0o700, dir_fd=state.fd)
         except FileExistsError:
             raise BoxStartError(f"a box named {name!r} already exists in {self.state_dir}") from None
-        if spec.root is not None and spec.user is None and not spec.worker and spec.root.user and _host_root():
+        if spec.root is not None and spec.user is None and not spec.warm and spec.root.user and _host_root():
             # The image config's User, where the box maps every id (a root host): elsewhere only
             # the host user is mapped, and commands run as root in the box as without an image.
             identity = _image.image_identity(spec.root) or identity
