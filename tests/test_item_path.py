@@ -9,7 +9,7 @@ that owns it, which returns to the executor without calling another step's modul
 - end: ``worker_host`` (``RemoteRunner.end``: kill or reap the box, its exit, its log);
 - report: ``reports.finish`` (the complete reports for what the box said and how it ended);
 - and, where a warm interpreter set fixtures up for its forks, their teardown at the last test
-  that can use them: ``worker_host`` (``SHARED``) and ``transport`` (the box's report rebuilt).
+  that can use them: ``worker_host`` (``TEARDOWN_SHARED``) and ``transport`` (the box's report rebuilt).
 
 Measured in real sub-runs (namespace runtime): a profile hook (``sys.setprofile``) on the host's
 thread, installed around ``BoxedExecutor.run_protocol`` by the project's conftest, writes down

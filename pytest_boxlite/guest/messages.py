@@ -18,10 +18,11 @@ host -> guest (execnet channel)
                                       fork a fresh box for ``nodeid`` that connects to ``sock``
                                       and runs each ``RUN`` sent on that stream (the first included)
     ``WAIT/POLL/KILL {pid}``          a forked box's exit status (``POLL`` does not wait)
-    ``SHARED {keep, nodeid}``         tear down the fixtures this warm interpreter set up for its
+    ``TEARDOWN_SHARED {keep, nodeid}`` tear down the fixtures this warm interpreter set up for its
                                       forked boxes (``FORK {shared: true}``) on the nodes whose ids
                                       are not in ``keep`` (the next item's chain; ``[]``: all), as
-                                      pytest does after ``nodeid``; answered by ``TORNDOWN {report}``
+                                      pytest does after ``nodeid``; answered by
+                                      ``SHARED_TORN_DOWN {report}``
     ``None``                          end the session
 guest -> host
     ``READY {pid, collected}``        the session is collected once, items are indexed by node id
@@ -47,9 +48,9 @@ guest -> host
     ``FORKED {pid, ended}`` / ``STATUS {code}``
                                       ``ended``: forked boxes reaped since the last FORK (pids)
     ``TOKEN {token}``                 first line of a forked box's stream: which request it answers
-    ``TORNDOWN {report}``             the answer to ``SHARED``: a serialized teardown report of
-                                      ``nodeid`` (its output and errors), or ``None`` if nothing was
-                                      torn down
+    ``SHARED_TORN_DOWN {report}``     the answer to ``TEARDOWN_SHARED``: a serialized teardown
+                                      report of ``nodeid`` (its output and errors), or ``None`` if
+                                      nothing was torn down
     ``DEBUG {op, ...}``               a forked box's debugger (``breakpoint()``, ``--pdb``), relayed
                                       to the host's terminal (:mod:`pytest_boxlite.guest.debugger`):
                                       ``enter {title}`` a session starts, ``sep {title}`` a separator
@@ -80,8 +81,8 @@ DONE = "done"
 FORKED = "forked"
 STATUS = "status"
 TOKEN = "token"
-SHARED = "shared"
-TORNDOWN = "torndown"
+TEARDOWN_SHARED = "shared"
+SHARED_TORN_DOWN = "torndown"
 LASTWORDS = "lastwords"
 DEBUG = "debug"
 CHANGES = "changes"

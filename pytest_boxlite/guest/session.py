@@ -35,8 +35,8 @@ from pytest_boxlite.guest.messages import (
     READY,
     REPORT,
     RUN,
-    SHARED,
-    TORNDOWN,
+    SHARED_TORN_DOWN,
+    TEARDOWN_SHARED,
     WARNING,
     WRITE_BACK,
     WRITE_BACK_BYTES,
@@ -383,7 +383,7 @@ def _take_fields(config: pytest.Config, fields: dict[str, Any]) -> None:
 
 
 class GuestPlugin:
-    """The box's pytest plugin: collection once, then the host's runs (``RUN``, ``SHARED``) from
+    """The box's pytest plugin: collection once, then the host's runs (``RUN``, ``TEARDOWN_SHARED``) from
     ``channel``; other messages go to :attr:`handlers` (the fork server's, see ``guest/forks.py``).
 
     ``cfg`` is the host's first message (see :mod:`pytest_boxlite.guest.messages`);
@@ -536,9 +536,9 @@ class GuestPlugin:
             name, fields = msg
             if name == RUN:
                 self.run_fields(fields)
-            elif name == SHARED:
+            elif name == TEARDOWN_SHARED:
                 report = self._teardown_shared(fields.get("keep") or (), fields.get("nodeid"))
-                self.channel.send((TORNDOWN, {"report": report}))
+                self.channel.send((SHARED_TORN_DOWN, {"report": report}))
             elif name in self.handlers:
                 self.handlers[name](fields)
 
@@ -667,7 +667,7 @@ class GuestPlugin:
             parent: pytest.Collector | None = item.parent
             return parent
         self.prepared = None
-        # The host asked for this already (SHARED) when the next item left a scope; for an
+        # The host asked for this already (TEARDOWN_SHARED) when the next item left a scope; for an
         # item it did not tell us about (a test run again, say), here is when it is due.
         late = self._teardown_shared([n.nodeid for n in chain], None)
         if late is not None and late.get("outcome") == "failed":

@@ -950,12 +950,13 @@ class RemoteRunner:
             return None  # no warm interpreter left: what it had set up went with it
         self._sync(worker, 10.0)  # answers owed to earlier FORKs come first on the channel
         try:
-            worker.channel.send((msg.SHARED, {"keep": keep, "nodeid": nodeid}))
+            worker.channel.send((msg.TEARDOWN_SHARED, {"keep": keep, "nodeid": nodeid}))
             kind, fields = worker.channel.receive(timeout)
         except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError, ValueError, TypeError) as exc:
             raise BoxliteError(self._death_reason(handle, worker, exc)) from None
-        if kind != msg.TORNDOWN or not isinstance(fields, dict):
-            raise BoxliteError(f"the warm interpreter of box {handle.name} answered {str(kind)[:100]!r} to SHARED")
+        if kind != msg.SHARED_TORN_DOWN or not isinstance(fields, dict):
+            answer = str(kind)[:100]
+            raise BoxliteError(f"the warm interpreter of box {handle.name} answered {answer!r} to TEARDOWN_SHARED")
         return fields.get("report")
 
     def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:
