@@ -396,6 +396,16 @@ def _names(opt: Option) -> list[Option]:
     return [opt] if old is None else [opt, old]
 
 
+def _typed_flag(config: pytest.Config, opt: Option) -> str:
+    """The spelling of ``opt`` the command line used last (argparse keeps only the value)."""
+    typed = opt.flag
+    for arg in config.invocation_params.args:
+        for named in _names(opt):
+            if isinstance(arg, str) and (arg == named.flag or arg.startswith(named.flag + "=")):
+                typed = named.flag
+    return typed
+
+
 def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Settings:
     """Resolve every option: default < ini < environment < command line."""
     env = os.environ if environ is None else environ
@@ -415,8 +425,8 @@ def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Set
                 break
         cli = config.getoption(f"boxlite_{opt.name}")
         if cli is not None:
-            flags = " or ".join(n.flag for n in _names(opt))  # argparse does not say which was typed
-            value, source = _parse(opt, cli, f"the command line ({flags})"), f"command line {opt.flag}"
+            flag = _typed_flag(config, opt)
+            value, source = _parse(opt, cli, f"the command line ({flag})"), f"command line {flag}"
         values[opt.name] = value
         sources[opt.name] = source
     if values["url"] is not None and values["scope"] == "worker":

@@ -180,7 +180,7 @@ def test_the_older_name_replicas_still_sets_max_boxes(
     shown = run_show(pytester, *args, session=False)
     expected = {"ini": (3, "ini boxlite_replicas"), "env": (4, "env PYTEST_BOXLITE_REPLICAS")}
     got = (shown["values"]["max_boxes"], shown["sources"]["max_boxes"])
-    assert got == expected.get(layer, (5, "command line --boxlite-max-boxes"))
+    assert got == expected.get(layer, (5, "command line --boxlite-replicas"))
     # Both names at one level: the new one is read.
     if layer == "env":
         monkeypatch.setenv("PYTEST_BOXLITE_MAX_BOXES", "6")
@@ -255,7 +255,7 @@ def test_bad_value_is_a_usage_error_naming_source_and_option(
         where = f"environment variable {env}"
     else:
         args.append(f"{flag}={raw}")
-        where = f"the command line ({flag}"  # an option with an older name names both
+        where = f"the command line ({flag})"
     pytester.makepyfile("def test_never_runs():\n    raise AssertionError('must not run')\n")
     result = pytester.runpytest(*QUIET, *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
