@@ -115,8 +115,11 @@ def send(name, **fields):
 
 def _transport():
     # GuestPlugin.send is a locked wrapper around the fork's JSON writer (closure ``out``) or
-    # around ``channel.send`` (closure ``channel``).
-    return closure_cells(closure_cells(plugin().send)["send"])
+    # around the warm interpreter's ``channel.send`` (closure ``self``: the plugin's channel).
+    cells = closure_cells(closure_cells(plugin().send)["send"])
+    if "out" not in cells and "self" in cells:
+        return {"channel": cells["self"].channel}
+    return cells
 
 
 def fork_mode():
