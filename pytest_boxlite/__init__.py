@@ -5,6 +5,10 @@ The public API: the :class:`Sandbox` a box is driven through, the :class:`Boxlit
 (every one a :class:`BoxliteError`), and service fixtures: :func:`service` with its readiness
 checks (:class:`PortReady`, :class:`OutputReady`, :class:`HttpReady`, :class:`CommandReady`) and
 the :class:`Service` a test gets.
+
+PYTEST_DONT_REWRITE: a box's pytest finds this package imported already (the box's bootstrap
+imports the guest code from it first), and pytest warns of every such package it would have
+rewritten: a warning that ``filterwarnings = error`` makes fatal to every boxed test.
 """
 
 from __future__ import annotations

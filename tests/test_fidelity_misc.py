@@ -688,3 +688,30 @@ def test_a_pytest_started_by_a_boxed_test_acts_as_unboxed(tmp_path: Path, home: 
     assert rc == 0, out
     assert re.search(r"\b3 passed\b", out), out
     no_leftovers(home, out)
+
+
+BOX_START = """
+import sys
+
+import pytest
+
+import pytest_boxlite.guest.worker  # noqa: F401 - what a box's bootstrap imports before pytest starts
+
+sys.exit(pytest.main(["-p", "pytest_boxlite", "-W", "error", "-q", "-p", "no:cacheprovider", sys.argv[1]]))
+"""
+
+
+def test_a_box_starts_pytest_after_importing_the_package_without_a_warning(tmp_path: Path) -> None:
+    """A box's bootstrap imports the guest code (the package) before its pytest starts; pytest warns
+    of a package it marks for rewriting that is imported already, and under ``filterwarnings =
+    error`` (this project's, and many projects') that warning stopped every boxed test from
+    starting where the plugin was installed from a wheel (its package is then marked, as ``-p``
+    marks it here)."""
+    (tmp_path / "test_one.py").write_text("def test_one():\n    assert True\n")
+    (tmp_path / "start.py").write_text(BOX_START)
+    r = subprocess.run(
+        [sys.executable, str(tmp_path / "start.py"), str(tmp_path / "test_one.py")],
+        cwd=tmp_path, env=sub_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "1 passed" in r.stdout
