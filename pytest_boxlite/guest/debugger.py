@@ -5,9 +5,8 @@ through pytest's own debugging plugin in the box, which calls ``pytest_enter_pdb
 debugger it made.  :class:`BoxDebugger` (registered for one run) points that debugger's
 ``stdin``/``stdout`` at the host: what it prints travels as ``DEBUG out`` frames, and each line it
 reads is asked for with ``DEBUG read`` and answered by the host with one line of the user's (or
-the end of the host's stdin, or Ctrl-C).  A box forked per test sends and reads on its socket
-(:class:`SocketAnswers`); a booted box, whose test runs in its warm interpreter, on its execnet
-channel (:class:`ChannelAnswers`: nothing else reads that channel while a test runs).  The time spent waiting for that
+the end of the host's stdin, or Ctrl-C).  Every boxed test runs in a fork (fresh or in place),
+which sends and reads on its socket (:class:`SocketAnswers`).  The time spent waiting for that
 line does not count against the test's timeout (:class:`LastWords` pauses; the host pauses its own).
 
 Under pytest-xdist the host is a worker with no terminal: the debugger reads end-of-file, as it
@@ -117,38 +116,6 @@ class SocketAnswers:
             return None
 
 
-class ChannelAnswers:
-    """The host's answers on a booted box's execnet channel (``channel.send((DEBUG, fields))``).
-
-    The warm interpreter's serve loop reads nothing while its test runs (it runs it), so the
-    debugger reads here.  A message that is no answer (the host ending the interpreter, say) is
-    kept in :attr:`unexpected`: the serve loop takes it next, as if it had read it itself.
-    """
-
-    #: Each wait on the channel is bounded: a closed channel is seen within a step.
-    STEP = 1.0
-
-    def __init__(self, channel: Any) -> None:
-        self.channel = channel
-        self.unexpected: list[object] = []
-
-    def next(self) -> object:
-        """The next answer from the host; ``None`` once the channel closed or spoke out of turn."""
-        while True:
-            try:
-                message = self.channel.receive(self.STEP)
-            except self.channel.TimeoutError:
-                if self.channel.isclosed():
-                    return None
-                continue
-            except (EOFError, OSError, self.channel.RemoteError):
-                return None
-            if isinstance(message, (tuple, list)) and len(message) == 2 and message[0] == msg.DEBUG:
-                return message
-            self.unexpected.append(message)
-            return None
-
-
 def _ignore_sigint() -> Any:
     """Ignore SIGINT (the main thread only may; elsewhere nothing changes): the previous handler."""
     try:
@@ -166,7 +133,7 @@ class BoxDebugger:
     """One run's debugger relay (a pytest plugin while the run lasts).
 
     ``send``: the box's ``send(name, **fields)`` (it adds the run's number); ``answers``: where
-    the host answers each ``DEBUG read`` (:class:`SocketAnswers` or :class:`ChannelAnswers`);
+    the host answers each ``DEBUG read`` (:class:`SocketAnswers`);
     ``clock``: the run's :class:`LastWords`, paused while the user types; ``postmortem``: the host
     runs with ``--pdb``.
     """

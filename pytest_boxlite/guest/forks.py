@@ -17,7 +17,15 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pytest_boxlite.guest.boxinit import IN_TEST, BareInit
-from pytest_boxlite.guest.fresh import clone_box, enter_test_namespaces, held_cell_fds, seal_init, take_cell
+from pytest_boxlite.guest.fresh import (
+    clone_box,
+    die_with_parent,
+    drop_cells,
+    enter_test_namespaces,
+    held_cell_fds,
+    seal_init,
+    take_cell,
+)
 from pytest_boxlite.guest.ids import IdMapper
 from pytest_boxlite.guest.layers import KEEP_LAYERS, fresh_box
 from pytest_boxlite.guest.messages import ERROR, FORK, FORKED, KILL, POLL, RUN, STATUS, TOKEN, WAIT, tag
@@ -173,6 +181,7 @@ class ForkServer:
         cell: Any = None,
         services: Any = None,
         changes: bool = False,
+        in_place: bool = False,
         **extra: Any,
     ) -> None:
         """Fork a fresh box for ``nodeid`` (collected here first, so the box inherits it) that
@@ -184,6 +193,7 @@ class ForkServer:
         box its own cgroups and stderr (``take_cell``).  ``services``: the services the item
         uses, for its wider fixtures set up here (``_take_fields``).  ``changes``: the box keeps
         a handle on each of its fresh layers, for ``RUN``'s ``changes`` (guest/changes.py).
+        ``in_place``: no fresh box, a plain fork in this box (see :meth:`_fork_in_place`).
         ``extra``: what other plugins' ``pytest_boxlite_box_fields`` added, handed on too."""
         plugin = self.plugin
         _take_fields(plugin.config, {**extra, "services": services})
@@ -200,6 +210,9 @@ class ForkServer:
             # Here, once per warm interpreter: not in every box (see guest/debugger.py _Hooks).
             _prepare_debugger(item.config)
             self.debugger_prepared = True
+        if in_place:
+            self._fork_in_place(ended, stop, token, sock)
+            return
         # Root's fresh box maps every id into its new user namespace: this process writes the maps.
         # On a VM (renew_all) root forks the box as root of the VM's kernel: no maps to write.
         real_root = bool(renew_all) and os.geteuid() == 0
@@ -273,8 +286,7 @@ class ForkServer:
                     _init(test)
             enter_test_namespaces(network, nested)
             _forget_cached_host_facts()
-            self.plugin.stop = stop
-            self._serve_runs(conn, token)
+            self._serve_runs(conn, token, stop)
         except BaseException as exc:
             try:
                 sys.stderr.write("pytest-boxlite: forked box failed: %r\n" % (exc,))
@@ -283,9 +295,47 @@ class ForkServer:
         finally:
             os._exit(code)
 
-    def _serve_runs(self, conn: socket.socket, token: str) -> None:
-        """In a forked box: say ``TOKEN``, then run each ``RUN`` the host sends on ``conn``."""
+    def _fork_in_place(self, ended: list[int], stop: Any, token: str, sock: str) -> None:
+        """An in-place fork: a plain ``fork(2)`` of this interpreter that stays in this box (no
+        namespaces, layers or pid 1 of its own), then runs the host's ``RUN``\\ s on ``sock`` as a
+        fresh box does.  What its test writes stays in this box (``--boxlite-keep`` keeps it), and
+        one fork serves a module's tests (boot mode's module scope keeps their state)."""
+        import warnings
+
+        try:
+            with warnings.catch_warnings():
+                # Python 3.12 warns of fork() beside execnet's reader thread: it waits in read(2)
+                # without the GIL, and fork(3) takes libc's locks first (see fresh.clone_box).
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except OSError as exc:
+            self.channel.send((ERROR, {"text": "fork failed: %s" % exc}))
+            return
+        if pid == 0:
+            code = 0
+            try:
+                die_with_parent()
+                drop_cells()  # a test must never take another box's cgroups or log
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.connect(sock)
+                _cut_channel(self.channel)
+                self._serve_runs(conn, token, stop)
+            except BaseException as exc:
+                try:
+                    sys.stderr.write("pytest-boxlite: in-place fork failed: %r\n" % (exc,))
+                finally:
+                    code = 70
+            finally:
+                os._exit(code)
+        self.forked.add(pid)
+        self.plugin.prepare_warnings = []  # the fork's to report
+        self.channel.send((FORKED, {"pid": pid, "ended": ended}))
+
+    def _serve_runs(self, conn: socket.socket, token: str, stop: Any) -> None:
+        """In a forked box (fresh or in place): say ``TOKEN``, then run each ``RUN`` the host
+        sends on ``conn`` (``stop``: where its teardown stops, see ``GuestPlugin._prepare``)."""
         plugin = self.plugin
+        plugin.stop = stop
         out = conn.makefile("wb")
 
         def send(name: str, **fields: Any) -> None:

@@ -254,7 +254,7 @@ def clone_box(
     api.PyOS_AfterFork_Child()
     sys.setswitchinterval(interval)
     if real_root:
-        _or_exit(_die_with_parent)
+        _or_exit(die_with_parent)
     elif init is not None:
         # The test process, as pid 1's copy it is dumpable no more (it sealed itself first): the
         # test's own process is dumpable, as locally.
@@ -362,7 +362,7 @@ def take_cell(cell: dict[str, Any], timeout: float = 10.0) -> Cell:
         try:
             data, fds, _flags, _addr = socket.recv_fds(conn, 4096, 16)
         except OSError:
-            _drop_cells()
+            drop_cells()
             raise
         try:
             head = json.loads(data.decode())
@@ -372,7 +372,7 @@ def take_cell(cell: dict[str, Any], timeout: float = 10.0) -> Cell:
             got[str(head["cell"])] = (fds[:joins], fds[joins])
         except (ValueError, KeyError, TypeError):
             _close_cell((fds, None))
-            _drop_cells()
+            drop_cells()
             raise OSError(71, "the host's cell for box %s was garbled" % name) from None
         while len(got) > 16:  # cells of FORKs that never came (bounded)
             _close_cell(got.pop(next(iter(got))))
@@ -398,7 +398,7 @@ def _close_cell(cell: SomeCell | None) -> None:
 def held_cell_fds(cell: Cell | None) -> list[int]:
     """Every descriptor of the host's cells this process holds: ``cell`` (a box's, from
     :func:`take_cell`; ``None``: none), the cell connection and the cells dealt ahead.  What a
-    forked box's pid 1 closes (:class:`BareInit`), as :func:`_enter_cell` and :func:`_drop_cells`
+    forked box's pid 1 closes (:class:`BareInit`), as :func:`_enter_cell` and :func:`drop_cells`
     close them in the process that enters the cell."""
     fds = _cell_fds(cell) if cell is not None else []
     conn = _CELLS["conn"]
@@ -409,7 +409,7 @@ def held_cell_fds(cell: Cell | None) -> list[int]:
     return fds
 
 
-def _drop_cells() -> None:
+def drop_cells() -> None:
     """Close the host's cell connection and every cell dealt ahead (in the warm interpreter after
     an error; in a forked box always: a test must never take the next box's cgroups or log)."""
     conn = _CELLS["conn"]
@@ -431,7 +431,7 @@ def _enter_cell(cell: Cell) -> None:
             os.write(fd, b"0")  # "0": this process; on cgroup v1's tasks, this thread alone
         finally:
             os.close(fd)
-    _drop_cells()
+    drop_cells()
 
 
 def _own_stderr(fd: int) -> None:
@@ -480,7 +480,7 @@ def _or_exit(step: Callable[..., object], *args: Any) -> None:
         os._exit(70)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     import signal
 
     check_libc(LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
@@ -495,7 +495,7 @@ def _in_new_box(
     ``flags``: the namespaces it has still to unshare (fork(3)'s path); ``None``: clone(2) made
     it in them already.
     """
-    _die_with_parent()
+    die_with_parent()
     if cell is not None:
         _enter_cell(cell)
     if uid != 0:
@@ -532,13 +532,13 @@ def _clone_box_by_forks(flags: int, mapper: IdMapper | None, real_root: bool = F
         import signal
 
         if real_root:
-            _die_with_parent()
+            die_with_parent()
             check_libc(LIBC.unshare(flags), "unshare")
         else:
             _in_new_box(uid, gid, mapper, flags, cell)
         child = os.fork()
         if child == 0:
-            _or_exit(_die_with_parent)
+            _or_exit(die_with_parent)
             return 0
         _, status = os.waitpid(child, 0)
         code = os.waitstatus_to_exitcode(status)

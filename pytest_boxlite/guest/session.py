@@ -34,7 +34,6 @@ from pytest_boxlite.guest.messages import (
     OUTPUT,
     READY,
     REPORT,
-    RUN,
     SHARED_TORN_DOWN,
     TEARDOWN_SHARED,
     WARNING,
@@ -350,24 +349,17 @@ def _prepare_debugger(config: pytest.Config) -> None:
     debugger.prepare(config)
 
 
-def _relay_debugger(
-    config: pytest.Config, plugin: GuestPlugin, clock: LastWords, channel: Any
-) -> tuple[Any, Any] | None:
+def _relay_debugger(config: pytest.Config, plugin: GuestPlugin, clock: LastWords) -> tuple[Any, Any] | None:
     """Relay the run's debugger to the host's terminal (guest/debugger.py, which the box's pytest
-    imports from the package, as it imports this plugin): a forked box's answers come on its
-    socket, a booted box's on ``channel`` (its serve loop reads nothing while the test runs).
-    Returns ``(module, answers)`` (``detach`` after the run), or ``None`` where the module cannot
-    be imported: then the plugin's GuestRole says at the debugger's line why there is none."""
+    imports from the package, as it imports this plugin): the host's answers come on the fork's
+    socket.  Returns ``(module, answers)`` (``detach`` after the run), or ``None`` where the
+    module cannot be imported: then the plugin's GuestRole says at the debugger's line why there is none."""
     try:
         from pytest_boxlite.guest import debugger
     except ImportError as exc:
         sys.stderr.write("pytest-boxlite: no debugger relay in this box: %r\n" % (exc,))
         return None
-    answers: debugger.SocketAnswers | debugger.ChannelAnswers
-    if plugin.commands is not None:
-        answers = debugger.SocketAnswers(plugin.commands)
-    else:
-        answers = debugger.ChannelAnswers(channel)
+    answers = debugger.SocketAnswers(plugin.commands)
     debugger.attach(config, plugin.send, answers, clock, plugin.postmortem)
     return debugger, answers
 
@@ -383,7 +375,7 @@ def _take_fields(config: pytest.Config, fields: dict[str, Any]) -> None:
 
 
 class GuestPlugin:
-    """The box's pytest plugin: collection once, then the host's runs (``RUN``, ``TEARDOWN_SHARED``) from
+    """The box's pytest plugin: collection once, then the host's control messages (``TEARDOWN_SHARED``) from
     ``channel``; other messages go to :attr:`handlers` (the fork server's, see ``guest/forks.py``).
 
     ``cfg`` is the host's first message (see :mod:`pytest_boxlite.guest.messages`);
@@ -427,9 +419,6 @@ class GuestPlugin:
         self.commands: BinaryIO | None = None
         #: The host runs with --pdb (taken off here at configure; each run relays it).
         self.postmortem = False
-        #: Messages of the host's that a booted box's debugger read while waiting for its
-        #: answer (guest/debugger.py's ChannelAnswers): the serve loop takes them first.
-        self.held: list[Any] = []
         #: The session's collection was indexed and its deselected items let go of (later
         #: collections, of one item each in ``_item``, keep all they find).
         self.pruned = False
@@ -530,13 +519,11 @@ class GuestPlugin:
             ready["fork_problem"] = self.fork_problem
         self.channel.send((READY, ready))
         while True:
-            msg = self.held.pop(0) if self.held else self.channel.receive()
+            msg = self.channel.receive()
             if msg is None:
                 return True
             name, fields = msg
-            if name == RUN:
-                self.run_fields(fields)
-            elif name == TEARDOWN_SHARED:
+            if name == TEARDOWN_SHARED:
                 report = self._teardown_shared(fields.get("keep") or (), fields.get("nodeid"))
                 self.channel.send((SHARED_TORN_DOWN, {"report": report}))
             elif name in self.handlers:
@@ -869,7 +856,7 @@ class GuestPlugin:
             watch = Watch(LAYERS, self.changes, item.config, forked)
         live = _LiveOutput(self.send) if item.config.option.capture in ("no", "tee-sys") else None
         last = LastWords(item, self.send, timeout)
-        debugger = _relay_debugger(item.config, self, last, self.channel)
+        debugger = _relay_debugger(item.config, self, last)
         try:
             item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
         except pytest.exit.Exception as exc:
@@ -878,7 +865,6 @@ class GuestPlugin:
             last.stop()
             if debugger is not None:
                 debugger[0].detach(item.config)
-                self.held.extend(getattr(debugger[1], "unexpected", ()))
             if live is not None:
                 live.close()
         self._send_side_data(since)

@@ -1,12 +1,11 @@
 """Host side of a boxed test's debugger: the box's pdb on this terminal (see guest/debugger.py).
 
-A boxed test's box sends ``DEBUG`` frames while its test sits in a debugger (a box forked per
-test on its socket, a booted box on its warm interpreter's execnet channel):
+A boxed test's box sends ``DEBUG`` frames on its socket while its test sits in a debugger:
 ``enter`` (a session starts), ``sep``/``out`` (what it prints), ``read`` (it waits for a line),
 ``leave`` (it continued).  :class:`DebugRelay` prints what it prints, with control characters
 escaped (a guest must not drive this terminal), and answers each ``read`` with one line of this
 process's stdin, read only then, while pytest's capture is suspended as pytest's own pdb support
-does; the answer goes back the way the frames came (``answer``: the socket or the channel).
+does; the answer goes back the way the frames came (``answer``: the socket).
 The wait for that line is not counted against the test's timeout: :attr:`paused` is added to the
 deadline, and the host's ``pytest_enter_pdb`` hook is called (pytest-timeout stops its timer
 there, as it does for a local debugger).
@@ -135,10 +134,6 @@ def _ctrl_c_ends_the_line() -> list[Any] | None:
     return saved
 
 
-#: While waiting for the user's line without the box's descriptor to poll (a booted box's
-#: channel): stdin is polled this long, then the channel looked at for as long again.
-CHANNEL_STEP = 0.1
-
 #: Service-logs questions one test may ask (each answer is at most ``services.LOG_LINES_CAP`` lines).
 LOGS_ASKS_CAP = 1000
 #: The most characters of one answer: its JSON line stays under the 1 MiB a box reads of a line.
@@ -153,9 +148,7 @@ class DebugRelay:
 
     ``answer`` sends an answer to that box (``None``: the box relays no debugger, its frames are
     refused).  While the box waits for a line, :meth:`wait_input` also watches the box, to stop
-    waiting when it sends something or ends: ``fd``, the box's socket, polled with stdin; or,
-    where there is none to poll (an execnet channel), ``arrived(timeout)``, called between bounded
-    polls of stdin, true once a message (or the channel's end) is there for the stream to read.
+    waiting when it sends something or ends: ``fd``, the box's socket, polled with stdin.
     """
 
     def __init__(
@@ -164,13 +157,11 @@ class DebugRelay:
         answer: Answer | None,
         *,
         fd: int | None = None,
-        arrived: Callable[[float], bool] | None = None,
     ) -> None:
         self.item = item
         self.config = item.config
         self.answer = answer
         self.fd = fd
-        self.arrived = arrived
         self.enabled = answer is not None and can_debug_here(self.config)
         self.active = False  # inside a session (``enter`` seen, no ``leave`` yet)
         self.wanted = False  # the box waits for a line
@@ -329,8 +320,8 @@ class DebugRelay:
                 poller.register(0, select.POLLIN)
                 if self.fd is not None:
                     poller.register(self.fd, select.POLLIN | select.POLLRDHUP)
-                # Bounded: the Ctrl-C flag (and, on a channel, the box) is looked at between polls.
-                events = poller.poll(200 if self.fd is not None else int(CHANNEL_STEP * 1000))
+                # Bounded: the Ctrl-C flag is looked at between polls.
+                events = poller.poll(200)
                 for fd, event in events:
                     if fd == 0:
                         if event & select.POLLNVAL:
@@ -340,8 +331,6 @@ class DebugRelay:
                     else:
                         # The box ended (or sent something while it waits): the stream reads it.
                         return
-                if self.fd is None and not events and self.arrived is not None and self.arrived(CHANNEL_STEP):
-                    return  # the same, on the box's channel: the stream holds what came
         finally:
             if terminal is not None:
                 with contextlib.suppress(OSError, termios.error):

@@ -5,7 +5,9 @@ owns it, which returns here without calling another step's module (``tests/test_
 measures that order):
 
 1. lease: the box (or warm interpreter) from the pool (:meth:`BoxedExecutor._lease`);
-2. fork and send RUN: :class:`~.worker_host.RemoteRunner` (``fork``, ``run_in``, ``run_item``);
+2. fork and send RUN: :class:`~.worker_host.RemoteRunner` (``fork``, ``run_in``): a fresh fork
+   of a warm interpreter, or an in-place fork of a booted box's (``--boxlite-fresh=boot``,
+   ``--boxlite-keep``, a kernel that refuses fresh forks);
 3. drain: :func:`.transport.drain` reads the test's messages, within every bound on them;
 4. end: ``RemoteRunner.end`` kills or reaps the box and reads how it ended and its log;
 5. report: :func:`.reports.finish` makes the complete reports, which are logged here (the shared
@@ -274,9 +276,17 @@ class BoxedExecutor:
 
     # -- 3. run --------------------------------------------------------------------------------
     def _start_booted(self, item: pytest.Item, plan: BoxPlan, lease: Lease, look: _Look) -> BoxRun:
-        """Send RUN to the leased box's warm interpreter."""
+        """Start ``item`` in an in-place fork of the leased box's warm interpreter: the module's
+        (module scope: one fork serves its tests, which keep their module's state), or a new one."""
         next_nodeid = look.nextitem.nodeid if look.ahead.same_box and look.nextitem is not None else None
-        return self.runner.run_item(item, lease, next_nodeid=next_nodeid, timeout=plan.timeout)
+        held = self._held
+        box = held.box if held is not None and held.lease is lease and held.box is not None else None
+        if box is not None and box.alive:
+            return self.runner.run_in(box, item, next_nodeid=next_nodeid, timeout=plan.timeout)
+        network = plan.spec.network
+        return self.runner.fork(
+            item, lease, network=network, next_nodeid=next_nodeid, timeout=plan.timeout, in_place=True
+        )
 
     def _start_forked(self, item: pytest.Item, plan: BoxPlan, lease: Lease, look: _Look) -> BoxRun:
         """Start ``item`` in a forked box: a new one per test, or the module's (module scope),
@@ -334,6 +344,7 @@ class BoxedExecutor:
         held = self._held
         if held is None:
             return
+        held.box = ended.box
         held.failed |= any(r.failed for r in out)
         dead = not ended.worker_alive
         if not look.ahead.same_box or dead or ended.exit is not None:
@@ -418,6 +429,8 @@ class BoxedExecutor:
         ``--boxlite-keep``) keeps it after the run."""
         held, self._held = self._held, None
         if held is not None:
+            if held.box is not None:
+                self.runner.close(held.box)  # the in-place fork ends before its box is let go
             held.lease.release(keep=held.failed and self.session.settings.keep if keep is None else keep)
 
     def close(self) -> None:
@@ -438,6 +451,8 @@ class _HeldLease:
     lease: Lease
     #: A test in it failed (with ``--boxlite-keep`` the box outlives the run).
     failed: bool = False
+    #: The in-place fork that runs the module's tests, open for the next one (see ``RemoteRunner.end``).
+    box: ForkedBox | None = None
 
     def holds(self, module: str, spec: BoxSpec) -> bool:
         return (self.module, self.spec) == (module, spec)

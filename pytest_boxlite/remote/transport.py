@@ -1,9 +1,9 @@
-"""The two ways a boxed test's messages reach the host, and the one loop that reads either.
+"""How a boxed test's messages reach the host, and the loop that reads them.
 
-* :class:`ChannelStream`: the warm interpreter's execnet channel (a test run in a leased box).
-* :class:`ForkStream`: newline-delimited JSON on a Unix socket, from a box forked per test.
+:class:`ForkStream`: newline-delimited JSON on a Unix socket, from the fork that runs the test
+(fresh or in place; the warm interpreter's execnet channel carries control messages only).
 
-Both yield ``(name, fields)`` pairs in the vocabulary of :mod:`pytest_boxlite.guest.messages`.
+It yields ``(name, fields)`` pairs in the vocabulary of :mod:`pytest_boxlite.guest.messages`.
 Everything from a box is hostile: :func:`drain` bounds what it reads, checks every message's name,
 shape and node id, and turns anything unexpected into a failure of that one test (the session
 goes on).
@@ -67,63 +67,6 @@ def _checked(message: object) -> tuple[str, dict[str, Any]]:
     ):
         raise BoxSpoke(f"a message that is not (name, fields): {reprlib.repr(message)}")
     return message[0], message[1]
-
-
-@dataclasses.dataclass
-class _Ended:
-    """The channel's end (or refusal), seen by :meth:`ChannelStream.arrived`: raised where read."""
-
-    exc: BaseException
-
-
-class ChannelStream:
-    """Messages on a warm interpreter's execnet channel."""
-
-    def __init__(self, channel: Any) -> None:
-        self.channel = channel
-        #: Called before each wait on the box (``DebugRelay.wait_input``, as on a ForkStream).
-        self.idle: Callable[[], None] | None = None
-        #: What :meth:`arrived` received (one message, or the channel's end): read next.
-        self._held: list[object] = []
-
-    def arrived(self, timeout: float) -> bool:
-        """Whether a message (or the channel's end) came within ``timeout`` seconds: it is kept
-        for :meth:`messages`, which reads it next (the debugger relay's look at the box between
-        its polls of stdin; a channel has no descriptor to poll with it)."""
-        if self._held:
-            return True
-        try:
-            self._held.append(self.channel.receive(timeout))
-        except execnet.TimeoutError:
-            return False
-        except (EOFError, OSError, execnet.RemoteError) as exc:
-            self._held.append(_Ended(exc))
-        return True
-
-    def answer(self, fields: dict[str, Any]) -> None:
-        """Answer the box's debugger (guest/debugger.py's ChannelAnswers reads it)."""
-        # A box gone meanwhile is no error here: its channel says so at the next read.
-        with contextlib.suppress(EOFError, OSError, ValueError, execnet.RemoteError):
-            self.channel.send((msg.DEBUG, fields))
-
-    def messages(self, deadline: Deadline) -> Iterator[tuple[str, dict[str, Any]]]:
-        while True:
-            if self.idle is not None:
-                self.idle()
-            if self._held:
-                message = self._held.pop(0)
-                if isinstance(message, _Ended):
-                    raise message.exc
-                yield _checked(message)
-                continue
-            left = _due(deadline) - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            try:
-                message = self.channel.receive(left)
-            except execnet.TimeoutError:
-                raise TimeoutError from None
-            yield _checked(message)
 
 
 class ForkStream:
@@ -279,17 +222,13 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
     """
     out = Outcome()
     stale = 0
-    # A boxed test's debugger is relayed to this terminal; the answers go back the way its frames
-    # came: a forked box's socket (polled with stdin), a booted box's channel (looked at between
-    # bounded polls of stdin).
+    # A boxed test's debugger is relayed to this terminal; the answers go back on the box's
+    # socket (polled with stdin).
     if isinstance(stream, ForkStream):
         relay = DebugRelay(item, stream.answer, fd=stream.conn.fileno())
-    elif isinstance(stream, ChannelStream):
-        relay = DebugRelay(item, stream.answer, arrived=stream.arrived)
+        stream.idle = relay.wait_input
     else:
         relay = DebugRelay(item, None)
-    if isinstance(stream, (ForkStream, ChannelStream)):
-        stream.idle = relay.wait_input
     try:
         for name, fields in stream.messages(lambda: deadline + relay.paused):
             if fields.get("seq") != seq:
@@ -313,7 +252,7 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
         out.spoke = str(exc)
     except TimeoutError:
         out.timed_out = True
-        if isinstance(stream, (ForkStream, ChannelStream)):
+        if isinstance(stream, ForkStream):
             stream.idle = None
         relay.close()
         if not out.last_words:
@@ -322,7 +261,7 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
         out.hung_up = exc
     finally:
         # The test is done (or its box): nothing more is relayed, and pytest's capture is back on.
-        if isinstance(stream, (ForkStream, ChannelStream)):
+        if isinstance(stream, ForkStream):
             stream.idle = None
         relay.close()
         out.paused = relay.paused

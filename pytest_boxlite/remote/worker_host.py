@@ -42,7 +42,7 @@ from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.guest import messages as msg
 from pytest_boxlite.hooks import BoxAccess
 from pytest_boxlite.pool import Lease
-from pytest_boxlite.remote.transport import BoxSpoke, ChannelStream, ForkStream, Outcome, Stream
+from pytest_boxlite.remote.transport import BoxSpoke, ForkStream, Outcome, Stream
 from pytest_boxlite.runtimes.base import BoxHandle, ForkCell
 from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, minimal_dirs, worker_env
 
@@ -76,6 +76,9 @@ class ForkedBox:
     error: str | None = None
     #: The box's own cgroups and stderr, where the runtime gives it some (``fork_cell``).
     cell: ForkCell | None = None
+    #: A fork in its warm interpreter's own box (no namespaces, layers or pid 1 of its own): boot
+    #: mode's and ``--boxlite-keep``'s boxes, whose tests' files stay in the box.
+    in_place: bool = False
 
 
 class FrameCap:
@@ -145,24 +148,19 @@ class _Worker:
     #: Boxes asked for whose FORKED answer is still on the channel, oldest first: the answers come
     #: in order, and every other request on the channel reads them first.
     pending: list[ForkedBox] = dataclasses.field(default_factory=list)
-    #: The channel's messages as :func:`transport.drain` reads them (made once: it keeps no state).
-    stream: ChannelStream = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.stream = ChannelStream(self.channel)
 
 
 @dataclasses.dataclass
 class BoxRun:
-    """One item's run as the runner started it (:meth:`RemoteRunner.run_item`, :meth:`~RemoteRunner.fork`,
+    """One item's run in a forked box as the runner started it (:meth:`RemoteRunner.fork`,
     :meth:`~RemoteRunner.run_in`): the executor drains ``stream`` (if any) into ``outcome``, then
     has :meth:`RemoteRunner.end` end it."""
 
-    handle: BoxHandle  # the leased box, or the forked box's fork parent
+    handle: BoxHandle  # the forked box's warm interpreter's box
     start: float
     timeout: float
-    #: Whether it runs in a forked box (else on the leased box's channel).
-    forked: bool
+    #: The fork is in place (in ``handle``'s own box): its report names that box.
+    in_place: bool = False
     #: The messages to drain, and the run's number they carry; None: nothing to read.
     stream: Stream | None = None
     seq: int = 0
@@ -174,7 +172,6 @@ class BoxRun:
     started: bool = False
     box: ForkedBox | None = None  # the forked box the test was sent to
     held: bool = False  # that box was forked for an earlier test of its module (module scope)
-    worker: _Worker | None = None  # the warm interpreter a leased box's test was sent to
     #: Why the test could not be run (its setup fails with that), and the duration it reports.
     failure: str | None = None
     duration: float | None = None  # None: the time from ``start`` to the run's end
@@ -502,32 +499,6 @@ class RemoteRunner:
         self._status_tmp.cleanup()
 
     # -- running --------------------------------------------------------------------------
-    def run_item(self, item: pytest.Item, lease: Lease, *, next_nodeid: str | None, timeout: float) -> BoxRun:
-        """Start ``item`` in the leased box's warm interpreter: RUN sent on its channel, whose
-        messages the executor drains next (see :class:`BoxRun`)."""
-        handle = lease.handle
-        with self._lock:
-            worker = self._workers.get(handle.name)
-        if worker is None:
-            none = f"box {handle.name} has no running test worker"
-            return BoxRun(handle, 0.0, timeout, forked=False, failure=none, duration=0.0)
-        why = self._reach(handle, item)
-        if why is not None:
-            return BoxRun(handle, 0.0, timeout, forked=False, failure=why, duration=0.0)
-        start = time.monotonic()
-        self._seq += 1
-        seq = self._seq
-        try:
-            fields = {**_service_fields(self.config, item=item), "nodeid": item.nodeid, "next": next_nodeid, "seq": seq}
-            fields.update(side_effects.run_fields(self.config, item))
-            fields["timeout"] = _left(start, timeout)  # the box sends its last words when it passes
-            worker.channel.send((msg.RUN, fields))
-        except (EOFError, OSError, execnet.RemoteError) as exc:
-            why = self._death_reason(handle, worker, exc)
-            return BoxRun(handle, start, timeout, forked=False, failure=why, duration=0.0)
-        self._log_since[handle.name] = handle.log_size()  # the report quotes what this run logged
-        return BoxRun(handle, start, timeout, forked=False, stream=worker.stream, seq=seq, started=True, worker=worker)
-
     def fork(
         self,
         item: pytest.Item,
@@ -537,8 +508,11 @@ class RemoteRunner:
         next_nodeid: str | None,
         timeout: float,
         ahead: Sequence[str] = (),
+        in_place: bool = False,
     ) -> BoxRun:
-        """Start ``item`` in a fresh box forked from the leased box's warm interpreter.
+        """Start ``item`` in a box forked from the leased box's warm interpreter: a fresh one, or
+        with ``in_place`` a plain fork in the leased box itself (no namespaces or layers of its
+        own: what its test writes stays in that box; see ``guest/forks.py``).
 
         The fork gets new namespaces and empty writable layers, so it is as pristine as a newly
         booted box, at the cost of a fork (namespace runtime).  The box is the one made ahead for
@@ -555,17 +529,18 @@ class RemoteRunner:
         # Failure reports quote only what the box's fork parent logged since this test began: a box
         # made ahead was forked while the test before it ran, whose writes are not this test's.
         self._log_since[handle.name] = handle.log_size()
-        box = self._take_ahead(handle.name, item.nodeid, network)
+        box = None if in_place else self._take_ahead(handle.name, item.nodeid, network)
         if box is None:
-            made = self._send_fork(handle, item.nodeid, network)
+            made = self._send_fork(handle, item.nodeid, network, in_place=in_place)
             if isinstance(made, str):
-                return BoxRun(handle, start, timeout, forked=True, failure=made, duration=0.0)
+                return BoxRun(handle, start, timeout, in_place, failure=made, duration=0.0)
             box = made
         # With shared fixtures the answer comes once they are set up (a slow session fixture's
         # time): the test's own bound, as when its box set them up itself.
-        why = self._resolve(box, timeout if self.share_fixtures else min(timeout, 30.0))
+        shared = self.share_fixtures and not in_place
+        why = self._resolve(box, timeout if shared else min(timeout, 30.0))
         if why is not None:
-            return BoxRun(handle, start, timeout, forked=True, failure=why, duration=0.0)
+            return BoxRun(handle, start, timeout, in_place, failure=why, duration=0.0)
         if box.stream is None:
             try:
                 box.stream = self._accept_fork(
@@ -575,14 +550,14 @@ class RemoteRunner:
                 box.alive = False
                 self._retire(box)
                 self._fork_status(box.worker, msg.KILL, box.child)
-                return BoxRun(handle, start, timeout, forked=True, outcome=Outcome(timed_out=True), cell=box.cell)
+                return BoxRun(handle, start, timeout, in_place, outcome=Outcome(timed_out=True), cell=box.cell)
             if box.stream is None:
                 box.alive = False
                 self._retire(box)
                 died = self._fork_status(box.worker, msg.WAIT, box.child)
-                why = f"the box died before it could run the test: it {describe_status(died, forked=True)}"
+                why = f"the box died before it could run the test: it {describe_status(died, forked=not in_place)}"
                 duration = time.monotonic() - start
-                return BoxRun(handle, start, timeout, forked=True, failure=why, duration=duration, cell=box.cell)
+                return BoxRun(handle, start, timeout, in_place, failure=why, duration=duration, cell=box.cell)
         return self.run_in(box, item, next_nodeid=next_nodeid, timeout=timeout, start=start, ahead=ahead)
 
     def run_in(
@@ -610,7 +585,7 @@ class RemoteRunner:
             self._end_now = False
             self._reap_lingering()  # boxes without cgroups that are done: ended before this test runs
         handle = box.handle
-        run = BoxRun(handle, start, timeout, forked=True, box=box, held=held, cell=box.cell)
+        run = BoxRun(handle, start, timeout, box.in_place, box=box, held=held, cell=box.cell)
         why = self._reach(handle, item, box)
         if why is not None:
             box.alive = False
@@ -648,17 +623,19 @@ class RemoteRunner:
         code: int | None = None
         if run.started and box is not None:
             code = self._settle(box, out, run.start)
-        elif run.started and run.worker is not None:
-            self._settle_channel(run.handle, run.worker, out)
         duration = run.duration if run.duration is not None else time.monotonic() - run.start
         if isinstance(out.hung_up, BoxSpoke):
             how = str(out.hung_up)
         else:
-            how = f"the test process in the box {describe_status(code, forked=True)}"
+            how = f"the test process in the box {describe_status(code, forked=not run.in_place)}"
         finished = run.failure is None and out.error is None and (out.done or out.exit is not None)
         log = None if finished else self._log(run.handle, run.cell)
-        if not run.forked:
+        if run.in_place:
             name = run.handle.name
+            if run.started and not out.done and out.exit is None:
+                # A test that did not finish takes its box with it, as it took the warm
+                # interpreter it ran in before in-place forks: its module's next test gets a new box.
+                self._kill(run.handle)
         elif box is not None and (run.held or box.alive):
             name = box.name
         else:
@@ -673,16 +650,6 @@ class RemoteRunner:
         usage = run.cell.usage() if run.cell is not None and side_effects.usage_count(self.config) else {}
         return Ended(name, duration, run.timeout, run.failure, how, log, still_open, alive, out.exit, usage)
 
-    def _settle_channel(self, handle: BoxHandle, worker: _Worker, out: Outcome) -> None:
-        """A leased box whose test timed out or sent what the host refuses is killed; one whose
-        channel broke is asked how it died (``out.hung_up`` then says so)."""
-        if out.hung_up is not None and worker.frames is not None and worker.frames.refused:
-            out.hung_up, out.spoke = None, worker.frames.refused
-        if out.timed_out or out.spoke:
-            self._kill(handle)
-        elif out.hung_up is not None:
-            out.hung_up = BoxSpoke(self._death_reason(handle, worker, out.hung_up))
-
     def _reach(self, handle: BoxHandle, item: pytest.Item, box: ForkedBox | None = None) -> str | None:
         """Make the services ``item`` uses reachable in its box (``box``, forked from ``handle``'s
         warm interpreter, or ``handle``'s own) at their host addresses, before it runs
@@ -694,7 +661,7 @@ class RemoteRunner:
             where = BoxAccess(handle.name, agent)
         return _first_problem(self.config, where, item, item.nodeid, wide_only=False)
 
-    def _send_fork(self, handle: BoxHandle, nodeid: str, network: bool) -> ForkedBox | str:
+    def _send_fork(self, handle: BoxHandle, nodeid: str, network: bool, *, in_place: bool = False) -> ForkedBox | str:
         """Ask ``handle``'s warm interpreter for a fresh box for ``nodeid``: the box (its pid known
         once :meth:`_resolve` has read the answer; not yet connected, see :meth:`_accept_fork`), or
         why there is none.  The answer is not waited for here: a box made ahead is asked for while
@@ -708,10 +675,13 @@ class RemoteRunner:
         _, fork_socket = self._fork_listener(handle)  # listening before the box can connect
         token = secrets.token_hex(8)
         request = {"nodeid": nodeid, "token": token, "sock": fork_socket, "hostname": name[:63], "network": network}
-        if handle.fork_renews_all:
+        if in_place:
+            request["in_place"] = True  # no namespaces, layers or cell: the box's own, as booted
+        elif handle.fork_renews_all:
             request["renew_all"] = True  # absent otherwise: namespace boxes are forked as they always were
-        request.update(side_effects.fork_fields(self.config))  # the box keeps its layers to list changes
-        if self.share_fixtures:
+        if not in_place:
+            request.update(side_effects.fork_fields(self.config))  # the box keeps its layers to list changes
+        if self.share_fixtures and not in_place:
             request["shared"] = True  # wider fixtures are set up in the warm interpreter (BoxedExecutor)
             # Plugins' fields never replace the request's own (the core's keys win).
             request = {**_service_fields(self.config, nodeid=nodeid, wide_only=True), **request}
@@ -723,7 +693,8 @@ class RemoteRunner:
         try:
             # Cgroups and a stderr of the box's own (namespace runtime): a test that leaves
             # processes, memory or output behind leaves them in its own box, not the next one's.
-            cell = handle.fork_cell(name)
+            # An in-place fork's are its box's, as a booted test's were.
+            cell = None if in_place else handle.fork_cell(name)
         except (OSError, BoxliteError) as exc:
             return f"could not make the box's cgroups and log: {exc}"
         if cell is not None:
@@ -748,6 +719,7 @@ class RemoteRunner:
             token=token,
             network=network,
             cell=cell,
+            in_place=in_place,
         )
         worker.pending.append(box)
         return box
