@@ -30,7 +30,7 @@ from pytest_boxlite.spec import BoxSpec
 from pytest_boxlite.xdist_support import REMOTE_KEY, WorkerBoxServers
 
 if TYPE_CHECKING:
-    from pytest_boxlite.remote import BoxedExecutor, RemoteRunner
+    from pytest_boxlite.remote import BoxedExecutor, ForkedBoxes
 
 _BOX_FIXTURES = frozenset({"boxlite_sandbox", "boxlite_module_sandbox", "boxlite_pool"})
 _PLAN_KEY = pytest.StashKey[BoxPlan]()
@@ -273,7 +273,7 @@ class HostPlugin(_SessionRole, DefaultLifecycle):
         super().__init__(config, session)
         # Made at the first box: a run that boxes nothing (the plugin is installed, the run does
         # not use it) pays neither execnet's import nor the guest sources' reading.
-        self._remote: tuple[RemoteRunner, BoxedExecutor] | None = None
+        self._remote: tuple[ForkedBoxes, BoxedExecutor] | None = None
         self._remote_lock = threading.Lock()
         #: Which of the default specs an unmarked item asked for at collection ("worker", "pool").
         self._wanted_early: set[str] = set()
@@ -294,7 +294,7 @@ class HostPlugin(_SessionRole, DefaultLifecycle):
 
     # Methods, not properties: pytest 8's fixture discovery reads every attribute of a plugin
     # object, which would make them at registration.
-    def _runner(self) -> RemoteRunner:
+    def _runner(self) -> ForkedBoxes:
         """The warm interpreters in this process's boxes (made at first use)."""
         return self._remote_parts()[0]
 
@@ -302,33 +302,34 @@ class HostPlugin(_SessionRole, DefaultLifecycle):
         """Runs boxed items' protocols in boxes (made at first use)."""
         return self._remote_parts()[1]
 
-    def _made(self) -> tuple[RemoteRunner, BoxedExecutor] | None:
+    def _made(self) -> tuple[ForkedBoxes, BoxedExecutor] | None:
         """The runner and executor if they were made (never makes them)."""
         with self._remote_lock:
             return self._remote
 
-    def _remote_parts(self) -> tuple[RemoteRunner, BoxedExecutor]:
+    def _remote_parts(self) -> tuple[ForkedBoxes, BoxedExecutor]:
         # The session's starter thread (after_boot) and the main thread (a boxed item) may come first.
         with self._remote_lock:
             if self._remote is None:
                 if self._remote_closed:
                     raise BoxliteError("the session has ended: no box is started for it any more")
-                from pytest_boxlite.remote import BoxedExecutor, RemoteRunner
+                from pytest_boxlite.remote import BoxedExecutor, ForkedBoxes, WarmInterpreters
 
                 s = self.session.settings
-                runner = RemoteRunner(self.config, boot_timeout=s.boot_timeout, env_deny=s.env_deny)
+                warm = WarmInterpreters(self.config, boot_timeout=s.boot_timeout, env_deny=s.env_deny)
+                runner = ForkedBoxes(warm)
                 self._remote = runner, BoxedExecutor(runner, self.session, plan_of=_plan_of)
             return self._remote
 
     # -- the pool's lifecycle ---------------------------------------------------------------
     def after_boot(self, handle: BoxHandle, spec: BoxSpec) -> None:
         if spec.warm:  # a sandbox's box runs no warm interpreter: it needs no runner
-            self._runner().start_worker(handle, spec)
+            self._runner().warm.start(handle, spec)
 
     def before_destroy(self, handle: BoxHandle) -> None:
         remote = self._made()
         if remote is not None:  # no runner made: no warm interpreter to stop in any box
-            remote[0].stop_worker(handle)
+            remote[0].stop_warm(handle)
 
     def relieve(self, spec: BoxSpec) -> bool:
         remote = self._made()
@@ -513,6 +514,7 @@ class HostPlugin(_SessionRole, DefaultLifecycle):
         if remote is not None:
             runner = remote[0]
             runner.shutdown()
+            runner.warm.shutdown()
             if runner.forks:
                 self.session.report.stats.update(forked=runner.forks, fork_waits=list(runner.fork_waits))
         if self.remote:

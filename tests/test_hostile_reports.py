@@ -339,7 +339,7 @@ def test_execnet_receiver_is_held_back_while_the_host_takes_nothing() -> None:
     each still arrives, in order, once taken."""
     import execnet
 
-    from pytest_boxlite.remote.worker_host import FrameCap
+    from pytest_boxlite.remote.warm import FrameCap
 
     gw = execnet.makegateway("popen")
     try:
@@ -362,7 +362,7 @@ def test_execnet_receiver_is_held_back_while_the_host_takes_nothing() -> None:
 def test_execnet_frame_over_the_cap_is_refused_before_it_is_read() -> None:
     import execnet
 
-    from pytest_boxlite.remote.worker_host import FrameCap
+    from pytest_boxlite.remote.warm import FrameCap
 
     gw = execnet.makegateway("popen")
     try:

@@ -564,9 +564,9 @@ def test_the_guest_modules_share_no_namespace() -> None:
     import inspect
 
     from pytest_boxlite import guest
-    from pytest_boxlite.remote import worker_host
+    from pytest_boxlite.remote import warm
 
-    assert 'self._source = guest.source("bootstrap")' in inspect.getsource(worker_host.RemoteRunner.__init__)
+    assert 'self._source = guest.source("bootstrap")' in inspect.getsource(warm.WarmInterpreters.__init__)
     tree = ast.parse(guest.source("bootstrap"))
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert defined == {"main", "prepare"}

@@ -4,10 +4,12 @@ Each step of a boxed item's run has one owner, and the executor calls each once,
 
 - :mod:`.executor`: which box runs an item (per test forked, per test leased, per module); it
   drives lease -> start the run -> drain -> end the box -> report -> log (:class:`BoxedExecutor`).
-- :mod:`.worker_host`: starting warm interpreters over execnet, starting a run in one or in a fork
-  of one, and ending it: killing, reaping and how its process ended (:class:`RemoteRunner`).
-- :mod:`.transport`: the two message streams (execnet channel, forked box's socket) and the one
-  loop that reads either, defensively and within its bounds (``drain``).
+- :mod:`.warm`: the warm interpreters in boxes, started over execnet at boot, whose channel carries
+  control messages only (:class:`WarmInterpreters`).
+- :mod:`.worker_host`: starting a run in a fork of one (fresh or in place), and ending it:
+  killing, reaping and how its process ended (:class:`ForkedBoxes`).
+- :mod:`.transport`: the forked box's message stream (its socket) and the loop that reads it,
+  defensively and within its bounds (``drain``).
 - :mod:`.reports`: the reports the host makes itself from what the drain and the end found
   (``finish``).
 
@@ -17,6 +19,7 @@ The guest end is :mod:`pytest_boxlite.guest.worker`; the vocabulary is :mod:`pyt
 from __future__ import annotations
 
 from pytest_boxlite.remote.executor import BoxedExecutor
-from pytest_boxlite.remote.worker_host import RemoteRunner, guest_args, worker_mounts
+from pytest_boxlite.remote.warm import WarmInterpreters, guest_args, worker_mounts
+from pytest_boxlite.remote.worker_host import ForkedBoxes
 
-__all__ = ["BoxedExecutor", "RemoteRunner", "guest_args", "worker_mounts"]
+__all__ = ["BoxedExecutor", "ForkedBoxes", "WarmInterpreters", "guest_args", "worker_mounts"]

@@ -5,11 +5,11 @@ owns it, which returns here without calling another step's module (``tests/test_
 measures that order):
 
 1. lease: the box (or warm interpreter) from the pool (:meth:`BoxedExecutor._lease`);
-2. fork and send RUN: :class:`~.worker_host.RemoteRunner` (``fork``, ``run_in``): a fresh fork
+2. fork and send RUN: :class:`~.worker_host.ForkedBoxes` (``fork``, ``run_in``): a fresh fork
    of a warm interpreter, or an in-place fork of a booted box's (``--boxlite-fresh=boot``,
    ``--boxlite-keep``, a kernel that refuses fresh forks);
 3. drain: :func:`.transport.drain` reads the test's messages, within every bound on them;
-4. end: ``RemoteRunner.end`` kills or reaps the box and reads how it ended and its log;
+4. end: ``ForkedBoxes.end`` kills or reaps the box and reads how it ended and its log;
 5. report: :func:`.reports.finish` makes the complete reports, which are logged here (the shared
    fixtures a warm interpreter set up are torn down at the last test that can use them).
 """
@@ -29,7 +29,7 @@ from pytest_boxlite.lookahead import Ahead, LookAhead, RunOrder, Step, early_run
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.remote import reports, transport
 from pytest_boxlite.remote.transport import BoxSpoke
-from pytest_boxlite.remote.worker_host import BoxRun, Ended, ForkedBox, RemoteRunner
+from pytest_boxlite.remote.worker_host import BoxRun, Ended, ForkedBox, ForkedBoxes
 from pytest_boxlite.spec import BoxSpec
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class BoxedExecutor:
     KEEP_PROPERTY = "boxlite_box"
 
     def __init__(
-        self, runner: RemoteRunner, session: BoxliteSession, plan_of: Callable[[pytest.Item], BoxPlan | None]
+        self, runner: ForkedBoxes, session: BoxliteSession, plan_of: Callable[[pytest.Item], BoxPlan | None]
     ) -> None:
         self.config = runner.config
         self.runner = runner
@@ -203,7 +203,7 @@ class BoxedExecutor:
     def _fork_refused(self, plan: BoxPlan, lease: Lease) -> bool:
         """Whether the warm interpreter's kernel refused the fresh box's namespaces (a VM kernel
         without user namespaces): then the session boots a box per test from now on, saying so once."""
-        why = self.runner.fork_problems.get(lease.handle.name)
+        why = self.runner.warm.fork_problems.get(lease.handle.name)
         if why is None:
             return False
         self.session.refuse_fork(why)
@@ -392,7 +392,7 @@ class BoxedExecutor:
             except (BoxliteError, BoxSpoke) as exc:
                 rep = reports.make_report(item, "teardown", "failed", f"shared fixtures' teardown: {exc}", None, 0.0)
                 self._shared.pop(name, None)
-                if name not in self.runner.live_workers():
+                if name not in self.runner.warm.live():
                     # Its warm interpreter is gone: the next test gets a new one, not this dead box.
                     for spec, lease in list(self._warm_interpreters.items()):
                         if lease is shared.lease:
@@ -451,7 +451,7 @@ class _HeldLease:
     lease: Lease
     #: A test in it failed (with ``--boxlite-keep`` the box outlives the run).
     failed: bool = False
-    #: The in-place fork that runs the module's tests, open for the next one (see ``RemoteRunner.end``).
+    #: The in-place fork that runs the module's tests, open for the next one (see ``ForkedBoxes.end``).
     box: ForkedBox | None = None
 
     def holds(self, module: str, spec: BoxSpec) -> bool:

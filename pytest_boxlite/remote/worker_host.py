@@ -1,17 +1,16 @@
-"""Warm pytest interpreters in boxes, hosted over execnet, and the two ways to run an item in one.
+"""The boxes forked from warm interpreters, and the one way to run an item: in a fork.
 
-Each box made for boxed tests gets a warm interpreter at boot: an execnet gateway through the
-runtime's stdio bridge, running :mod:`pytest_boxlite.guest.worker`, which configures pytest from
-the host's own command line and collects the session once.  A test then costs one request on that
-channel (:meth:`RemoteRunner.run_item`), or one fork of that interpreter into a fresh box
-(:meth:`RemoteRunner.fork`, on runtimes that can fork).
+Every boxed test runs in a fork of its box's warm interpreter (:mod:`.warm`), of one of two kinds:
+fresh (new namespaces and layers, the default; forked ahead of its turn) or in place (a plain
+fork in the warm interpreter's own box: ``--boxlite-fresh=boot``, ``--boxlite-keep``, a kernel
+that refuses fresh forks).  Either connects to the host's socket and runs each ``RUN`` sent there.
 
-This module owns the boxes' side of an item's run, and only that: those calls start the run (the
-box made or found, RUN sent) and hand the executor a :class:`BoxRun`; the executor has
-:func:`pytest_boxlite.remote.transport.drain` read the test's messages, then
-:meth:`RemoteRunner.end` ends the box (killed or reaped, its exit and its log read: an
-:class:`Ended`), and :func:`pytest_boxlite.remote.reports.finish` makes the reports.  Nothing here
-reads a test's messages (but a forked box's TOKEN, as it connects) or makes a report.
+This module owns the boxes' side of an item's run, and only that: :meth:`ForkedBoxes.fork` and
+:meth:`~ForkedBoxes.run_in` start the run (the box made or found, RUN sent) and hand the executor
+a :class:`BoxRun`; the executor has :func:`pytest_boxlite.remote.transport.drain` read the test's
+messages, then :meth:`ForkedBoxes.end` ends the box (killed or reaped, its exit and its log read:
+an :class:`Ended`), and :func:`pytest_boxlite.remote.reports.finish` makes the reports.  Nothing
+here reads a test's messages (but a forked box's TOKEN, as it connects) or makes a report.
 """
 
 from __future__ import annotations
@@ -19,32 +18,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import secrets
-import shlex
-import signal
 import socket
-import sys
-import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Container, Sequence
-from pathlib import Path
 from typing import Any
 
 import execnet
 import pytest
 
-from pytest_boxlite import guest, side_effects
+from pytest_boxlite import side_effects
 from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.guest import messages as msg
 from pytest_boxlite.hooks import BoxAccess
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.remote.transport import BoxSpoke, ForkStream, Outcome, Stream
+from pytest_boxlite.remote.warm import OOM, WarmInterpreter, WarmInterpreters, describe_status
 from pytest_boxlite.runtimes.base import BoxHandle, ForkCell
-from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, minimal_dirs, worker_env
 
 #: At most this many pids of one FORKED's list of ended boxes are read (one per box made since
 #: the last FORK is what an honest warm interpreter sends).
@@ -54,7 +46,6 @@ FORK_GRACE = 2.0
 #: Boxes made ahead per warm interpreter, at most: two keep a box being made at every moment of a
 #: run of trivial tests (making one takes longer than such a test), more only hold memory.
 AHEAD_MAX = 2
-_OOM = "the test process in the box was killed by the kernel's OOM killer (the box's memory cap)"
 
 
 @dataclasses.dataclass
@@ -63,7 +54,7 @@ class ForkedBox:
 
     name: str
     handle: BoxHandle  # the fork parent's box
-    worker: _Worker
+    worker: WarmInterpreter
     child: int
     stream: ForkStream | None  # None until the box has connected and shown its token
     oom_before: int
@@ -72,7 +63,7 @@ class ForkedBox:
     token: str = ""
     network: bool = False
     #: Why there is no box after all (the warm interpreter's answer to the FORK); ``child`` is -1
-    #: until that answer is read (see ``RemoteRunner._sync``).
+    #: until that answer is read (see ``ForkedBoxes._sync``).
     error: str | None = None
     #: The box's own cgroups and stderr, where the runtime gives it some (``fork_cell``).
     cell: ForkCell | None = None
@@ -81,80 +72,11 @@ class ForkedBox:
     in_place: bool = False
 
 
-class FrameCap:
-    """Refuses an execnet frame longer than :data:`messages.LINE_CAP` before its payload is read,
-    and holds back the gateway's receiver while the host has not taken what it already read.
-
-    execnet reads a frame as ``io.read(9)`` (type, channel, length) and then ``io.read(length)``
-    with the length the sender wrote: wrapping the gateway's ``io.read`` sees that length first.
-    A frame over the cap ends the gateway (its receiver thread stops on the error) and
-    :attr:`refused` says why, for the report of the test that was running.
-
-    execnet's receiver thread reads on its own and queues what it read on the channel for
-    ``receive``: a box that writes faster than the host takes its messages would have the host
-    hold all of it.  Once :meth:`watch` names the channel, the receiver reads on only while fewer
-    than :data:`QUEUED_CAP` messages wait there (the box then waits, as a forked box's socket
-    makes it), so the host holds at most that many frames of at most ``cap`` bytes each.
-    """
-
-    #: Messages read but not yet taken by the host, at most (each at most ``cap`` bytes).
-    QUEUED_CAP = 4
-
-    def __init__(self, gateway: Any, cap: int = msg.LINE_CAP) -> None:
-        io: Any = getattr(gateway, "_io", None)
-        read = getattr(io, "read", None)
-        if read is None:  # an execnet whose gateway keeps its io elsewhere: not run unbounded
-            raise BoxliteError(f"execnet {execnet.__version__}: the gateway's io has no read() to bound")
-        self.cap = cap
-        self.refused: str | None = None
-        self._read = read
-        self._channel: Any = None
-        self._queue: Any = None
-        self._released = threading.Event()
-        io.read = self.read  # the receiver thread looks read() up on the io for every call
-
-    def watch(self, channel: Any) -> None:
-        """Hold the receiver back while ``channel`` has :data:`QUEUED_CAP` messages not taken."""
-        queue = getattr(channel, "_items", None)  # execnet's queue of what receive() hands out
-        if queue is None or not callable(getattr(queue, "qsize", None)):
-            raise BoxliteError(f"execnet {execnet.__version__}: the channel's queue cannot be bounded")
-        self._channel, self._queue = channel, queue
-
-    def release(self) -> None:
-        """The host is done with the gateway: the receiver reads on (to its end) without waiting."""
-        self._released.set()
-
-    def read(self, numbytes: int) -> bytes:
-        queue, channel = self._queue, self._channel
-        while queue is not None and queue.qsize() >= self.QUEUED_CAP:
-            if self._released.wait(0.005) or channel.isclosed():
-                break
-        if numbytes > self.cap:
-            self.refused = (
-                f"a frame of {numbytes} bytes on the execnet channel, over the cap of {self.cap} bytes "
-                "(refused before it was read)"
-            )
-            raise EOFError(self.refused)
-        return bytes(self._read(numbytes))
-
-
-@dataclasses.dataclass
-class _Worker:
-    gateway: Any
-    channel: Any
-    pid: int
-    status_file: Path
-    frames: FrameCap | None = None
-    #: Boxes asked for whose FORKED answer is still on the channel, oldest first: the answers come
-    #: in order, and every other request on the channel reads them first.
-    pending: list[ForkedBox] = dataclasses.field(default_factory=list)
-
-
 @dataclasses.dataclass
 class BoxRun:
-    """One item's run in a forked box as the runner started it (:meth:`RemoteRunner.fork`,
-    :meth:`~RemoteRunner.run_in`): the executor drains ``stream`` (if any) into ``outcome``, then
-    has :meth:`RemoteRunner.end` end it."""
+    """One item's run in a forked box as the runner started it (:meth:`ForkedBoxes.fork`,
+    :meth:`~ForkedBoxes.run_in`): the executor drains ``stream`` (if any) into ``outcome``, then
+    has :meth:`ForkedBoxes.end` end it."""
 
     handle: BoxHandle  # the forked box's warm interpreter's box
     start: float
@@ -168,7 +90,7 @@ class BoxRun:
     #: further, what stands for it (a box that never connected: a timeout; a RUN that could not be
     #: sent: the broken connection).
     outcome: Outcome = dataclasses.field(default_factory=Outcome)
-    #: Whether RUN was sent (or its sending failed): :meth:`RemoteRunner.end` settles the box then.
+    #: Whether RUN was sent (or its sending failed): :meth:`ForkedBoxes.end` settles the box then.
     started: bool = False
     box: ForkedBox | None = None  # the forked box the test was sent to
     held: bool = False  # that box was forked for an earlier test of its module (module scope)
@@ -180,7 +102,7 @@ class BoxRun:
 
 @dataclasses.dataclass
 class Ended:
-    """What is left of a run once :meth:`RemoteRunner.end` has ended its box, for its reports."""
+    """What is left of a run once :meth:`ForkedBoxes.end` has ended its box, for its reports."""
 
     #: The box that ran the test (the ``boxlite_box`` property of its teardown report).
     name: str
@@ -202,37 +124,6 @@ class Ended:
     usage: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-def describe_status(code: int | None, *, forked: bool = False) -> str:
-    """'exited with status 3' / 'was killed by SIGSEGV'.
-
-    A forked box's init exits with 128+N when the test process dies by signal N (pid 1 of a pid
-    namespace cannot die by its own signal), so for forks such codes name the signal.
-    """
-    if code is None:
-        return "died"
-    if forked and 128 < code <= 128 + 64:
-        code = 128 - code
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
-def how_it_died(status_file: Path, wait: float = 2.0) -> str:
-    """How a warm interpreter ended, read from the attach bridge's status file (bounded wait)."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            with open(status_file, "rb") as fh:  # written by our host-side bridge, not the guest
-                return describe_status(int(fh.read(32).strip()))
-        except (OSError, ValueError):
-            if time.monotonic() > deadline:
-                return describe_status(None)
-            time.sleep(0.02)
-
-
 def _left(start: float, timeout: float) -> float:
     """The seconds left of a test's bound, for the box to send its last words when they pass."""
     return max(0.0, start + timeout - time.monotonic())
@@ -241,76 +132,6 @@ def _left(start: float, timeout: float) -> float:
 def escape_controls(text: str) -> str:
     """``text`` with every character that could act on a terminal escaped (:func:`_shown.shown`)."""
     return shown(text)
-
-
-def guest_args(config: pytest.Config) -> list[str]:
-    """The box's ``pytest.main`` arguments: the host's own command line, as pytest-xdist hands it on.
-
-    Every option (pytest's, other plugins', the project's conftest options) then means in the box
-    what it means on the host; the box resets what only the host does (``guest/worker.py``).
-
-    The host's rootdir goes with them (unless the command line names one): pytest finds it from
-    the command line's existing paths before any plugin's options are known, so the value of
-    ``--boxlite-home /some/dir`` counts as one of them on the host, where that directory exists,
-    and not in the box, where it does not: the two would name the tests differently.
-    """
-    args = [str(a) for a in config.invocation_params.args]
-    if not any(a == "--rootdir" or a.startswith("--rootdir=") for a in args):
-        # Before a "--", after which every argument is a path.
-        end = args.index("--") if "--" in args else len(args)
-        args.insert(end, f"--rootdir={config.rootpath}")
-    return args
-
-
-def worker_mounts(config: pytest.Config) -> tuple[str, ...]:
-    """Host directories a test worker needs at the same paths: the project, ``sys.path``, this
-    plugin's own directory and the source trees of editable installs (which are on no path)."""
-    paths = [str(config.rootpath), str(config.invocation_params.dir), *sys.path]
-    paths.append(str(Path(__file__).resolve().parents[2]))
-    paths += _editable_roots()
-    return minimal_dirs(p for p in paths if p)
-
-
-def _editable_roots() -> list[str]:
-    """Source directories of installed editable distributions (PEP 610 ``direct_url.json``)."""
-    import importlib.metadata
-    import json
-    from urllib.parse import unquote, urlparse
-
-    roots = []
-    for dist in importlib.metadata.distributions():
-        try:
-            info = json.loads(dist.read_text("direct_url.json") or "{}")
-        except ValueError:
-            continue
-        url = info.get("url", "") if isinstance(info, dict) else ""
-        if info.get("dir_info", {}).get("editable") and url.startswith("file://"):
-            path = unquote(urlparse(url).path)
-            if os.path.isdir(path):
-                roots.append(path)
-    return roots
-
-
-#: Options whose value the host resolves at random when not given (the box must use the same).
-RESOLVED_OPTIONS = ("randomly_seed",)
-
-
-def resolved_options(config: pytest.Config) -> dict[str, object]:
-    """The host's final value of each :data:`RESOLVED_OPTIONS` entry its plugins define."""
-    out: dict[str, object] = {}
-    for name in RESOLVED_OPTIONS:
-        value = getattr(config.option, name, None)
-        if isinstance(value, (int, str)) and not isinstance(value, bool):
-            out[name] = value
-    return out
-
-
-def xdist_identity(config: pytest.Config) -> dict[str, str] | None:
-    """Which xdist worker this host is (for the box's ``worker_id`` fixture), if it is one."""
-    workerinput = getattr(config, "workerinput", None)
-    if not workerinput:
-        return None
-    return {"workerid": str(workerinput.get("workerid", "")), "testrunuid": str(workerinput.get("testrunuid", ""))}
 
 
 def _service_fields(
@@ -340,34 +161,23 @@ def _first_problem(
     return None
 
 
-def startup_env(env: dict[str, str]) -> list[str]:
-    """``NAME=value`` for the variables Python reads at start-up: they must be set before it starts."""
-    return [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("PYTHON")]
+class ForkedBoxes:
+    """The boxes forked from warm interpreters (:class:`~.warm.WarmInterpreters`), fresh or in
+    place, and their bookkeeping: forked ahead, lingering, their cells, the answers owed."""
 
-
-class RemoteRunner:
-    """Starts warm interpreters in boxes and runs items in them."""
-
-    def __init__(
-        self, config: pytest.Config, boot_timeout: float, env_deny: tuple[str, ...] = DEFAULT_ENV_DENY
-    ) -> None:
-        self.config = config
-        self.boot_timeout = boot_timeout
-        #: Host variables boxed tests do not see (--boxlite-env-deny).
-        self.env_deny = env_deny
-        self.group = execnet.Group()
-        self._workers: dict[str, _Worker] = {}
+    def __init__(self, warm: WarmInterpreters) -> None:
+        self.warm = warm
+        self.config = warm.config
         self._lock = threading.Lock()
-        # A few lines that put the host's sys.path in place and import the guest from the plugin's
-        # directory, which the box sees: one remote_exec (as pytest-xdist ships its remote.py).
-        self._source = guest.source("bootstrap")
-        self._args = guest_args(config)
         #: Per fork parent: the socket its forks connect to, and that socket's path in the box.
         self._listeners: dict[str, tuple[socket.socket, str]] = {}
         self._log_since: dict[str, int] = {}
         self._seq = 0  # every run's number: its messages carry it (see transport.drain)
-        #: Forked boxes that said DONE but may not have exited yet: (worker, pid, kill-after).
-        self._lingering: list[tuple[_Worker, int, float]] = []
+        #: Per warm interpreter: the boxes asked for whose FORKED answer is still on its channel,
+        #: oldest first (the answers come in order, and every other request reads them first).
+        self._pending: dict[WarmInterpreter, list[ForkedBox]] = {}
+        #: Forked boxes that said DONE but may not have exited yet: (warm interpreter, pid, kill-after).
+        self._lingering: list[tuple[WarmInterpreter, int, float]] = []
         #: Cells of boxes that are done: killed at once, their cgroups removed once empty.
         self._done_cells: list[ForkCell] = []
         #: A box without cgroups is done: it is ended before the next test runs (see ``close``).
@@ -377,110 +187,23 @@ class RemoteRunner:
         #: Boxes forked from warm interpreters, and how long each took beyond the test's own phases.
         self.forks = 0
         self.fork_waits: list[float] = []
-        #: Why a box's warm interpreter cannot fork fresh boxes (its kernel refuses the namespaces).
-        self.fork_problems: dict[str, str] = {}
         #: Forks inherit the fixtures wider than a function's from their warm interpreter, which
         #: sets them up (``--boxlite-scope=test``; see ``teardown_shared``).
         self.share_fixtures = False
-        #: Every live gateway's frame bound, released at shutdown (a receiver held back by a box's
-        #: unread messages must still reach the end of its stream); weak: a gone gateway's goes.
-        self._frame_caps: weakref.WeakSet[FrameCap] = weakref.WeakSet()
-        self._status_tmp = tempfile.TemporaryDirectory(prefix="boxlite-status-")
-        self.status_dir = Path(self._status_tmp.name)
 
-    # -- lifecycle ------------------------------------------------------------------------
-    def start_worker(self, handle: BoxHandle, spec: BoxSpec) -> None:
-        """Start pytest inside a fresh ``worker`` box and wait until it has collected the session."""
-        if not spec.warm:
-            return
-        cwd = str(self.config.invocation_params.dir)
-        status_file = self.status_dir / f"{handle.name}.status"
-        env = worker_env(spec, self.env_deny)
-        argv = handle.attach_argv(
-            ["env", *startup_env(env), handle.guest_python], cwd=cwd, status_file=str(status_file)
-        )
-        spec_str = "execmodel=main_thread_only//popen//python=" + shlex.join(argv)
-        gw = self._make_gateway(spec_str, handle)
-        try:
-            # Bounded before the box's code runs: it sends nothing until remote_exec starts it.
-            frames = FrameCap(gw)
-            self._frame_caps.add(frames)
-            channel = gw.remote_exec(self._source)
-            frames.watch(channel)
-            channel.send(
-                {
-                    "args": self._args,
-                    "cwd": cwd,
-                    "sys_path": list(sys.path),
-                    "env": env,
-                    "resolved": resolved_options(self.config),
-                    "prefix": sys.prefix,
-                    "xdist": xdist_identity(self.config),
-                    # A VM's kernel is not the host's: whether it can make a forked box's
-                    # namespaces is asked once, at start (the host's own was checked already).
-                    "probe_fork": handle.fork_renews_all,
-                }
-            )
-            # Collection of the whole session happens before READY: bounded by the boot timeout.
-            name, fields = channel.receive(self.boot_timeout)
-            if name != msg.READY or not isinstance(fields, dict) or not isinstance(fields.get("pid"), int):
-                raise BoxliteError(f"unexpected first message from the worker in {handle.name}: {name!r}")
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                gw.exit()
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            tail = handle.log_tail()
-            raise BoxliteError(f"pytest did not start inside box {handle.name}: {exc}\n{tail}".rstrip()) from exc
-        problem = fields.get("fork_problem")
-        with self._lock:
-            self._workers[handle.name] = _Worker(gw, channel, fields["pid"], status_file, frames)
-            if problem is not None:
-                self.fork_problems[handle.name] = str(problem)[:500]  # the box's word: shown, capped
-
-    def _make_gateway(self, spec_str: str, handle: BoxHandle) -> Any:
-        """``makegateway``, bounded by the boot timeout (execnet's own call has no timeout)."""
-        made: dict[str, Any] = {}
-
-        def make() -> None:
-            try:
-                made["gateway"] = self.group.makegateway(spec_str)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                made["error"] = exc
-
-        thread = threading.Thread(target=make, name=f"boxlite-gateway-{handle.name}", daemon=True)
-        thread.start()
-        thread.join(self.boot_timeout)
-        if thread.is_alive():
-            # Ending the box ends its bridge, which lets makegateway fail instead of hanging on.
-            with contextlib.suppress(Exception):
-                handle.destroy()
-            thread.join(5.0)
-            raise BoxliteError(f"box {handle.name}: no interpreter answered within {self.boot_timeout:.0f}s")
-        if "error" in made:
-            raise made["error"]
-        return made["gateway"]
-
-    def stop_worker(self, handle: BoxHandle) -> None:
-        """Drop the gateway; the box is killed right after (with any box forked ahead in it)."""
+    # -- a warm interpreter's forks ------------------------------------------------------------
+    def stop_warm(self, handle: BoxHandle) -> None:
+        """Stop ``handle``'s warm interpreter; the box is killed right after (with any box forked
+        ahead in it)."""
         self._forget_ahead(handle.name)
         with self._lock:
-            w = self._workers.pop(handle.name, None)
             listener = self._listeners.pop(handle.name, None)
         if listener is not None:
             listener[0].close()
-        if w is not None:
-            if w.frames is not None:
-                w.frames.release()
-            with contextlib.suppress(Exception):
-                w.gateway.exit()
-
-    def live_workers(self) -> set[str]:
-        """Names of boxes whose worker is still usable."""
-        with self._lock:
-            return set(self._workers)
+        self.warm.stop(handle)
 
     def shutdown(self) -> None:
+        """End every forked box still open and remove the cells of those that are done."""
         for parent in list(self._ahead):
             self._drop_ahead(parent)
         with contextlib.suppress(Exception):
@@ -490,13 +213,8 @@ class RemoteRunner:
             cell.remove()
         with self._lock:
             listeners, self._listeners = list(self._listeners.values()), {}
-        for sock, _ in listeners:  # boxes that ended without passing through stop_worker
+        for sock, _ in listeners:  # boxes that ended without passing through stop_warm
             sock.close()
-        for frames in list(self._frame_caps):
-            frames.release()
-        with contextlib.suppress(Exception):
-            self.group.terminate(timeout=5.0)
-        self._status_tmp.cleanup()
 
     # -- running --------------------------------------------------------------------------
     def fork(
@@ -635,7 +353,7 @@ class RemoteRunner:
             if run.started and not out.done and out.exit is None:
                 # A test that did not finish takes its box with it, as it took the warm
                 # interpreter it ran in before in-place forks: its module's next test gets a new box.
-                self._kill(run.handle)
+                self._kill_box(run.handle)
         elif box is not None and (run.held or box.alive):
             name = box.name
         else:
@@ -646,7 +364,7 @@ class RemoteRunner:
                 self.close(box)
             else:
                 still_open = box
-        alive = run.handle.name in self.live_workers()
+        alive = run.handle.name in self.warm.live()
         usage = run.cell.usage() if run.cell is not None and side_effects.usage_count(self.config) else {}
         return Ended(name, duration, run.timeout, run.failure, how, log, still_open, alive, out.exit, usage)
 
@@ -666,8 +384,7 @@ class RemoteRunner:
         once :meth:`_resolve` has read the answer; not yet connected, see :meth:`_accept_fork`), or
         why there is none.  The answer is not waited for here: a box made ahead is asked for while
         a test runs, and the host then reads that test's reports, not the warm interpreter's clone."""
-        with self._lock:
-            worker = self._workers.get(handle.name)
+        worker = self.warm.get(handle.name)
         self.forks += 1
         name = f"{handle.name}.{self.forks}"
         if worker is None:
@@ -705,7 +422,7 @@ class RemoteRunner:
             if cell is not None:
                 cell.abandon()
                 self._done_cells.append(cell)
-            return self._death_reason(handle, worker, exc)
+            return self.warm.death_reason(handle, worker, exc)
         if cell is not None:
             cell.deal(10.0)  # a cell that could not be handed over: the guest refuses the fork, saying so
         box = ForkedBox(
@@ -721,7 +438,7 @@ class RemoteRunner:
             cell=cell,
             in_place=in_place,
         )
-        worker.pending.append(box)
+        self._pending.setdefault(worker, []).append(box)
         return box
 
     def _resolve(self, box: ForkedBox, timeout: float) -> str | None:
@@ -731,20 +448,21 @@ class RemoteRunner:
             self._sync(box.worker, timeout)
         return box.error
 
-    def _sync(self, worker: _Worker, timeout: float) -> None:
+    def _sync(self, worker: WarmInterpreter, timeout: float) -> None:
         """Read every FORKED answer ``worker`` still owes, in order (each within ``timeout``)."""
-        if not worker.pending:
+        pending = self._pending.get(worker)
+        if not pending:
             return  # also ends the recursion through _reap_lingering -> _fork_status
         ended: set[object] = set()
-        while worker.pending:
-            box = worker.pending.pop(0)
+        while pending:
+            box = pending.pop(0)
             try:
                 kind, fields = worker.channel.receive(timeout)
             except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError) as exc:
-                why = self._death_reason(box.handle, worker, exc)
-                for lost in (box, *worker.pending):
+                why = self.warm.death_reason(box.handle, worker, exc)
+                for lost in (box, *pending):
                     lost.error = why
-                worker.pending.clear()
+                pending.clear()
                 break
             if kind != msg.FORKED or not isinstance(fields, dict) or not isinstance(fields.get("pid"), int):
                 text = fields.get("text", kind) if isinstance(fields, dict) else kind
@@ -839,7 +557,7 @@ class RemoteRunner:
             box.alive = False
             code = self._fork_status(box.worker, msg.WAIT, box.child)
             if box.handle.oom_kills() > box.oom_before or (box.cell is not None and box.cell.oom_kills() > 0):
-                out.hung_up = BoxSpoke(_OOM + side_effects.memory_text(box.cell.usage() if box.cell else {}))
+                out.hung_up = BoxSpoke(OOM + side_effects.memory_text(box.cell.usage() if box.cell else {}))
         if out.done and not out.paused:
             # A test that sat at the debugger's prompt tells nothing of the box's overhead.
             self.fork_waits.append(time.monotonic() - start - sum(r.duration for r in out.reports))
@@ -851,7 +569,7 @@ class RemoteRunner:
         return code
 
     def _accept_fork(
-        self, worker: _Worker, listener: socket.socket, token: str, child: int, deadline: float, parent: str
+        self, worker: WarmInterpreter, listener: socket.socket, token: str, child: int, deadline: float, parent: str
     ) -> ForkStream | None:
         """The forked box's connection, which presents ``token``; ``None`` if the box died first.
 
@@ -884,14 +602,14 @@ class RemoteRunner:
                 continue
             conn.close()  # a stale connection (from an earlier box that timed out): drop it
 
-    def _end_fork(self, worker: _Worker, child: int, grace: float = FORK_GRACE) -> None:
+    def _end_fork(self, worker: WarmInterpreter, child: int, grace: float = FORK_GRACE) -> None:
         """A forked box that said DONE must end; it is checked off the test's path (next fork, or
         shutdown), and one that lingers past :data:`FORK_GRACE` (a test that goes on after its
         report) is killed, so nothing outlives its test by more than that."""
         self._lingering.append((worker, child, time.monotonic() + grace))
 
     def _reap_lingering(
-        self, worker: _Worker | None = None, ended: Container[object] = (), *, final: bool = False
+        self, worker: WarmInterpreter | None = None, ended: Container[object] = (), *, final: bool = False
     ) -> None:
         """Forget forked boxes that have ended; kill those past their grace (all, at the end).
 
@@ -916,8 +634,7 @@ class RemoteRunner:
         nodes not in ``keep`` (node ids), as at ``nodeid``'s teardown: the box's serialized
         report of that teardown (untrusted), ``None`` if nothing was torn down; raises
         :class:`BoxliteError` if the warm interpreter did not answer."""
-        with self._lock:
-            worker = self._workers.get(handle.name)
+        worker = self.warm.get(handle.name)
         if worker is None:
             return None  # no warm interpreter left: what it had set up went with it
         self._sync(worker, 10.0)  # answers owed to earlier FORKs come first on the channel
@@ -925,13 +642,13 @@ class RemoteRunner:
             worker.channel.send((msg.TEARDOWN_SHARED, {"keep": keep, "nodeid": nodeid}))
             kind, fields = worker.channel.receive(timeout)
         except (EOFError, OSError, execnet.RemoteError, execnet.TimeoutError, ValueError, TypeError) as exc:
-            raise BoxliteError(self._death_reason(handle, worker, exc)) from None
+            raise BoxliteError(self.warm.death_reason(handle, worker, exc)) from None
         if kind != msg.SHARED_TORN_DOWN or not isinstance(fields, dict):
             answer = str(kind)[:100]
             raise BoxliteError(f"the warm interpreter of box {handle.name} answered {answer!r} to TEARDOWN_SHARED")
         return fields.get("report")
 
-    def _fork_status(self, worker: _Worker, name: str, pid: int) -> int | None:
+    def _fork_status(self, worker: WarmInterpreter, name: str, pid: int) -> int | None:
         self._sync(worker, 10.0)  # answers owed to earlier FORKs come first on the channel
         try:
             worker.channel.send((name, {"pid": pid}))
@@ -949,29 +666,14 @@ class RemoteRunner:
                 known = self._listeners[handle.name] = handle.fork_listener()
             return known
 
-    def _kill(self, handle: BoxHandle) -> None:
-        self._forget_ahead(handle.name)  # they die with the box
+    def _kill_box(self, handle: BoxHandle) -> None:
+        """Destroy ``handle``'s box now (its boxes made ahead die with it)."""
+        self._forget_ahead(handle.name)
         with self._lock:
-            w = self._workers.pop(handle.name, None)
             listener = self._listeners.pop(handle.name, None)
         if listener is not None:
             listener[0].close()
-        with contextlib.suppress(Exception):
-            handle.destroy()
-        if w is not None:
-            if w.frames is not None:
-                w.frames.release()
-            with contextlib.suppress(Exception):
-                w.channel.close()
-
-    def _death_reason(self, handle: BoxHandle, worker: _Worker, exc: BaseException) -> str:
-        with self._lock:
-            self._workers.pop(handle.name, None)
-        if handle.oom_kills() > 0:
-            return _OOM
-        how = how_it_died(worker.status_file)
-        gone = "" if handle.alive(timeout=1.0) else "; the box itself is gone"
-        return f"the test process in the box {how}{gone} (channel: {type(exc).__name__}: {str(exc)[:500]})"
+        self.warm.kill(handle)
 
     def _log(self, handle: BoxHandle, cell: ForkCell | None = None) -> tuple[str, str] | None:
         """The box log's tail as a report section: only what was logged since this test began
