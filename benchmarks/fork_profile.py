@@ -10,7 +10,7 @@ CLOCK_MONOTONIC) at fixed points:
   the FORK round trip for the next test's box (``_fork_ahead``), the box's messages drained, the
   reports settled, ``logreport``, ``logfinish``;
 * in the box: the code the host sends to the box's interpreter is extended (only in this run: the
-  conftest wraps ``RemoteRunner.__init__``) with wrappers around ``clone_box`` (which also numbers
+  conftest wraps ``WarmInterpreters.__init__``) with wrappers around ``clone_box`` (which also numbers
   the boxes, so every stamp says which box it is from), ``os.fork``, the fresh box's steps and the
   guest's runtest protocol; the warm interpreter's ``RUSAGE_CHILDREN`` at each clone gives the CPU
   of the boxes it has reaped.  Each stamp also carries the process's own CPU time and page faults
@@ -225,10 +225,11 @@ def mark(label, nodeid=None):
 
 if not GUEST:
     from pytest_boxlite.remote import transport as tp
+    from pytest_boxlite.remote import warm as wm
     from pytest_boxlite.remote import worker_host as wh
 
     PROBE = os.environ["PBXPROF_GUEST_PROBE"]
-    _init = wh.RemoteRunner.__init__
+    _init = wm.WarmInterpreters.__init__
 
     def __init__(self, *a, **k):
         _init(self, *a, **k)
@@ -236,7 +237,7 @@ if not GUEST:
         assert self._source.count(tail) == 1, "the guest source changed: update benchmarks/fork_profile.py"
         self._source = self._source.replace(tail, open(PROBE).read() + "\n" + tail)
 
-    wh.RemoteRunner.__init__ = __init__
+    wm.WarmInterpreters.__init__ = __init__
 
     def wrap(owner, name, label):
         inner = getattr(owner, name)
@@ -259,16 +260,16 @@ if not GUEST:
         ("_fork_ahead", "host.ahead"),
         ("end", "host.end"),
     ):
-        wrap(wh.RemoteRunner, _name, _label)
+        wrap(wh.ForkedBoxes, _name, _label)
     # The executor calls the drain on the transport module (one owner per step), so it is wrapped there.
     wrap(tp, "drain", "host.drain")
-    _fork = wh.RemoteRunner.fork
+    _fork = wh.ForkedBoxes.fork
 
     def fork(self, item, lease, **k):
         LOGS[lease.handle.name] = str(getattr(lease.handle, "log_path", ""))
         return _fork(self, item, lease, **k)
 
-    wh.RemoteRunner.fork = fork
+    wh.ForkedBoxes.fork = fork
     _box = wh.ForkedBox
 
     def forked_box(*a, **k):

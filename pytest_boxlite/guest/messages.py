@@ -3,20 +3,17 @@
 The host (:mod:`pytest_boxlite.remote`) and the guest (:mod:`pytest_boxlite.guest.session`,
 :mod:`pytest_boxlite.guest.forks`) import this module, so both ends spell every message the same way.
 Every message is a 2-tuple ``(name, fields)`` with ``fields`` a dict, as in pytest-xdist's
-``sendcommand``/``sendevent``.  Over the execnet channel it travels as is; from a forked box it
-travels as one JSON line ``[name, fields]`` on a Unix socket (tuples tagged, see :func:`tag`).
+``sendcommand``/``sendevent``.  The warm interpreter's execnet channel carries control messages
+only (as they are); a boxed test's messages travel on the socket of the fork that runs it (fresh
+or in place), one JSON line ``[name, fields]`` each (tuples tagged, see :func:`tag`).
 
-host -> guest (execnet channel)
+host -> warm interpreter (execnet channel)
     first message: a dict ``{"args", "cwd", "sys_path", "env", "resolved", "prefix", "xdist"}``
-                                      (see ``RemoteRunner.start_worker`` in pytest_boxlite.remote)
-    ``RUN {nodeid, next, timeout}``   run one collected item; ``next`` is the item that follows in
-                                      the same box (module fixtures stay up) or ``None``; ``timeout``:
-                                      the seconds left of its bound (``LASTWORDS`` when they pass);
-                                      ``changes`` (when asked): ``{files, ignore, usage}``, answered
-                                      by ``CHANGES``
-    ``FORK {nodeid, token, sock, hostname, network, changes}``
-                                      fork a fresh box for ``nodeid`` that connects to ``sock``
-                                      and runs each ``RUN`` sent on that stream (the first included)
+                                      (see ``WarmInterpreters.start`` in pytest_boxlite.remote)
+    ``FORK {nodeid, token, sock, hostname, network, changes, in_place}``
+                                      fork a box for ``nodeid`` (a fresh one; ``in_place``: a plain
+                                      fork in this box) that connects to ``sock`` and runs each
+                                      ``RUN`` sent on that stream (the first included)
     ``WAIT/POLL/KILL {pid}``          a forked box's exit status (``POLL`` does not wait)
     ``TEARDOWN_SHARED {keep, nodeid}`` tear down the fixtures this warm interpreter set up for its
                                       forked boxes (``FORK {shared: true}``) on the nodes whose ids
@@ -24,7 +21,13 @@ host -> guest (execnet channel)
                                       pytest does after ``nodeid``; answered by
                                       ``SHARED_TORN_DOWN {report}``
     ``None``                          end the session
-guest -> host
+host -> forked box (its socket)
+    ``RUN {nodeid, next, timeout}``   run one collected item; ``next`` is the item that follows in
+                                      the same box (module fixtures stay up) or ``None``; ``timeout``:
+                                      the seconds left of its bound (``LASTWORDS`` when they pass);
+                                      ``changes`` (when asked): ``{files, ignore, usage}``, answered
+                                      by ``CHANGES``
+guest -> host (READY, FORKED, STATUS, SHARED_TORN_DOWN on the channel; the rest on a fork's socket)
     ``READY {pid, collected}``        the session is collected once, items are indexed by node id
     ``REPORT {data}``                 a serialized ``TestReport`` (``pytest_report_to_serializable``)
     ``WARNING {message, category, module, filename, lineno, line, nodeid}``

@@ -28,7 +28,7 @@ from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.lookahead import Ahead, LookAhead, RunOrder, Step, early_runs_allowed, module_of, same_box
 from pytest_boxlite.pool import Lease
 from pytest_boxlite.remote import reports, transport
-from pytest_boxlite.remote.transport import BoxSpoke
+from pytest_boxlite.remote.transport import RefusedMessage
 from pytest_boxlite.remote.worker_host import BoxRun, Ended, ForkedBox, ForkedBoxes
 from pytest_boxlite.spec import BoxSpec
 
@@ -389,7 +389,7 @@ class BoxedExecutor:
             try:
                 data = self.runner.teardown_shared(shared.lease.handle, keep, item.nodeid, timeout)
                 rep = transport.kept_report(self.config, item, data) if data is not None else None
-            except (BoxliteError, BoxSpoke) as exc:
+            except (BoxliteError, RefusedMessage) as exc:
                 rep = reports.make_report(item, "teardown", "failed", f"shared fixtures' teardown: {exc}", None, 0.0)
                 self._shared.pop(name, None)
                 if name not in self.runner.warm.live():

@@ -29,12 +29,12 @@ def finish(item: pytest.Item, out: Outcome, ended: Ended) -> list[pytest.TestRep
         return side_effects.apply(item, out.changes, out.reports, ended.usage)
     if out.timed_out:
         why = TIMED_OUT.format(ended.timeout)
-    elif out.spoke is not None:
-        why = f"the box sent {out.spoke}; the box was killed"
+    elif out.refused is not None:
+        why = f"the box sent {out.refused}; the box was killed"
     else:
         why = ended.how
     # What the host refused (or a timeout) fails the test even after phases that passed.
-    refused = out.timed_out or out.spoke is not None
+    refused = out.timed_out or out.refused is not None
     return complete(item, out.reports, why, ended.log, ended.duration, must_fail=refused, captured=out.last_words)
 
 

@@ -39,7 +39,7 @@ from pytest_boxlite.remote.debug_relay import DebugRelay
 PHASES = ("setup", "call", "teardown")
 
 
-class BoxSpoke(Exception):
+class RefusedMessage(Exception):
     """A box sent something the host does not accept (malformed, oversized or foreign)."""
 
 
@@ -65,7 +65,7 @@ def _checked(message: object) -> tuple[str, dict[str, Any]]:
         or not isinstance(message[0], str)
         or not isinstance(message[1], dict)
     ):
-        raise BoxSpoke(f"a message that is not (name, fields): {reprlib.repr(message)}")
+        raise RefusedMessage(f"a message that is not (name, fields): {reprlib.repr(message)}")
     return message[0], message[1]
 
 
@@ -90,12 +90,12 @@ class ForkStream:
                 try:
                     message = json.loads(line, object_hook=msg.untag)
                 except (ValueError, TypeError, RecursionError) as exc:
-                    raise BoxSpoke(f"a line that is not JSON ({type(exc).__name__}): {line[:200]!r}") from None
+                    raise RefusedMessage(f"a line that is not JSON ({type(exc).__name__}): {line[:200]!r}") from None
                 yield _checked(message)
                 end = self._buf.find(b"\n")
             scanned = len(self._buf)
             if len(self._buf) > msg.LINE_CAP:
-                raise BoxSpoke(f"a message longer than {msg.LINE_CAP} bytes")
+                raise RefusedMessage(f"a message longer than {msg.LINE_CAP} bytes")
             if self.idle is not None:
                 self.idle()
             left = _due(deadline) - time.monotonic()
@@ -122,7 +122,7 @@ class Outcome:
     done: bool = False
     error: str | None = None
     exit: tuple[str, int] | None = None
-    spoke: str | None = None  # why the stream was refused (BoxSpoke)
+    refused: str | None = None  # why the stream was refused (RefusedMessage)
     timed_out: bool = False
     hung_up: BaseException | None = None  # the channel broke (the box died)
     warnings: int = 0
@@ -180,7 +180,7 @@ class SessionBudget:
         return total // self.share
 
     def take_report(self, size: int, what: str = "report text") -> None:
-        """Count ``size`` bytes of report text, or raise :class:`BoxSpoke` (naming ``what``) over the budget."""
+        """Count ``size`` bytes of report text, or raise :class:`RefusedMessage` (naming ``what``) over the budget."""
         if self.report_bytes + size > self.cap(SESSION_REPORT_BYTES):
             raise over_budget(what, self.report_bytes, size, SESSION_REPORT_BYTES, self.share)
         self.report_bytes += size
@@ -204,11 +204,11 @@ def _workers(config: pytest.Config) -> int:
     return count if isinstance(count, int) and count > 0 else 1
 
 
-def over_budget(what: str, used: int | str, adding: int, cap: int, share: int = 1) -> BoxSpoke:
+def over_budget(what: str, used: int | str, adding: int, cap: int, share: int = 1) -> RefusedMessage:
     """The clear failure of the test whose message would take the session over a budget
     (``share``: the xdist workers that split it, see :class:`SessionBudget`)."""
     whose = "all boxed tests of this session" if share == 1 else f"this xdist worker's boxed tests (1/{share} of it)"
-    return BoxSpoke(
+    return RefusedMessage(
         f"{what} over the session's budget: {adding} more after {used} of {cap // share} kept for {whose} "
         f"(the session's cap, {cap}, bounds the host's memory and disk); what this message held was not kept"
     )
@@ -234,7 +234,7 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
             if fields.get("seq") != seq:
                 stale += 1
                 if stale > STALE_CAP:
-                    raise BoxSpoke(f"more than {STALE_CAP} messages that belong to no running test")
+                    raise RefusedMessage(f"more than {STALE_CAP} messages that belong to no running test")
                 continue
             try:
                 if name == msg.DEBUG:
@@ -242,14 +242,14 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
                     continue
                 if _handle(out, item, name, fields, box):
                     break
-            except BoxSpoke:
+            except RefusedMessage:
                 raise
             except Exception as exc:  # noqa: BLE001 - whatever a box's message makes the host raise fails this test only
-                raise BoxSpoke(
+                raise RefusedMessage(
                     f"a {name[:50]!r} message the host could not take ({type(exc).__name__}: {exc})"
                 ) from None
-    except BoxSpoke as exc:
-        out.spoke = str(exc)
+    except RefusedMessage as exc:
+        out.refused = str(exc)
     except TimeoutError:
         out.timed_out = True
         if isinstance(stream, ForkStream):
@@ -281,7 +281,7 @@ def drain(stream: Stream, item: pytest.Item, deadline: float, *, box: str, seq: 
         missing = [w for w in ("setup", "teardown") if w not in {r.when for r in out.reports}]
         if missing:
             out.done = False
-            out.spoke = f"DONE without a {' or '.join(missing)} report"
+            out.refused = f"DONE without a {' or '.join(missing)} report"
     return out
 
 
@@ -302,7 +302,7 @@ def _await_last_words(stream: Stream, item: pytest.Item, out: Outcome, seq: int)
             if name == msg.LASTWORDS and fields.get("seq") == seq:
                 out.last_words = _last_words(item.config, fields)
                 return
-    except (BoxSpoke, TimeoutError, EOFError, OSError, execnet.RemoteError, execnet.HostNotFound):
+    except (RefusedMessage, TimeoutError, EOFError, OSError, execnet.RemoteError, execnet.HostNotFound):
         return
 
 
@@ -319,14 +319,14 @@ def _last_words(config: pytest.Config, fields: dict[str, Any]) -> list[tuple[str
     size = sum(len(c) for _, c in sections)
     try:
         session_budget(config).take_report(size, "the timed-out test's output")
-    except BoxSpoke as refused:
+    except RefusedMessage as refused:
         return [("boxlite", str(refused))]
     return sections
 
 
 def kept_report(config: pytest.Config, item: pytest.Item, data: object) -> pytest.TestReport:
     """A report a box sent outside a test's stream (the shared fixtures' teardown), rebuilt and
-    checked as every report is, and kept within the session's report budget (else ``BoxSpoke``)."""
+    checked as every report is, and kept within the session's report budget (else ``RefusedMessage``)."""
     rep = _report(config, item, data)
     session_budget(config).take_report(report_size(rep))
     return rep
@@ -349,7 +349,7 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
         size = report_size(rep)
         out.report_bytes += size
         if len(out.reports) >= REPORTS_CAP or out.report_bytes > REPORT_BYTES_CAP:
-            raise BoxSpoke(f"more than {REPORTS_CAP} reports or {REPORT_BYTES_CAP} bytes of them for one test")
+            raise RefusedMessage(f"more than {REPORTS_CAP} reports or {REPORT_BYTES_CAP} bytes of them for one test")
         session_budget(config).take_report(size)
         out.reports.append(rep)
     elif name == msg.WARNING:
@@ -376,7 +376,7 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
         # The guest sends each at most once per test: more is a flood (of the host's disk).
         out.side_messages += 1
         if out.side_messages > 10:
-            raise BoxSpoke("more than 10 cache/coverage/file messages for one test")
+            raise RefusedMessage("more than 10 cache/coverage/file messages for one test")
         if name == msg.CACHE:
             _store_cache(config, fields.get("values"))
         elif name == msg.COVERAGE:
@@ -385,17 +385,17 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
             _store_files(config, fields.get("files"))
     elif name == msg.CHANGES:
         if out.changes is not None:
-            raise BoxSpoke("a second changes message for one test")
+            raise RefusedMessage("a second changes message for one test")
         try:
             out.changes = side_effects.take(fields)
         except ValueError as exc:
-            raise BoxSpoke(f"a changes message the host refused: {exc}") from None
+            raise RefusedMessage(f"a changes message the host refused: {exc}") from None
     elif name == msg.EXIT:
         code = fields.get("returncode")
         if code is None:
             code = int(pytest.ExitCode.INTERRUPTED)  # pytest.exit() without one: what pytest ends with
         if not isinstance(code, int) or isinstance(code, bool):
-            raise BoxSpoke(f"pytest.exit() with a returncode that is not an int: {reprlib.repr(code)}")
+            raise RefusedMessage(f"pytest.exit() with a returncode that is not an int: {reprlib.repr(code)}")
         out.exit = (str(fields.get("reason", ""))[:1000], code)
     elif name == msg.ERROR:
         out.error = str(fields.get("text", ""))[: msg.FIELD_CAP]
@@ -403,7 +403,7 @@ def _handle(out: Outcome, item: pytest.Item, name: str, fields: dict[str, Any], 
         out.done = True
         return True
     else:
-        raise BoxSpoke(f"an unexpected message {name[:50]!r} while running a test")
+        raise RefusedMessage(f"an unexpected message {name[:50]!r} while running a test")
     return False
 
 
@@ -415,15 +415,17 @@ def _report(config: pytest.Config, item: pytest.Item, data: object) -> pytest.Te
     # Any report kind the host's plugins can rebuild is fine (pytest's subtests send their own);
     # what comes back must be a TestReport of the running item.
     if not isinstance(data, dict):
-        raise BoxSpoke(f"a report that is not a TestReport (not a mapping): {reprlib.repr(data)}")
+        raise RefusedMessage(f"a report that is not a TestReport (not a mapping): {reprlib.repr(data)}")
     data = _plain(data, 0)
     try:
         rep = config.hook.pytest_report_from_serializable(config=config, data=data)
     except Exception as exc:  # noqa: BLE001 - whatever the box's bytes make pytest raise fails this test only
-        raise BoxSpoke(f"a report pytest could not read ({type(exc).__name__}: {exc})") from None
+        raise RefusedMessage(f"a report pytest could not read ({type(exc).__name__}: {exc})") from None
     if not isinstance(rep, pytest.TestReport) or rep.nodeid != item.nodeid or rep.when not in PHASES:
         got = type(rep).__name__, getattr(rep, "nodeid", None), getattr(rep, "when", None)
-        raise BoxSpoke(f"a report that is not a TestReport of the running test: {got!r} while running {item.nodeid!r}")
+        raise RefusedMessage(
+            f"a report that is not a TestReport of the running test: {got!r} while running {item.nodeid!r}"
+        )
     _check_report_fields(rep)
     # The guest caps these; a hostile one may not have: cap again.
     rep.sections = [(str(t)[:200], msg.cap(str(c))) for t, c in rep.sections]
@@ -458,10 +460,10 @@ def _plain(obj: object, depth: int) -> Any:
         return obj
     if kind is int:
         if abs(obj) >= 1 << 63:  # type: ignore[arg-type]
-            raise BoxSpoke(f"a report with a number that big: {reprlib.repr(obj)}")
+            raise RefusedMessage(f"a report with a number that big: {reprlib.repr(obj)}")
         return obj
     if depth >= _REPORT_DEPTH:
-        raise BoxSpoke(f"a report nested deeper than {_REPORT_DEPTH} levels")
+        raise RefusedMessage(f"a report nested deeper than {_REPORT_DEPTH} levels")
     if kind is list or kind is tuple:
         items = [_plain(x, depth + 1) for x in obj]  # type: ignore[attr-defined]
         return items if kind is list else tuple(items)
@@ -469,10 +471,10 @@ def _plain(obj: object, depth: int) -> Any:
         out = {}
         for key, value in obj.items():  # type: ignore[attr-defined]
             if type(key) is not str:
-                raise BoxSpoke(f"a report with a key that is not text: {reprlib.repr(key)}")
+                raise RefusedMessage(f"a report with a key that is not text: {reprlib.repr(key)}")
             out[_text(key)] = _plain(value, depth + 1)
         return out
-    raise BoxSpoke(f"a report with a value of type {kind.__name__[:50]}: {reprlib.repr(obj)}")
+    raise RefusedMessage(f"a report with a value of type {kind.__name__[:50]}: {reprlib.repr(obj)}")
 
 
 #: Attributes of a rebuilt TestReport that are its own (pytest's fields, and what its plugins add:
@@ -508,13 +510,13 @@ def _check_report_fields(rep: pytest.TestReport) -> None:
         and (rep.longrepr is None or isinstance(rep.longrepr, (str, tuple)) or hasattr(rep.longrepr, "toterminal"))
     )
     if not (pairs and located and shaped):
-        raise BoxSpoke(f"a report whose fields are not shaped as pytest's: {reprlib.repr(vars(rep))}")
+        raise RefusedMessage(f"a report whose fields are not shaped as pytest's: {reprlib.repr(vars(rep))}")
     hiding = [k for k in vars(rep) if k not in _REPORT_FIELDS and hasattr(type(rep), k)]
     if hiding:
-        raise BoxSpoke(f"a report with attributes that hide the report's own: {reprlib.repr(hiding)}")
+        raise RefusedMessage(f"a report with attributes that hide the report's own: {reprlib.repr(hiding)}")
     wasxfail = vars(rep).get("wasxfail")
     if wasxfail is not None and not isinstance(wasxfail, str):
-        raise BoxSpoke(f"a report whose wasxfail is not text: {reprlib.repr(wasxfail)}")
+        raise RefusedMessage(f"a report whose wasxfail is not text: {reprlib.repr(wasxfail)}")
     longrepr = rep.longrepr
     if isinstance(longrepr, tuple) or (rep.outcome == "skipped" and wasxfail is None):
         # A skip's (path, line, reason), as pytest makes it: -rs and junitxml unpack exactly that.
@@ -527,16 +529,18 @@ def _check_report_fields(rep: pytest.TestReport) -> None:
         )
         if not skip or rep.outcome != "skipped":
             shape = reprlib.repr(longrepr)
-            raise BoxSpoke(f"a {rep.outcome!r} report whose longrepr is not a skip's (path, line, reason): {shape}")
+            raise RefusedMessage(
+                f"a {rep.outcome!r} report whose longrepr is not a skip's (path, line, reason): {shape}"
+            )
     crash = getattr(longrepr, "reprcrash", None)
     if crash is not None and not (
         isinstance(getattr(crash, "path", None), str)
         and _is_int(getattr(crash, "lineno", None))
         and isinstance(getattr(crash, "message", None), str)
     ):
-        raise BoxSpoke(f"a report whose crash location is not (path, line, message): {reprlib.repr(vars(crash))}")
+        raise RefusedMessage(f"a report whose crash location is not (path, line, message): {reprlib.repr(vars(crash))}")
     if len(rep.sections) > 1000 or len(rep.user_properties) > 10_000:
-        raise BoxSpoke("a report with more than 1000 sections or 10000 properties")
+        raise RefusedMessage("a report with more than 1000 sections or 10000 properties")
 
 
 def _category(module: object, qualname: object) -> type[Warning]:
@@ -576,7 +580,7 @@ def _relay_output(config: pytest.Config, fields: dict[str, Any]) -> None:
     """With ``-s``: print what the boxed test printed, where a local test's output would appear."""
     text = fields.get("text")
     if not isinstance(text, str):
-        raise BoxSpoke("live output that is not text")
+        raise RefusedMessage("live output that is not text")
     text = text[: 1 << 17]  # the guest sends at most 64 KiB a message
     if fields.get("stream") == "stderr":
         sys.stderr.write(text)
@@ -598,14 +602,14 @@ def _store_cache(config: pytest.Config, values: object) -> None:
     if cache is None:
         return
     if not isinstance(values, dict) or len(values) > 1000:
-        raise BoxSpoke("cache values that are not a small dict")
+        raise RefusedMessage("cache values that are not a small dict")
     total = 0
     for key, value in values.items():
         if not isinstance(key, str) or len(key) > 500 or not _CACHE_KEY.match(key) or ".." in key.split("/"):
-            raise BoxSpoke(f"a cache key that is not a plain relative name: {str(key)[:200]!r}")
+            raise RefusedMessage(f"a cache key that is not a plain relative name: {str(key)[:200]!r}")
         size = len(json.dumps(value))
         if size > msg.FIELD_CAP:
-            raise BoxSpoke(f"a cache value over {msg.FIELD_CAP} bytes for {key!r}")
+            raise RefusedMessage(f"a cache value over {msg.FIELD_CAP} bytes for {key!r}")
         total += size
     # Every value is checked before any is stored: a message over the budget stores nothing.
     budget = session_budget(config)
@@ -636,7 +640,7 @@ def _store_coverage(config: pytest.Config, fields: dict[str, Any], box: str) -> 
         return  # coverage is not measured on the host: nothing to merge into
     files, arcs = fields.get("files"), fields.get("arcs")
     if not isinstance(files, dict) or not isinstance(arcs, bool) or len(files) > 100_000:
-        raise BoxSpoke("coverage data that is not {file: lines}")
+        raise RefusedMessage("coverage data that is not {file: lines}")
     roots = _coverage_roots(config)
     measured: dict[str, Any] = {}
     for name, found in files.items():
@@ -644,16 +648,16 @@ def _store_coverage(config: pytest.Config, fields: dict[str, Any], box: str) -> 
             isinstance(name, str) and name.endswith(".py") and os.path.normpath(name) == name and name.startswith(roots)
         )
         if not ok_name:
-            raise BoxSpoke(f"coverage for a file outside the project and sys.path: {str(name)[:200]!r}")
+            raise RefusedMessage(f"coverage for a file outside the project and sys.path: {str(name)[:200]!r}")
         if not isinstance(found, list) or len(found) > 1_000_000:
-            raise BoxSpoke(f"coverage data for {name!r} that is not a list")
+            raise RefusedMessage(f"coverage data for {name!r} that is not a list")
         if arcs:
             if not all(isinstance(a, list) and len(a) == 2 and all(_is_line(x) for x in a) for a in found):
-                raise BoxSpoke(f"coverage arcs for {name!r} that are not pairs of numbers")
+                raise RefusedMessage(f"coverage arcs for {name!r} that are not pairs of numbers")
             measured[name] = [(a, b) for a, b in found]
         else:
             if not all(_is_line(x) for x in found):
-                raise BoxSpoke(f"coverage lines for {name!r} that are not numbers")
+                raise RefusedMessage(f"coverage lines for {name!r} that are not numbers")
             measured[name] = found
     suffix = "boxlite." + re.sub(r"[^A-Za-z0-9_.-]", "_", box)[:100]
     data = coverage.CoverageData(basename=os.path.abspath(cov.config.data_file), suffix=suffix)
@@ -685,25 +689,25 @@ def _store_files(config: pytest.Config, files: object) -> None:
     the file is opened with O_NOFOLLOW.
     """
     if not isinstance(files, dict) or len(files) > msg.WRITE_BACK_FILES:
-        raise BoxSpoke("handed-back files that are not a small {path: data} mapping")
+        raise RefusedMessage("handed-back files that are not a small {path: data} mapping")
     total = 0
     base = Path(config.invocation_params.dir)
     for rel, encoded in files.items():
         parts = rel.split("/") if isinstance(rel, str) else []
         under = any(rel.startswith(top + "/") for top in msg.WRITE_BACK) if isinstance(rel, str) else False
         if not under or len(parts) > 8 or not all(_FILE_PART.match(p) and p not in (".", "..") for p in parts):
-            raise BoxSpoke(f"a handed-back file outside {msg.WRITE_BACK}: {str(rel)[:200]!r}")
+            raise RefusedMessage(f"a handed-back file outside {msg.WRITE_BACK}: {str(rel)[:200]!r}")
         try:
             data = base64.b64decode(str(encoded), validate=True)
         except ValueError:
-            raise BoxSpoke(f"handed-back data for {rel!r} that is not base64") from None
+            raise RefusedMessage(f"handed-back data for {rel!r} that is not base64") from None
         total += len(data)
         if total > msg.WRITE_BACK_BYTES:
-            raise BoxSpoke(f"more than {msg.WRITE_BACK_BYTES} bytes of handed-back files")
+            raise RefusedMessage(f"more than {msg.WRITE_BACK_BYTES} bytes of handed-back files")
         try:
             _write_below(base, parts, data)
         except OSError as exc:
-            raise BoxSpoke(f"a handed-back file the host could not write ({rel!r}: {exc})") from None
+            raise RefusedMessage(f"a handed-back file the host could not write ({rel!r}: {exc})") from None
 
 
 def _write_below(base: Path, parts: list[str], data: bytes) -> None:
@@ -717,7 +721,7 @@ def _write_below(base: Path, parts: list[str], data: bytes) -> None:
             os.mkdir(where, 0o755)
             continue
         if not stat.S_ISDIR(st.st_mode):
-            raise BoxSpoke(f"a handed-back file below {str(where)!r}, which is not a plain directory")
+            raise RefusedMessage(f"a handed-back file below {str(where)!r}, which is not a plain directory")
     fd = os.open(where / parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)

@@ -34,7 +34,7 @@ from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.guest import messages as msg
 from pytest_boxlite.hooks import BoxAccess
 from pytest_boxlite.pool import Lease
-from pytest_boxlite.remote.transport import BoxSpoke, ForkStream, Outcome, Stream
+from pytest_boxlite.remote.transport import ForkStream, Outcome, RefusedMessage, Stream
 from pytest_boxlite.remote.warm import OOM, WarmInterpreter, WarmInterpreters, describe_status
 from pytest_boxlite.runtimes.base import BoxHandle, ForkCell
 
@@ -342,7 +342,7 @@ class ForkedBoxes:
         if run.started and box is not None:
             code = self._settle(box, out, run.start)
         duration = run.duration if run.duration is not None else time.monotonic() - run.start
-        if isinstance(out.hung_up, BoxSpoke):
+        if isinstance(out.hung_up, RefusedMessage):
             how = str(out.hung_up)
         else:
             how = f"the test process in the box {describe_status(code, forked=not run.in_place)}"
@@ -550,14 +550,14 @@ class ForkedBoxes:
         """A forked box that failed to finish is ended: killed (a timeout, a refused stream) or
         waited for (its exit code returned; an OOM kill said in ``out.hung_up``)."""
         code: int | None = None
-        if out.timed_out or out.spoke:
+        if out.timed_out or out.refused:
             box.alive = False
             self._fork_status(box.worker, msg.KILL, box.child)
         elif not out.done:
             box.alive = False
             code = self._fork_status(box.worker, msg.WAIT, box.child)
             if box.handle.oom_kills() > box.oom_before or (box.cell is not None and box.cell.oom_kills() > 0):
-                out.hung_up = BoxSpoke(OOM + side_effects.memory_text(box.cell.usage() if box.cell else {}))
+                out.hung_up = RefusedMessage(OOM + side_effects.memory_text(box.cell.usage() if box.cell else {}))
         if out.done and not out.paused:
             # A test that sat at the debugger's prompt tells nothing of the box's overhead.
             self.fork_waits.append(time.monotonic() - start - sum(r.duration for r in out.reports))
@@ -592,7 +592,7 @@ class ForkedBoxes:
             stream = ForkStream(conn)
             try:
                 first = next(stream.messages(min(deadline, time.monotonic() + 10.0)), None)
-            except (BoxSpoke, TimeoutError, OSError):
+            except (RefusedMessage, TimeoutError, OSError):
                 first = None
             if first == (msg.TOKEN, {"token": token}):
                 return stream

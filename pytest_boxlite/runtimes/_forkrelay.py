@@ -5,7 +5,7 @@ can reach the host only through the SDK's exec streams, so one guest command per
 :mod:`pytest_boxlite.guest.relay`, listens on a guest socket and multiplexes each forked box's
 connection over its stdio (binary-clean through the box's stdio bridge); this side opens one
 connection to the host listening socket per guest connection and pumps bytes both ways.  The
-host's :class:`~pytest_boxlite.remote.worker_host.RemoteRunner` then accepts and reads those
+host's :class:`~pytest_boxlite.remote.worker_host.ForkedBoxes` then accepts and reads those
 connections exactly as it does a namespace box's.
 
 Every byte from the guest is hostile: a frame of an unknown kind or longer than

@@ -77,7 +77,7 @@ def test_messages_of_an_earlier_run_change_nothing(item: pytest.Item) -> None:
     ]
     stream = ScriptedStream(([*stale, *whole_run(item, 2)], None))
     out = drain(stream, item, float("inf"), box="b", seq=2)
-    assert (out.done, out.error, out.exit, out.spoke) == (True, None, None, None)
+    assert (out.done, out.error, out.exit, out.refused) == (True, None, None, None)
     assert [r.when for r in out.reports] == ["setup", "call", "teardown"]
     assert stream.read == len(stale) + 4
 
@@ -85,7 +85,7 @@ def test_messages_of_an_earlier_run_change_nothing(item: pytest.Item) -> None:
 def test_stale_messages_up_to_the_cap_are_dropped_and_the_run_goes_on(item: pytest.Item) -> None:
     stale = [(msg.OUTPUT, {"text": "x", "seq": 1})] * STALE_CAP
     out = drain(ScriptedStream(([*stale, *whole_run(item, 2)], None)), item, float("inf"), box="b", seq=2)
-    assert out.done and out.spoke is None
+    assert out.done and out.refused is None
 
 
 def test_a_flood_of_stale_messages_fails_the_test_and_reading_stops(item: pytest.Item) -> None:
@@ -94,7 +94,7 @@ def test_a_flood_of_stale_messages_fails_the_test_and_reading_stops(item: pytest
     flood = itertools.repeat((msg.OUTPUT, {"text": "x", "seq": 1}))
     stream = ScriptedStream((flood, None))
     out = drain(stream, item, float("inf"), box="b", seq=2)
-    assert out.spoke == f"more than {STALE_CAP} messages that belong to no running test"
+    assert out.refused == f"more than {STALE_CAP} messages that belong to no running test"
     assert not out.done
     assert stream.read == STALE_CAP + 1
 
@@ -127,17 +127,17 @@ def test_waiting_for_last_words_reads_a_bounded_number_of_messages(item: pytest.
 def test_a_stream_that_breaks_is_a_hang_up(item: pytest.Item) -> None:
     broken = EOFError("the box's channel closed")
     out = drain(ScriptedStream(([report(item, "setup", 2)], broken)), item, float("inf"), box="b", seq=2)
-    assert out.hung_up is broken and not out.done and out.spoke is None
+    assert out.hung_up is broken and not out.done and out.refused is None
 
 
 def test_done_without_setup_or_teardown_reports_is_refused(item: pytest.Item) -> None:
     stream = ScriptedStream(([report(item, "call", 2), (msg.DONE, {"seq": 2})], None))
     out = drain(stream, item, float("inf"), box="b", seq=2)
-    assert not out.done and out.spoke == "DONE without a setup or teardown report"
+    assert not out.done and out.refused == "DONE without a setup or teardown report"
 
 
 def test_an_unknown_message_of_this_run_fails_the_test(item: pytest.Item) -> None:
     stream = ScriptedStream(([("FORK", {"seq": 2}), *whole_run(item, 2)], None))
     out = drain(stream, item, float("inf"), box="b", seq=2)
-    assert out.spoke == "an unexpected message 'FORK' while running a test"
+    assert out.refused == "an unexpected message 'FORK' while running a test"
     assert stream.read == 1
