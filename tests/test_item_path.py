@@ -4,9 +4,10 @@ The executor (``remote/executor.py``) drives an item's run; each step is one cal
 that owns it, which returns to the executor without calling another step's module:
 
 - lease: the executor itself (the pool is not in ``remote/``);
-- fork / send RUN: ``worker_host`` (``RemoteRunner.start_fork``, ``start_in``, ``start_item``);
+- fork / send RUN: ``worker_host`` (``ForkedBoxes.fork``, ``run_in``): every boxed test runs in a
+  fork of a warm interpreter, fresh or in place, whose messages come on its socket;
 - drain: ``transport.drain`` (reading and bounding the box's messages);
-- end: ``worker_host`` (``RemoteRunner.end``: kill or reap the box, its exit, its log);
+- end: ``worker_host`` (``ForkedBoxes.end``: kill or reap the box, its exit, its log);
 - report: ``reports.finish`` (the complete reports for what the box said and how it ended);
 - and, where a warm interpreter set fixtures up for its forks, their teardown at the last test
   that can use them: ``worker_host`` (``TEARDOWN_SHARED``) and ``transport`` (the box's report rebuilt).
@@ -15,10 +16,10 @@ Measured in real sub-runs (namespace runtime): a profile hook (``sys.setprofile`
 thread, installed around ``BoxedExecutor.run_protocol`` by the project's conftest, writes down
 which module of ``remote/`` runs (the innermost frame of one of them), a new entry each time that
 module changes.  Each scope and mode the executor serves is run: test scope (forked boxes, one
-made ahead), module scope (one forked box for a module's tests), ``--boxlite-fresh=boot`` (a
-leased box per test over execnet), ``--boxlite-scope=worker`` (the whole session runs in one box:
-no item passes through the executor), and a boxed test that takes ``boxlite_sandbox`` (it runs on
-the host: none either).
+made ahead), module scope (one forked box for a module's tests), ``--boxlite-fresh=boot`` (an
+in-place fork of a leased box's warm interpreter per test), ``--boxlite-scope=worker`` (the whole
+session runs in one box: no item passes through the executor), and a boxed test that takes
+``boxlite_sandbox`` (it runs on the host: none either).
 """
 
 from __future__ import annotations
@@ -134,6 +135,18 @@ HANDSHAKE = ("ForkStream.", "__init__", "messages")  # qualnames; function names
 #: The modules that own the steps of a boxed item's run.
 E, W, T, R = "executor", "worker_host", "transport", "reports"
 OWNERS = (E, W, T, R)
+#: The warm interpreters' lifecycle (``remote/warm.py``): no step of its own, reached only from
+#: within a ``worker_host`` step (a fork asks for its warm interpreter, an end kills a broken box).
+WARM = "warm"
+
+
+def warm_only_within_forks(path: list[str]) -> None:
+    """Every stay in :data:`WARM` is entered from ``worker_host`` and returns to it: the executor
+    never reaches the warm interpreters directly on an item's path."""
+    mods = [stay.partition(":")[0] for stay in path]
+    for i, module in enumerate(mods):
+        if module == WARM:
+            assert 0 < i < len(mods) - 1 and mods[i - 1] == W and mods[i + 1] == W, path
 
 
 def modules(path: list[str]) -> list[str]:
@@ -177,6 +190,7 @@ def item_paths(tmp_path: Path, home: Path, tag: str, *args: str, files: dict[str
     raw: dict[str, list[str]] = json.loads(out.read_text())
     for nodeid, path in raw.items():  # the measurement, for -s
         print(f"{tag} {nodeid}: {' -> '.join(path)}")
+        warm_only_within_forks(path)
     return {nodeid: modules(path) for nodeid, path in raw.items()}
 
 
@@ -213,6 +227,8 @@ def test_module_scope_one_box_per_module(tmp_path: Path, boxlite_home: Path) -> 
 
 
 def test_boot_fresh_leased_boxes(tmp_path: Path, boxlite_home: Path) -> None:
+    # One data path: a booted box's test runs in an in-place fork of its warm interpreter, the same
+    # steps as a forked box's (no step of its own for the execnet channel).
     paths = item_paths(tmp_path, boxlite_home, "boot", "--boxlite-fresh=boot", files={"test_a.py": TESTS + DIES})
     assert list(paths) == NODEIDS
     for path in paths.values():
