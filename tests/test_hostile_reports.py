@@ -11,8 +11,8 @@ wrong, every other test with its own outcome, no INTERNALERROR, no box left, and
 * malformed reports: a skip whose ``longrepr`` is not ``(path, line, reason)`` (``-rs`` and
   ``--junitxml`` unpack it), a lone surrogate (``-n 2``: the host-side xdist worker's execnet send),
   attributes that hide the report's methods, wrong types: with and without ``-n``;
-* bounds: an 800 MB frame on each transport (a forked box's JSON stream; the warm interpreter's
-  execnet channel, ``--boxlite-fresh=boot``) is refused before it is buffered, the host's peak RSS
+* bounds: an 800 MB frame on a boxed test's one transport (the fork's JSON stream, a fresh fork's
+  or, ``--boxlite-fresh=boot``, an in-place fork's) is refused before it is buffered, the host's peak RSS
   under 150 MB (``ru_maxrss`` of the sub-run's process tree, from a wrapper's
   ``getrusage(RUSAGE_CHILDREN)``, and the host pytest's own ``VmHWM``); on a real popen gateway
   (no box: the unit layer of that bound), execnet's receiver is held back while the host takes
@@ -319,7 +319,9 @@ FRAME_TESTS = {
     ("args", "says"),
     [
         pytest.param((), f"longer than {16 << 20} bytes", id="fork-stream"),
-        pytest.param(("--boxlite-fresh=boot",), "over the cap", id="execnet-channel"),
+        # A booted box's test runs in an in-place fork: its messages travel on the same stream
+        # (the execnet channel carries control only; its frame cap is checked below).
+        pytest.param(("--boxlite-fresh=boot",), f"longer than {16 << 20} bytes", id="booted-fork-stream"),
     ],
 )
 @pytest.mark.escape_row("channel-frames")
