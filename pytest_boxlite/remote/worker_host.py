@@ -195,11 +195,7 @@ class ForkedBoxes:
     def stop_warm(self, handle: BoxHandle) -> None:
         """Stop ``handle``'s warm interpreter; the box is killed right after (with any box forked
         ahead in it)."""
-        self._forget_ahead(handle.name)
-        with self._lock:
-            listener = self._listeners.pop(handle.name, None)
-        if listener is not None:
-            listener[0].close()
+        self._forget(handle)
         self.warm.stop(handle)
 
     def shutdown(self) -> None:
@@ -668,12 +664,21 @@ class ForkedBoxes:
 
     def _kill_box(self, handle: BoxHandle) -> None:
         """Destroy ``handle``'s box now (its boxes made ahead die with it)."""
+        self._forget(handle)
+        self.warm.kill(handle)
+
+    def _forget(self, handle: BoxHandle) -> None:
+        """Forget what is kept of the boxes forked in ``handle``'s box, which goes now: those made
+        ahead, its socket, the answers and the lingering boxes its warm interpreter owes."""
         self._forget_ahead(handle.name)
         with self._lock:
             listener = self._listeners.pop(handle.name, None)
         if listener is not None:
             listener[0].close()
-        self.warm.kill(handle)
+        interp = self.warm.get(handle.name)
+        if interp is not None:
+            self._pending.pop(interp, None)
+            self._lingering = [entry for entry in self._lingering if entry[0] is not interp]
 
     def _log(self, handle: BoxHandle, cell: ForkCell | None = None) -> tuple[str, str] | None:
         """The box log's tail as a report section: only what was logged since this test began
