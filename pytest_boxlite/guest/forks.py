@@ -14,7 +14,8 @@ import os
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pytest_boxlite.guest.boxinit import IN_TEST, BareInit
 from pytest_boxlite.guest.fresh import (
@@ -88,6 +89,21 @@ def _forget_cached_host_facts() -> None:
     # platform.uname() is cached: the new box has its own hostname.
     if hasattr(platform, "_uname_cache"):
         platform._uname_cache = None
+
+
+def _run_then_exit(what: str, steps: Callable[[], None]) -> NoReturn:
+    """In a fork: ``steps``, then exit (70, said on stderr, if they raised): a fork must never
+    return into the warm interpreter's loop."""
+    code = 0
+    try:
+        steps()
+    except BaseException as exc:
+        try:
+            sys.stderr.write("pytest-boxlite: %s failed: %r\n" % (what, exc))
+        finally:
+            code = 70
+    finally:
+        os._exit(code)
 
 
 class _Forked:
@@ -261,12 +277,10 @@ class ForkServer:
     ) -> None:
         """The fresh box's side of :meth:`fork` (``pid`` is what ``clone_box`` returned there): become
         the box, then run the host's ``RUN``\\ s on the socket ``sock``.  Never returns."""
-        code = 0
-        try:
+
+        def become_the_box() -> None:
             # Connect first: the fresh box gets a new /run, which hides the socket's directory.
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.connect(sock)
-            _cut_channel(self.channel)
+            conn = self._connect(sock)
             # A root directory of its own too, but for a VM's box: it moves into an overlay of /.
             KEEP_LAYERS[0] = bool(changes)
             fresh_box(hostname, network, renew_all, own_root=not renew_all)
@@ -287,13 +301,8 @@ class ForkServer:
             enter_test_namespaces(network, nested)
             _forget_cached_host_facts()
             self._serve_runs(conn, token, stop)
-        except BaseException as exc:
-            try:
-                sys.stderr.write("pytest-boxlite: forked box failed: %r\n" % (exc,))
-            finally:
-                code = 70
-        finally:
-            os._exit(code)
+
+        _run_then_exit("forked box", become_the_box)
 
     def _fork_in_place(self, ended: list[int], stop: Any, token: str, sock: str) -> None:
         """An in-place fork: a plain ``fork(2)`` of this interpreter that stays in this box (no
@@ -312,24 +321,23 @@ class ForkServer:
             self.channel.send((ERROR, {"text": "fork failed: %s" % exc}))
             return
         if pid == 0:
-            code = 0
-            try:
+
+            def serve() -> None:
                 die_with_parent()
                 drop_cells()  # a test must never take another box's cgroups or log
-                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                conn.connect(sock)
-                _cut_channel(self.channel)
-                self._serve_runs(conn, token, stop)
-            except BaseException as exc:
-                try:
-                    sys.stderr.write("pytest-boxlite: in-place fork failed: %r\n" % (exc,))
-                finally:
-                    code = 70
-            finally:
-                os._exit(code)
+                self._serve_runs(self._connect(sock), token, stop)
+
+            _run_then_exit("in-place fork", serve)
         self.forked.add(pid)
         self.plugin.prepare_warnings = []  # the fork's to report
         self.channel.send((FORKED, {"pid": pid, "ended": ended}))
+
+    def _connect(self, sock: str) -> socket.socket:
+        """In a fork: connect to the host's socket ``sock``, then cut the warm interpreter's channel."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(sock)
+        _cut_channel(self.channel)
+        return conn
 
     def _serve_runs(self, conn: socket.socket, token: str, stop: Any) -> None:
         """In a forked box (fresh or in place): say ``TOKEN``, then run each ``RUN`` the host
