@@ -385,7 +385,11 @@ class ForkedBoxes:
         name = f"{handle.name}.{self.forks}"
         if worker is None:
             return f"box {handle.name} has no running test worker"
-        _, fork_socket = self._fork_listener(handle)  # listening before the box can connect
+        try:
+            _, fork_socket = self._fork_listener(handle)  # listening before the box can connect
+        except (OSError, BoxliteError) as exc:
+            # Every boxed test runs in a fork: a runtime whose boxes take no socket runs none.
+            return f"box {handle.name} takes no connection from a fork of its warm interpreter: {exc}"
         token = secrets.token_hex(8)
         request = {"nodeid": nodeid, "token": token, "sock": fork_socket, "hostname": name[:63], "network": network}
         if in_place:
