@@ -369,7 +369,7 @@ class ForkedBoxes:
         warm interpreter, or ``handle``'s own) at their host addresses, before it runs
         (the ``pytest_boxlite_reach`` hook, which services implement); why not, if they cannot be."""
         agent = getattr(handle, "agent_pid", None)
-        if box is not None and box.stream is not None:
+        if box is not None and box.stream is not None and not box.in_place:
             where = BoxAccess(box.name, agent, box.stream.conn)
         else:
             where = BoxAccess(handle.name, agent)
@@ -381,8 +381,11 @@ class ForkedBoxes:
         why there is none.  The answer is not waited for here: a box made ahead is asked for while
         a test runs, and the host then reads that test's reports, not the warm interpreter's clone."""
         worker = self.warm.get(handle.name)
-        self.forks += 1
-        name = f"{handle.name}.{self.forks}"
+        if in_place:
+            name = handle.name  # the fork is its box's: reports, services and hooks name that box
+        else:
+            self.forks += 1
+            name = f"{handle.name}.{self.forks}"
         if worker is None:
             return f"box {handle.name} has no running test worker"
         try:
@@ -558,7 +561,7 @@ class ForkedBoxes:
             code = self._fork_status(box.worker, msg.WAIT, box.child)
             if box.handle.oom_kills() > box.oom_before or (box.cell is not None and box.cell.oom_kills() > 0):
                 out.hung_up = RefusedMessage(OOM + side_effects.memory_text(box.cell.usage() if box.cell else {}))
-        if out.done and not out.paused:
+        if out.done and not out.paused and not box.in_place:
             # A test that sat at the debugger's prompt tells nothing of the box's overhead.
             self.fork_waits.append(time.monotonic() - start - sum(r.duration for r in out.reports))
         if not box.alive and box.stream is not None:
@@ -700,7 +703,8 @@ class ForkedBoxes:
     def _retire(self, box: ForkedBox) -> None:
         """A forked box is done: every process in its cgroups is killed now (no grace: nothing of
         it may run on beside the next test), its cgroups removed once empty (:meth:`_release_cells`)."""
-        self.config.hook.pytest_boxlite_box_done(config=self.config, name=box.name)
+        if not box.in_place:  # an in-place fork's box goes on (or goes with its lease)
+            self.config.hook.pytest_boxlite_box_done(config=self.config, name=box.name)
         cell = box.cell
         if cell is not None and all(c is not cell for c in self._done_cells):
             cell.kill()
