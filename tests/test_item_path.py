@@ -135,17 +135,19 @@ HANDSHAKE = ("ForkStream.", "__init__", "messages")  # qualnames; function names
 #: The modules that own the steps of a boxed item's run.
 E, W, T, R = "executor", "worker_host", "transport", "reports"
 OWNERS = (E, W, T, R)
-#: The warm interpreters' lifecycle (``remote/warm.py``): no step of its own, reached only from
-#: within a ``worker_host`` step (a fork asks for its warm interpreter, an end kills a broken box).
+#: The warm interpreters' lifecycle (``remote/warm.py``): no step of its own.  It is reached within
+#: a ``worker_host`` step (a fork asks for its warm interpreter, an end kills a broken box), or by
+#: the pool as a lease boots a box (its hook starts the box's warm interpreter: :data:`WARM_BOOT`).
 WARM = "warm"
+WARM_BOOT = "warm:WarmInterpreters.start"
 
 
 def warm_only_within_forks(path: list[str]) -> None:
-    """Every stay in :data:`WARM` is entered from ``worker_host`` and returns to it: the executor
-    never reaches the warm interpreters directly on an item's path."""
+    """Every stay in :data:`WARM` but a box's boot is entered from ``worker_host`` and returns to
+    it: the executor never reaches the warm interpreters directly on an item's path."""
     mods = [stay.partition(":")[0] for stay in path]
     for i, module in enumerate(mods):
-        if module == WARM:
+        if module == WARM and path[i] != WARM_BOOT:
             assert 0 < i < len(mods) - 1 and mods[i - 1] == W and mods[i + 1] == W, path
 
 
