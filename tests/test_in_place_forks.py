@@ -11,13 +11,12 @@ last test fails there).
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from subruns import SubRun, sub_env
+from subruns import SubRun
+from test_session import cli
 
 from pytest_boxlite import ledger
 
@@ -83,16 +82,6 @@ def run(tmp_path: Path, home: Path, tag: str, body: str, *args: str) -> tuple[in
     (proj / f"test_{tag}.py").write_text(textwrap.dedent(body))
     sub = SubRun(proj, home, tag, "-p", "no:randomly", "-p", "no:xdist", *args)
     return sub.wait(150), sub.output
-
-
-def cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest_boxlite", "--home", str(home), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=sub_env(),
-    )
 
 
 def test_a_kept_box_holds_what_its_failed_test_wrote(tmp_path: Path, home: Path) -> None:
