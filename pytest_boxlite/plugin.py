@@ -18,6 +18,7 @@ import fcntl
 import io
 import os
 import re
+import stat
 import traceback
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -259,6 +260,20 @@ def _owner_alive(home: Path, owner: str) -> bool:
     return False
 
 
+def _has_keep_mark(dir_fd: int, name: str) -> bool:
+    """Whether the vm home ``name`` (an owner's, in ``dir_fd``) is marked kept; no link followed."""
+    try:
+        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.stat("keep", dir_fd=sub, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+    finally:
+        os.close(sub)
+
+
 def _has_state(home: Path) -> bool:
     """Whether ``home`` may hold leftovers of a dead session to reconcile: its state directories
     hold anything but a live owner's lock, boxes and vm home (a concurrent run, or the xdist
@@ -275,6 +290,11 @@ def _has_state(home: Path) -> bool:
         try:
             with os.scandir(fd) as entries:
                 names = [e.name for e in entries]
+            # Kept for debugging (--boxlite-keep): reconciling leaves these, so they are no reason
+            # to make the host role at every later run (``clean --kept`` removes them).  A box
+            # is kept by a ``.keep`` mark beside it, an owner's home by a ``keep`` file in it.
+            kept = {n.removesuffix(".keep") for n in names if n.endswith(".keep")}
+            kept.update(n for n in names if "." not in n and _has_keep_mark(fd, n))
         except OSError:
             continue
         finally:
@@ -284,9 +304,14 @@ def _has_state(home: Path) -> bool:
                 owner = name.removesuffix(".lock") if name.endswith(".lock") else None
             elif kind == "namespace":
                 # A box's directory, or its control directory or keep mark beside it.
-                m = BOX_NAME.match(name.removesuffix(".ctl").removesuffix(".keep"))
+                base = name.removesuffix(".ctl").removesuffix(".keep")
+                if base in kept:
+                    continue
+                m = BOX_NAME.match(base)
                 owner = m.group("owner") if m else None
             else:
+                if name in kept:
+                    continue
                 owner = name
             if owner is None or not _owner_alive(home, owner):
                 return True

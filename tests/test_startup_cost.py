@@ -152,6 +152,33 @@ def test_a_live_session_s_state_is_no_reason_to_make_the_role(pytester: pytest.P
     assert plugin._has_state(cache)
 
 
+def test_kept_boxes_of_a_dead_session_are_no_reason_to_make_the_role(pytester: pytest.Pytester, cache: Path) -> None:
+    """A box kept by --boxlite-keep (namespace: its ``.keep`` mark; vm: the owner's home's ``keep``)
+    stays until ``clean --kept``: reconciling leaves it, so a plain run beside it must not pay for
+    the host role each time (it did: +100 ms of CPU per run until the box was cleaned).  The same
+    box without its mark is a leftover, and makes the role."""
+    owner = "cafe0002"
+    box = cache / "namespace" / f"pbx-{owner}-1"
+    box.mkdir(parents=True)
+    box.with_name(box.name + ".ctl").mkdir()
+    box.with_name(box.name + ".keep").write_text('{"kept_at": 0}')
+    vm_home = cache / "vm" / "cafe0003"
+    vm_home.mkdir(parents=True)
+    (vm_home / "keep").write_text("kept for debugging\n")
+    assert not plugin._has_state(cache)
+    pytester.makeconftest(PROBE)
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    result = pytester.runpytest_subprocess("-s", *QUIET)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["HOST False", "HEAVY []"])
+    assert box.exists() and (vm_home / "keep").exists()
+    (vm_home / "keep").unlink()
+    assert plugin._has_state(cache)  # an unmarked vm home of a dead owner: a leftover
+    (vm_home / "keep").write_text("kept\n")
+    box.with_name(box.name + ".keep").unlink()
+    assert plugin._has_state(cache)  # an unmarked box of a dead owner: a leftover
+
+
 def test_the_lazy_host_knows_every_box_fixture_and_state_directory() -> None:
     """Its copies of what the roles, the ledger and the runtimes define (it imports none of them)."""
     from pytest_boxlite import roles
