@@ -153,11 +153,8 @@ def _walk(
             kind = _kind(st.st_mode, st.st_rdev)
             attrs = _xattrs(fd, e.name) if want_attrs(path) else ()
             state[path] = (kind, st.st_size, st.st_mtime_ns, attrs)
-            if kind == "link" and len(link_targets) < LISTED:
-                try:
-                    link_targets[path] = os.readlink(e.name, dir_fd=fd)[:TEXT_CAP]
-                except OSError:
-                    pass
+            if kind == "link":
+                _note_link(link_targets, path, e.name, fd)
             if kind != "dir":
                 continue
             if depth >= WALK_DEPTH:
@@ -173,6 +170,16 @@ def _walk(
                 os.close(sub)
             if budget.cut:
                 return
+
+
+def _note_link(link_targets: "dict[str, str]", path: str, name: str, dir_fd: int) -> None:
+    """Record where the link ``name`` in ``dir_fd`` (shown at ``path``) points, never following it
+    (bounded: at most :data:`LISTED` links, :data:`TEXT_CAP` characters each)."""
+    if len(link_targets) < LISTED:
+        try:
+            link_targets[path] = os.readlink(name, dir_fd=dir_fd)[:TEXT_CAP]
+        except OSError:
+            pass
 
 
 def _open_below(fd: int, parts: "tuple[str, ...]") -> "int | None":
@@ -235,11 +242,8 @@ def _walk_wide(
                         # device of the layer that holds them.
                         continue
                     state[path] = (kind, st.st_size, st.st_mtime_ns, (st.st_ino, st.st_dev))
-                    if kind == "link" and len(link_targets) < LISTED:
-                        try:
-                            link_targets[path] = os.readlink(e.name, dir_fd=sub)[:TEXT_CAP]
-                        except OSError:
-                            pass
+                    if kind == "link":
+                        _note_link(link_targets, path, e.name, sub)
                     if kind == "dir":
                         if len(parts) >= WALK_DEPTH:
                             budget.cut = True
