@@ -396,11 +396,12 @@ def _names(opt: Option) -> list[Option]:
     return [opt] if old is None else [opt, old]
 
 
-def _typed_flag(config: pytest.Config, opt: Option) -> str:
-    """The spelling of ``opt`` the command line used last (argparse keeps only the value)."""
-    typed = opt.flag
+def _typed_flag(config: pytest.Config, names: list[Option]) -> str:
+    """Which of ``names`` (an option, then its older spelling: :func:`_names`) the command line
+    used last (argparse keeps only the value)."""
+    typed = names[0].flag
     for arg in config.invocation_params.args:
-        for named in _names(opt):
+        for named in names:
             if isinstance(arg, str) and (arg == named.flag or arg.startswith(named.flag + "=")):
                 typed = named.flag
     return typed
@@ -414,18 +415,19 @@ def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Set
     for opt in OPTIONS:
         value, source = opt.default(), "default"
         # At each level the option's name wins over its older one (``Option.alias``).
-        for named in _names(opt):
+        names = _names(opt)
+        for named in names:
             raw_ini = _ini(config, named)
             if raw_ini is not None:
                 value, source = _parse(opt, raw_ini, f"ini key {named.ini}"), f"ini {named.ini}"
                 break
-        for named in _names(opt):
+        for named in names:
             if named.env in env:
                 value, source = _parse(opt, env[named.env], f"environment variable {named.env}"), f"env {named.env}"
                 break
         cli = config.getoption(f"boxlite_{opt.name}")
         if cli is not None:
-            flag = _typed_flag(config, opt)
+            flag = _typed_flag(config, names)
             value, source = _parse(opt, cli, f"the command line ({flag})"), f"command line {flag}"
         values[opt.name] = value
         sources[opt.name] = source
