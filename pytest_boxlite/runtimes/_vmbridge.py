@@ -16,6 +16,7 @@ import queue
 import select
 import signal
 import socket
+import struct
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -151,7 +152,7 @@ class VmBridge:
         self._loop = loop
         self.sock_path = sock_path
         self._python = guest_python
-        sock_path.parent.mkdir(parents=True, exist_ok=True)
+        sock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
         self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -193,6 +194,10 @@ class VmBridge:
     def _serve(self, conn: socket.socket) -> None:
         fds: list[int] = []
         try:
+            if _peer_uid(conn) != os.geteuid():
+                # Whoever else reached the socket (a umask that left it open, a directory made
+                # by hand) gets no byte and runs nothing in the box: closed before it is read.
+                return
             data, got, _flags, _addr = socket.recv_fds(conn, 1 << 16, 8)
             fds = list(got)
             while not data.endswith(b"\n"):
@@ -358,6 +363,12 @@ class _Connection:
                 with contextlib.suppress(Exception):
                     sig = int(json.loads(line)["signal"])
                     self.bridge._call(lambda s=sig: self.execution.signal(s), 5)  # type: ignore[misc]
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of the Unix socket ``conn`` (``SO_PEERCRED``)."""
+    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return int(uid)
 
 
 def _bind(sock: socket.socket, path: Path) -> None:
