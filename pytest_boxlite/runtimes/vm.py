@@ -68,10 +68,10 @@ import time
 import warnings
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from pytest_boxlite import guest
-from pytest_boxlite._homefs import HomeDir
+from pytest_boxlite._homefs import HomeDir, Refused
 from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import (
     BoxDeadError,
@@ -577,11 +577,15 @@ class VmRuntime(RuntimeDefaults):
         return dataclasses.replace(spec, template=TEMPLATE_PREFIX + key)
 
     def _load_template(self, spec: BoxSpec, setup: str, key: str, store: Path, cwd: Path, timeout: float) -> Any:
-        store.mkdir(parents=True, exist_ok=True)
+        store.mkdir(mode=0o700, parents=True, exist_ok=True)
         archive = store / f"{key}.boxlite"
         name = f"tpl-{key}"  # no owner in the name: never one session's box, removed at close
         deadline = time.monotonic() + timeout
-        with open(store / f"{key}.lock", "w") as lock:
+        try:
+            held = _template_lock(store, key)
+        except Refused as exc:
+            raise BoxStartError(f"vm template {key}: {exc}") from None
+        with held as lock:
             # Another session or worker may be building this very template: wait for it, bounded.
             while True:
                 try:
@@ -618,6 +622,8 @@ class VmRuntime(RuntimeDefaults):
                 raise BoxStartError(f"--boxlite-setup {setup!r} {what} in the template box:\n{out}")
             box = handle._box
             tmp = archive.with_name(f"{archive.name}.{os.getpid()}.tmp")
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()  # a leftover, or a link planted for the SDK's export to write through
 
             async def export() -> None:
                 await box.stop()
@@ -840,28 +846,70 @@ class VmKind:
     def drop_templates(self, home: Path) -> list[str]:
         """Remove the template archives of ``<home>/vm-templates`` (boxes already imported from one
         keep their copy); one that a session is building or importing right now is left alone."""
-        store = Path(home) / "vm-templates"
-        if not store.is_dir():
+        # Through the home's descriptor (see _homefs): a ``vm-templates`` link, and links or other
+        # users' entries in it, are refused and warned about, never followed, written or removed.
+        try:
+            store = HomeDir.at(home, "vm-templates")
+        except FileNotFoundError:
+            return []
+        except Refused as exc:
+            _refused_template(exc.path, exc.why)
             return []
         dropped = []
-        for archive in sorted(store.glob("*.boxlite")):
-            key = archive.name.removesuffix(".boxlite")
-            try:
-                with open(store / f"{key}.lock", "w") as lock:
-                    # The lock a build or an import holds (see VmRuntime._load_template).
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    archive.unlink()
-            except (BlockingIOError, FileNotFoundError):
-                continue  # in use, or gone meanwhile
-            dropped.append(key)
-        for tmp in store.glob("*.tmp"):  # half-written exports of builds that died
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        with store:
+            entries = store.entries()
+            for entry in entries:
+                if entry.refused is not None:
+                    _refused_template(store.path / entry.name, entry.refused)
+                elif entry.is_file and entry.name.endswith(".boxlite"):
+                    key = entry.name.removesuffix(".boxlite")
+                    try:
+                        with _template_lock(store.path, key, store) as lock:
+                            # The lock a build or an import holds (see VmRuntime._load_template).
+                            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                            store.unlink(entry.name, missing_ok=False)
+                    except (BlockingIOError, FileNotFoundError):
+                        continue  # in use, or gone meanwhile
+                    except Refused as exc:
+                        _refused_template(exc.path, exc.why)
+                        continue
+                    dropped.append(key)
+            for entry in entries:  # half-written exports of builds that died
+                if entry.refused is None and entry.is_file and entry.name.endswith(".tmp"):
+                    with contextlib.suppress(OSError):
+                        store.unlink(entry.name)
         return dropped
 
     def attach_existing(self, home: Path, name: str, argv: Sequence[str]) -> int | None:
         """``None``: a VM's bridge lives in the process that owns it, so no other process can attach."""
         return None
+
+
+def _template_lock(store: Path, key: str, opened: HomeDir | None = None) -> BinaryIO:
+    """The lock file ``<store>/<key>.lock`` that a template's build, import or removal holds,
+    opened (made) through the store's descriptor: a store that is a link or not ours, or a lock
+    that is a link (planted to be truncated by ``open(..., "w")``), is :class:`Refused`."""
+    try:
+        top = opened if opened is not None else HomeDir.open(store)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise Refused(str(store), "a link or not a directory where the templates' directory is expected") from None
+        raise
+    try:
+        fd = top.open_file(f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    finally:
+        if opened is None:
+            top.close()
+    return os.fdopen(fd, "r+b")
+
+
+def _refused_template(path: str | Path, why: str) -> None:
+    warnings.warn(
+        f"pytest-boxlite: refused {shown(path, line=True)}: {why}; not a vm template of yours: it is not "
+        "followed or removed (remove it by hand if you know what it is)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _records(vm_home: Path) -> list[str]:
