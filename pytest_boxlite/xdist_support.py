@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 
+from pytest_boxlite._shown import shown
 from pytest_boxlite._tidy import remove_own_dir
 from pytest_boxlite.session import BoxliteSession
 from pytest_boxlite.settings import Settings
@@ -403,9 +404,8 @@ def worker_output(session: BoxliteSession, *, remote: bool) -> dict[str, Any]:
 
 
 def _text(value: object) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    text = "".join(c if c.isprintable() else "?" for c in text)
-    return text[:_MAX_TEXT]
+    # A remote worker's words, shown as every other text from elsewhere is (one escape: _shown).
+    return shown(value if isinstance(value, str) else repr(value), line=True, limit=_MAX_TEXT)
 
 
 def _names(value: object) -> list[str]:

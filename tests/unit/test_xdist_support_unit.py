@@ -65,6 +65,7 @@ def test_what_a_remote_worker_sends_is_bounded_and_checked() -> None:
     rep = ledger.add("gw0", hostile)
     assert rep is not None
     assert "\x1b" not in rep.host and "\n" not in rep.host and len(rep.host) <= 200
+    assert rep.host.startswith("evil\\x1b[2J\\nhost"), rep.host  # shown escaped, as all text from elsewhere
     assert rep.home == "['not', 'text']"
     assert rep.booted == 3 and len(rep.leaked) == 200 and rep.kept == [] and rep.reconciled == ["None"]
     assert clean_stats(hostile["stats"]) == {"booted": 3, "lease_waits": [0.1]}
