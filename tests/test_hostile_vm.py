@@ -11,11 +11,15 @@
   ``vm-templates`` link (a project shipping ``.bl-home``) made ``clean --templates`` remove the
   ``*.boxlite`` and ``*.tmp`` files of the link's target and leave ``*.lock`` files there, and a
   ``NAME.lock`` link beside a ``NAME.boxlite`` made it truncate the link's target (``open(.., "w")``).
+* The REST runtime's local scratch (``<home>/rest/OWNER``, a session with ``--boxlite-url`` and
+  ``ls``/``clean --url``) removes the scratch directories of dead runtimes: through a ``rest``
+  link it removed every directory of the link's target holding an unlocked ``.lock``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import pwd
 import socket
@@ -31,7 +35,7 @@ from test_hostile_home import _attacker_python
 
 import pytest_boxlite
 from pytest_boxlite._homefs import Refused, remove_path
-from pytest_boxlite.runtimes import vm
+from pytest_boxlite.runtimes import rest, vm
 from pytest_boxlite.runtimes._vmbridge import VmBridge
 
 pytestmark = pytest.mark.timeout(120)
@@ -188,3 +192,43 @@ def test_a_sessions_template_lock_is_never_opened_through_a_link(tmp_path: Path)
     assert all(p.read_text() == f"precious {p.name}" for p in victim.iterdir())
     with vm._template_lock(store, "ok") as lock:  # an honest lock: made, ours, mode 0600
         assert os.fstat(lock.fileno()).st_mode & 0o777 == 0o600
+
+
+# --- the REST runtime's scratch ----------------------------------------------------------------
+
+
+@pytest.mark.escape_row("hostile-home", runtime="host")
+def test_the_rest_scratch_removes_nothing_through_a_rest_link(tmp_path: Path) -> None:
+    home = _home(tmp_path)
+    siblings = tmp_path / "siblings"
+    (siblings / "checkout" / "src").mkdir(parents=True)
+    (siblings / "checkout" / ".lock").write_text("")  # a dead scratch's look: an unlocked .lock
+    (siblings / "checkout" / "src" / "main.py").write_text("precious")
+    (home / "rest").symlink_to(siblings)
+    with pytest.raises(Refused, match="rest"):
+        rest._hold_scratch(home / "rest" / "cli-1")
+    assert (siblings / "checkout" / "src" / "main.py").read_text() == "precious"
+    assert sorted(p.name for p in siblings.iterdir()) == ["checkout"]
+
+
+def test_the_rest_scratch_removes_dead_siblings_of_its_own_only(tmp_path: Path) -> None:
+    home = _home(tmp_path)
+    victim = _victim(tmp_path)
+    scratches = home / "rest"
+    (scratches / "dead").mkdir(parents=True)
+    (scratches / "dead" / ".lock").write_text("")
+    (scratches / "dead" / "out").symlink_to(victim)  # removed as a link, never followed
+    (scratches / "lock-link").mkdir()
+    (scratches / "lock-link" / ".lock").symlink_to(victim / "secret.txt")
+    (scratches / "dir-link").symlink_to(victim)
+    live = scratches / "live"
+    live.mkdir()
+    held = os.open(live / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        fd = rest._hold_scratch(scratches / "mine")
+        os.close(fd)
+    finally:
+        os.close(held)
+    assert sorted(p.name for p in scratches.iterdir()) == ["dir-link", "live", "lock-link", "mine"]
+    assert all(p.read_text() == f"precious {p.name}" for p in victim.iterdir())

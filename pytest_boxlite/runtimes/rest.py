@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import os
@@ -20,6 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pytest_boxlite._homefs import HomeDir, Refused, remove_tree_at
 from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import (
     BoxDeadError,
@@ -200,25 +202,41 @@ def _hold_scratch(scratch: Path) -> int:
     """Make ``scratch`` and lock it for this runtime's life; remove siblings whose runtime died.
 
     The kernel drops the lock with its process, however it dies, so an unlocked sibling is the
-    leftover of a killed session (its bridge sockets): nothing there is still in use.
+    leftover of a killed session (its bridge sockets): nothing there is still in use.  Every path
+    goes through the descriptor of ``scratch``'s parent (``<home>/rest``, see :mod:`._homefs`): a
+    link there, or a sibling or lock that is a link or another user's, is refused, never followed
+    or removed (a ``rest`` link shipped in a project's home once removed directories elsewhere).
     """
-    scratch.mkdir(parents=True, exist_ok=True)
-    fd = os.open(scratch / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    for sibling in scratch.parent.iterdir():
-        if sibling == scratch or not sibling.is_dir() or sibling.is_symlink():
-            continue
+    scratch.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        top = HomeDir.open(scratch.parent)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise Refused(str(scratch.parent), "a link or not a directory where a directory is expected") from None
+        raise
+    with top:
+        top.sub(scratch.name, create=True).close()
+        fd = top.open_file(f"{scratch.name}/.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            other = os.open(sibling / ".lock", os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            continue  # being made right now, or not ours: leave it
-        try:
-            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # alive
-        finally:
-            os.close(other)
-        shutil.rmtree(sibling, ignore_errors=True)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        for sibling in top.entries():
+            if sibling.name == scratch.name or sibling.refused is not None or not sibling.is_dir:
+                continue
+            try:
+                other = top.open_file(f"{sibling.name}/.lock", os.O_RDWR)
+            except OSError:
+                continue  # being made right now, or not ours: leave it
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # alive
+            finally:
+                os.close(other)
+            with contextlib.suppress(OSError):
+                remove_tree_at(top.fd, sibling.name)
     return fd
 
 
