@@ -232,3 +232,27 @@ def test_the_rest_scratch_removes_dead_siblings_of_its_own_only(tmp_path: Path) 
         os.close(held)
     assert sorted(p.name for p in scratches.iterdir()) == ["dir-link", "live", "lock-link", "mine"]
     assert all(p.read_text() == f"precious {p.name}" for p in victim.iterdir())
+
+
+# --- a vm home is made through no link ---------------------------------------------------------
+
+
+@pytest.mark.escape_row("hostile-home", runtime="host")
+@pytest.mark.parametrize("link", ["vm", "images"])
+def test_a_vm_home_is_never_made_through_a_link(tmp_path: Path, link: str) -> None:
+    victim, home = _victim(tmp_path), _home(tmp_path)
+    (home / link).symlink_to(victim)
+    with pytest.raises(Refused, match=link):
+        vm.prepare_home(home, "pbx-owner")
+    assert sorted(p.name for p in victim.iterdir()) == ["app.boxlite", "build.tmp", "secret.txt"]
+
+
+def test_a_vm_homes_images_link_must_be_the_homes_own(tmp_path: Path) -> None:
+    victim, home = _victim(tmp_path), _home(tmp_path)
+    made = vm.prepare_home(home, "pbx-owner")
+    assert os.readlink(made / "images") == str(home / "images")
+    assert vm.prepare_home(home, "pbx-owner") == made  # again: the same link, kept
+    (made / "images").unlink()
+    (made / "images").symlink_to(victim)
+    with pytest.raises(Refused, match="not to the home's own"):
+        vm.prepare_home(home, "pbx-owner")

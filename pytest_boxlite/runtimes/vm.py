@@ -440,13 +440,20 @@ def prepare_home(base: Path, owner: str) -> Path:
     BoxLite keeps its image index per home; the content-addressed blobs under
     ``images`` are what cost the download, and those are shared.
     """
+    # Through the home's descriptor (see _homefs): an ``images`` or ``vm`` link in the home (one a
+    # project ships), or an entry of another owner, is refused: BoxLite would write through it.
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with HomeDir.at(base, "images", create=True):
+        pass
+    with HomeDir.at(base, f"vm/{owner}", create=True):
+        pass
     shared = base / "images"
-    shared.mkdir(parents=True, exist_ok=True)
     home = base / "vm" / owner
-    home.mkdir(parents=True, exist_ok=True)
     link = home / "images"
-    if not link.exists() and not link.is_symlink():
+    if not link.is_symlink():
         link.symlink_to(shared, target_is_directory=True)
+    elif os.readlink(link) != str(shared):
+        raise Refused(str(link), f"a link to {os.readlink(link)!r}, not to the home's own {shared}")
     return home
 
 
