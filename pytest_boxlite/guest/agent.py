@@ -732,7 +732,7 @@ def _serve_forever(
 # the spec shares the host's, network) namespaces with guest/fresh.py's and layers.py's code, the very code that
 # gives each boxed test its pristine box: every overlay gets a new, empty upper layer, /tmp,
 # /dev/shm and /run new tmpfs, /proc a new procfs of the new pid namespace, and the box a new
-# root of its own (layers.py's fresh_root: /workspace and any top-level entry made anew).  The
+# root of its own (layers.py's fresh_box: /workspace and any top-level entry made anew).  The
 # child first moves itself into the box's own cgroups (the host sends their files' descriptors)
 # and a cgroup namespace of its own, then becomes the new box's pid 1 agent, serving on the
 # socket the host sent with the request, watched by its own watchdog pipe, its stderr in its own
@@ -901,12 +901,10 @@ def _forked_box(conn: socket.socket, fds: list[int], req: dict[str, Any], cfg: d
         with open("/proc/self/oom_score_adj") as fh:
             oom_adj = fh.read().strip()
         network = bool(req.get("network"))
-        warm_tops = layers.top_mounts()
         layers.KEEP_LAYERS[0] = True  # Sandbox.changes(): a handle on each fresh layer
-        layers.fresh_box(str(req["hostname"]), network)
         # The spare /proc goes into the new root before the old one (and the zygote's spare /proc
         # in it) is detached: the kernel mounts a new procfs only where a fully visible one exists.
-        layers.fresh_root(warm_tops, _hide_spare_proc)
+        layers.fresh_box(str(req["hostname"]), network, own_root=True, before_pivot=_hide_spare_proc)
         # fresh_box favours the warm interpreter under memory pressure: a box's agent has none.
         with open("/proc/self/oom_score_adj", "w") as fh:
             fh.write(oom_adj)

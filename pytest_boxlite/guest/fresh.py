@@ -14,7 +14,7 @@ import sys
 from pytest_boxlite.guest.boxinit import IN_TEST, BareInit, _BoxArgs, native_init
 from pytest_boxlite.guest.caps import check_libc
 from pytest_boxlite.guest.ids import IdMapper, _enter_user_namespace, _map_own_ids
-from pytest_boxlite.guest.layers import _mount, loopback_up
+from pytest_boxlite.guest.layers import _mount, loopback_up, remember_warm_mounts
 from pytest_boxlite.guest.linux import (
     CLONE_NEWCGROUP,
     CLONE_NEWIPC,
@@ -209,6 +209,7 @@ def clone_box(
     above) it has no effect: 0 is returned in pid 1, which forks its test process itself.
     """
     flags = box_flags(network) if flags is None else flags
+    remember_warm_mounts()  # the box's fresh_box takes the table instead of reading its own
     if real_root:
         # A VM's root makes the box's layers as root of its own kernel, in no new user namespace:
         # mounts of a new user namespace's are locked, and an overlay cannot take a directory

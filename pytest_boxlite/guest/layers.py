@@ -43,11 +43,6 @@ def _mount(libc: Any, src: str | None, target: str, fstype: str | None, flags: i
     check_libc(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)
 
 
-def _mounts() -> list[tuple[str, str]]:
-    """``(mount point, fstype)`` of every mount this process sees, in mount order."""
-    return [(point, fstype) for point, fstype, _, _ in _mount_table()]
-
-
 #: ``xino=on``: every file of an overlay reports the overlay's device, as its directory does (with
 #: its layers on two file systems and xino off, a file reports its layer's, and os.path.ismount()
 #: says True of it).  Emptied where the kernel does not know the option (before 4.17).
@@ -61,13 +56,17 @@ KEEP_LAYERS = [False]
 LAYERS: list[tuple[str, str, int]] = []
 
 
-def _overlay(libc: Any, lower: str, target: str, stage: str, n: int | str) -> None:
-    """A new overlay on ``target`` over ``lower``, with an empty upper layer in ``stage``."""
+def _overlay(
+    libc: Any, lower: str, target: str, stage: str, n: int | str, shown: str | None = None, named: str | None = None
+) -> None:
+    """A new overlay on ``target`` over ``lower``, with an empty upper layer in ``stage``.
+
+    In :data:`LAYERS` (when kept) it is ``(shown, named, fd)``: where the box sees it (``target``
+    unless the box's root moves) and what guest/changes.py takes its lower for (``lower`` unless
+    told: a directory of the warm box's /tmp goes by its staging name, ``<stage>/tmpN``)."""
     upper, work = "%s/u%s" % (stage, n), "%s/w%s" % (stage, n)
     os.mkdir(upper)
     os.mkdir(work)
-    if KEEP_LAYERS[0]:
-        LAYERS.append((target, lower, os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)))
     opts = "lowerdir=%s,upperdir=%s,workdir=%s,userxattr" % (lower, upper, work)
     try:
         _mount(libc, "overlay", target, "overlay", 0, opts + _XINO[0])
@@ -76,6 +75,9 @@ def _overlay(libc: Any, lower: str, target: str, stage: str, n: int | str) -> No
             raise
         _mount(libc, "overlay", target, "overlay", 0, opts)  # raises if xino was not the reason
         _XINO[0] = ""
+    if KEEP_LAYERS[0]:
+        fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        LAYERS.append((shown or target, named or lower, fd))
 
 
 def _renewed_overlays(table: list[MountRow]) -> list[str]:
@@ -169,7 +171,7 @@ _DEV_ENTRIES = 256
 _DEV_FILE_BYTES = 1 << 16
 
 
-def _fresh_dev(libc: Any, stage: str, table: list[MountRow]) -> None:
+def _fresh_dev(libc: Any, table: list[MountRow], into: str) -> None:
     """A /dev of the box's own: a new tmpfs holding what the warm box's /dev holds (its device
     nodes, /dev/pts and other mounts bound again; links and small files copied; directories
     made anew, empty).  The warm box's /dev is one tmpfs (bubblewrap's) that every box forked
@@ -178,48 +180,47 @@ def _fresh_dev(libc: Any, stage: str, table: list[MountRow]) -> None:
     import stat
 
     mounted = {m for m, _, _, _ in table if m.startswith("/dev/") and m.count("/") == 2}
-    held = stage + "/dev"
-    os.mkdir(held, 0o700)
-    entries: list[tuple[str, str, Any]] = []
+    # The new tmpfs is made where the box will see it (``into``: the /dev of its new root), while
+    # the warm box's entries are still in sight: each mount is bound once, straight from there.
+    # No MS_NODEV: the device nodes bound in must still open.
+    _mount(libc, "tmpfs", into, "tmpfs", MS_NOSUID, "mode=%o" % stat.S_IMODE(os.stat("/dev").st_mode))
     for name in sorted(os.listdir("/dev"))[:_DEV_ENTRIES]:
-        path = "/dev/" + name
+        path, target = "/dev/" + name, into + "/" + name
         st = os.lstat(path)
         if path in mounted:
-            os.mkdir(held + "/" + name) if stat.S_ISDIR(st.st_mode) else open(held + "/" + name, "w").close()
-            _mount(libc, path, held + "/" + name, None, MS_BIND | MS_REC, None)
-            entries.append((name, "mount", stat.S_ISDIR(st.st_mode)))
+            if path == "/dev/shm":
+                os.mkdir(target)  # a new tmpfs goes on it (fresh_box): nothing to bind
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                os.mkdir(target)
+            else:
+                os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            _mount(libc, path, target, None, MS_BIND | MS_REC, None)
         elif stat.S_ISLNK(st.st_mode):
-            entries.append((name, "link", os.readlink(path)))
+            os.symlink(os.readlink(path), target)
         elif stat.S_ISDIR(st.st_mode):
-            entries.append((name, "dir", stat.S_IMODE(st.st_mode)))
+            os.mkdir(target, stat.S_IMODE(st.st_mode))
         elif stat.S_ISREG(st.st_mode) and st.st_size <= _DEV_FILE_BYTES:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            src = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
-                entries.append((name, "file", (stat.S_IMODE(st.st_mode), os.read(fd, _DEV_FILE_BYTES))))
+                data = os.read(src, _DEV_FILE_BYTES)
+            finally:
+                os.close(src)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, stat.S_IMODE(st.st_mode))
+            try:
+                os.write(fd, data)
             finally:
                 os.close(fd)
         # Nothing else is kept: a device node there is a bound mount (above), never made here.
-    mode = stat.S_IMODE(os.stat("/dev").st_mode)
-    # No MS_NODEV: the device nodes bound back must still open.
-    _mount(libc, "tmpfs", "/dev", "tmpfs", MS_NOSUID, "mode=%o" % mode)
-    for name, kind, what in entries:
-        path = "/dev/" + name
-        if kind == "mount":
-            os.mkdir(path) if what else open(path, "w").close()
-            _mount(libc, held + "/" + name, path, None, MS_BIND | MS_REC, None)
-        elif kind == "link":
-            os.symlink(what, path)
-        elif kind == "dir":
-            os.mkdir(path, what)
-        else:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, what[0])
-            try:
-                os.write(fd, what[1])
-            finally:
-                os.close(fd)
 
 
-def fresh_box(hostname: str, network: bool, renew_all: bool = False, own_root: bool = False) -> None:
+def fresh_box(
+    hostname: str,
+    network: bool,
+    renew_all: bool = False,
+    own_root: bool = False,
+    before_pivot: Callable[[str], object] | None = None,
+) -> None:
     """In pid 1 of a box made by :func:`clone_box`: pristine writable layers, /proc, hostname.
 
     Every overlay gets a new, empty upper layer.  The masks the box had on top of its overlays
@@ -229,19 +230,28 @@ def fresh_box(hostname: str, network: bool, renew_all: bool = False, own_root: b
 
     ``renew_all`` (a VM: its root is a disk, its volumes virtio-fs, no overlays): every other
     writable directory is renewed too (:func:`_renew_plain`) and the root itself made read-only.
-    ``own_root``: the box then moves to a root directory of its own (:func:`fresh_root`) holding
-    the warm box's top-level mount points, keeping its working directory.
+    ``own_root`` (a test's box, not with ``renew_all``): every fresh mount is made in a root
+    directory of the box's own, which it then moves to, keeping its working directory (see
+    :func:`_fresh_box_in_new_root`); ``before_pivot(new_root)`` runs just before the move.
+    Without it (a VM's box) the box keeps the root directory it has.
     """
     libc = LIBC
     uid, gid = os.geteuid(), os.getegid()
-    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
+    # The table this box was cloned with: the same rows as its own (the stage mounted below is
+    # under /run, which nothing here renews or shows).
+    warm = _take_warm_mounts()
+    table, propagates = warm if warm is not None else (_mount_table(), True)
+    if propagates:
+        # Nothing the box mounts may reach the warm box, nor the host's mounts the box.
+        _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
     stage = "/run/.boxlite-fresh"
     os.makedirs(stage, exist_ok=True)
     _mount(libc, "tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700")
-    table = _mount_table()
+    if own_root and not renew_all:
+        _fresh_box_in_new_root(libc, table, stage, hostname, before_pivot)
+        _drop_privileges(libc, uid, gid, network)
+        return
     mounts = [(m, fs) for m, fs, _, _ in table]
-    # The warm box's top-level mount points: the stage above is no top-level one.
-    tops = _top_level(mounts)
     overlays = sorted(set(_renewed_overlays(table)), key=lambda p: (p.count("/"), p))
     hidden = [m for m in overlays if _under(m, "/tmp")]
     masks = _masks_over(mounts, overlays)
@@ -283,8 +293,6 @@ def fresh_box(hostname: str, network: bool, renew_all: bool = False, own_root: b
             os.rmdir(held)  # one the box may not bind: it is not shown (as before, when none was)
             continue
         shown.append(d)
-    if not renew_all:
-        _fresh_dev(libc, stage, table)
     for d in ("/tmp", "/workspace", "/dev/shm"):
         if os.path.isdir(d):
             _mount(libc, "tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777" if d != "/workspace" else "mode=0755")
@@ -293,12 +301,7 @@ def fresh_box(hostname: str, network: bool, renew_all: bool = False, own_root: b
     for i, d in enumerate(shown):
         os.mkdir(d)
         _overlay(libc, "%s/tmp%d" % (stage, i), d, stage, "t%d" % i)
-    for path, mode, data in files:  # the files beside them: copies (a layer is a directory's)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+    _write_copies(files)
     for i, m in enumerate(hidden):
         os.makedirs(m, exist_ok=True)
         _overlay(libc, "%s/keep%d" % (stage, i), m, stage, len(overlays) + i)
@@ -309,31 +312,147 @@ def fresh_box(hostname: str, network: bool, renew_all: bool = False, own_root: b
         # are renewed, / itself cannot be): / is read-only, with the flags it had (locked ones
         # cannot be dropped in this user namespace).
         _mount(libc, None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | plain_root, None)
-    import socket
+    _fresh_proc(libc, "/proc")
+    _name_and_yield(hostname)
+    _drop_privileges(libc, uid, gid, network)
 
-    _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+
+def _fresh_proc(libc: Any, at: str) -> None:
+    """A procfs of the box's pid namespace on ``at``, the parts that act host-wide read-only."""
+    _mount(libc, "proc", at, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     for name in _PROC_COVERS:
-        cover = "/proc/" + name
+        cover = at + "/" + name
         if os.path.exists(cover):
             _mount(libc, cover, cover, None, MS_BIND | MS_REC, None)
             ro = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
             _mount(libc, None, cover, None, ro, None)
+
+
+def _name_and_yield(hostname: str) -> None:
+    """The box's host name; under memory pressure its processes die first, not the warm interpreter."""
+    import socket
+
     socket.sethostname(hostname)
-    with open("/proc/self/oom_score_adj", "w") as fh:
-        fh.write("1000")  # under memory pressure the test dies, not the warm interpreter
-    if own_root:
-        # The warm box's root directory (bubblewrap's tmpfs) is shared with every box forked from
-        # it: a top-level entry one test made would reach the next.  Before the capabilities go.
-        here = os.getcwd()
-        fresh_root(tops, lambda new_root: None)
-        os.chdir(here)  # the same path in the new root: reports name files relative to it
+    fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, b"1000")
+    finally:
+        os.close(fd)
+
+
+def _write_copies(files: list[tuple[str, int, bytes]], root: str = "") -> None:
+    """The files of :func:`_tmp_view` beside its directories: copies (a layer is a directory's)."""
+    for path, mode, data in files:
+        fd = os.open(root + path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+
+def _drop_privileges(libc: Any, uid: int, gid: int, network: bool) -> None:
+    """The end of :func:`fresh_box`: anyone but root keeps no capability, as locally."""
     if uid != 0:
         if not network:
             loopback_up()
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
-        # Anyone but root keeps no capability, as locally.
         limit_caps(libc, ())
+
+
+def _fresh_box_in_new_root(
+    libc: Any, table: list[MountRow], stage: str, hostname: str, before_pivot: Callable[[str], object] | None
+) -> None:
+    """:func:`fresh_box` of a test's box (its own root, no VM): every fresh mount is made straight
+    in a new root directory, which the box then moves to.
+
+    The warm box's root directory (bubblewrap's tmpfs) is shared with every box forked from it: a
+    top-level entry one test made would reach the next, so the box needs a root of its own.  Made
+    first, it takes each fresh layer where the box will see it, while the warm box's mounts stay
+    in sight at their own paths as lower layers and sources: nothing is held aside first and
+    bound back (a mask, a directory of /tmp, an overlay under /tmp), no renewed mount is copied
+    into the new root, and the old root, detached at the end, holds none of the box's layers.
+    ``table``: the warm box's mounts (:func:`_mount_table`).
+    """
+    import stat
+
+    mounts = [(m, fs) for m, fs, _, _ in table]
+    tops = _top_level(mounts)
+    overlays = sorted(set(_renewed_overlays(table)), key=lambda p: (p.count("/"), p))
+    hidden = [m for m in overlays if _under(m, "/tmp")]
+    masks = _masks_over(mounts, overlays)
+    root = stage + "/root"
+    os.mkdir(root)
+    _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+    # Mounts of the warm box made anew (its /run holds this stage and its control directory; its
+    # /dev, /tmp, /workspace and /proc are shared with every box); where one of these is a plain
+    # directory there (bubblewrap's /workspace), it is one here too, empty, as any other.
+    made = {"/dev": "dev", "/proc": "proc", "/run": "0755", "/tmp": "1777", "/workspace": "0755"}
+    for name in sorted(os.listdir("/")):
+        path, target = "/" + name, root + "/" + name
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(path), target)
+        elif not stat.S_ISDIR(st.st_mode):
+            if path not in tops:
+                raise OSError(22, "unexpected entry %s in the warm box's root" % path)
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+            _mount(libc, path, target, None, MS_BIND | MS_REC, None)
+        elif path in made and path in tops:
+            os.mkdir(target, 0o755)
+            kind = made[path]
+            if kind == "dev":
+                _fresh_dev(libc, table, target)
+                _mount(libc, "tmpfs", target + "/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+            elif kind == "proc":
+                _fresh_proc(libc, target)
+            else:
+                _mount(libc, "tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, "mode=" + kind)
+        elif path in overlays:
+            os.mkdir(target, 0o755)  # the overlay laid on it below shows its lower's mode
+        elif path in tops:
+            os.mkdir(target, 0o755)
+            _mount(libc, path, target, None, MS_BIND | MS_REC, None)  # /sys, a read-only tree
+        else:
+            if os.listdir(path):
+                raise OSError(39, "the warm box's root holds files in %s: cannot make it anew" % path)
+            os.mkdir(target, stat.S_IMODE(st.st_mode))
+    for i, m in enumerate(overlays):
+        if m not in hidden:  # deeper ones after the ones they lie in: the order is by depth
+            _overlay(libc, m, root + m, stage, i, shown=m)
+    for m, fs in masks:
+        if fs == "tmpfs":
+            _mount(libc, "tmpfs", root + m, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+        else:
+            _mount(libc, m, root + m, None, MS_BIND, None)
+    # What the warm interpreter made in /tmp (its fixtures' files under /tmp/pytest-of-<user>) is
+    # seen in the new /tmp, copy-on-write: each directory with no mount beneath as a layer (a
+    # locked mount cannot be left out of a layer's lower), the way to the mounts made anew, and
+    # the files beside them copied.
+    paths, dirs, files = _tmp_view(mounts)
+    for d in paths:
+        os.makedirs(root + d, exist_ok=True)
+    for i, d in enumerate(dirs):
+        os.mkdir(root + d)
+        try:
+            _overlay(libc, d, root + d, stage, "t%d" % i, shown=d, named="%s/tmp%d" % (stage, i))
+        except OSError:
+            os.rmdir(root + d)  # one the box may not take as a layer: it is not shown
+    _write_copies(files, root)
+    for i, m in enumerate(hidden):  # a host directory under /tmp (a project there)
+        os.makedirs(root + m, exist_ok=True)
+        _overlay(libc, m, root + m, stage, len(overlays) + i, shown=m)
+    _name_and_yield(hostname)
+    # Into the new root, the working directory kept (the same path there: reports name files
+    # relative to it); the old root stacked under it by pivot_root(".", ".") and detached.
+    if before_pivot is not None:
+        before_pivot(root)
+    here = os.getcwd()
+    os.chdir(root)
+    check_libc(libc.syscall(_pivot_root_number(), b".", b"."), "pivot_root")
+    check_libc(libc.umount2(b".", _MNT_DETACH), "detaching the old root")
+    os.chdir("/")
+    os.chdir(here)
 
 
 #: File systems that hold no one's files (the kernel's views): never renewed.
@@ -360,19 +479,87 @@ _FLAG_OF = {
 def _mount_table() -> list[MountRow]:
     """``(mount point, fstype, per-mount options, super options)`` of every mount this process sees, in
     mount order."""
-    out: list[MountRow] = []
     with open("/proc/self/mountinfo") as fh:
-        for line in fh:
-            f = line.split()
-            point = f[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-            dash = f.index("-")
-            out.append((point, f[dash + 1], f[5].split(","), f[dash + 3].split(",") if len(f) > dash + 3 else []))
-    return out
+        return _parse_mountinfo(fh.read())[0]
+
+
+def _parse_mountinfo(text: str) -> tuple[list[MountRow], bool]:
+    """The rows of :func:`_mount_table` from ``text`` (a mountinfo file), and whether any of them
+    takes part in propagation (a shared or a slave mount)."""
+    out: list[MountRow] = []
+    propagates = False
+    for line in text.splitlines():
+        f = line.split()
+        point = f[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+        dash = f.index("-")
+        # Optional fields (between the options and the dash): "shared:N", "master:N"...
+        propagates = propagates or any(o.startswith(("shared:", "master:")) for o in f[6:dash])
+        out.append((point, f[dash + 1], f[5].split(","), f[dash + 3].split(",") if len(f) > dash + 3 else []))
+    return out, propagates
+
+
+# --- the warm interpreter's mount table, read once --------------------------------------------
+# Every box forked from the warm interpreter starts with a copy of its mount table, and reading
+# and parsing /proc/self/mountinfo in each box cost it about 1 ms of CPU.  So the warm interpreter
+# reads it before its first box and again only when its mount namespace changed (a fixture of
+# the warm interpreter's that mounted): poll(2) on an open mountinfo file reports POLLPRI once
+# after each change of its namespace (mounts_poll; what libmount and systemd watch).  The box
+# takes the table the parent held at its clone and closes its copy of the descriptor at once.
+
+#: ``[table, propagates, descriptor]``: the warm interpreter's table (:func:`_parse_mountinfo`) and
+#: its open mountinfo file (-1: none yet).
+_WARM_MOUNTS: list[Any] = [None, True, -1]
+
+
+def remember_warm_mounts() -> None:
+    """In the warm interpreter (or a zygote), just before it clones a box: make sure the table a box
+    will take (:func:`_take_warm_mounts`) is this namespace's current one."""
+    import select
+
+    fd = _WARM_MOUNTS[2]
+    if fd >= 0:
+        watch = select.poll()
+        watch.register(fd, select.POLLPRI)
+        if not watch.poll(0):
+            return  # no mount or unmount in this namespace since the table was read
+        os.close(fd)
+        _WARM_MOUNTS[2] = -1
+    fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        table, propagates = _parse_mountinfo(b"".join(chunks).decode("utf-8", "surrogateescape"))
+    except BaseException:
+        os.close(fd)
+        raise
+    _WARM_MOUNTS[:] = [table, propagates, fd]
+
+
+def _take_warm_mounts() -> tuple[list[MountRow], bool] | None:
+    """In a box just cloned: the table its parent held at the clone (``None``: none was read), and
+    whether any mount in it propagates.  The parent's descriptor is closed here: a test holds
+    nothing of the warm interpreter's."""
+    table, propagates, fd = _WARM_MOUNTS
+    _WARM_MOUNTS[:] = [None, True, -1]
+    if fd >= 0:
+        os.close(fd)
+    return None if table is None else (table, propagates)
 
 
 #: pivot_root(2)'s number (glibc has no wrapper), where this file knows it.
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203}
 _MNT_DETACH = 2
+
+
+def _pivot_root_number() -> int:
+    number = _SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise OSError(38, "pivot_root: unknown system call number on %s" % os.uname().machine)
+    return number
 
 
 def _renew_plain(libc: Any, stage: str, private: tuple[str, ...], pivot: bool = False) -> int | None:
@@ -507,51 +694,3 @@ def loopback_up() -> None:
 def _top_level(mounts: list[tuple[str, str]]) -> set[str]:
     """The top-level mount points (``/usr``, ``/tmp``...) of ``mounts`` (:func:`_mounts`)."""
     return {m for m, _ in mounts if m != "/" and m.count("/") == 1}
-
-
-def top_mounts() -> set[str]:
-    """The top-level mount points (``/usr``, ``/tmp``...) this process sees."""
-    return _top_level(_mounts())
-
-
-def fresh_root(keep: Collection[str], before_pivot: Callable[[str], object]) -> None:
-    """In a sandbox box made by guest/fresh.py's ``clone_box`` (after :func:`fresh_box`): a new, empty root.
-
-    The box's root directory is the warm box's own tmpfs (bubblewrap's), shared by every box
-    cloned from it: a top-level entry one box makes or removes (``mkdir /data``, ``rm /bin``)
-    would reach the next box and the warm box itself.  So the box moves to a new tmpfs root of
-    its own holding the same entries: the mount points in ``keep`` (those of the warm box, with
-    the fresh layers on them) bound recursively, every other entry made anew (directories empty,
-    as bubblewrap made them: ``/workspace``), then pivot_root and the old root detached.
-    ``before_pivot(new_root)`` runs just before the move, with the new root's path.
-    """
-    libc = LIBC
-    new = "/run/.boxlite-root"
-    os.mkdir(new, 0o755)
-    _mount(libc, "tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
-    for entry in sorted(os.listdir("/")):
-        path, target = "/" + entry, new + "/" + entry
-        if os.path.islink(path):
-            os.symlink(os.readlink(path), target)
-        elif path in keep:
-            if os.path.isdir(path):
-                os.mkdir(target, 0o755)
-            else:
-                open(target, "w").close()
-            # /run holds the new root itself: only its own mount (ours, so nothing is locked under it).
-            _mount(libc, path, target, None, MS_BIND | (0 if path == "/run" else MS_REC), None)
-        elif os.path.isdir(path):
-            if os.listdir(path) and path not in top_mounts():
-                raise OSError(39, "the warm box's root holds files in %s: cannot make it anew" % path)
-            os.mkdir(target, os.stat(path).st_mode & 0o7777)
-        else:
-            raise OSError(22, "unexpected entry %s in the warm box's root" % path)
-    number = _SYS_PIVOT_ROOT.get(os.uname().machine)
-    if number is None:
-        raise OSError(38, "pivot_root: unknown system call number on %s" % os.uname().machine)
-    before_pivot(new)
-    os.mkdir(new + "/.old-root", 0o700)
-    check_libc(libc.syscall(number, new.encode(), (new + "/.old-root").encode()), "pivot_root")
-    os.chdir("/")
-    check_libc(libc.umount2(b"/.old-root", _MNT_DETACH), "umount /.old-root")
-    os.rmdir("/.old-root")
