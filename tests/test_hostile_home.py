@@ -297,6 +297,31 @@ def test_a_record_naming_a_process_of_ours_does_not_get_it_killed(
 
 
 @pytest.mark.escape_row("hostile-home", runtime="namespace")
+@pytest.mark.parametrize("argument", ["--this-is-a-long-innocent-argument-0123456789", "0123456789abcdef" * 2])
+def test_a_record_whose_token_is_an_argument_of_our_process_does_not_get_it_killed(
+    tmp_path: Path, argument: str
+) -> None:
+    """The token that proves a pid a box's is the host's own secret, in the form the host writes
+    it (the agent's JSON config): a planted record that copies a long argument of any process of
+    ours as its ``token`` (command lines are public in /proc) used to get that process killed."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", argument], start_new_session=True)
+    try:
+        home = tmp_path / "bxh"
+        _plant_box(home / "namespace", "pbx-dead-1", proc.pid)
+        info_path = home / "namespace" / "pbx-dead-1.ctl" / "info.json"
+        info = json.loads(info_path.read_text())
+        info["token"] = argument
+        info_path.write_text(json.dumps(info))
+        r = _cli(home, "clean")
+        assert r.returncode == 0, r.stderr
+        assert _alive(proc), "clean killed the process whose argument a planted record named as its token"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.escape_row("hostile-home", runtime="namespace")
 def test_a_session_start_does_not_kill_what_a_planted_record_names(
     tmp_path: Path, victim: subprocess.Popen[bytes]
 ) -> None:

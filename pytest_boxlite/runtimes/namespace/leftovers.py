@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import signal
 import time
 import warnings
@@ -61,21 +62,28 @@ def _holds(pid: int, tokens: frozenset[str]) -> bool:
             cmdline = f.read(_MAX_CMDLINE)
     except OSError:
         return False
-    return any(t.encode() in cmdline for t in tokens)
+    # Only in the form the host writes it (the agent's JSON config, in its and bubblewrap's
+    # command lines): a token is no proof where it is any text of a process's arguments.
+    return any(b'"token": "%s"' % t.encode() in cmdline for t in tokens)
+
+
+#: A box's token as runtime.py makes it (secrets.token_hex(16)).  Anything else read back from a
+#: record (a long argument of some process of ours, copied into a planted info.json) proves nothing.
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def _token_of(info: dict[str, Any]) -> str | None:
+    token = info.get("token")
+    return token if isinstance(token, str) and _TOKEN.fullmatch(token) else None
 
 
 def _tokens(info: dict[str, Any], box_dir: Path | None) -> frozenset[str]:
     """The per-box secrets a box's processes carry: its own, and its zygote's for a forked box."""
-    found = set()
-    token = info.get("token")
-    if isinstance(token, str) and len(token) >= 32:
-        found.add(token)
+    found = {_token_of(info)}
     zygote = info.get("forked_from")
     if box_dir is not None and isinstance(zygote, str) and zygote and "/" not in zygote and zygote not in (".", ".."):
-        token = _read_info(box_dir.with_name(zygote)).get("token")
-        if isinstance(token, str) and len(token) >= 32:
-            found.add(token)
-    return frozenset(found)
+        found.add(_token_of(_read_info(box_dir.with_name(zygote))))
+    return frozenset(t for t in found if t is not None)
 
 
 def _proven(pid: object, start: object, tokens: frozenset[str]) -> bool:
