@@ -496,12 +496,14 @@ def test_a_signal_goes_only_to_a_proven_box_process(tmp_path: Path, victim: subp
     info = {"pid": victim.pid, "start_time": _start_time(victim.pid), "token": "f" * 32}
     leftovers.kill_box_processes(info, tmp_path / "pbx-x-1")
     assert _alive(victim)
-    # The same process started holding the token in its command line is a box's: it is signalled.
+    # The same process started holding the token in its command line, as the host writes it in
+    # a box's agent's (its JSON config), is a box's: it is signalled.
     token = "a" * 32
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", token])
+    config = json.dumps({"token": token})
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", config])
     try:
         # Its command line is empty for a moment after exec (the kernel sets it up after Popen returns).
-        assert wait_until(lambda: token.encode() in Path(f"/proc/{proc.pid}/cmdline").read_bytes(), 10)
+        assert wait_until(lambda: config.encode() in Path(f"/proc/{proc.pid}/cmdline").read_bytes(), 10)
         leftovers.kill_box_processes({"pid": proc.pid, "start_time": _start_time(proc.pid), "token": token})
         assert proc.wait(10) == -signal.SIGKILL
     finally:
