@@ -338,8 +338,9 @@ ROWS: tuple[Row, ...] = (
         "error naming the path, the fix and where the value came from; below the home nothing is followed "
         "(`openat2` `RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS`, else an `O_NOFOLLOW` walk): a link or another owner's "
         "entry is refused and reported, never removed; a recorded pid is signalled only when proven the box's "
-        "(our uid, its start time, the box's random 32-hex token in its command line, in the JSON form the host wrote it) through a pidfd; `shell` sends "
-        "nothing to a socket whose `SO_PEERCRED` is not ours; `ls` and `clean` print names escaped",
+        "(our uid, its start time, the box's random 32-hex token in its command line, in the JSON form the host "
+        "wrote it) through a pidfd; `shell` sends nothing to a socket whose `SO_PEERCRED` is not ours; `ls` and "
+        "`clean` print names escaped",
     ),
     Row(
         "image-costs",
