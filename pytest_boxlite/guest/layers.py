@@ -50,8 +50,9 @@ _XINO = [",xino=on"]
 
 
 #: ``[True]`` when a fresh box must keep a handle on its upper layers (guest/changes.py reads what
-#: the test wrote there); each is then in :data:`LAYERS` as ``(target, lower, fd)``.  The stage that
-#: holds them is hidden by the box's new /run; the box's test holds only these descriptors.
+#: the test wrote there); each is then in :data:`LAYERS` as ``(shown at, lower, fd)``.  The stage
+#: that holds them is out of the box's sight (left in the old root, which the box detached; a VM's
+#: box: under its new /run); the box's test holds only these descriptors.
 KEEP_LAYERS = [False]
 LAYERS: list[tuple[str, str, int]] = []
 
