@@ -38,8 +38,11 @@ REGISTRY = "homes.d"
 #: must see).
 STATE_ENTRIES = ("namespace", "vm", "vm-templates", "images", "image-store", "rest", "sessions", REGISTRY)
 _DEFAULT = (".cache", "pytest-boxlite")
-#: Bounds on what one registry may cost a reader (another user writes it).
-_MAX_ENTRIES = 256
+#: Bounds on what one registry may cost a reader (another user writes it).  The entry bound is
+#: high: a home past it is not hidden from boxes, and a user's own registry keeps every live home
+#: of theirs (a machine that ran a few hundred test sessions with homes of their own, each still
+#: on disk, held over 300, and the homes past 256 were seen by boxes).
+_MAX_ENTRIES = 4096
 _MAX_ENTRY_BYTES = 4096
 
 
