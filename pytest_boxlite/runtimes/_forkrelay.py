@@ -159,7 +159,7 @@ class ForkRelay:
         try:
             conn.settimeout(SEND_TIMEOUT)
             conn.connect(self._host_path)
-            if _peer(conn) != (os.getpid(), os.geteuid()):
+            if peer(conn) != (os.getpid(), os.geteuid()):
                 raise ConnectionRefusedError("the fork socket is not this process's listener")
         except OSError:
             self._drop(cid, tell_guest=True)
@@ -304,7 +304,7 @@ class _RelayListener(socket.socket):
         while True:
             conn, addr = super().accept()
             try:
-                who = _peer(conn)
+                who = peer(conn)
             except OSError:
                 who = None
             if who == (os.getpid(), os.geteuid()):
@@ -329,7 +329,7 @@ class _RelayListener(socket.socket):
             relay.close()
 
 
-def _peer(conn: socket.socket) -> tuple[int, int]:
+def peer(conn: socket.socket) -> tuple[int, int]:
     """``(pid, uid)`` of the process at the other end of the Unix socket ``conn`` (``SO_PEERCRED``)."""
     pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     return pid, uid

@@ -16,11 +16,12 @@ import queue
 import select
 import signal
 import socket
-import struct
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+from pytest_boxlite.runtimes._forkrelay import peer
 
 T = TypeVar("T")
 #: Where commands run when the client names no cwd: the box's workdir, as on namespace boxes
@@ -194,7 +195,7 @@ class VmBridge:
     def _serve(self, conn: socket.socket) -> None:
         fds: list[int] = []
         try:
-            if _peer_uid(conn) != os.geteuid():
+            if peer(conn)[1] != os.geteuid():
                 # Whoever else reached the socket (a umask that left it open, a directory made
                 # by hand) gets no byte and runs nothing in the box: closed before it is read.
                 return
@@ -363,12 +364,6 @@ class _Connection:
                 with contextlib.suppress(Exception):
                     sig = int(json.loads(line)["signal"])
                     self.bridge._call(lambda s=sig: self.execution.signal(s), 5)  # type: ignore[misc]
-
-
-def _peer_uid(conn: socket.socket) -> int:
-    """The uid of the process at the other end of the Unix socket ``conn`` (``SO_PEERCRED``)."""
-    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    return int(uid)
 
 
 def _bind(sock: socket.socket, path: Path) -> None:
