@@ -329,6 +329,17 @@ class HomeDir:
         return cls(fd, path)
 
     @classmethod
+    def open_expected(cls, path: str | os.PathLike[str], what: str) -> HomeDir:
+        """:meth:`open` of a directory below a home that the caller expects there (``what``: how
+        its refusal names it): a link or a non-directory in its place is :class:`Refused`."""
+        try:
+            return cls.open(path)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise Refused(str(path), f"a link or not a directory where {what} is expected") from None
+            raise
+
+    @classmethod
     def at(cls, home: str | os.PathLike[str], rel: str, *, create: bool = False) -> HomeDir:
         """``HomeDir.open(home).sub(rel, create=create)``, closing the home's descriptor."""
         with cls.open(home, follow=True) as top:

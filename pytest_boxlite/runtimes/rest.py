@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import hashlib
 import os
@@ -21,7 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pytest_boxlite._homefs import HomeDir, Refused, remove_tree_at
+from pytest_boxlite._homefs import HomeDir, remove_tree_at
 from pytest_boxlite._shown import shown
 from pytest_boxlite.errors import (
     BoxDeadError,
@@ -208,13 +207,7 @@ def _hold_scratch(scratch: Path) -> int:
     or removed (a ``rest`` link shipped in a project's home once removed directories elsewhere).
     """
     scratch.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    try:
-        top = HomeDir.open(scratch.parent)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise Refused(str(scratch.parent), "a link or not a directory where a directory is expected") from None
-        raise
-    with top:
+    with HomeDir.open_expected(scratch.parent, "a directory") as top:
         top.sub(scratch.name, create=True).close()
         fd = top.open_file(f"{scratch.name}/.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:

@@ -896,12 +896,7 @@ def _template_lock(store: Path, key: str, opened: HomeDir | None = None) -> Bina
     """The lock file ``<store>/<key>.lock`` that a template's build, import or removal holds,
     opened (made) through the store's descriptor: a store that is a link or not ours, or a lock
     that is a link (planted to be truncated by ``open(..., "w")``), is :class:`Refused`."""
-    try:
-        top = opened if opened is not None else HomeDir.open(store)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise Refused(str(store), "a link or not a directory where the templates' directory is expected") from None
-        raise
+    top = opened if opened is not None else HomeDir.open_expected(store, "the templates' directory")
     try:
         fd = top.open_file(f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     finally:

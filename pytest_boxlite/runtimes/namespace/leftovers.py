@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import signal
@@ -202,13 +201,9 @@ def box_dirs(state_dir: Path) -> Iterator[Path]:
     about, never followed or removed).  Raises :class:`~pytest_boxlite._homefs.Refused` if the
     state directory itself is a link or another user's."""
     try:
-        top = HomeDir.open(state_dir)
+        top = HomeDir.open_expected(state_dir, "the boxes' directory")
     except FileNotFoundError:
         return
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise Refused(str(state_dir), "a link or not a directory where the boxes' directory is expected") from None
-        raise
     with top:
         entries = top.entries()
     for entry in entries:
