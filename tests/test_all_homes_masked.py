@@ -18,14 +18,16 @@ import textwrap
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import BoxFactory
+from conftest import BoxFactory, new_box_name
 from subruns import QUIET, sub_env
 
 from pytest_boxlite import ledger
 from pytest_boxlite.runtimes import _homes
 from pytest_boxlite.runtimes.namespace import mounts
+from pytest_boxlite.sandbox import Sandbox
 
 pytestmark = [pytest.mark.escapes, pytest.mark.timeout(240)]
 
@@ -203,6 +205,57 @@ def test_a_direct_box_cannot_read_another_home(var_tmp: Path, make_namespace_box
         assert secret.read_text() == "SECRET-LOG-LINE\n"
     finally:
         lock.release()
+
+
+def test_a_home_that_ends_keeps_the_zygote_and_a_new_one_replaces_it(var_tmp: Path, runtimes: Any) -> None:
+    """A zygote serves while the homes it hides cover those on the machine now: one that ends
+    after it booted leaves it serving (its box shows an empty mask where the home was, as a box
+    booted a moment earlier would), and one that appears takes a new zygote that hides it.
+
+    Other sessions of this user may come and go meanwhile (CI runs two jobs side by side): the
+    plans every box was made under are recorded, and the zygote may change only where the plan
+    then hid a path its zygote's did not."""
+    from pytest_boxlite.runtimes.namespace import NamespaceRuntime
+    from pytest_boxlite.spec import BoxSpec
+
+    rt = runtimes.get("namespace-forked")
+    assert isinstance(rt, NamespaceRuntime)
+    plans: list[Any] = []
+    real = rt._fork_plan
+
+    def recorded(spec: BoxSpec) -> Any:
+        plans.append(real(spec))
+        return plans[-1]
+
+    rt._fork_plan = recorded  # type: ignore[method-assign]
+    spec = BoxSpec(env=(("PBX_ZYGOTE_PLAN", uuid.uuid4().hex),))
+    boxes = []
+    try:
+        ending = var_tmp / "ending"
+        lock = ledger.OwnerLock(ending, "deadbee1")
+        lock.acquire()  # registers the home, as a session does
+        boxes.append(rt.create_box(spec, new_box_name(), timeout=30))
+        assert any(str(ending) in h for h in plans[-1].hidden), plans[-1]
+        lock.release()
+        shutil.rmtree(ending)
+        boxes.append(rt.create_box(spec, new_box_name(), timeout=30))
+        if boxes[1].forked_from != boxes[0].forked_from:
+            assert not plans[-1].hidden <= plans[0].hidden, "a home that ended replaced the zygote"
+        shown = Sandbox(boxes[1]).execute_command(f"ls -A {ending} 2>/dev/null; true", timeout=20)
+        assert shown.stdout == ""
+        new = var_tmp / "new"
+        lock = ledger.OwnerLock(new, "deadbee2")
+        lock.acquire()
+        try:
+            boxes.append(rt.create_box(spec, new_box_name(), timeout=30))
+            assert boxes[2].forked_from not in (boxes[0].forked_from, boxes[1].forked_from)
+        finally:
+            lock.release()
+        assert all(b.forked_from for b in boxes), [b.forked_from for b in boxes]
+    finally:
+        del rt._fork_plan
+        for b in boxes:
+            b.destroy()
 
 
 @pytest.mark.escape_row("other-homes", runtime="host")

@@ -540,15 +540,37 @@ def _forked(rt: NamespaceRuntime, spec: BoxSpec | None = None) -> NamespaceBox:
     return h
 
 
+def _steady_plan(rt: NamespaceRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep ``rt``'s zygotes for the test: each spec's plan is the one it had at its first box.
+
+    A zygote is replaced when the masks a box booted now would get change, and they change
+    whenever another session of this user on the machine starts or ends (every box hides every
+    boxlite home; CI runs two such jobs side by side).  Tests about two boxes of one zygote fix
+    the plan so that nothing outside them can give the second box a new zygote."""
+    real = rt._fork_plan
+    seen: dict[BoxSpec, Any] = {}
+
+    def steady(spec: BoxSpec) -> Any:
+        if spec not in seen:
+            seen[spec] = real(spec)
+        return seen[spec]
+
+    monkeypatch.setattr(rt, "_fork_plan", steady)
+
+
 def _zygote(rt: NamespaceRuntime, h: NamespaceBox) -> NamespaceBox:
-    [zygote] = [z for z in rt._zygotes._boxes.values() if z.name == h.forked_from]
+    # A retired one too: another session's home that appeared since replaces the spec's zygote.
+    [zygote] = [z for z in (*rt._zygotes._boxes.values(), *rt._zygotes._retired) if z.name == h.forked_from]
     return zygote
 
 
 @pytest.mark.escape_row("sibling-boxes")
-def test_the_next_forked_box_of_a_spec_is_pristine(forked_runtime: NamespaceRuntime) -> None:
+def test_the_next_forked_box_of_a_spec_is_pristine(
+    forked_runtime: NamespaceRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What one sandbox writes (in /tmp, /workspace, /dev, $HOME, /etc, a new directory) the next one of the
     same spec, forked from the same zygote, never sees; and the zygote's own files are untouched."""
+    _steady_plan(forked_runtime, monkeypatch)
     tag = unique("pbx-pristine")
     first = _forked(forked_runtime)
     try:
@@ -782,6 +804,7 @@ def test_a_zygote_that_resets_the_conversation_is_a_refused_fork(
             conn.close()
 
     threading.Thread(target=reset_all, daemon=True).start()
+    _steady_plan(rt, monkeypatch)  # else a new zygote (another session's home came or went) forks it
     try:
         rt.allow_forked_boxes(True)
         first = rt.create_box(BoxSpec(), "pbx-reset-1", timeout=30)

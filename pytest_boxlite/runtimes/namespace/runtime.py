@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import selectors
 import socket
@@ -45,6 +46,7 @@ from pytest_boxlite.runtimes.namespace.mounts import (
     _mirror_args,
     _mirrored,
     _own_dirs,
+    _secrets,
     mount_plan,
 )
 from pytest_boxlite.runtimes.namespace.privileges import (
@@ -59,7 +61,7 @@ from pytest_boxlite.runtimes.namespace.privileges import (
     userns_problem,
 )
 from pytest_boxlite.runtimes.namespace.provision import ensure_template
-from pytest_boxlite.runtimes.namespace.zygote import ForkRefused, Zygotes, fork_from
+from pytest_boxlite.runtimes.namespace.zygote import ForkPlan, ForkRefused, Zygotes, fork_from
 from pytest_boxlite.spec import BoxSpec, minimal_dirs
 
 AGENT = guest.path("agent")
@@ -72,6 +74,39 @@ HELPER = guest.path("files")
 
 
 _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+#: How many times a boot is tried again when a path it hides went away under it (see _MaskGone).
+_MASK_RETRIES = 3
+#: bubblewrap's words when it cannot make a mount point: the path is the one it was making.
+_BWRAP_NO_MOUNT_POINT = re.compile(r"bwrap: Can't (?:mkdir|create file at) (/[^\n]*?): ")
+
+
+class _MaskGone(BoxStartError):
+    """bubblewrap could not lay a mask over a host path that was removed after the box's plan was
+    made (another session's home ended; a credential file was deleted): nothing is left to hide
+    there, so the boot is tried again with a plan made now."""
+
+
+def _mask_targets(argv: list[str]) -> set[str]:
+    """The paths ``argv`` hides under an empty mount: ``--tmpfs P`` and ``--ro-bind /dev/null P``."""
+    out: set[str] = set()
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--tmpfs":
+            out.add(argv[i + 1])
+        elif arg == "--ro-bind" and argv[i + 1] == "/dev/null" and i + 2 < len(argv):
+            out.add(argv[i + 2])
+    return out
+
+
+def _vanished_mask(log_tail: str, targets: set[str]) -> str | None:
+    """The mask target bubblewrap failed on because it no longer exists on the host, if that is
+    what ended the boot (a path checked here, never one the box names: the log is bubblewrap's)."""
+    for m in _BWRAP_NO_MOUNT_POINT.finditer(log_tail):
+        path = m.group(1)
+        if path in targets and not os.path.lexists(path):
+            return path
+    return None
 
 
 def _guest_path_env() -> str:
@@ -167,34 +202,45 @@ class NamespaceRuntime(RuntimeDefaults):
             argv.append("--unshare-net")
         return argv
 
+    def _mask_tops(self, spec: BoxSpec) -> tuple[list[str], list[str] | None]:
+        """``(tops, shown)``: the box's copy-on-write directories (a secret below one is hidden by a
+        layer) and, for a box of an image, the host paths it shows (only masks below them count)."""
+        if spec.root is not None:
+            dirs, files = _image_mounts(spec)
+            _, overlays = _image.host_mount_args(spec.root, dirs, files, {}, None, None)
+            return list(overlays), [*dirs, *files]
+        mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
+        return [e[-1] for e in mount_plan(self.bwrap)[0] if e[0] == "overlay"] + _mirrored(mirror_from), None
+
     def _masks(self, spec: BoxSpec) -> tuple[dict[str, str], list[str]]:
         """The mask layers and mounts hiding credentials (those on the host now) in a box of ``spec``.
 
         A box of an image sees only the host directories it mounts: the masks of those alone."""
-        if spec.root is not None:
-            dirs, files = _image_mounts(spec)
-            _, overlays = _image.host_mount_args(spec.root, dirs, files, {}, None, None)
-            layers, mounts = _mask_plan(self.home, overlays)
-            shown = [*dirs, *files]
-            kept: list[str] = []
-            i = 0
-            while i < len(mounts):
-                width = 2 if mounts[i] == "--tmpfs" else 3
-                target = mounts[i + width - 1]
-                if any(target == d or target.startswith(d.rstrip("/") + "/") for d in shown):
-                    kept += mounts[i : i + width]
-                i += width
-            return layers, kept
-        mirror_from = minimal_dirs([*spec.mounts, *_own_dirs()])
-        tops = [e[-1] for e in mount_plan(self.bwrap)[0] if e[0] == "overlay"] + _mirrored(mirror_from)
-        return _mask_plan(self.home, tops)
+        tops, shown = self._mask_tops(spec)
+        layers, mounts = _mask_plan(self.home, tops)
+        if shown is None:
+            return layers, mounts
+        kept: list[str] = []
+        i = 0
+        while i < len(mounts):
+            width = 2 if mounts[i] == "--tmpfs" else 3
+            target = mounts[i + width - 1]
+            if any(target == d or target.startswith(d.rstrip("/") + "/") for d in shown):
+                kept += mounts[i : i + width]
+            i += width
+        return layers, kept
 
-    def _fork_plan(self, spec: BoxSpec) -> tuple[object, ...]:
+    def _fork_plan(self, spec: BoxSpec) -> ForkPlan:
         """What a zygote of ``spec`` must have been booted with for a box forked from it to be what a
-        box booted now would be: the masks over the credentials the host has *now* (a ~/.netrc
-        made after the zygote booted must be hidden all the same: then a new zygote is booted)."""
-        masks, mounts = self._masks(spec)
-        return (tuple(sorted(masks.items())), tuple(mounts))
+        box booted now would be: the same layout, hiding at least the credentials and homes the host
+        has *now* (a ~/.netrc made after the zygote booted must be hidden all the same: then a new
+        zygote is booted; one removed since leaves the zygote hiding a path that is gone)."""
+        tops, shown = self._mask_tops(spec)
+        dirs, files = _secrets(self.home, tops)
+        return ForkPlan(
+            layout=(tuple(tops), tuple(shown or ())),
+            hidden=frozenset([*(f"d:{d}" for d in dirs), *(f"f:{f}" for f in files)]),
+        )
 
     def _base_env(self, spec: BoxSpec, name: str) -> dict[str, str]:
         # No HOME: the agent gives each command its user's writable home (guest/agent.py home_for).
@@ -257,7 +303,22 @@ class NamespaceRuntime(RuntimeDefaults):
         start: _Starter,
         timeout: float,
     ) -> NamespaceBox:
-        """The box's directories and cgroups, then ``start`` (a boot or a fork) in them."""
+        """The box's directories and cgroups, then ``start`` (a boot or a fork) in them.
+
+        A boot that failed only because a path it hides was removed meanwhile (another session
+        ending on this machine removes its home, which every box hides) is tried again, with a
+        plan made then, a few times within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        for attempt in range(1, _MASK_RETRIES + 1):
+            try:
+                return self._make_once(spec, name, start, max(0.0, deadline - time.monotonic()))
+            except _MaskGone as exc:
+                if attempt == _MASK_RETRIES or time.monotonic() >= deadline:
+                    raise BoxStartError(f"{exc} (tried {attempt} times)") from exc
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _make_once(self, spec: BoxSpec, name: str, start: _Starter, timeout: float) -> NamespaceBox:
         box_dir = self.state_dir / name
         # Before the box's directory: a user= nobody is makes no box (none to count as leaked).
         identity = box_identity(spec)
@@ -409,11 +470,18 @@ class NamespaceRuntime(RuntimeDefaults):
                 os.close(block_w)
         proc.stdout.close()
         if not ready:
+            try:
+                # Ended already (its output closed) or still running after the deadline.
+                ended: int | None = proc.wait(0.5)
+            except subprocess.TimeoutExpired:
+                ended = None
             tail = box.log_tail()
             box.destroy()
-            raise BoxStartError(
-                f"namespace box {name} did not start within {timeout:.0f}s: {tail.strip() or 'no output'}"
-            )
+            gone = _vanished_mask(tail, _mask_targets(bwrap)) if ended is not None else None
+            if gone is not None:
+                raise _MaskGone(f"namespace box {name}: {gone}, a path it hides, was removed while it started")
+            how = f"bubblewrap exited with status {ended}" if ended is not None else f"within {timeout:.0f}s"
+            raise BoxStartError(f"namespace box {name} did not start ({how}): {tail.strip() or 'no output'}")
         return box
 
     @staticmethod

@@ -34,6 +34,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,22 @@ from pytest_boxlite.spec import BoxSpec
 #: them to the same owner (and reaps them with its boxes) while no box name can collide with one.
 _SEQ_NAME = re.compile(r"^(?P<head>.+-)\d+$")
 _UCRED = struct.Struct("iii")
+
+
+@dataclass(frozen=True)
+class ForkPlan:
+    """What a box of a spec booted now would be made of beyond its spec: its layout (the
+    directories it shows and overlays) and the host paths it hides (credentials, boxlite homes)."""
+
+    layout: Hashable
+    hidden: frozenset[str]
+
+    def serves(self, now: ForkPlan) -> bool:
+        """Whether a zygote booted under this plan may fork a box that should be made under
+        ``now``: the same layout, hiding every path ``now`` hides.  A path hidden then and gone
+        now (another session's home, removed) still shows as an empty mask in the box, as it
+        would in a box booted a moment earlier; a new one takes a new zygote."""
+        return self.layout == now.layout and now.hidden <= self.hidden
 
 
 class ForkRefused(BoxStartError):
@@ -78,7 +95,7 @@ class Zygotes:
         self._lock = threading.Lock()
         self._boxes: dict[BoxSpec, NamespaceBox] = {}
         self._refused: dict[BoxSpec, str] = {}
-        self._plans: dict[str, Hashable] = {}
+        self._plans: dict[str, ForkPlan] = {}
         self._retired: list[NamespaceBox] = []
         self._seq = itertools.count(1)
         self._stopped = False
@@ -87,11 +104,11 @@ class Zygotes:
         #: Why boxes of some spec are booted although forking is allowed (the last refusal).
         self.fallback: str | None = None
 
-    def get(self, spec: BoxSpec, name: str, timeout: float, plan: Callable[[BoxSpec], Hashable]) -> NamespaceBox | None:
+    def get(self, spec: BoxSpec, name: str, timeout: float, plan: Callable[[BoxSpec], ForkPlan]) -> NamespaceBox | None:
         """The live zygote of ``spec`` (booted now if there is none), or ``None``: boot the box.
 
         ``plan(spec)`` says what a box booted now would be made of beyond its spec (the masks
-        over the host's credentials): a zygote booted under another plan is replaced.
+        over the host's credentials): a zygote whose plan does not serve it is replaced.
         """
         if not self.allowed:
             return None
@@ -100,7 +117,8 @@ class Zygotes:
             if self._stopped or spec in self._refused:
                 return None
             zygote = self._boxes.get(spec)
-            if zygote is not None and zygote.running() and self._plans.get(zygote.name) == now:
+            then = self._plans.get(zygote.name) if zygote is not None else None
+            if zygote is not None and zygote.running() and then is not None and then.serves(now):
                 return zygote
             if zygote is not None:
                 # Dead (killed from outside: its boxes went with it), or booted under another plan:
