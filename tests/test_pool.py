@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from subruns import wait_until
@@ -387,6 +388,17 @@ def test_a_forking_runtime_refills_the_pool_with_pristine_forked_boxes(rt: Names
     one zygote; each lease is pristine, concurrent leases stay under the cap, and once the pool and
     the zygote are stopped nothing is left."""
     rt.allow_forked_boxes(True)
+    # A new zygote comes only with a plan that hides a path no zygote hid before (another session's
+    # home, started meanwhile: CI runs jobs side by side): counted, so that one is no failure here.
+    hidden: list[frozenset[str]] = []
+    real_plan = rt._fork_plan
+
+    def recorded(spec: BoxSpec) -> Any:
+        plan = real_plan(spec)
+        hidden.append(plan.hidden)
+        return plan
+
+    rt._fork_plan = recorded  # type: ignore[method-assign]
     pool = BoxPool(rt, namer=make_namer(uuid.uuid4().hex[:8]), max_boxes=3, boot_timeout=30, lease_timeout=60)
     zygotes: set[str | None] = set()
     seen_boxes: set[str] = set()
@@ -419,9 +431,11 @@ def test_a_forking_runtime_refills_the_pool_with_pristine_forked_boxes(rt: Names
             assert pool.live <= 3
         assert errors_seen == []
         assert len(seen_boxes) == 24, "a box served two leases"
-        assert len(zygotes) == 1 and None not in zygotes, zygotes
+        grew = sum(1 for i in range(1, len(hidden)) if not hidden[i] <= frozenset().union(*hidden[:i]))
+        assert 1 <= len(zygotes) <= 1 + grew and None not in zygotes, (zygotes, grew)
         assert pool.stats.boot_failures == 0
     finally:
+        del rt._fork_plan
         pool.shutdown()
         rt.stop_forking()
     assert rt.list_boxes() == []
