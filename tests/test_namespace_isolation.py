@@ -543,10 +543,10 @@ def _forked(rt: NamespaceRuntime, spec: BoxSpec | None = None) -> NamespaceBox:
 def _steady_plan(rt: NamespaceRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep ``rt``'s zygotes for the test: each spec's plan is the one it had at its first box.
 
-    A zygote is replaced when the masks a box booted now would get change, and they change
-    whenever another session of this user on the machine starts or ends (every box hides every
-    boxlite home; CI runs two such jobs side by side).  Tests about two boxes of one zygote fix
-    the plan so that nothing outside them can give the second box a new zygote."""
+    A zygote is replaced when a box booted now would hide a path it does not, as it would once
+    another session of this user on the machine starts with a home of its own (every box hides
+    every boxlite home; CI runs two such jobs side by side).  Tests about two boxes of one zygote
+    fix the plan so that nothing outside them can give the second box a new zygote."""
     real = rt._fork_plan
     seen: dict[BoxSpec, Any] = {}
 
@@ -804,7 +804,7 @@ def test_a_zygote_that_resets_the_conversation_is_a_refused_fork(
             conn.close()
 
     threading.Thread(target=reset_all, daemon=True).start()
-    _steady_plan(rt, monkeypatch)  # else a new zygote (another session's home came or went) forks it
+    _steady_plan(rt, monkeypatch)  # else a new zygote (another session's new home) forks it
     try:
         rt.allow_forked_boxes(True)
         first = rt.create_box(BoxSpec(), "pbx-reset-1", timeout=30)
