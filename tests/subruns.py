@@ -15,8 +15,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pytest
+
+    from pytest_boxlite.runtimes.namespace import NamespaceRuntime
+    from pytest_boxlite.runtimes.namespace.zygote import ForkPlan
+    from pytest_boxlite.spec import BoxSpec
 
 #: Plugins installed here that sub-runs do not need and that slow every pytest start.
 QUIET = ("-p", "no:hypothesispytest", "-p", "no:benchmark", "-p", "no:cacheprovider")
@@ -351,3 +359,29 @@ def _spied(self, spec, name, *args, **kwargs):
 
 runtime.NamespaceRuntime._make = _spied
 """
+
+
+def record_fork_plans(rt: NamespaceRuntime, monkeypatch: pytest.MonkeyPatch) -> list[ForkPlan]:
+    """Every fork plan the namespace runtime ``rt`` makes from now on, in order; ``monkeypatch``
+    puts its own method back at the test's end."""
+    plans: list[ForkPlan] = []
+    real = rt._fork_plan
+
+    def recorded(spec: BoxSpec) -> ForkPlan:
+        plans.append(real(spec))
+        return plans[-1]
+
+    monkeypatch.setattr(rt, "_fork_plan", recorded)
+    return plans
+
+
+def plans_grew(hidden: Sequence[Set[str]]) -> int:
+    """How many of ``hidden`` (the paths each fork plan hid, in order) hid a path that no plan
+    before them hid: each may take a new zygote (another session's home appeared meanwhile; CI
+    runs jobs side by side), where a plan with nothing new keeps the one there is."""
+    seen: set[str] = set()
+    grew = 0
+    for i, paths in enumerate(hidden):
+        grew += i > 0 and not paths <= seen
+        seen |= paths
+    return grew

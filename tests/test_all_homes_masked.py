@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from conftest import BoxFactory, new_box_name
-from subruns import QUIET, sub_env
+from subruns import QUIET, record_fork_plans, sub_env
 
 from pytest_boxlite import ledger
 from pytest_boxlite.runtimes import _homes
@@ -207,7 +207,9 @@ def test_a_direct_box_cannot_read_another_home(var_tmp: Path, make_namespace_box
         lock.release()
 
 
-def test_a_home_that_ends_keeps_the_zygote_and_a_new_one_replaces_it(var_tmp: Path, runtimes: Any) -> None:
+def test_a_home_that_ends_keeps_the_zygote_and_a_new_one_replaces_it(
+    var_tmp: Path, runtimes: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A zygote serves while the homes it hides cover those on the machine now: one that ends
     after it booted leaves it serving (its box shows an empty mask where the home was, as a box
     booted a moment earlier would), and one that appears takes a new zygote that hides it.
@@ -220,14 +222,7 @@ def test_a_home_that_ends_keeps_the_zygote_and_a_new_one_replaces_it(var_tmp: Pa
 
     rt = runtimes.get("namespace-forked")
     assert isinstance(rt, NamespaceRuntime)
-    plans: list[Any] = []
-    real = rt._fork_plan
-
-    def recorded(spec: BoxSpec) -> Any:
-        plans.append(real(spec))
-        return plans[-1]
-
-    rt._fork_plan = recorded  # type: ignore[method-assign]
+    plans = record_fork_plans(rt, monkeypatch)
     spec = BoxSpec(env=(("PBX_ZYGOTE_PLAN", uuid.uuid4().hex),))
     boxes = []
     try:
@@ -253,7 +248,6 @@ def test_a_home_that_ends_keeps_the_zygote_and_a_new_one_replaces_it(var_tmp: Pa
             lock.release()
         assert all(b.forked_from for b in boxes), [b.forked_from for b in boxes]
     finally:
-        del rt._fork_plan
         for b in boxes:
             b.destroy()
 

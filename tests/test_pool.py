@@ -12,10 +12,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from subruns import wait_until
+from subruns import plans_grew, record_fork_plans, wait_until
 
 from pytest_boxlite import errors
 from pytest_boxlite.pool import BoxPool, make_namer
@@ -383,22 +382,16 @@ def test_warm_lease_is_faster_than_cold(make_pool: PoolFactory) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_a_forking_runtime_refills_the_pool_with_pristine_forked_boxes(rt: NamespaceRuntime) -> None:
+def test_a_forking_runtime_refills_the_pool_with_pristine_forked_boxes(
+    rt: NamespaceRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With forking on (as a session has it), every box the pool boots after the first is forked from
     one zygote; each lease is pristine, concurrent leases stay under the cap, and once the pool and
     the zygote are stopped nothing is left."""
     rt.allow_forked_boxes(True)
     # A new zygote comes only with a plan that hides a path no zygote hid before (another session's
     # home, started meanwhile: CI runs jobs side by side): counted, so that one is no failure here.
-    hidden: list[frozenset[str]] = []
-    real_plan = rt._fork_plan
-
-    def recorded(spec: BoxSpec) -> Any:
-        plan = real_plan(spec)
-        hidden.append(plan.hidden)
-        return plan
-
-    rt._fork_plan = recorded  # type: ignore[method-assign]
+    plans = record_fork_plans(rt, monkeypatch)
     pool = BoxPool(rt, namer=make_namer(uuid.uuid4().hex[:8]), max_boxes=3, boot_timeout=30, lease_timeout=60)
     zygotes: set[str | None] = set()
     seen_boxes: set[str] = set()
@@ -431,11 +424,10 @@ def test_a_forking_runtime_refills_the_pool_with_pristine_forked_boxes(rt: Names
             assert pool.live <= 3
         assert errors_seen == []
         assert len(seen_boxes) == 24, "a box served two leases"
-        grew = sum(1 for i in range(1, len(hidden)) if not hidden[i] <= frozenset().union(*hidden[:i]))
+        grew = plans_grew([p.hidden for p in plans])
         assert 1 <= len(zygotes) <= 1 + grew and None not in zygotes, (zygotes, grew)
         assert pool.stats.boot_failures == 0
     finally:
-        del rt._fork_plan
         pool.shutdown()
         rt.stop_forking()
     assert rt.list_boxes() == []

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from subruns import HOLDER, QUIET, process_gone, sub_env, wait_until
+from subruns import HOLDER, QUIET, plans_grew, process_gone, sub_env, wait_until
 
 from pytest_boxlite import ledger
 from pytest_boxlite.runtimes import choose, probe
@@ -509,16 +509,10 @@ NamespaceRuntime._fork_plan = _recorded
 
 
 def _plans_grew(record: Path) -> int:
-    """How many of the sub-run's fork plans hid a path no plan before them hid: each may take a
-    new zygote (another session's home appeared meanwhile: CI runs jobs side by side)."""
-    seen: set[str] = set()
-    grew = 0
+    """:func:`subruns.plans_grew` of the fork plans the sub-run recorded (``-p pbx_plans``)."""
     path = Path(str(record) + ".plans")
-    for i, line in enumerate(path.read_text().splitlines() if path.exists() else []):
-        hidden = set(json.loads(line))
-        grew += i > 0 and not hidden <= seen
-        seen |= hidden
-    return grew
+    lines = path.read_text().splitlines() if path.exists() else []
+    return plans_grew([set(json.loads(line)) for line in lines])
 
 
 def _leaked(output: str) -> str:
