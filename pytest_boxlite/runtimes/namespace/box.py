@@ -10,7 +10,6 @@ import os
 import selectors
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from pytest_boxlite.errors import (
 )
 from pytest_boxlite.runtimes import _cgroups
 from pytest_boxlite.runtimes._forkcell import ForkCell
+from pytest_boxlite.runtimes._forkrelay import peer
 from pytest_boxlite.runtimes.base import DEFAULT_MAX_OUTPUT, BoxDefaults, HelperSink, RawResult
 from pytest_boxlite.runtimes.namespace.fork import CELL_SOCKET, CellDealer, fork_listener
 from pytest_boxlite.runtimes.namespace.layout import _MAX_INFO, WORKDIR, ctl_dir, keep_marker
@@ -71,8 +71,7 @@ def check_peer(sock: socket.socket, box_dir: Path, listener_pid: int | None = No
     """Refuse (:class:`PeerRefused`) a connected Unix socket whose peer is not this user's, or
     not the process that listened on it for the box where that is known (``SO_PEERCRED``: the
     credentials the kernel recorded at ``listen()``, which the peer cannot forge)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _ = struct.unpack("3i", creds)
+    pid, uid = peer(sock)
     name = shown(box_dir.name, line=True)
     if uid != os.geteuid():
         raise PeerRefused(
