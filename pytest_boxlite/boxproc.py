@@ -38,7 +38,6 @@ from pathlib import Path
 from pytest_boxlite import ledger
 from pytest_boxlite.errors import BoxliteError
 from pytest_boxlite.runtimes import LOCAL_KINDS, open_runtime
-from pytest_boxlite.runtimes._forkrelay import peer
 from pytest_boxlite.runtimes.base import BoxHandle, Runtime
 from pytest_boxlite.spec import DEFAULT_ENV_DENY, BoxSpec, worker_env
 
@@ -331,7 +330,11 @@ def _serve_client(conn: socket.socket, box: BoxHandle | None, error: str | None,
 
 
 def _same_user(conn: socket.socket) -> bool:
-    return peer(conn)[1] == os.getuid()
+    import struct
+
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return bool(uid == os.getuid())
 
 
 if __name__ == "__main__":

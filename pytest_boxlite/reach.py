@@ -20,7 +20,6 @@ from typing import Any
 
 from pytest_boxlite.errors import BoxliteError, ConfigError
 from pytest_boxlite.publish import _splice
-from pytest_boxlite.runtimes._forkrelay import peer
 
 __all__ = [
     "MAX_CONNECTIONS",
@@ -320,7 +319,8 @@ def peer_pidfd(conn: socket.socket) -> int:
         raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD, 4)
         return int(struct.unpack("i", raw)[0])
     except OSError:
-        return os.pidfd_open(peer(conn)[0])
+        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        return os.pidfd_open(pid)
 
 
 def test_process_pidfd(peer_pidfd: int) -> int:
